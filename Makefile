@@ -1,0 +1,39 @@
+# `make reproduce` and `make test` create the virtual environment when needed (torch pinned first, so
+# pip takes the CPU wheel instead of a multi-GB CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-slow reproduce lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,megatron,capture]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# pytest exits 5 when no test ran: that must fail, never pass.
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+reproduce: venv
+	$(PY) -m experiments.reproduce
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: venv
+	$(PY) -m mypy relibra baselines experiments analysis
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Tables and figures from a results directory, beside the paper's numbers."""

@@ -1,0 +1,1 @@
+"""Load-balancing baselines the paper compares against: one short pure module each."""

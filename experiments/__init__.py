@@ -1,0 +1,1 @@
+"""The Hydra experiment app, its config groups and the results store."""

@@ -1,0 +1,102 @@
+"""Cluster and model shapes: the constants the cost model reads (values live in experiments/conf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``."""
+
+    name: str
+    bf16_flops: float
+    """Dense bf16 peak, FLOP/s."""
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    """NVLink bandwidth per GPU per direction, bytes/s."""
+    nic_bytes_per_s: float
+    """Rail NIC bandwidth per GPU per direction, bytes/s (one NIC per GPU on its rail)."""
+    gemm_efficiency: float = 0.7
+    """Fraction of peak a large grouped GEMM reaches."""
+    gemm_half_tokens: float = 128.0
+    """Tokens per expert at which a grouped GEMM reaches half of ``gemm_efficiency`` (small-count loss)."""
+    attention_efficiency: float = 0.5
+    """Fraction of peak reached by attention and dense projections."""
+    alltoall_latency_s: float = 10e-6
+    """Fixed latency of one all-to-all phase."""
+    nvlink_efficiency: float = 0.8
+    nic_efficiency: float = 0.8
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The EP group: ``G = nodes * gpus_per_node`` GPUs on a rail-optimized fabric."""
+
+    nodes: int
+    gpus_per_node: int
+    hardware: HardwareSpec
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(
+                f"cluster.nodes={self.nodes} and cluster.gpus_per_node={self.gpus_per_node} must both be >= 1"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, gpu: np.ndarray | int) -> np.ndarray | int:
+        """Node of GPU ``g`` (``g // gpus_per_node``)."""
+        return np.asarray(gpu) // self.gpus_per_node if isinstance(gpu, np.ndarray) else gpu // self.gpus_per_node
+
+    def rail_of(self, gpu: np.ndarray | int) -> np.ndarray | int:
+        """Rail of GPU ``g`` (``g % gpus_per_node``)."""
+        return np.asarray(gpu) % self.gpus_per_node if isinstance(gpu, np.ndarray) else gpu % self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """MoE model shape (DESIGN.md, "Models")."""
+
+    name: str
+    num_layers: int
+    """Transformer layers in total."""
+    num_moe_layers: int
+    hidden: int
+    moe_ffn: int
+    """Expert FFN width."""
+    num_experts: int
+    top_k: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    shared_experts: int = 0
+    shared_ffn: int = 0
+    dense_ffn: int = 0
+    """FFN width of the dense (non-MoE) layers, if any."""
+    vocab: int = 151936
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert: gate, up and down projections (``3 * hidden * moe_ffn``)."""
+        return 3 * self.hidden * self.moe_ffn
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention projections (q, k, v, o)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden
+
+    def check_ep(self, cluster: ClusterSpec) -> None:
+        """Refuse an EP group that cannot hold this model's experts evenly."""
+        g = cluster.num_gpus
+        if self.num_experts % g != 0:
+            raise ValueError(
+                f"model.num_experts={self.num_experts} is not divisible by the EP size "
+                f"cluster.nodes * cluster.gpus_per_node = {cluster.nodes} * {cluster.gpus_per_node} = {g}"
+            )

@@ -1,0 +1,241 @@
+"""The analytical cost model of the simulated executor (DESIGN.md, "Cost model").
+
+Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
+
+* Compute: every GPU runs one grouped GEMM over the experts it computes. An expert with ``n`` tokens costs
+  ``max(flops(n) / (peak * eff(n)), bytes_read / hbm)`` with ``eff(n) = gemm_efficiency * n / (n + n_half)``
+  (small per-expert token counts are inefficient), forward plus backward (backward = 2x forward FLOPs).
+* Communication: dispatch (source ``j`` -> computing GPU ``g``) and combine (``g`` -> ``j``), forward and
+  backward, on a rail-optimized fabric. Each source splits its tokens for expert ``e`` over ``e``'s copies in
+  proportion to ``assign[e, :]`` (the proportional split rule). Same GPU: free. Same node: NVLink.
+  Other node, same rail: the rail NIC (RDMA). Other node, other rail: an NVLink hop to the source node's GPU
+  on the destination rail, then RDMA. ``T_comm(g)`` is the busiest link class (send or receive) of ``g``.
+
+All functions broadcast over leading axes, so one call covers a whole batch ``[Mb, L, ...]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relibra.cluster import ClusterSpec, ModelSpec
+
+BF16_BYTES = 2
+FWD_BWD_FLOP_FACTOR = 3.0
+"""Forward (1x) plus backward (2x: input and weight gradients)."""
+WEIGHT_READS_FWD_BWD = 3.0
+"""Weights are read once per pass: forward, input-gradient and weight-gradient GEMMs."""
+
+
+@dataclass(frozen=True)
+class LinearCosts:
+    """Linearised coefficients for planners that build LP / MILP / annealing objectives."""
+
+    compute_s_per_token: float
+    """Marginal compute seconds per token of one expert (large-count regime, fwd + bwd)."""
+    compute_s_per_expert: float
+    """Fixed compute seconds per expert a GPU computes (the small-count loss, fwd + bwd)."""
+    nvlink_s_per_token: float
+    """Seconds per token crossing one NVLink direction, summed over the 4 all-to-all phases."""
+    rdma_s_per_token: float
+    """Seconds per token crossing one rail NIC direction, summed over the 4 all-to-all phases."""
+
+
+@dataclass(frozen=True)
+class MoEBreakdown:
+    """Named cost terms of the MoE part of one or many (micro-batch, layer) problems. Leading axes ``[...]``."""
+
+    t_compute_gpu: np.ndarray
+    """float64 [..., G]: grouped-GEMM seconds of each GPU (fwd + bwd)."""
+    t_comm_gpu: np.ndarray
+    """float64 [..., G]: all-to-all seconds of each GPU (busiest link class, 4 phases)."""
+
+    @property
+    def t_compute(self) -> np.ndarray:
+        """float64 [...]: ``max_g T_comp(g)``."""
+        return self.t_compute_gpu.max(axis=-1)
+
+    @property
+    def t_comm(self) -> np.ndarray:
+        """float64 [...]: ``max_g T_comm(g)``."""
+        return self.t_comm_gpu.max(axis=-1)
+
+    @property
+    def t_moe(self) -> np.ndarray:
+        """float64 [...]: ``T_MoE = max_g T_comp + max_g T_comm``."""
+        return self.t_compute + self.t_comm
+
+
+class CostModel:
+    """Analytical (roofline) cost model; a calibration table may replace the expert GEMM curve."""
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        calibration: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM."""
+        self.cluster = cluster
+        self.model = model
+        self.calibration = calibration
+        hw = cluster.hardware
+        self._w = float(model.expert_params)
+        self._peak = hw.bf16_flops * hw.gemm_efficiency
+        self._token_bytes = float(model.hidden * BF16_BYTES)
+        self._nvlink = hw.nvlink_bytes_per_s * hw.nvlink_efficiency
+        self._nic = hw.nic_bytes_per_s * hw.nic_efficiency
+        gpn = cluster.gpus_per_node
+        g = np.arange(cluster.num_gpus)
+        self._same_node = (g[:, None] // gpn) == (g[None, :] // gpn)
+        self._same_gpu = g[:, None] == g[None, :]
+
+    # ------------------------------------------------------------------ compute
+    def expert_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of one expert's fwd+bwd GEMMs for ``tokens`` tokens (same shape; 0 tokens -> 0 s)."""
+        n = np.asarray(tokens, dtype=np.float64)
+        if self.calibration is not None:
+            xs, ys = self.calibration
+            t = np.interp(n, xs, ys, left=ys[0], right=np.nan)
+            over = n > xs[-1]
+            if np.any(over):  # NOTE: beyond the table, extrapolate with its last slope.
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+                t = np.where(over, ys[-1] + slope * (n - xs[-1]), t)
+        else:
+            hw = self.cluster.hardware
+            flops = 2.0 * self._w * n * FWD_BWD_FLOP_FACTOR
+            t_flops = flops * (n + hw.gemm_half_tokens) / np.maximum(n, 1e-30) / self._peak
+            t_mem = WEIGHT_READS_FWD_BWD * self._w * BF16_BYTES / hw.hbm_bytes_per_s
+            t = np.maximum(t_flops, t_mem)
+        return np.where(n > 0, t, 0.0)
+
+    def gpu_compute_time(self, assign: np.ndarray) -> np.ndarray:
+        """``assign`` [..., E, G] tokens of expert e computed on GPU g -> seconds [..., G]."""
+        return self.expert_time(assign).sum(axis=-2)
+
+    # ------------------------------------------------------------ communication
+    def traffic(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
+        """Tokens sent from source ``j`` to computing GPU ``g`` under the proportional split rule.
+
+        load [..., G, E] (``x[j, e]``), assign [..., E, G] -> traffic float64 [..., G(j), G(g)].
+        """
+        a = np.asarray(assign, dtype=np.float64)
+        tot = a.sum(axis=-1, keepdims=True)
+        share = np.divide(a, tot, out=np.zeros_like(a), where=tot > 0)
+        return np.asarray(load, dtype=np.float64) @ share
+
+    def link_bytes(self, traffic_bytes: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-GPU bytes on each link class for a one-way exchange ``traffic_bytes`` [..., G(j), G(g)].
+
+        Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G].
+        """
+        n, r = self.cluster.nodes, self.cluster.gpus_per_node
+        t = np.asarray(traffic_bytes, dtype=np.float64)
+        lead = t.shape[:-2]
+        t5 = t.reshape(*lead, n, r, n, r)  # [..., n_src, r_src, n_dst, r_dst]
+        same_node = np.eye(n, dtype=bool)[:, None, :, None]
+        same_rail = np.eye(r, dtype=bool)[None, :, None, :]
+        intra = np.where(same_node & ~same_rail, t5, 0.0)
+        inter = np.where(~same_node, t5, 0.0)
+        cross = np.where(~same_node & ~same_rail, t5, 0.0)
+        # NVLink: intra-node traffic, plus the first hop of cross-rail traffic (source -> proxy on its node
+        # with the destination's rail).
+        nvl_send = intra.sum(axis=(-2, -1)) + cross.sum(axis=(-2, -1))
+        # proxy (n_src, r_dst) receives cross traffic from its node peers: sum over r_src and n_dst.
+        proxy = cross.sum(axis=(-3, -2))  # [..., n_src, r_dst]
+        nvl_recv = intra.sum(axis=(-4, -3)) + proxy
+        # NIC: every inter-node byte leaves from the proxy (n_src, r_dst) and lands on (n_dst, r_dst).
+        nic_send = inter.sum(axis=(-3, -2))  # [..., n_src, r_dst]
+        nic_recv = inter.sum(axis=(-4, -3))  # [..., n_dst, r_dst]
+        g = n * r
+        return {
+            "nvlink_send": nvl_send.reshape(*lead, g),
+            "nvlink_recv": nvl_recv.reshape(*lead, g),
+            "nic_send": nic_send.reshape(*lead, g),
+            "nic_recv": nic_recv.reshape(*lead, g),
+        }
+
+    def comm_time(self, traffic_tokens: np.ndarray) -> np.ndarray:
+        """Per-GPU all-to-all seconds [..., G] for token traffic [..., G(j), G(g)], 4 phases.
+
+        Dispatch and combine, forward and backward; each phase moves ``hidden`` bf16 values per token. The
+        dispatch phases use ``traffic``, the combine phases its transpose; a phase's time on a GPU is its
+        busiest link direction, and every phase pays the all-to-all latency.
+        """
+        tb = np.asarray(traffic_tokens, dtype=np.float64) * self._token_bytes
+        total = np.zeros(tb.shape[:-1])
+        for direction in (tb, np.swapaxes(tb, -1, -2)):
+            lb = self.link_bytes(direction)
+            t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
+            t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
+            total = total + np.maximum(t_nvl, t_nic)
+        lat = self.cluster.hardware.alltoall_latency_s if self.cluster.num_gpus > 1 else 0.0
+        return 2.0 * total + 4.0 * lat  # forward and backward
+
+    # --------------------------------------------------------------------- MoE
+    def moe(self, load: np.ndarray, assign: np.ndarray) -> MoEBreakdown:
+        """Breakdown for load [..., G, E] and assign [..., E, G]."""
+        return MoEBreakdown(
+            t_compute_gpu=self.gpu_compute_time(assign),
+            t_comm_gpu=self.comm_time(self.traffic(load, assign)),
+        )
+
+    def linear(self) -> LinearCosts:
+        """Linearised coefficients of the roofline (valid for counts well above ``gemm_half_tokens``)."""
+        hw = self.cluster.hardware
+        per_tok = 2.0 * self._w * FWD_BWD_FLOP_FACTOR / self._peak
+        return LinearCosts(
+            compute_s_per_token=per_tok,
+            compute_s_per_expert=per_tok * hw.gemm_half_tokens,
+            nvlink_s_per_token=4.0 * self._token_bytes / self._nvlink,
+            rdma_s_per_token=4.0 * self._token_bytes / self._nic,
+        )
+
+    # ---------------------------------------------------------------- attention
+    def attention_time(self, tokens: np.ndarray, causal_pairs: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds of one layer's attention and dense projections, fwd + bwd.
+
+        tokens [..., G] and causal_pairs [..., G] (sum of ``len * (len + 1) / 2`` over samples).
+        Includes the shared experts, if the model has any, since they are dense per token.
+        """
+        m = self.model
+        hw = self.cluster.hardware
+        proj = 2.0 * m.attention_params * np.asarray(tokens, dtype=np.float64)
+        shared = 2.0 * 3 * m.hidden * m.shared_ffn * m.shared_experts * np.asarray(tokens, dtype=np.float64)
+        # QK^T and PV: 2 matmuls of 2 FLOPs per (pair, head dim, head).
+        attn = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
+        return FWD_BWD_FLOP_FACTOR * (proj + shared + attn) / (hw.bf16_flops * hw.attention_efficiency)
+
+    # ------------------------------------------------------------ replica buffer
+    def expert_weight_bytes(self) -> float:
+        """Bytes of one expert's bf16 weights (one replica slot)."""
+        return self._w * BF16_BYTES
+
+    def refill_time(self, replicas_per_gpu: np.ndarray) -> np.ndarray:
+        """Seconds to fill the layer-shared replica slots over NVLink; replicas_per_gpu [..., G] -> [...].
+
+        Each GPU receives its replicas from GPUs of its own node; the receive side bounds the copy. The same
+        bytes flow back as replica gradients in backward, so callers charge this twice (fwd and bwd).
+        """
+        recv = np.asarray(replicas_per_gpu, dtype=np.float64) * self.expert_weight_bytes()
+        return recv.max(axis=-1) / self._nvlink
+
+    def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
+        """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.
+
+        Used for reordering migration (payload: weights, gradients, optimizer state) and redundant-copy sync.
+        """
+        g = self.cluster.num_gpus
+        src = np.asarray(src, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        if src.size == 0:
+            return 0.0
+        mat = np.zeros((g, g))
+        np.add.at(mat, (src, dst), bytes_each)
+        np.fill_diagonal(mat, 0.0)
+        lb = self.link_bytes(mat)
+        t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
+        t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
+        return float(np.maximum(t_nvl, t_nic).max())

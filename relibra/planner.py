@@ -1,0 +1,109 @@
+"""The seams between the control plane and the planners: the batch context and the planner Protocols.
+
+A planner is pure: it receives a :class:`BatchContext` (loads, shapes, a cost model, history) and returns a
+:class:`~relibra.types.BatchPlan`. ReLibra and its ablations are compositions of a :class:`Reorderer`
+(per batch and layer: placement, optionally re-assigned samples) and a :class:`Replicator` (per
+micro-batch and layer: replicas in the layer-shared buffer and the token split).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost import CostModel
+from relibra.types import BatchPlan
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """Everything a planner may read about one batch (oracle loads: what routing replay gives)."""
+
+    batch: int
+    counts: np.ndarray
+    """int32 [Sb, L, E]: per-sample expert counts of the batch's samples."""
+    sample_tokens: np.ndarray
+    """int64 [Sb]: tokens of each sample."""
+    sample_gpu: np.ndarray
+    """int32 [Sb]: default sample-to-GPU assignment (balanced by tokens)."""
+    sample_mb: np.ndarray
+    """int32 [Sb]: micro-batch of each sample, local to the batch (0..Mb-1)."""
+    load: np.ndarray
+    """int32 [Mb, L, G, E]: ``x[m, l, j, e]`` under ``sample_gpu`` / ``sample_mb``."""
+    cluster: ClusterSpec
+    model: ModelSpec
+    cost: CostModel
+    prev_home: np.ndarray | None = None
+    """int32 [L, E] or None: the previous batch's placement (None for the first batch)."""
+    history: tuple[np.ndarray, ...] = ()
+    """Loads ``[Mb', L, G, E]`` of earlier batches, oldest first (for history-driven baselines)."""
+    seed: int = 0
+    regroup: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
+    """``regroup(sample_gpu) -> (load [Mb, L, G, E], tokens [Mb, G])`` for a new sample assignment."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.cluster.num_gpus
+
+    @property
+    def num_microbatches(self) -> int:
+        return int(self.load.shape[0])
+
+
+@dataclass(frozen=True)
+class Reordering:
+    """A reorderer's answer for one batch."""
+
+    home: np.ndarray
+    """int32 [L, E]: home GPU of each expert."""
+    sample_gpu: np.ndarray
+    """int32 [Sb]: sample-to-GPU assignment (the input one when no locality round ran)."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Replication:
+    """A replicator's answer for one (micro-batch, layer) problem, or a stack of them."""
+
+    assign: np.ndarray
+    """int32 [..., E, G]: tokens of expert e computed on GPU g."""
+    replicas: np.ndarray
+    """int32 [..., G, r]: expert held in each replica slot (-1 empty)."""
+
+
+@runtime_checkable
+class Planner(Protocol):
+    """Plans one batch. ``name`` is the result-table label (``relibra``, ``megatron``, ...)."""
+
+    name: str
+
+    def plan(self, ctx: BatchContext) -> BatchPlan: ...
+
+
+class Reorderer(Protocol):
+    def reorder(self, ctx: BatchContext) -> Reordering: ...
+
+
+class Replicator(Protocol):
+    def replicate(
+        self, load: np.ndarray, home: np.ndarray, ctx: BatchContext
+    ) -> Replication:
+        """load [L, G, E] of one micro-batch, home [L, E] -> Replication with assign [L, E, G]."""
+        ...
+
+
+def home_assign(load: np.ndarray, home: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Every expert computed only at home. load [..., G, E], home [..., E] -> assign int32 [..., E, G]."""
+    per_expert = load.sum(axis=-2)  # [..., E]
+    onehot = np.arange(num_gpus) == home[..., None]  # [..., E, G]
+    return (per_expert[..., None] * onehot).astype(np.int32)
+
+
+def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
+    """Megatron-LM's contiguous placement: expert ``e`` on GPU ``e // (E / G)``. -> int32 [L, E]."""
+    per_gpu = num_experts // num_gpus
+    return np.broadcast_to(np.arange(num_experts) // per_gpu, (num_layers, num_experts)).astype(np.int32)

@@ -1,0 +1,1 @@
+"""ReLibra planners: inter-batch reordering, intra-batch replication, exact references."""
