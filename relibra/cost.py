@@ -12,11 +12,22 @@ Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
   on the destination rail, then RDMA. ``T_comm(g)`` is the busiest link class (send or receive) of ``g``.
 
 All functions broadcast over leading axes, so one call covers a whole batch ``[Mb, L, ...]``.
+
+Calibration file (optional, JSON): measured fwd+bwd seconds of one expert's grouped GEMM per token count,
+per model, replacing the roofline curve of :meth:`CostModel.expert_time`::
+
+    {"hardware": "H100-SXM", "models": {"qwen3-30b-a3b": {"tokens": [1, 64, 512, 4096],
+                                                           "seconds": [2.1e-5, 2.4e-5, 9.0e-5, 6.1e-4]}}}
+
+``tokens`` strictly increasing (at least 2 points), ``seconds`` non-negative, same length. Read it with
+:func:`load_calibration`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from os import PathLike
 
 import numpy as np
 
@@ -45,7 +56,7 @@ class LinearCosts:
 
 @dataclass(frozen=True)
 class MoEBreakdown:
-    """Named cost terms of the MoE part of one or many (micro-batch, layer) problems. Leading axes ``[...]``."""
+    """Named cost terms of the MoE part of (micro-batch, layer) problems, leading axes ``[...]``."""
 
     t_compute_gpu: np.ndarray
     """float64 [..., G]: grouped-GEMM seconds of each GPU (fwd + bwd)."""
@@ -80,6 +91,8 @@ class CostModel:
         """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM."""
         self.cluster = cluster
         self.model = model
+        if calibration is not None:
+            calibration = _check_calibration(calibration, model.name)
         self.calibration = calibration
         hw = cluster.hardware
         self._w = float(model.expert_params)
@@ -208,6 +221,16 @@ class CostModel:
         attn = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
         return FWD_BWD_FLOP_FACTOR * (proj + shared + attn) / (hw.bf16_flops * hw.attention_efficiency)
 
+    def dense_ffn_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds of one dense (non-MoE) layer's FFN, fwd + bwd; tokens [..., G] -> [..., G].
+
+        Zero when the model has no dense FFN (``dense_ffn == 0``).
+        """
+        m = self.model
+        hw = self.cluster.hardware
+        flops = 2.0 * 3 * m.hidden * m.dense_ffn * np.asarray(tokens, dtype=np.float64)
+        return FWD_BWD_FLOP_FACTOR * flops / (hw.bf16_flops * hw.attention_efficiency)
+
     # ------------------------------------------------------------ replica buffer
     def expert_weight_bytes(self) -> float:
         """Bytes of one expert's bf16 weights (one replica slot)."""
@@ -221,6 +244,27 @@ class CostModel:
         """
         recv = np.asarray(replicas_per_gpu, dtype=np.float64) * self.expert_weight_bytes()
         return recv.max(axis=-1) / self._nvlink
+
+    def replica_refill_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Seconds to fill the replica slots over NVLink, bounded by the busier of sender and receiver.
+
+        replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
+        A slot is filled from the expert's home GPU; a hot expert replicated on several peers makes its
+        home the bottleneck sender. One direction (the forward fill); backward sends the same bytes home.
+        """
+        rep = np.asarray(replicas)
+        home = np.asarray(home)
+        g = rep.shape[-2]
+        filled = rep >= 0
+        recv = filled.sum(axis=-1).astype(np.float64)  # [..., L, G]
+        lidx = np.broadcast_to(np.arange(home.shape[0])[:, None, None], rep.shape)
+        src = np.where(filled, home[lidx, np.maximum(rep, 0)], g)  # [..., L, G, r]; g = none
+        rows = int(np.prod(src.shape[:-2]))
+        key = np.arange(rows)[:, None] * (g + 1) + src.reshape(rows, -1)  # one bincount for all rows
+        send = np.bincount(key.ravel(), minlength=rows * (g + 1)).reshape(rows, g + 1)[:, :g]
+        send = send.reshape(*rep.shape[:-1]).astype(np.float64)
+        busiest = np.maximum(recv, send).max(axis=-1)
+        return busiest * self.expert_weight_bytes() / self._nvlink
 
     def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
         """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.
@@ -239,3 +283,41 @@ class CostModel:
         t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
         t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
         return float(np.maximum(t_nvl, t_nic).max())
+
+
+def _check_calibration(
+    calibration: tuple[np.ndarray, np.ndarray], model: str
+) -> tuple[np.ndarray, np.ndarray]:
+    xs = np.asarray(calibration[0], dtype=np.float64)
+    ys = np.asarray(calibration[1], dtype=np.float64)
+    if xs.ndim != 1 or xs.shape != ys.shape or xs.shape[0] < 2:
+        raise ValueError(
+            f"calibration for model {model!r}: tokens {xs.shape} and seconds {ys.shape} must be 1-D of the "
+            "same length with at least 2 points"
+        )
+    if np.any(np.diff(xs) <= 0) or xs[0] < 0:
+        raise ValueError(f"calibration for model {model!r}: tokens must be >= 0 and strictly increasing")
+    if np.any(ys < 0) or not np.all(np.isfinite(ys)):
+        raise ValueError(f"calibration for model {model!r}: seconds must be finite and >= 0")
+    return xs, ys
+
+
+def load_calibration(path: str | PathLike[str], model: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Read the measured expert-GEMM curve of ``model`` from a calibration JSON (format: module doc).
+
+    Returns (tokens [P], seconds [P]) or None when the file has no entry for ``model``.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"calibration file {path}: not valid JSON ({exc})") from exc
+    models = doc.get("models") if isinstance(doc, dict) else None
+    if not isinstance(models, dict):
+        raise ValueError(f'calibration file {path}: expected an object with a "models" mapping')
+    entry = models.get(model)
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or "tokens" not in entry or "seconds" not in entry:
+        raise ValueError(f'calibration file {path}: models.{model} needs "tokens" and "seconds" lists')
+    return _check_calibration((np.asarray(entry["tokens"]), np.asarray(entry["seconds"])), model)

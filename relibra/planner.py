@@ -73,6 +73,8 @@ class Replication:
     """int32 [..., E, G]: tokens of expert e computed on GPU g."""
     replicas: np.ndarray
     """int32 [..., G, r]: expert held in each replica slot (-1 empty)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """Replicator-specific scalars (an exact solver's ``milp_gap``, ...); empty for the greedy."""
 
 
 @runtime_checkable

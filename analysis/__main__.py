@@ -1,0 +1,59 @@
+"""``python -m analysis RESULTS_DIR [--out DIR]``: the paper's tables and figures from a results directory.
+
+RESULTS_DIR holds one store per experiment (``results/<experiment>/cells/*.parquet``), or is one store.
+Tables are printed and written as Markdown and LaTeX to ``--out`` (default ``RESULTS_DIR/analysis``);
+figures go to ``--out/figures`` as PNG and PDF.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from analysis.figures import all_figures
+from analysis.load import load_per_layer_results, load_results
+from analysis.render import write_table
+from analysis.tables import all_tables
+
+__all__ = ["AnalysisOutput", "analyse", "main"]
+
+
+@dataclass(frozen=True)
+class AnalysisOutput:
+    """Where the analysis wrote its files."""
+
+    tables: list[Path]
+    figures: list[Path]
+    out_dir: Path
+
+
+def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | None = None) -> AnalysisOutput:
+    """Build every table and figure the results allow; print tables to ``console`` when given."""
+    out_dir = out_dir or results_dir / "analysis"
+    results = load_results(results_dir)
+    if not results:
+        raise FileNotFoundError(f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)")
+    tables: list[Path] = []
+    for table in all_tables(results):
+        tables += write_table(table, out_dir, console)
+    figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
+    return AnalysisOutput(tables, figures, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
+    parser.add_argument("results_dir", type=Path, help="results root (one folder per experiment) or one store")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default RESULTS_DIR/analysis)")
+    args = parser.parse_args(argv)
+    console = Console()
+    out = analyse(args.results_dir, args.out, console)
+    console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
+    console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""The paper's figures as seaborn plots (PNG and PDF), from the frames ``analysis.load`` returns.
+
+Each ``plot_*`` function takes a results (or per-layer) frame and returns a matplotlib ``Figure``;
+``save`` writes it as ``<name>.png`` and ``<name>.pdf``. Paper numbers are drawn where the paper gives them
+(black diamonds for point values, a grey band for ranges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # NOTE: figures are files; no display is assumed (CI, Slurm nodes)
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from analysis import paper  # noqa: E402
+from analysis.tables import ep_size  # noqa: E402
+
+__all__ = [
+    "PER_LAYER_SKEW",
+    "all_figures",
+    "plot_ablation",
+    "plot_layer_skew",
+    "plot_skew_by_ep",
+    "plot_throughput",
+    "save",
+]
+
+PER_LAYER_SKEW = "skew"
+"""Column of the per-layer table holding skewness of one (planner, microbatch, layer)."""
+
+PLANNER_ORDER = [
+    "megatron",
+    "popfetcher",
+    "eplb",
+    "lplb",
+    "relibra_reorder_only",
+    "relibra_replicate_only",
+    "relibra",
+    "balanced",
+]
+
+
+def _order(present: pd.Series) -> list[str]:
+    names = set(present.unique())
+    return [paper.label(p) for p in PLANNER_ORDER if p in names] + sorted(
+        paper.label(p) for p in names - set(PLANNER_ORDER)
+    )
+
+
+def _relative_throughput(frame: pd.DataFrame) -> pd.DataFrame:
+    """Throughput of every row over Megatron-LM's in the same (model, dataset, EP) cell."""
+    keys = ["model", "dataset", "nodes", "gpus_per_node"]
+    data = frame.groupby([*keys, "planner"], as_index=False)["throughput_tokens_per_s"].mean()
+    ref = data[data["planner"] == "megatron"].set_index(keys)["throughput_tokens_per_s"]
+    if ref.empty:
+        raise ValueError("normalised throughput needs rows with planner == 'megatron' (the reference)")
+    data["relative"] = data["throughput_tokens_per_s"] / ref.reindex(
+        pd.MultiIndex.from_frame(data[keys])
+    ).to_numpy()
+    data["planner_label"] = data["planner"].map(paper.label)
+    return data
+
+
+def plot_throughput(frame: pd.DataFrame) -> Figure:
+    """Normalised throughput (x Megatron-LM) per dataset, one panel per model, one bar per planner."""
+    data = _relative_throughput(frame)
+    grid = sns.catplot(
+        data=data,
+        kind="bar",
+        x="dataset",
+        y="relative",
+        hue="planner_label",
+        hue_order=_order(data["planner"]),
+        col="model",
+        col_wrap=min(3, data["model"].nunique()),
+        height=3.2,
+        aspect=1.3,
+        palette="colorblind",
+        legend_out=True,
+    )
+    grid.set_axis_labels("dataset", "throughput / Megatron-LM")
+    grid.set_titles("{col_name}")
+    for ax in grid.axes.flat:
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+        ax.tick_params(axis="x", rotation=20)
+    if grid.legend is not None:
+        grid.legend.set_title("planner")
+    grid.figure.suptitle("Training throughput normalised to Megatron-LM", y=1.03)
+    return grid.figure
+
+
+def plot_ablation(frame: pd.DataFrame) -> Figure:
+    """Ablation bars: throughput relative to Megatron-LM per dataset, with the paper's values as diamonds."""
+    data = _relative_throughput(frame)
+    data = data.groupby(["dataset", "planner", "planner_label"], as_index=False)["relative"].mean()
+    order = _order(data["planner"])
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    sns.barplot(data=data, x="dataset", y="relative", hue="planner_label", hue_order=order, ax=ax,
+                palette="colorblind")
+    datasets = list(dict.fromkeys(data["dataset"]))
+    width = 0.8 / len(order)
+    shown = False
+    for (planner, dataset), value in paper.ABLATION.items():
+        if dataset in datasets and paper.label(planner) in order:
+            x = datasets.index(dataset) - 0.4 + width * (order.index(paper.label(planner)) + 0.5)
+            ax.plot(x, value, "D", color="black", markersize=6, label=None if shown else "paper")
+            shown = True
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_ylabel("throughput / Megatron-LM")
+    ax.set_title("Ablation (mean over models)")
+    ax.legend(title=None, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_skew_by_ep(frame: pd.DataFrame) -> Figure:
+    """Mean skewness against EP size per planner; the paper's ReLibra range as a grey band."""
+    data = frame.assign(EP=ep_size(frame), planner_label=frame["planner"].map(paper.label))
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    lo, hi = paper.SKEW_BY_EP["relibra"]
+    ax.axhspan(lo, hi, color="grey", alpha=0.25, label=f"paper ReLibra {lo:.2f}-{hi:.2f}")
+    sns.lineplot(data=data, x="EP", y="skew_mean", hue="planner_label", hue_order=_order(data["planner"]),
+                 marker="o", ax=ax, palette="colorblind", errorbar=None)
+    ax.set_xscale("log", base=2)
+    eps = sorted(data["EP"].unique())
+    ax.set_xticks(eps, [str(e) for e in eps])
+    ax.set_xlabel("EP size (GPUs)")
+    ax.set_ylabel("skewness (max / mean GPU tokens)")
+    ax.set_title(f"Skewness vs EP size ({', '.join(sorted(data['model'].unique()))})")
+    ax.legend(fontsize=8, title=None)
+    fig.tight_layout()
+    return fig
+
+
+def plot_layer_skew(layers: pd.DataFrame, planners: tuple[str, ...] = ("megatron", "relibra")) -> Figure:
+    """Per-layer skewness over micro-batches (heatmap: layer x micro-batch), one panel per planner.
+
+    ``layers`` needs columns ``planner``, ``micro_batch``, ``layer`` and ``skew``; when it holds several
+    cells, the first (model, dataset) present for every planner is drawn.
+    """
+    present = [p for p in planners if p in set(layers["planner"])]
+    if not present:
+        raise ValueError(f"per-layer table has none of the planners {planners}")
+    if "model" in layers:
+        first = layers[layers["planner"] == present[0]][["model", "dataset"]].iloc[0]
+        layers = layers[(layers["model"] == first["model"]) & (layers["dataset"] == first["dataset"])]
+        where = f"{first['model']}, {first['dataset']}"
+    else:
+        where = ""
+    vmax = float(np.nanpercentile(layers[PER_LAYER_SKEW], 99))
+    fig, axes = plt.subplots(1, len(present), figsize=(5.0 * len(present), 4.2), sharey=True, squeeze=False)
+    for i, (ax, planner) in enumerate(zip(axes[0], present)):
+        grid = (
+            layers[layers["planner"] == planner]
+            .groupby(["layer", "micro_batch"])[PER_LAYER_SKEW]
+            .mean()
+            .unstack("micro_batch")
+        )
+        last = i == len(present) - 1
+        sns.heatmap(grid, ax=ax, vmin=1.0, vmax=max(vmax, 1.01), cmap="rocket_r", cbar=last,
+                    cbar_kws={"label": "skewness"} if last else None)
+        ax.set_title(f"{paper.label(planner)} (mean {np.nanmean(grid.to_numpy()):.2f})")
+        ax.set_xlabel("micro-batch")
+        ax.set_ylabel("MoE layer")
+    fig.suptitle(f"Per-layer skewness over micro-batches ({where})" if where else "Per-layer skewness")
+    fig.tight_layout()
+    return fig
+
+
+def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
+    """Write ``fig`` as ``<name>.png`` (150 dpi) and ``<name>.pdf``; closes it; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{name}.png", out_dir / f"{name}.pdf"]
+    for path in paths:
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def all_figures(
+    by_experiment: Mapping[str, pd.DataFrame],
+    per_layer: Mapping[str, pd.DataFrame],
+    out_dir: Path,
+) -> list[Path]:
+    """Draw every figure whose experiment is present; returns the written paths."""
+    sns.set_theme(style="whitegrid", context="paper")
+    written: list[Path] = []
+    for experiment, frame in by_experiment.items():
+        kind = experiment.removeprefix("quick_")
+        if kind == "overall":
+            written += save(plot_throughput(frame), out_dir, "throughput")
+        elif kind == "ablation":
+            written += save(plot_ablation(frame), out_dir, "ablation")
+        elif kind == "ep_scaling":
+            written += save(plot_skew_by_ep(frame), out_dir, "skew_by_ep")
+        elif kind == "real_trace" and "megatron" in set(frame["planner"]):
+            written += save(plot_throughput(frame), out_dir, "real_trace_throughput")
+    for experiment, layers in per_layer.items():
+        kind = experiment.removeprefix("quick_")
+        if kind in ("overall", "datasets") and PER_LAYER_SKEW in layers:
+            written += save(plot_layer_skew(layers), out_dir, f"layer_skew_{kind}")
+    return written

@@ -1,0 +1,81 @@
+"""Load every experiment under a results root (``results/<experiment>/``) written by ``experiments.store``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from experiments.store import ResultsStore
+
+__all__ = ["experiment_dirs", "load_per_layer_results", "load_results", "param_bytes_per_gpu"]
+
+BYTES_PER_PARAM = 2.0
+"""bf16 weights."""
+
+
+def param_bytes_per_gpu(model: Mapping[str, Any], ep_size: int) -> float:
+    """bf16 bytes of the parameters one GPU holds under expert parallelism alone (no TP, no PP).
+
+    Its ``E / G`` experts of every MoE layer, plus every dense part replicated: attention, shared experts,
+    dense FFN layers, input and output embeddings. The paper's per-GPU figure also reflects its tensor and
+    pipeline parallel split, which the results do not record, so this is an upper bound on it.
+    """
+    hidden, layers, moe_layers = int(model["hidden"]), int(model["num_layers"]), int(model["num_moe_layers"])
+    heads, kv, head_dim = int(model["num_heads"]), int(model["num_kv_heads"]), int(model["head_dim"])
+    attention = hidden * (heads * head_dim + 2 * kv * head_dim) + heads * head_dim * hidden
+    experts = moe_layers * (int(model["num_experts"]) // ep_size) * 3 * hidden * int(model["moe_ffn"])
+    shared = moe_layers * int(model.get("shared_experts", 0)) * 3 * hidden * int(model.get("shared_ffn", 0))
+    dense = (layers - moe_layers) * 3 * hidden * int(model.get("dense_ffn", 0))
+    embeddings = 2 * int(model.get("vocab", 0)) * hidden
+    return BYTES_PER_PARAM * (experts + shared + dense + layers * attention + embeddings)
+
+
+def experiment_dirs(root: str | Path) -> dict[str, Path]:
+    """``{experiment name: directory}`` for every store under ``root`` (``root`` itself may be one)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"results directory {root} does not exist (run an experiment first)")
+    if (root / "cells").is_dir():
+        return {root.name: root}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "cells").is_dir()}
+
+
+def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
+    """``{experiment name: results frame}``; each frame carries ``experiment`` and ``cell`` columns."""
+    out = {}
+    for name, directory in experiment_dirs(root).items():
+        store = ResultsStore(directory)
+        frame = store.load()
+        if frame.empty:
+            continue
+        if "param_bytes_per_gpu" not in frame:
+            ep = dict(zip(frame["cell"], frame["nodes"] * frame["gpus_per_node"], strict=False))
+            frame["param_bytes_per_gpu"] = [
+                _cell_params(store, key, int(ep[key])) for key in frame["cell"]
+            ]
+        out[name] = frame.assign(experiment=name)
+    return out
+
+
+def _cell_params(store: ResultsStore, key: str, ep_size: int) -> float:
+    model = store.config(key).get("model")
+    return param_bytes_per_gpu(model, ep_size) if isinstance(model, Mapping) and "hidden" in model else float("nan")
+
+
+def load_per_layer_results(root: str | Path) -> dict[str, pd.DataFrame]:
+    """``{experiment name: per-layer frame}``, joined with each cell's ``model`` and ``dataset``."""
+    out = {}
+    for name, directory in experiment_dirs(root).items():
+        store = ResultsStore(directory)
+        layers = store.load_per_layer()
+        if layers.empty:
+            continue
+        cells = store.load()
+        ident = [c for c in ("model", "dataset", "nodes", "gpus_per_node") if c in cells and c not in layers]
+        if ident:
+            layers = layers.merge(cells[["cell", *ident]].drop_duplicates("cell"), on="cell", how="left")
+        out[name] = layers.assign(experiment=name)
+    return out

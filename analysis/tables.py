@@ -1,0 +1,231 @@
+"""The paper's tables from a results frame, each with the paper's numbers beside ours and their ratio.
+
+Input: the frame ``analysis.load.load_results`` returns (DESIGN.md result columns, one row per planner run,
+plus ``experiment``). Rows that repeat a (model, dataset, planner, cluster) cell, e.g. several seeds or
+batches, are averaged first.
+
+Ratios ("ours / paper"):
+- against a single paper number: ``ours / paper``;
+- one of our numbers against a paper range ``[lo, hi]``: ``ours / clip(ours, lo, hi)``, so 1.00 means
+  inside the paper's range, above 1 above it and below 1 below it;
+- our range against the paper's range: low over low and high over high.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from analysis import paper
+
+__all__ = [
+    "Table",
+    "ablation",
+    "all_tables",
+    "ep_size",
+    "overall_cells",
+    "overall_summary",
+    "overhead",
+    "range_ratio",
+    "skew_by_dataset",
+    "skew_by_ep",
+]
+
+CELL = ["model", "dataset", "nodes", "gpus_per_node"]
+"""Columns that name one grid point; planners are compared within it."""
+
+MIB = 2.0**20
+
+
+@dataclass(frozen=True)
+class Table:
+    """One reproduced table: a display-ready frame plus how to format its float columns."""
+
+    name: str
+    """File stem (``<name>.md``, ``<name>.tex``)."""
+    title: str
+    frame: pd.DataFrame
+    formats: Mapping[str, str] = field(default_factory=dict)
+    """Column -> format spec (``".2f"``); float columns not named use ``".2f"``."""
+    note: str = ""
+
+    def formatted(self) -> pd.DataFrame:
+        """The frame with every float rendered as text (NaN as an en dash)."""
+        out = self.frame.copy()
+        for col in out.columns:
+            if pd.api.types.is_float_dtype(out[col]):
+                spec = self.formats.get(col, ".2f")
+                out[col] = [("–" if pd.isna(v) else format(v, spec)) for v in out[col]]
+            else:
+                out[col] = out[col].astype(str)
+        return out
+
+
+def ep_size(frame: pd.DataFrame) -> pd.Series:
+    """EP group size ``G = nodes * gpus_per_node`` of every row."""
+    return (frame["nodes"] * frame["gpus_per_node"]).astype(int)
+
+
+def range_ratio(ours: float, lo: float, hi: float) -> float:
+    """``ours / clip(ours, lo, hi)``: 1.0 inside the paper's range ``[lo, hi]``."""
+    if np.isnan(ours):
+        return float("nan")
+    return float(ours / np.clip(ours, lo, hi))
+
+
+def _cells(frame: pd.DataFrame, value: str) -> pd.DataFrame:
+    """``value`` averaged per (cell, planner), pivoted to one column per planner."""
+    keys = [c for c in CELL if c in frame.columns]
+    means = frame.groupby([*keys, "planner"], dropna=False)[value].mean()
+    return means.unstack("planner").reset_index()
+
+
+def overall_cells(frame: pd.DataFrame) -> Table:
+    """ReLibra's throughput over every baseline, per (model, dataset, EP size); % of Balanced."""
+    wide = _cells(frame, "throughput_tokens_per_s")
+    if "relibra" not in wide:
+        raise ValueError("overall table needs rows with planner == 'relibra'; none found in the results")
+    out = wide[["model", "dataset"]].copy()
+    out["EP"] = (wide["nodes"] * wide["gpus_per_node"]).astype(int)
+    for base in paper.OVERALL_SPEEDUP:
+        if base in wide:
+            out[f"over {paper.label(base)}"] = wide["relibra"] / wide[base]
+    if "balanced" in wide:
+        out["% of Balanced"] = 100.0 * wide["relibra"] / wide["balanced"]
+    return Table(
+        "overall_cells",
+        "ReLibra throughput speedup over each baseline, per model and dataset",
+        out.sort_values(["model", "dataset"]).reset_index(drop=True),
+        {"% of Balanced": ".1f"},
+    )
+
+
+def overall_summary(frame: pd.DataFrame) -> Table:
+    """Range of ReLibra's speedup over each baseline across the grid, beside the paper's range."""
+    cells = overall_cells(frame).frame
+    rows = []
+    for base, (lo, hi) in paper.OVERALL_SPEEDUP.items():
+        col = f"over {paper.label(base)}"
+        if col not in cells:
+            continue
+        ours = cells[col].dropna()
+        rows.append((f"over {paper.label(base)}", ours.min(), ours.max(), lo, hi))
+    if "% of Balanced" in cells:
+        frac = cells["% of Balanced"].dropna() / 100.0
+        rows.append(("of Balanced", frac.min(), frac.max(), *paper.FRACTION_OF_BALANCED))
+    out = pd.DataFrame(rows, columns=["ReLibra", "ours lo", "ours hi", "paper lo", "paper hi"])
+    out["ours/paper lo"] = out["ours lo"] / out["paper lo"]
+    out["ours/paper hi"] = out["ours hi"] / out["paper hi"]
+    return Table(
+        "overall",
+        "Overall training throughput: ReLibra over each baseline (x) and as a fraction of Balanced",
+        out,
+    )
+
+
+def ablation(frame: pd.DataFrame) -> Table:
+    """Throughput of each ablation variant relative to Megatron-LM per dataset (geometric mean over models)."""
+    wide = _cells(frame, "throughput_tokens_per_s")
+    if "megatron" not in wide:
+        raise ValueError("ablation table needs rows with planner == 'megatron' (the reference)")
+    variants = [p for p in ("relibra_reorder_only", "relibra_replicate_only", "relibra") if p in wide]
+    rows = []
+    for dataset, group in wide.groupby("dataset"):
+        for var in variants:
+            rel = (group[var] / group["megatron"]).dropna()
+            ours = float(np.exp(np.log(rel).mean())) if len(rel) else float("nan")
+            theirs = paper.ABLATION.get((var, str(dataset)), float("nan"))
+            rows.append((paper.label(var), dataset, ours, theirs, ours / theirs))
+    out = pd.DataFrame(rows, columns=["variant", "dataset", "ours (x Megatron-LM)", "paper", "ours/paper"])
+    return Table("ablation", "Ablation: throughput relative to Megatron-LM", out)
+
+
+def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Mapping[str, tuple]) -> Table:
+    data = frame.assign(EP=ep_size(frame))
+    wide = data.groupby([by, "planner"])["skew_mean"].mean().unstack("planner").sort_index()
+    out = pd.DataFrame({by: wide.index})
+    for planner in wide.columns:
+        out[f"{paper.label(planner)}"] = wide[planner].to_numpy()
+        if planner in bounds:
+            lo, hi = bounds[planner]
+            out[f"{paper.label(planner)} paper"] = f"{lo:.2f}-{hi:.2f}"
+            out[f"{paper.label(planner)} ours/paper"] = [range_ratio(v, lo, hi) for v in wide[planner]]
+    return Table(name, title, out, dict.fromkeys(out.columns, ".3f"))
+
+
+def skew_by_ep(frame: pd.DataFrame) -> Table:
+    """Mean skewness per EP size and planner (the paper: Qwen3-30B-A3B, EP 8-64)."""
+    return _skew_table(
+        frame, "EP", "skew_by_ep", "Skewness (max/mean GPU tokens) by EP size", paper.SKEW_BY_EP
+    )
+
+
+def skew_by_dataset(frame: pd.DataFrame) -> Table:
+    """Mean skewness per dataset and planner (the paper: Qwen3-235B-A22B)."""
+    return _skew_table(
+        frame, "dataset", "skew_by_dataset", "Skewness (max/mean GPU tokens) by dataset", paper.SKEW_BY_DATASET
+    )
+
+
+def overhead(frame: pd.DataFrame) -> Table:
+    """ReLibra's overheads per model: replica buffer, planning time per batch, reordering share of a batch.
+
+    Uses ``param_bytes_per_gpu`` and ``num_batches`` when the results carry them (NaN / per-run otherwise).
+    """
+    rows = frame[frame["planner"] == "relibra"]
+    if rows.empty:
+        raise ValueError("overhead table needs rows with planner == 'relibra'; none found in the results")
+    cols = {"replica_buffer_bytes": "mean", "plan_time_s": "mean", "t_reorder_s": "mean", "step_time_s": "mean"}
+    for extra in ("param_bytes_per_gpu", "num_batches"):
+        if extra in rows:
+            cols[extra] = "mean"
+    agg = rows.groupby("model").agg(cols)
+    out = pd.DataFrame({"model": agg.index})
+    buf = agg["replica_buffer_bytes"].to_numpy() / MIB
+    paper_mib = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[0] for m in agg.index])
+    paper_pct = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[1] for m in agg.index])
+    out["buffer MiB"] = buf
+    out["paper MiB"] = paper_mib
+    out["MiB ours/paper"] = buf / paper_mib
+    params = agg["param_bytes_per_gpu"].to_numpy() if "param_bytes_per_gpu" in agg else np.full(len(agg), np.nan)
+    pct = 100.0 * agg["replica_buffer_bytes"].to_numpy() / params
+    out["buffer % params"] = pct
+    out["paper %"] = paper_pct
+    out["% ours/paper"] = pct / paper_pct
+    batches = agg["num_batches"].to_numpy() if "num_batches" in agg else np.ones(len(agg))
+    out["plan s/batch"] = agg["plan_time_s"].to_numpy() / batches
+    share = 100.0 * agg["t_reorder_s"].to_numpy() / agg["step_time_s"].to_numpy()
+    lo, hi = paper.REORDER_OVERHEAD_PCT
+    out["reorder % batch"] = share
+    out["paper reorder %"] = f"{lo:.1f}-{hi:.1f}"
+    out["reorder ours/paper"] = [range_ratio(v, lo, hi) for v in share]
+    return Table(
+        "overhead",
+        "ReLibra overheads: replica buffer, planning time, reordering share of batch time",
+        out,
+        {"buffer MiB": ".1f", "paper MiB": ".1f", "plan s/batch": ".3f"},
+    )
+
+
+def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> list[Table]:
+    """Every table whose experiment is present: ``{experiment name: frame}`` (``quick_`` prefixes allowed)."""
+    builders = {
+        "overall": [overall_summary, overall_cells],
+        "ablation": [ablation],
+        "ep_scaling": [skew_by_ep],
+        "datasets": [skew_by_dataset],
+        "overhead": [overhead],
+        "real_trace": [overall_cells],
+    }
+    tables: list[Table] = []
+    for experiment, frame in by_experiment.items():
+        kind = experiment.removeprefix("quick_")
+        for build in builders.get(kind, []):
+            table = build(frame)
+            if kind == "real_trace":
+                table = Table("real_trace", f"Real trace (OLMoE): {table.title}", table.frame, table.formats)
+            tables.append(table)
+    return tables

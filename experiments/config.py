@@ -1,0 +1,185 @@
+"""From a composed Hydra config to the library's objects, with every check done before any work.
+
+Plain functions of a ``DictConfig``: :func:`validate` (one :class:`ConfigError` naming the bad keys),
+:func:`build_cluster`, :func:`build_model`, :func:`build_cost`, :func:`build_planner` and
+:func:`load_counts` (the synthetic generator or ``trace.path``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cost import CostModel, load_calibration
+from relibra.simulator import SimOptions
+from relibra.types import SampleCounts
+
+__all__ = [
+    "ConfigError",
+    "build_cluster",
+    "build_cost",
+    "build_model",
+    "build_planner",
+    "dataset_name",
+    "load_counts",
+    "sim_options",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the keys and what would be right."""
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+
+
+def build_cluster(cfg: DictConfig) -> ClusterSpec:
+    """``cfg.cluster`` -> :class:`ClusterSpec` (hardware constants from the cluster yaml)."""
+    hw = HardwareSpec(**_plain(cfg.cluster.hardware))
+    return ClusterSpec(
+        nodes=int(cfg.cluster.nodes), gpus_per_node=int(cfg.cluster.gpus_per_node), hardware=hw
+    )
+
+
+def build_model(cfg: DictConfig) -> ModelSpec:
+    """``cfg.model`` -> :class:`ModelSpec`."""
+    return ModelSpec(**_plain(cfg.model))
+
+
+def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
+    """The cost model, with the measured GEMM curve of ``cluster.calibration`` if it covers the model."""
+    path = cfg.cluster.get("calibration")
+    calibration = load_calibration(path, model.name) if path else None
+    return CostModel(cluster, model, calibration=calibration)
+
+
+def build_planner(cfg: DictConfig) -> Any:
+    """``hydra.utils.instantiate(cfg.planner)``: a Planner or a Bound."""
+    return instantiate(cfg.planner, _convert_="all")
+
+
+def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
+    sim = cfg.get("simulator") or {}
+    return SimOptions(
+        migration_bytes_per_param=float(sim.get("migration_bytes_per_param", 18.0)),
+        history_window=int(sim.get("history_window", 4)),
+        keep_plans=keep_plans,
+        seed=int(cfg.seed),
+        check_plans=bool(sim.get("check_plans", False)),
+    )
+
+
+def _trace_meta(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"trace.path={path}: no such file (give a routing trace .npz, DESIGN.md)")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"trace.path={path}: cannot read its 'meta' JSON ({exc})") from exc
+    if not isinstance(meta, dict):
+        raise ConfigError(f"trace.path={path}: 'meta' must be a JSON object")
+    return meta
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`."""
+    problems: list[str] = []
+    planner = cfg.get("planner")
+    if planner is None or "_target_" not in planner or "name" not in planner:
+        problems.append(
+            "planner: unknown or incomplete planner config (needs _target_ and name; "
+            "choose one of experiments/conf/planner/*.yaml)"
+        )
+    else:
+        module, _, attr = str(planner._target_).rpartition(".")
+        try:
+            if not hasattr(importlib.import_module(module), attr):
+                raise ImportError(attr)
+        except ImportError:
+            problems.append(f"planner._target_={planner._target_}: unknown planner class")
+    nodes, gpn = int(cfg.cluster.nodes), int(cfg.cluster.gpus_per_node)
+    e = int(cfg.model.num_experts)
+    if nodes < 1 or gpn < 1:
+        problems.append(f"cluster.nodes={nodes}, cluster.gpus_per_node={gpn}: both must be >= 1")
+    else:
+        g = nodes * gpn
+        if e % g:
+            problems.append(
+                f"model.num_experts={e} is not divisible by cluster.nodes * cluster.gpus_per_node = "
+                f"{nodes} * {gpn} = {g}"
+            )
+        elif planner is not None:
+            slots = int(planner.get("replica_slots", 0) or 0)
+            per_node = e // g * gpn
+            if slots < 0 or slots > per_node:
+                problems.append(
+                    f"planner.replica_slots={slots} must be in [0, {per_node}], the experts in a node "
+                    f"(model.num_experts / G * cluster.gpus_per_node = {e} / {g} * {gpn})"
+                )
+    spm = cfg.workload.get("samples_per_microbatch")
+    tpm = cfg.workload.get("tokens_per_microbatch")
+    if spm is not None and tpm is not None:
+        problems.append(
+            f"workload.samples_per_microbatch={spm} and workload.tokens_per_microbatch={tpm}: set one, "
+            "the other null"
+        )
+    path = cfg.trace.get("path")
+    if path:
+        try:
+            meta = _trace_meta(str(path))
+        except ConfigError as exc:
+            problems.append(str(exc))
+        else:
+            for key, model_key in (
+                ("num_experts", "num_experts"),
+                ("num_layers", "num_moe_layers"),
+                ("top_k", "top_k"),
+            ):
+                if key in meta and int(meta[key]) != int(cfg.model[model_key]):
+                    problems.append(
+                        f"trace.path={path} has {key}={meta[key]} but model.{model_key}="
+                        f"{cfg.model[model_key]} (model={cfg.model.name}); pick the model the trace came from"
+                    )
+    if problems:
+        raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+
+
+def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:
+    """The ``dataset`` result column: ``trace.dataset``, else the trace's meta, else preset or file stem."""
+    if cfg.trace.get("dataset"):
+        return str(cfg.trace.dataset)
+    if cfg.trace.get("path"):
+        meta = counts.meta
+        return str(meta.get("dataset") or Path(str(cfg.trace.path)).stem)
+    return str(cfg.trace.preset)
+
+
+def load_counts(cfg: DictConfig) -> SampleCounts:
+    """Per-sample counts [S, L, E] of the run: ``trace.path`` if set, else the synthetic generator."""
+    if cfg.trace.get("path"):
+        from relibra.trace import load_trace
+
+        return load_trace(str(cfg.trace.path)).to_counts()
+    from relibra.synthetic import generate_counts  # NOTE: imported late: optional until it exists.
+
+    return generate_counts(
+        preset=str(cfg.trace.preset),
+        num_experts=int(cfg.model.num_experts),
+        num_layers=int(cfg.model.num_moe_layers),
+        top_k=int(cfg.model.top_k),
+        num_batches=int(cfg.trace.num_batches),
+        samples_per_batch=int(cfg.trace.samples_per_batch),
+        seed=int(cfg.seed),
+        max_tokens=int(cfg.trace.max_tokens),
+    )

@@ -1,0 +1,58 @@
+"""An experiment preset's grid: its cells' overrides and composed configs, without launching anything.
+
+A preset (``conf/experiment/<name>.yaml``) lists its sweep under ``hydra.sweeper.params``; the cells are
+the cartesian product of those values, expanded exactly as Hydra's basic sweeper does
+(``BasicSweeper.split_arguments``), with any extra overrides (sweeps included) taking precedence over the
+preset's. ``python -m experiments.run -m +experiment=<name>`` launches the same cells through Hydra.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
+
+__all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "presets"]
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+Cell = list[str]
+"""One grid cell: the overrides (``key=value``) that pick it out of the preset."""
+
+
+def presets() -> list[str]:
+    """Names of every experiment preset (``conf/experiment/*.yaml``), sorted."""
+    return sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+
+
+@contextmanager
+def _hydra() -> Iterator[None]:
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="relibra"):
+        yield
+
+
+def _check(experiment: str) -> None:
+    if experiment not in presets():
+        raise ValueError(f"unknown experiment preset {experiment!r}; choose one of {presets()}")
+
+
+def cells(experiment: str, overrides: Sequence[str] = ()) -> list[Cell]:
+    """The preset's grid cells, in Hydra's sweep order (``overrides`` replace or extend the sweep)."""
+    _check(experiment)
+    with _hydra():
+        cfg = compose("config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
+    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
+    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def compose_cell(experiment: str, cell: Sequence[str] = ()) -> DictConfig:
+    """The resolved-on-access run config of one cell of ``experiment`` (what ``run(cfg)`` takes)."""
+    _check(experiment)
+    with _hydra():
+        return compose("config", overrides=[f"+experiment={experiment}", *cell])

@@ -1,0 +1,171 @@
+"""``make reproduce`` (``python -m experiments.reproduce``): the quick presets, then the paper's tables.
+
+Runs every cell of the ``quick_*`` presets in this process, one after another (Hydra's local, in-process
+flow: each cell is composed from its preset and handed to ``experiments.run.run``), showing cells done,
+cells left, cells reused and elapsed time. Finished cells are kept in ``RESULTS/<preset>/`` by the
+results store, so a rerun only redoes what is missing. Then ``analysis`` prints the tables beside the
+paper's numbers and writes them with the figures under ``RESULTS/analysis``.
+
+``real_trace`` needs the OLMoE decode trace (``../shared/traces/olmoe-decode`` or ``RELIBRA_SHARED_TRACES``);
+it is converted once to ``RESULTS/traces/olmoe-decode.npz`` and the preset is skipped when it is absent.
+
+Examples::
+
+    python -m experiments.reproduce                          # the quick presets (about 10 minutes)
+    python -m experiments.reproduce --presets quick_ablation # one preset
+    python -m experiments.reproduce logger=wandb             # extra overrides go to every cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from experiments.grid import cells, compose_cell
+from experiments.store import ResultsStore, cell_key
+
+__all__ = ["QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
+
+QUICK_PRESETS = (
+    "quick_overall",
+    "quick_ablation",
+    "quick_ep_scaling",
+    "quick_datasets",
+    "quick_overhead",
+    "quick_real_trace",
+)
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
+OLMOE_SAMPLES_PER_BATCH = 50
+"""The 100 OLMoE prompts become 2 batches (RL steps) of 50 rollouts each."""
+
+
+@dataclass
+class GridReport:
+    """What happened to one preset's cells."""
+
+    preset: str
+    ran: int = 0
+    reused: int = 0
+    failed: list[tuple[list[str], str]] = field(default_factory=list)
+    skipped: str = ""
+
+
+def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
+    """The OLMoE decode trace as a routing trace file at ``out`` (made once); None when ``shared`` lacks it."""
+    if out.is_file():
+        return out
+    source = shared / "olmoe-decode"
+    if not source.is_dir():
+        return None
+    from relibra.importers import load_olmoe_decode
+    from relibra.trace import save_trace
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return save_trace(load_olmoe_decode(source, samples_per_batch=OLMOE_SAMPLES_PER_BATCH), out)
+
+
+def run_grid(
+    preset: str,
+    results_root: Path,
+    overrides: list[str],
+    progress: Progress | None = None,
+) -> GridReport:
+    """Run every unfinished cell of ``preset`` into ``results_root/<preset>`` (the store skips finished ones).
+
+    A failing cell is recorded and the grid goes on; nothing else is retried.
+    """
+    from experiments.run import run  # NOTE: imported late: it pulls in the planners and torch-free simulator
+
+    report = GridReport(preset)
+    store_dir = results_root / preset
+    grid = cells(preset)
+    task = progress.add_task(preset, total=len(grid), reused=0) if progress is not None else None
+    for cell in grid:
+        cfg = compose_cell(preset, [*cell, *overrides, f"results_dir={store_dir}"])
+        key = cell_key(cfg)
+        if ResultsStore(store_dir).has(key):
+            report.reused += 1
+        else:
+            try:
+                run(cfg, run_dir=store_dir / "runs" / key)
+                report.ran += 1
+            except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
+                report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
+                if os.environ.get("RELIBRA_DEBUG"):
+                    traceback.print_exc()
+        if progress is not None and task is not None:
+            progress.update(task, advance=1, reused=report.reused)
+    return report
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<18}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("cells, {task.fields[reused]} reused"),
+        TimeElapsedColumn(),
+        TextColumn("left"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every cell (e.g. logger=wandb)")
+    parser.add_argument("--results", type=Path, default=Path("results"), help="results root (default results/)")
+    parser.add_argument("--presets", nargs="+", default=list(QUICK_PRESETS), help="presets to run, in order")
+    parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
+    args = parser.parse_args(argv)
+    console = Console()
+    root: Path = args.results.resolve()
+    start = time.perf_counter()
+    reports: list[GridReport] = []
+    with _progress(console) as progress:
+        for preset in args.presets:
+            overrides = list(args.overrides)
+            if preset.removeprefix("quick_") == "real_trace":
+                trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")
+                if trace is None:
+                    reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
+                    continue
+                overrides.append(f"trace.path={trace}")
+            reports.append(run_grid(preset, root, overrides, progress))
+    for rep in reports:
+        if rep.skipped:
+            console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
+            continue
+        console.print(f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed")
+        for cell, why in rep.failed:
+            console.print(f"  [red]failed[/red] {' '.join(cell)}: {why.splitlines()[0]}")
+    console.print(f"grid time {time.perf_counter() - start:.0f} s; results in {root}")
+    if not args.no_analysis:
+        from analysis.__main__ import analyse
+
+        out = analyse(root, root / "analysis", console)
+        console.print(f"tables (Markdown, LaTeX): {out.out_dir}")
+        console.print(f"figures (PNG, PDF): {out.out_dir / 'figures'}")
+        for path in out.figures:
+            if path.suffix == ".png":
+                console.print(f"  {path}")
+    return 1 if any(rep.failed for rep in reports) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""The suite's entry point: ``python -m experiments.run`` (console script ``relibra-run``).
+
+``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
+
+1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written);
+2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
+3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
+4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
+   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``);
+5. the logger (``logger=wandb``) sees only what is already on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import pandas as pd
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import (
+    ConfigError,
+    build_cluster,
+    build_cost,
+    build_model,
+    build_planner,
+    dataset_name,
+    load_counts,
+    sim_options,
+    validate,
+)
+from relibra.simulator import CostModelExecutor, SimResult, simulate
+from relibra.types import BatchPlan, SampleCounts, Workload
+from relibra.workload import build_workload
+
+__all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            write(handle)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plan_dump_arrays(
+    plans: Sequence[BatchPlan], counts: SampleCounts, workload: Workload, meta: dict[str, Any]
+) -> dict[str, np.ndarray]:
+    """The DESIGN.md ``plans.npz`` arrays of a run's plans (one per batch, in order)."""
+    sample_gpu = np.concatenate([p.sample_gpu for p in plans]).astype(np.int32)
+    return {
+        "home": np.stack([p.home for p in plans]).astype(np.int32),
+        "sample_gpu": sample_gpu,
+        "sample_mb": workload.sample_mb.astype(np.int32),
+        "mb_batch": workload.mb_batch.astype(np.int32),
+        "load": np.concatenate([p.load for p in plans]).astype(np.int32),
+        "assign": np.concatenate([p.assign for p in plans]).astype(np.int32),
+        "meta": np.array(json.dumps(meta, sort_keys=True)),
+    }
+
+
+def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
+    """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing."""
+    validate(cfg)
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    model.check_ep(cluster)
+    cost = build_cost(cfg, cluster, model)
+    planner = build_planner(cfg)
+    executor = (
+        CostModelExecutor(cost)
+        if str(cfg.executor.name) == "sim"
+        else hydra.utils.instantiate(cfg.executor, _convert_="all")
+    )
+    counts = load_counts(cfg)
+    workload = build_workload(
+        counts,
+        cluster.num_gpus,
+        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
+        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
+    )
+    keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
+    result: SimResult = simulate(planner, counts, workload, cluster, model, cost, sim_options(cfg, keep))
+    row: dict[str, Any] = {
+        "model": model.name,
+        "dataset": dataset_name(cfg, counts),
+        "planner": result.planner,
+        "nodes": cluster.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "replica_slots": int(cfg.planner.get("replica_slots", 0) or 0),
+        "tokens": float(counts.tokens.sum()) / max(counts.num_batches, 1),
+        "executor": str(cfg.executor.name),
+        "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
+        "num_batches": counts.num_batches,
+        "seed": int(cfg.seed),
+        **result.metrics,
+    }
+    if result.plans and not isinstance(executor, CostModelExecutor):
+        report = executor.execute(result.plans, model, cluster)
+        row["executor_moe_time_s"] = float(np.sum(report.moe_time_s)) / max(counts.num_batches, 1)
+        row.update({f"executor_{k}": v for k, v in report.extra.items()})
+    dump = None
+    if cfg.dump_plans and result.plans:
+        meta = {
+            "planner": result.planner,
+            "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node,
+            "replica_slots": row["replica_slots"],
+            "redundant_slots": int(cfg.planner.get("redundant_slots", 0) or 0),
+            "num_experts": model.num_experts,
+            "num_layers": counts.num_layers,
+            "top_k": counts.top_k,
+            "trace": row["trace"],
+            "model": model.name,
+            "replicas_in_home_node": bool(getattr(planner, "replicas_in_home_node", True)),
+        }
+        dump = plan_dump_arrays(result.plans, counts, workload, meta)
+    return pd.DataFrame([row]), result.per_layer(), dump
+
+
+def write_outputs(
+    run_dir: Path, results: pd.DataFrame, per_layer: pd.DataFrame, dump: dict[str, np.ndarray] | None
+) -> None:
+    """Write the run's files atomically; the files already in ``run_dir`` stay whole until replaced."""
+    _atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+    if dump is not None:
+        _atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
+    summary = json.dumps(results.to_dict(orient="records"), indent=2, default=float)
+    _atomic_write(run_dir / "summary.json", lambda f: f.write(summary + "\n"), mode="w")
+    _atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
+
+
+def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
+    """Run one config end to end and return its results (one row per planner run).
+
+    ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
+    the current directory. Raises :class:`~experiments.config.ConfigError` before any work on a bad config.
+    """
+    if run_dir is None:
+        run_dir = cfg.get("run_dir") or (
+            HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "."
+        )
+    out = Path(str(run_dir))
+    results, per_layer, dump = compute(cfg)
+    write_outputs(out, results, per_layer, dump)
+    if str(cfg.logger.name) == "wandb":
+        from experiments.wandb_logger import log_run
+
+        config = OmegaConf.to_container(cfg, resolve=True)
+        log_run(dict(cfg.logger), dict(config), results, per_layer, str(out))  # type: ignore[arg-type]
+    return results
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """The Hydra app: compose, then :func:`run`. A bad config exits with status 2 and one message."""
+    try:
+        results = run(cfg)
+    except ConfigError as exc:
+        print(f"relibra-run: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    cols = ["planner", "model", "dataset", "step_time_s", "throughput_tokens_per_s", "skew_mean", "skew_max"]
+    print(results[[c for c in cols if c in results]].to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

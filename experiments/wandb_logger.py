@@ -1,0 +1,52 @@
+"""Weights & Biases logging for one run: config, metrics row and per-layer table.
+
+Offline by default (``WANDB_MODE=offline`` unless the environment or ``logger.mode`` says otherwise), so it
+works with no network. Any W&B failure only warns: the run's local files are written before this is called.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import pandas as pd
+
+
+def log_run(
+    logger_cfg: dict[str, Any],
+    config: dict[str, Any],
+    results: pd.DataFrame,
+    per_layer: pd.DataFrame,
+    run_dir: str,
+) -> bool:
+    """Log one run; returns True when W&B accepted it, False (with a warning) on any failure."""
+    try:
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", str(logger_cfg.get("mode") or "offline"))
+        os.environ.setdefault("WANDB_SILENT", "true")
+        row = results.iloc[0].to_dict() if len(results) else {}
+        name = "-".join(str(row.get(k, "")) for k in ("planner", "model", "dataset"))
+        run = wandb.init(
+            project=logger_cfg.get("project") or "relibra",
+            entity=logger_cfg.get("entity"),
+            group=logger_cfg.get("group"),
+            tags=list(logger_cfg.get("tags") or []),
+            name=name or None,
+            config=config,
+            dir=run_dir,
+            reinit=True,
+        )
+        try:
+            for record in results.to_dict(orient="records"):
+                run.summary.update({k: v for k, v in record.items() if isinstance(v, int | float | str)})
+                run.log({k: v for k, v in record.items() if isinstance(v, int | float)})
+            if len(per_layer):
+                run.log({"per_layer": wandb.Table(dataframe=per_layer)})
+        finally:
+            run.finish()
+        return True
+    except Exception as exc:  # NOTE: W&B must never cost the local results; any failure is a warning.
+        warnings.warn(f"W&B logging failed, local results are intact: {exc!r}", RuntimeWarning, stacklevel=2)
+        return False

@@ -1,0 +1,365 @@
+"""The shared plan invariant checker (DESIGN.md, "Plan dump").
+
+Every planner's :class:`~relibra.types.BatchPlan` and every ``plans.npz`` must satisfy:
+
+* shapes and dtypes as documented (int32 everywhere; GPU ids in ``[0, G)``);
+* ``load`` is the bincount of the per-sample counts under ``sample_gpu`` / ``sample_mb``;
+* ``assign >= 0`` and token conservation ``sum_g assign[m, l, e, :] == sum_j load[m, l, :, e]``;
+* without redundant slots: each GPU is home to exactly ``E / G`` experts per layer and computes at most
+  ``replica_slots`` distinct non-home experts per (micro-batch, layer);
+* with redundant slots: each GPU computes at most ``E / G + redundant_slots + replica_slots`` distinct
+  experts per (micro-batch, layer);
+* optionally (ReLibra's layer-shared buffer): every non-home copy is in the node of the expert's home;
+* when the plan lists its slot contents (``replicas``, ``redundant``), every non-home expert a GPU computes
+  sits in one of that GPU's slots.
+
+Each violation raises :class:`PlanInvariantError` naming the invariant, the first offending index and
+what would be right.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from os import PathLike
+from typing import Any
+
+import numpy as np
+
+from relibra.planner import BatchContext
+from relibra.types import BatchPlan
+
+__all__ = ["PlanInvariantError", "check_assignment", "check_plan", "check_plan_dump", "sample_loads"]
+
+PLAN_DUMP_ARRAYS = ("home", "sample_gpu", "sample_mb", "mb_batch", "load", "assign", "meta")
+PLAN_DUMP_META_KEYS = (
+    "planner",
+    "nodes",
+    "gpus_per_node",
+    "replica_slots",
+    "redundant_slots",
+    "num_experts",
+    "num_layers",
+    "top_k",
+    "trace",
+)
+
+
+class PlanInvariantError(ValueError):
+    """A plan breaks one of the invariants of DESIGN.md "Plan dump"; the message names which."""
+
+
+def _fail(invariant: str, detail: str) -> None:
+    raise PlanInvariantError(f"[{invariant}] {detail}")
+
+
+def _check_array(name: str, arr: Any, shape: tuple[int, ...] | None, ndim: int, where: str) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.dtype != np.int32:
+        _fail("dtype", f"{where}: {name} has dtype {a.dtype}; expected int32")
+    if a.ndim != ndim:
+        _fail("shape", f"{where}: {name} has shape {a.shape}; expected {ndim} dimensions")
+    if shape is not None and a.shape != shape:
+        _fail("shape", f"{where}: {name} has shape {a.shape}; expected {shape}")
+    return a
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def sample_loads(
+    counts: np.ndarray, sample_gpu: np.ndarray, sample_mb: np.ndarray, num_microbatches: int, num_gpus: int
+) -> np.ndarray:
+    """Loads ``x[m, l, j, e]``: the bincount of per-sample counts under a sample layout.
+
+    counts [S, L, E], sample_gpu [S], sample_mb [S] -> int64 [M, L, G, E].
+    Computed here independently of the workload module so the checker does not trust the code it checks.
+    """
+    counts = np.asarray(counts)
+    s, l, e = counts.shape
+    key = np.asarray(sample_mb, dtype=np.int64) * num_gpus + np.asarray(sample_gpu, dtype=np.int64)
+    out = np.zeros((num_microbatches * num_gpus, l, e), dtype=np.int64)
+    if s:
+        order = np.argsort(key, kind="stable")
+        keys = key[order]
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        sums = np.add.reduceat(counts[order].astype(np.int64), starts, axis=0)
+        out[keys[starts]] = sums
+    # [M * G, L, E] -> [M, L, G, E]
+    return out.reshape(num_microbatches, num_gpus, l, e).transpose(0, 2, 1, 3)
+
+
+def check_assignment(
+    home: np.ndarray,
+    assign: np.ndarray,
+    load: np.ndarray,
+    *,
+    gpus_per_node: int,
+    replica_slots: int,
+    redundant_slots: int = 0,
+    replicas_in_home_node: bool = True,
+    replicas: np.ndarray | None = None,
+    redundant: np.ndarray | None = None,
+    where: str = "plan",
+) -> None:
+    """Check one batch's placement and assignments (every invariant that needs no per-sample counts).
+
+    home [L, E], assign [Mb, L, E, G], load [Mb, L, G, E], replicas [Mb, L, G, r] or None,
+    redundant [L, G, R] or None. Raises :class:`PlanInvariantError`.
+    """
+    home = np.asarray(home)
+    assign = np.asarray(assign)
+    load = np.asarray(load)
+    if assign.ndim != 4:
+        _fail("shape", f"{where}: assign has shape {assign.shape}; expected [Mb, L, E, G]")
+    mb, num_layers, num_experts, num_gpus = assign.shape
+    _check_array("home", home, (num_layers, num_experts), 2, where)
+    _check_array("assign", assign, None, 4, where)
+    _check_array("load", load, (mb, num_layers, num_gpus, num_experts), 4, where)
+    if replica_slots < 0 or redundant_slots < 0:
+        _fail(
+            "slots", f"{where}: replica_slots={replica_slots}, redundant_slots={redundant_slots}; need >= 0"
+        )
+    if num_gpus % gpus_per_node != 0:
+        _fail("shape", f"{where}: G={num_gpus} GPUs is not a multiple of gpus_per_node={gpus_per_node}")
+    if num_experts % num_gpus != 0:
+        _fail("shape", f"{where}: E={num_experts} experts is not divisible by G={num_gpus} GPUs")
+    per_gpu = num_experts // num_gpus
+
+    bad = (home < 0) | (home >= num_gpus)
+    if bad.any():
+        l, e = _first(bad)
+        _fail("home range", f"{where}: home[{l}, {e}]={home[l, e]} is outside [0, {num_gpus})")
+    if (load < 0).any():
+        _fail("load >= 0", f"{where}: load{_first(load < 0)} is negative")
+    if (assign < 0).any():
+        idx = _first(assign < 0)
+        _fail("assign >= 0", f"{where}: assign{idx}={assign[idx]} is negative; token counts must be >= 0")
+
+    want = load.sum(axis=2, dtype=np.int64)  # [Mb, L, E]
+    got = assign.sum(axis=3, dtype=np.int64)  # [Mb, L, E]
+    if not np.array_equal(want, got):
+        m, l, e = _first(want != got)
+        _fail(
+            "token conservation",
+            f"{where}: sum_g assign[{m}, {l}, {e}, :]={got[m, l, e]} but sum_j load[{m}, {l}, :, {e}]="
+            f"{want[m, l, e]}; every routed token must be computed exactly once",
+        )
+
+    gpus = np.arange(num_gpus)
+    is_home = home[:, :, None] == gpus  # [L, E, G]
+    if redundant_slots == 0:
+        homes_per_gpu = is_home.sum(axis=1)  # [L, G]
+        bad = homes_per_gpu != per_gpu
+        if bad.any():
+            l, g = _first(bad)
+            _fail(
+                "home balance",
+                f"{where}: GPU {g} is home to {homes_per_gpu[l, g]} experts in layer {l}; "
+                f"expected exactly E/G = {per_gpu}",
+            )
+
+    computed = assign > 0  # [Mb, L, E, G]
+    non_home = computed & ~is_home[None]
+    if redundant_slots == 0:
+        n_rep = non_home.sum(axis=2)  # [Mb, L, G]
+        bad = n_rep > replica_slots
+        if bad.any():
+            m, l, g = _first(bad)
+            _fail(
+                "replica slots",
+                f"{where}: GPU {g} computes {n_rep[m, l, g]} non-home experts in micro-batch {m}, layer {l}; "
+                f"at most replica_slots={replica_slots}",
+            )
+    else:
+        n_exp = computed.sum(axis=2)
+        limit = per_gpu + redundant_slots + replica_slots
+        bad = n_exp > limit
+        if bad.any():
+            m, l, g = _first(bad)
+            _fail(
+                "redundant slots",
+                f"{where}: GPU {g} computes {n_exp[m, l, g]} distinct experts in micro-batch {m}, layer {l}; "
+                f"at most E/G + redundant_slots + replica_slots = {limit}",
+            )
+
+    if replicas_in_home_node:
+        home_node = home // gpus_per_node  # [L, E]
+        off_node = non_home & (home_node[None, :, :, None] != (gpus // gpus_per_node))
+        if off_node.any():
+            m, l, e, g = _first(off_node)
+            _fail(
+                "replicas in home node",
+                f"{where}: expert {e} (home GPU {home[l, e]}) is computed on GPU {g} of another node in "
+                f"micro-batch {m}, layer {l}; replicas must stay in the home node",
+            )
+
+    held = np.zeros_like(non_home)  # [Mb, L, E, G]: non-home experts a GPU holds in some slot
+    listed = False
+    if replicas is not None:
+        rep = np.asarray(replicas)
+        if rep.ndim != 4 or rep.shape[:3] != (mb, num_layers, num_gpus) or rep.shape[3] > replica_slots:
+            _fail(
+                "shape",
+                f"{where}: replicas has shape {rep.shape}; expected [{mb}, {num_layers}, {num_gpus}, r] "
+                f"with r <= replica_slots={replica_slots}",
+            )
+        _mark_slots(held, rep, num_experts, "replicas", where)
+        listed = True
+    if redundant is not None:
+        red = np.asarray(redundant)
+        if red.ndim != 3 or red.shape[:2] != (num_layers, num_gpus) or red.shape[2] > redundant_slots:
+            _fail(
+                "shape",
+                f"{where}: redundant has shape {red.shape}; expected [{num_layers}, {num_gpus}, R] "
+                f"with R <= redundant_slots={redundant_slots}",
+            )
+        _mark_slots(held, np.broadcast_to(red, (mb, *red.shape)), num_experts, "redundant", where)
+        listed = True
+    if listed:
+        missing = non_home & ~held
+        if missing.any():
+            m, l, e, g = _first(missing)
+            _fail(
+                "slot contents",
+                f"{where}: GPU {g} computes non-home expert {e} in micro-batch {m}, layer {l} but holds it "
+                "in none of its replica or redundant slots",
+            )
+
+
+def _mark_slots(held: np.ndarray, slots: np.ndarray, num_experts: int, name: str, where: str) -> None:
+    """Mark held[m, l, e, g] for every expert e in slots[m, l, g, :] (-1 = empty)."""
+    bad = (slots < -1) | (slots >= num_experts)
+    if bad.any():
+        _fail("slot range", f"{where}: {name}{_first(bad)} is outside [-1, {num_experts})")
+    m, l, g, _ = np.nonzero(slots >= 0)
+    held[m, l, slots[slots >= 0], g] = True
+
+
+def check_plan(
+    plan: BatchPlan,
+    ctx: BatchContext,
+    *,
+    replica_slots: int,
+    redundant_slots: int = 0,
+    replicas_in_home_node: bool = True,
+) -> None:
+    """Assert every invariant of one batch plan against the context it was planned from.
+
+    Raises :class:`PlanInvariantError` naming the first violated invariant.
+    """
+    where = f"batch {ctx.batch}"
+    g = ctx.num_gpus
+    sb = int(np.asarray(ctx.sample_mb).shape[0])
+    mb = ctx.num_microbatches
+    sample_gpu = _check_array("sample_gpu", plan.sample_gpu, (sb,), 1, where)
+    bad = (sample_gpu < 0) | (sample_gpu >= g)
+    if bad.any():
+        (s,) = _first(bad)
+        _fail("sample_gpu range", f"{where}: sample_gpu[{s}]={sample_gpu[s]} is outside [0, {g})")
+    num_layers, num_experts = ctx.counts.shape[1:]
+    _check_array("load", plan.load, (mb, num_layers, g, num_experts), 4, where)
+    _check_array("assign", plan.assign, (mb, num_layers, num_experts, g), 4, where)
+    expected = sample_loads(ctx.counts, sample_gpu, ctx.sample_mb, mb, g)
+    if not np.array_equal(expected, plan.load):
+        m, l, j, e = _first(expected != plan.load)
+        _fail(
+            "load",
+            f"{where}: load[{m}, {l}, {j}, {e}]={plan.load[m, l, j, e]} but the counts under the plan's "
+            f"sample_gpu / sample_mb give {expected[m, l, j, e]}",
+        )
+    if not (plan.plan_time_s >= 0.0):
+        _fail("plan_time_s", f"{where}: plan_time_s={plan.plan_time_s}; expected a time >= 0")
+    check_assignment(
+        plan.home,
+        plan.assign,
+        plan.load,
+        gpus_per_node=ctx.cluster.gpus_per_node,
+        replica_slots=replica_slots,
+        redundant_slots=redundant_slots,
+        replicas_in_home_node=replicas_in_home_node,
+        replicas=plan.replicas,
+        redundant=plan.redundant,
+        where=where,
+    )
+
+
+def check_plan_dump(
+    source: str | PathLike[str] | Mapping[str, Any],
+    *,
+    counts: np.ndarray | None = None,
+    replicas_in_home_node: bool | None = None,
+) -> dict[str, Any]:
+    """Check a ``plans.npz`` (a path or a mapping of its arrays) against DESIGN.md "Plan dump".
+
+    ``counts`` int [S, L, E] (optional): the trace's per-sample counts, to check that ``load`` is their
+    bincount. ``replicas_in_home_node``: None reads ``meta["replicas_in_home_node"]`` (default True).
+    Returns the parsed ``meta``. Raises :class:`PlanInvariantError`.
+    """
+    if isinstance(source, Mapping):
+        arrays = dict(source)
+    else:
+        with np.load(source, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    missing = [k for k in PLAN_DUMP_ARRAYS if k not in arrays]
+    if missing:
+        _fail("keys", f"plan dump lacks {missing}; expected arrays {list(PLAN_DUMP_ARRAYS)}")
+    try:
+        meta = json.loads(str(np.asarray(arrays["meta"])))
+    except json.JSONDecodeError as exc:
+        _fail("meta", f"plan dump meta is not JSON: {exc}")
+    if not isinstance(meta, dict):
+        _fail("meta", f"plan dump meta is a {type(meta).__name__}; expected a JSON object")
+    lacking = [k for k in PLAN_DUMP_META_KEYS if k not in meta]
+    if lacking:
+        _fail("meta", f"plan dump meta lacks {lacking}; expected keys {list(PLAN_DUMP_META_KEYS)}")
+
+    nodes, gpn = int(meta["nodes"]), int(meta["gpus_per_node"])
+    g = nodes * gpn
+    num_layers, num_experts = int(meta["num_layers"]), int(meta["num_experts"])
+    home = _check_array("home", arrays["home"], None, 3, "plan dump")
+    num_batches = home.shape[0]
+    _check_array("home", home, (num_batches, num_layers, num_experts), 3, "plan dump")
+    mb_batch = _check_array("mb_batch", arrays["mb_batch"], None, 1, "plan dump")
+    m = mb_batch.shape[0]
+    load = _check_array("load", arrays["load"], (m, num_layers, g, num_experts), 4, "plan dump")
+    assign = _check_array("assign", arrays["assign"], (m, num_layers, num_experts, g), 4, "plan dump")
+    sample_gpu = _check_array("sample_gpu", arrays["sample_gpu"], None, 1, "plan dump")
+    sample_mb = _check_array("sample_mb", arrays["sample_mb"], sample_gpu.shape, 1, "plan dump")
+    if m and (np.any(np.diff(mb_batch) < 0) or mb_batch[0] < 0 or mb_batch[-1] >= num_batches):
+        _fail("mb_batch", f"plan dump: mb_batch must be non-decreasing within [0, {num_batches})")
+    if ((sample_gpu < 0) | (sample_gpu >= g)).any():
+        _fail("sample_gpu range", f"plan dump: sample_gpu has ids outside [0, {g})")
+    if ((sample_mb < 0) | (sample_mb >= m)).any():
+        _fail("sample_mb range", f"plan dump: sample_mb has ids outside [0, {m})")
+    if counts is not None:
+        c = np.asarray(counts)
+        if c.shape != (sample_gpu.shape[0], num_layers, num_experts):
+            _fail(
+                "shape",
+                f"plan dump: counts has shape {c.shape}; expected "
+                f"[{sample_gpu.shape[0]}, {num_layers}, {num_experts}]",
+            )
+        expected = sample_loads(c, sample_gpu, sample_mb, m, g)
+        if not np.array_equal(expected, load):
+            idx = _first(expected != load)
+            _fail("load", f"plan dump: load{idx}={load[idx]} but the counts give {expected[idx]}")
+    in_node = (
+        bool(meta.get("replicas_in_home_node", True))
+        if replicas_in_home_node is None
+        else (replicas_in_home_node)
+    )
+    for b in range(num_batches):
+        mbs = np.flatnonzero(mb_batch == b)
+        check_assignment(
+            home[b],
+            assign[mbs],
+            load[mbs],
+            gpus_per_node=gpn,
+            replica_slots=int(meta["replica_slots"]),
+            redundant_slots=int(meta["redundant_slots"]),
+            replicas_in_home_node=in_node,
+            where=f"plan dump batch {b}",
+        )
+    return meta

@@ -1,0 +1,652 @@
+"""ReLibra's inter-batch expert reordering: swap-based simulated annealing over placements.
+
+Once per batch and per MoE layer, choose the home GPU of every expert (``E / G`` experts per GPU) so that
+the batch's MoE time under the cost model is small (paper, section "inter-batch reordering"):
+
+1. **Objective.** The cost model's ``T_MoE = max_g T_comp(g) + max_g T_comm(g)`` with every expert computed
+   at home, using the linearised coefficients of :meth:`CostModel.linear` for compute (seconds per token plus
+   a fixed cost per non-empty expert) and the exact rail-optimized link routing of
+   :meth:`CostModel.link_bytes` for communication. ``objective="microbatch"`` (the default) sums ``T_MoE``
+   over the batch's ``Mb`` micro-batches, which is what the simulator charges; ``objective="aggregate"``
+   evaluates one ``T_MoE`` on the batch's summed loads. The paper's O(G)-per-swap update is the aggregate
+   form; the per-micro-batch form costs O(Mb * G) per swap.
+2. **Smoothing.** ``LSE_beta(z) = (1 / beta) * log(sum_k exp(beta * z_k))`` replaces each max over GPUs
+   during the search, so a swap that relieves a non-maximal GPU still lowers the objective; ``beta`` grows
+   geometrically toward the hard max. The best placement is kept by the TRUE (hard-max) objective.
+3. **Annealing.** Start from LPT (:func:`lpt_placement`); propose swaps of two experts on different GPUs,
+   preferring different nodes (intra-node imbalance is the replicator's job); update the per-GPU compute
+   and per-GPU link-class loads incrementally (a swap of ``a`` on ``p`` with ``b`` on ``q`` changes the
+   traffic of every source towards ``p`` and ``q``: O(G) entries per micro-batch, never a recomputation);
+   accept by the Metropolis rule on the smoothed objective. Several seeds; the best wins.
+4. **Migration awareness** (beyond the paper): ``migration_weight > 0`` charges each GPU for the experts it
+   receives from the previous batch's placement (weights, gradients and optimizer state; NVLink within a
+   node, the rail NIC across nodes; the busiest GPU bounds the transfer), so a change must pay for itself.
+
+All times inside the search are normalised by the mean per-GPU compute time of a micro-batch, so ``beta``
+and the temperatures are dimensionless. The hot loop is compiled with numba.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from relibra.cluster import ClusterSpec
+from relibra.cost import CostModel
+from relibra.planner import BatchContext, Reordering, static_placement
+from relibra.planners.locality import locality_round
+
+__all__ = [
+    "MIGRATION_BYTES_PER_PARAM",
+    "AnnealConfig",
+    "AnnealingReorderer",
+    "LayerProblem",
+    "anneal_layer",
+    "full_state",
+    "layer_problem",
+    "link_routes",
+    "lpt_placement",
+    "placement_objective",
+]
+
+MIGRATION_BYTES_PER_PARAM = 18
+"""Bytes moved per expert parameter when its home changes, under Megatron's mixed-precision Adam: bf16
+weight (2) + fp32 main gradient (4) + fp32 master weight, exp_avg and exp_avg_sq (3 x 4)."""
+
+NUM_LINKS = 8
+"""Per-GPU link-class loads tracked by the search, one-way tokens: dispatch (``0`` NVLink send, ``1`` NVLink
+receive, ``2`` NIC send, ``3`` NIC receive), then the same four for combine (the transposed exchange)."""
+
+
+@dataclass(frozen=True)
+class AnnealConfig:
+    """Parameters of :class:`AnnealingReorderer` (all have defaults; Hydra passes them as keyword args)."""
+
+    iterations: int = 2000
+    """Swap proposals per seed and layer."""
+    seeds: tuple[int, ...] = (0, 1)
+    """Independent annealing runs per layer; the best placement by the true objective wins."""
+    objective: str = "microbatch"
+    """``microbatch``: sum of ``T_MoE`` over micro-batches; ``aggregate``: ``T_MoE`` of the summed loads."""
+    beta_start: float = 8.0
+    """Initial LSE sharpness, in units of 1 / (mean per-GPU compute time of a micro-batch)."""
+    beta_end: float = 2000.0
+    """Final LSE sharpness (``log(G) / beta_end`` is the largest remaining smoothing error)."""
+    beta_stages: int = 24
+    """Number of geometric beta steps (the smoothed current value is re-evaluated at each step)."""
+    temperature_start: float = 0.02
+    """Initial Metropolis temperature, relative to the LPT start's smoothed objective."""
+    temperature_end: float = 1e-5
+    """Final Metropolis temperature, relative to the LPT start's smoothed objective."""
+    cross_node_prob: float = 0.85
+    """Probability that a proposal swaps with an expert on another node (when there are several nodes)."""
+    guided_prob: float = 0.5
+    """Probability that the first expert of a proposal comes from a bottleneck GPU of a random micro-batch."""
+    migration_weight: float = 0.0
+    """Weight of the migration time (seconds per batch) added to the objective; 0 disables it."""
+    locality: bool = False
+    """Run the second round (sample re-assignment for data locality, :mod:`relibra.planners.locality`)."""
+    locality_tolerance: float = 0.05
+    """Per-GPU token slack of the locality round, relative to the micro-batch's mean tokens per GPU."""
+    workers: int = 1
+    """Processes for the per-layer problems (layers are split over workers; each runs every seed)."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("microbatch", "aggregate"):
+            raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
+        if self.iterations < 0:
+            raise ValueError(f"iterations={self.iterations}; expected >= 0")
+        if len(self.seeds) == 0:
+            raise ValueError("seeds is empty; give at least one seed, e.g. seeds=[0]")
+        if not (0 < self.beta_start <= self.beta_end):
+            raise ValueError(f"beta_start={self.beta_start}, beta_end={self.beta_end}; need 0 < start <= end")
+        if self.beta_stages < 1:
+            raise ValueError(f"beta_stages={self.beta_stages}; expected >= 1")
+        if not (0 < self.temperature_end <= self.temperature_start):
+            raise ValueError(
+                f"temperature_start={self.temperature_start}, temperature_end={self.temperature_end}; "
+                "need 0 < end <= start"
+            )
+        for name in ("cross_node_prob", "guided_prob"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name}={v}; expected a probability in [0, 1]")
+        if self.migration_weight < 0:
+            raise ValueError(f"migration_weight={self.migration_weight}; expected >= 0")
+        if self.locality_tolerance < 0:
+            raise ValueError(f"locality_tolerance={self.locality_tolerance}; expected >= 0")
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}; expected >= 1")
+
+    @classmethod
+    def from_params(cls, **params: Any) -> AnnealConfig:
+        """Build from keyword parameters (Hydra lists become tuples); unknown names are refused."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise TypeError(f"unknown reordering parameter(s) {unknown}; known: {sorted(known)}")
+        if "seeds" in params:
+            seeds = params["seeds"]
+            params["seeds"] = (int(seeds),) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
+        return cls(**params)
+
+
+# ----------------------------------------------------------------------------------------------- LPT
+def lpt_placement(load_e: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Greedy LPT placement: heaviest expert first onto the least-loaded GPU with a free home slot.
+
+    Args:
+        load_e: [L, E] or [E] per-expert load (tokens or seconds).
+        num_gpus: ``G``; must divide ``E``.
+    Returns:
+        int32 home of the same shape: each GPU is home to exactly ``E / G`` experts per layer. Ties go to the
+        lowest GPU id (deterministic).
+    """
+    load = np.asarray(load_e, dtype=np.float64)
+    squeeze = load.ndim == 1
+    if squeeze:
+        load = load[None]
+    if load.ndim != 2:
+        raise ValueError(f"load_e has shape {np.shape(load_e)}; expected [L, E] or [E]")
+    num_layers, num_experts = load.shape
+    if num_gpus < 1 or num_experts % num_gpus != 0:
+        raise ValueError(f"num_gpus={num_gpus} must be >= 1 and divide the number of experts E={num_experts}")
+    per_gpu = num_experts // num_gpus
+    order = np.argsort(-load, axis=1, kind="stable")  # [L, E]
+    gpu_load = np.zeros((num_layers, num_gpus))
+    gpu_count = np.zeros((num_layers, num_gpus), dtype=np.int64)
+    home = np.empty((num_layers, num_experts), dtype=np.int32)
+    rows = np.arange(num_layers)
+    for i in range(num_experts):
+        e = order[:, i]
+        g = np.argmin(np.where(gpu_count < per_gpu, gpu_load, np.inf), axis=1)
+        home[rows, e] = g
+        gpu_load[rows, g] += load[rows, e]
+        gpu_count[rows, g] += 1
+    return home[0] if squeeze else home
+
+
+# ------------------------------------------------------------------------------------- link routing
+def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where one token sent from source ``j`` to computing GPU ``g`` is counted, per the rail fabric.
+
+    Mirrors :meth:`CostModel.link_bytes` for the dispatch exchange ``j -> g`` and the combine exchange
+    ``g -> j``: intra-node traffic uses NVLink; same-rail inter-node traffic the rail NIC; cross-rail
+    inter-node traffic an NVLink hop to the proxy ``(node of sender, rail of receiver)`` and then that proxy's
+    NIC.
+
+    Returns:
+        idx int32 [G, G, 8]: flat index ``link * G + gpu`` into a per-GPU link state [8, G] (see
+        :data:`NUM_LINKS`), padded with -1; count int32 [G, G]: valid entries of ``idx[j, g]``.
+    """
+    g_total = nodes * gpus_per_node
+    idx = np.full((g_total, g_total, NUM_LINKS), -1, dtype=np.int32)
+    count = np.zeros((g_total, g_total), dtype=np.int32)
+    for j in range(g_total):
+        nj, rj = divmod(j, gpus_per_node)
+        for g in range(g_total):
+            ng, rg = divmod(g, gpus_per_node)
+            if j == g:
+                continue
+            entries: list[tuple[int, int]] = []
+            if nj == ng:  # intra-node, NVLink
+                entries += [(0, j), (1, g), (4, g), (5, j)]
+            elif rj == rg:  # same rail, NIC only
+                entries += [(2, j), (3, g), (6, g), (7, j)]
+            else:  # cross rail: NVLink hop on the sender's node, then the proxy's NIC
+                proxy_d = nj * gpus_per_node + rg  # dispatch j -> g
+                proxy_c = ng * gpus_per_node + rj  # combine g -> j
+                entries += [(0, j), (1, proxy_d), (2, proxy_d), (3, g)]
+                entries += [(4, g), (5, proxy_c), (6, proxy_c), (7, j)]
+            count[j, g] = len(entries)
+            for k, (link, gpu) in enumerate(entries):
+                idx[j, g, k] = link * g_total + gpu
+    return idx, count
+
+
+# -------------------------------------------------------------------------------- one layer's problem
+@dataclass(frozen=True)
+class LayerProblem:
+    """One layer's reordering problem in normalised units (times divided by ``scale`` seconds)."""
+
+    x: np.ndarray
+    """float64 [Mb, E, G]: tokens of expert ``e`` held by source GPU ``j`` (transposed ``x[m, j, e]``)."""
+    w: np.ndarray
+    """float64 [Mb, E]: normalised compute time of expert ``e`` (per-token + fixed per non-empty expert)."""
+    coef: np.ndarray
+    """float64 [3]: normalised NVLink and NIC time per token per phase, and the normalised fixed latency."""
+    mig: np.ndarray
+    """float64 [E, G]: weighted normalised migration time if expert ``e`` is homed on ``g`` (0: no charge)."""
+    scale: float
+    """Seconds per normalised unit (the mean per-GPU compute time of a micro-batch)."""
+
+
+def layer_problem(
+    load_l: np.ndarray,
+    cost: CostModel,
+    *,
+    prev_home: np.ndarray | None = None,
+    migration_weight: float = 0.0,
+) -> LayerProblem:
+    """Normalise one layer's loads ``load_l`` [Mb, G, E] (one row per micro-batch) into a problem.
+
+    ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge.
+    """
+    load_l = np.asarray(load_l)
+    if load_l.ndim != 3:
+        raise ValueError(f"load_l has shape {load_l.shape}; expected [Mb, G, E]")
+    mb, g, e = load_l.shape
+    lin = cost.linear()
+    tokens = load_l.sum(axis=1, dtype=np.float64)  # [Mb, E]
+    w_s = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
+    scale = float(w_s.sum() / (mb * g)) if w_s.sum() > 0 else 1.0
+    lat = 4.0 * cost.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
+    coef = np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat]) / scale
+    mig = np.zeros((e, g))
+    if prev_home is not None and migration_weight > 0:
+        prev = np.asarray(prev_home, dtype=np.int64)
+        if prev.shape != (e,):
+            raise ValueError(f"prev_home has shape {prev.shape}; expected [E]=({e},)")
+        gpn = cost.cluster.gpus_per_node
+        nbytes = cost.model.expert_params * MIGRATION_BYTES_PER_PARAM
+        token_bytes = cost.model.hidden * 2.0
+        s_per_byte_nvl = lin.nvlink_s_per_token / (4.0 * token_bytes)
+        s_per_byte_nic = lin.rdma_s_per_token / (4.0 * token_bytes)
+        gpus = np.arange(g)
+        same_node = (prev[:, None] // gpn) == (gpus[None, :] // gpn)
+        mig = np.where(same_node, nbytes * s_per_byte_nvl, nbytes * s_per_byte_nic)
+        mig[prev[:, None] == gpus[None, :]] = 0.0
+        mig = migration_weight * mig / scale
+    x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
+    return LayerProblem(x=x, w=w_s / scale, coef=coef, mig=np.ascontiguousarray(mig), scale=scale)
+
+
+# ------------------------------------------------------------------------------------ numba kernels
+@njit(cache=True)
+def full_state(
+    home: np.ndarray, x: np.ndarray, w: np.ndarray, idx: np.ndarray, cnt: np.ndarray, mig: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-GPU state from scratch: comp [Mb, G], link [Mb, 8 * G] (tokens), migration [G]."""
+    mb, e_total, g_total = x.shape
+    comp = np.zeros((mb, g_total))
+    link = np.zeros((mb, NUM_LINKS * g_total))
+    migr = np.zeros(g_total)
+    for e in range(e_total):
+        g = home[e]
+        migr[g] += mig[e, g]
+        for m in range(mb):
+            comp[m, g] += w[m, e]
+            for j in range(g_total):
+                v = x[m, e, j]
+                if v != 0.0:
+                    for k in range(cnt[j, g]):
+                        link[m, idx[j, g, k]] += v
+    return comp, link, migr
+
+
+@njit(cache=True)
+def _comm_gpu(link_m: np.ndarray, g: int, g_total: int, coef: np.ndarray) -> float:
+    """Normalised all-to-all time of GPU ``g`` from its eight link loads (4 phases plus latency)."""
+    cn = coef[0]
+    ci = coef[1]
+    d = max(
+        cn * max(link_m[g], link_m[g_total + g]), ci * max(link_m[2 * g_total + g], link_m[3 * g_total + g])
+    )
+    c = max(
+        cn * max(link_m[4 * g_total + g], link_m[5 * g_total + g]),
+        ci * max(link_m[6 * g_total + g], link_m[7 * g_total + g]),
+    )
+    return 2.0 * (d + c) + coef[2]
+
+
+@njit(cache=True)
+def _evaluate(
+    comp: np.ndarray, link: np.ndarray, migr: np.ndarray, coef: np.ndarray, beta: float, arg: np.ndarray
+) -> tuple[float, float]:
+    """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2]."""
+    mb, g_total = comp.shape
+    comm = np.empty(g_total)
+    true = 0.0
+    smooth = 0.0
+    for m in range(mb):
+        cmax = -1.0
+        ca = 0
+        for g in range(g_total):
+            if comp[m, g] > cmax:
+                cmax = comp[m, g]
+                ca = g
+        kmax = -1.0
+        ka = 0
+        for g in range(g_total):
+            v = _comm_gpu(link[m], g, g_total, coef)
+            comm[g] = v
+            if v > kmax:
+                kmax = v
+                ka = g
+        sc = 0.0
+        sk = 0.0
+        for g in range(g_total):
+            # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
+            u = beta * (comp[m, g] - cmax)
+            if u > -40.0:
+                sc += math.exp(u)
+            u = beta * (comm[g] - kmax)
+            if u > -40.0:
+                sk += math.exp(u)
+        true += cmax + kmax
+        smooth += cmax + kmax + (math.log(sc) + math.log(sk)) / beta
+        arg[m, 0] = ca
+        arg[m, 1] = ka
+    mmax = 0.0
+    for g in range(g_total):
+        if migr[g] > mmax:
+            mmax = migr[g]
+    return true + mmax, smooth + mmax
+
+
+@njit(cache=True)
+def _apply_swap(
+    a: int,
+    b: int,
+    p: int,
+    q: int,
+    x: np.ndarray,
+    w: np.ndarray,
+    idx: np.ndarray,
+    cnt: np.ndarray,
+    mig: np.ndarray,
+    comp: np.ndarray,
+    link: np.ndarray,
+    migr: np.ndarray,
+) -> None:
+    """Move expert ``a`` from GPU ``p`` to ``q`` and ``b`` from ``q`` to ``p``: O(Mb * G) state update."""
+    mb, _, g_total = x.shape
+    migr[p] += mig[b, p] - mig[a, p]
+    migr[q] += mig[a, q] - mig[b, q]
+    for m in range(mb):
+        dw = w[m, b] - w[m, a]
+        comp[m, p] += dw
+        comp[m, q] -= dw
+        for j in range(g_total):
+            d = x[m, b, j] - x[m, a, j]
+            if d != 0.0:
+                for k in range(cnt[j, p]):
+                    link[m, idx[j, p, k]] += d
+                for k in range(cnt[j, q]):
+                    link[m, idx[j, q, k]] -= d
+
+
+@njit(cache=True)
+def _anneal_kernel(
+    home0: np.ndarray,
+    x: np.ndarray,
+    w: np.ndarray,
+    idx: np.ndarray,
+    cnt: np.ndarray,
+    mig: np.ndarray,
+    coef: np.ndarray,
+    gpus_per_node: int,
+    iterations: int,
+    rng: np.random.Generator,
+    beta_start: float,
+    beta_end: float,
+    beta_stages: int,
+    t_start: float,
+    t_end: float,
+    cross_node_prob: float,
+    guided_prob: float,
+) -> tuple[np.ndarray, float, float, int]:
+    """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
+    mb, e_total, g_total = x.shape
+    per_gpu = e_total // g_total
+    nodes = g_total // gpus_per_node
+    home = home0.copy()
+    slots = np.empty((g_total, per_gpu), dtype=np.int64)
+    pos = np.empty(e_total, dtype=np.int64)
+    fill = np.zeros(g_total, dtype=np.int64)
+    for e in range(e_total):
+        g = home[e]
+        slots[g, fill[g]] = e
+        pos[e] = fill[g]
+        fill[g] += 1
+    comp, link, migr = full_state(home, x, w, idx, cnt, mig)
+    comp2 = comp.copy()
+    link2 = link.copy()
+    migr2 = migr.copy()
+    arg = np.zeros((mb, 2), dtype=np.int64)
+    arg_new = np.zeros((mb, 2), dtype=np.int64)
+    beta = beta_start
+    true0, cur = _evaluate(comp, link, migr, coef, beta, arg)
+    best = true0
+    best_home = home.copy()
+    if g_total < 2 or iterations == 0:
+        return best_home, best, true0, 0
+    t_scale = max(cur, 1e-12)
+    accepted = 0
+    stage_len = max(1, iterations // beta_stages)
+    for it in range(iterations):
+        frac = it / iterations
+        if it % stage_len == 0 and it > 0:
+            beta = beta_start * (beta_end / beta_start) ** frac
+            _, cur = _evaluate(comp, link, migr, coef, beta, arg)
+        temp = t_scale * t_start * (t_end / t_start) ** frac
+        # Step 1: the first expert, from a bottleneck GPU (guided) or uniformly.
+        if rng.random() < guided_prob:
+            p = arg[rng.integers(0, mb), rng.integers(0, 2)]
+            a = slots[p, rng.integers(0, per_gpu)]
+        else:
+            a = rng.integers(0, e_total)
+            p = home[a]
+        # Step 2: the partner GPU, preferably on another node.
+        if nodes > 1 and rng.random() < cross_node_prob:
+            node_p = p // gpus_per_node
+            nd = rng.integers(0, nodes - 1)
+            if nd >= node_p:
+                nd += 1
+            q = nd * gpus_per_node + rng.integers(0, gpus_per_node)
+        else:
+            q = rng.integers(0, g_total - 1)
+            if q >= p:
+                q += 1
+        b = slots[q, rng.integers(0, per_gpu)]
+        # Step 3: incremental update of a scratch copy (cheaper than undoing a rejected swap), Metropolis
+        # acceptance on the smoothed objective.
+        comp2[:, :] = comp
+        link2[:, :] = link
+        migr2[:] = migr
+        _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
+        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new)
+        delta = new - cur
+        if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
+            comp, comp2 = comp2, comp
+            link, link2 = link2, link
+            migr, migr2 = migr2, migr
+            accepted += 1
+            cur = new
+            home[a] = q
+            home[b] = p
+            pa = pos[a]
+            pb = pos[b]
+            slots[q, pb] = a
+            slots[p, pa] = b
+            pos[a] = pb
+            pos[b] = pa
+            arg[:, :] = arg_new
+            if new_true < best:
+                best = new_true
+                best_home[:] = home
+    return best_home, best, true0, accepted
+
+
+def anneal_layer(
+    problem: LayerProblem,
+    home0: np.ndarray,
+    cluster: ClusterSpec,
+    config: AnnealConfig,
+    seed: int,
+    routes: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, float, float]:
+    """Anneal one layer from ``home0`` [E] with one seed.
+
+    Returns (best home int32 [E], its true objective in seconds, the start's true objective in seconds).
+    """
+    idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
+    best_home, best, start, _ = _anneal_kernel(
+        np.asarray(home0, dtype=np.int64),
+        problem.x,
+        problem.w,
+        idx,
+        cnt,
+        problem.mig,
+        problem.coef,
+        cluster.gpus_per_node,
+        config.iterations,
+        np.random.default_rng(seed),
+        config.beta_start,
+        config.beta_end,
+        config.beta_stages,
+        config.temperature_start,
+        config.temperature_end,
+        config.cross_node_prob,
+        config.guided_prob,
+    )
+    return best_home.astype(np.int32), best * problem.scale, start * problem.scale
+
+
+def placement_objective(
+    problem: LayerProblem,
+    home: np.ndarray,
+    cluster: ClusterSpec,
+    routes: tuple[np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """True objective in seconds of placement ``home`` [E] (sum over the problem's micro-batches)."""
+    idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
+    comp, link, migr = full_state(
+        np.asarray(home, dtype=np.int64), problem.x, problem.w, idx, cnt, problem.mig
+    )
+    arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
+    true, _ = _evaluate(comp, link, migr, problem.coef, 1.0, arg)
+    return float(true * problem.scale)
+
+
+# ----------------------------------------------------------------------------------- the reorderer
+@dataclass(frozen=True)
+class _LayerTask:
+    """Picklable work unit: a chunk of layers, all seeds."""
+
+    layers: tuple[int, ...]
+    loads: np.ndarray
+    """[Mb', n, G, E] loads of the chunk's layers (Mb' = 1 for the aggregate objective)."""
+    prev_home: np.ndarray | None
+    """[n, E] or None."""
+    start_home: np.ndarray
+    """[n, E] LPT start placements."""
+    seeds: tuple[int, ...]
+    config: AnnealConfig = field(repr=False)
+    cost: CostModel = field(repr=False)
+
+
+def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
+    """Every seed on every layer of the chunk -> per layer (best home [E], best s, LPT start s)."""
+    cfg, cost = task.config, task.cost
+    routes = link_routes(cost.cluster.nodes, cost.cluster.gpus_per_node)
+    out = []
+    for i, layer in enumerate(task.layers):
+        prev = None if task.prev_home is None else task.prev_home[i]
+        problem = layer_problem(task.loads[:, i], cost, prev_home=prev, migration_weight=cfg.migration_weight)
+        start = task.start_home[i]
+        lpt_obj = placement_objective(problem, start, cost.cluster, routes)
+        if prev is not None and cfg.migration_weight > 0:
+            # NOTE: staying put costs no migration; start from whichever is better by the true objective.
+            if placement_objective(problem, prev, cost.cluster, routes) < lpt_obj:
+                start = prev.astype(np.int32)
+        best: tuple[np.ndarray, float] | None = None
+        for s in task.seeds:
+            seed = int(np.random.SeedSequence([s, layer]).generate_state(1)[0] & 0x7FFFFFFF)
+            home, obj, _ = anneal_layer(problem, start, cost.cluster, cfg, seed, routes)
+            if best is None or obj < best[1]:
+                best = (home, obj)
+        assert best is not None
+        out.append((best[0], best[1], lpt_obj))
+    return out
+
+
+class AnnealingReorderer:
+    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`).
+
+    ``AnnealingReorderer(**params)`` takes the fields of :class:`AnnealConfig` as keyword arguments.
+    """
+
+    def __init__(self, **params: Any) -> None:
+        self.config = AnnealConfig.from_params(**params)
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        """Placement ``home`` [L, E] for the batch, and (with ``locality``) a new ``sample_gpu`` [Sb].
+
+        Stats: ``reorder_objective_s`` and ``reorder_lpt_objective_s`` (true objective summed over layers, in
+        seconds), ``reorder_moved_experts`` (experts whose home differs from ``ctx.prev_home``, or from the
+        static Megatron placement on the first batch), ``reorder_time_s``, and the locality round's stats.
+        """
+        t0 = time.perf_counter()
+        cfg = self.config
+        load = np.asarray(ctx.load)
+        if load.ndim != 4:
+            raise ValueError(f"ctx.load has shape {load.shape}; expected [Mb, L, G, E]")
+        _, num_layers, g, num_experts = load.shape
+        if g != ctx.num_gpus:
+            raise ValueError(f"ctx.load has G={g} GPUs but ctx.cluster has {ctx.num_gpus}")
+        if num_experts % g != 0:
+            raise ValueError(f"E={num_experts} experts is not divisible by G={g} GPUs")
+        if cfg.objective == "aggregate":
+            load = load.sum(axis=0, keepdims=True, dtype=np.int64)
+        prev = None if ctx.prev_home is None else np.asarray(ctx.prev_home, dtype=np.int32)
+        if prev is not None and prev.shape != (num_layers, num_experts):
+            raise ValueError(
+                f"ctx.prev_home has shape {prev.shape}; expected [L, E]=({num_layers}, {num_experts})"
+            )
+        lin = ctx.cost.linear()
+        tokens_e = load.sum(axis=(0, 2), dtype=np.float64)  # [L, E]
+        start = lpt_placement(
+            lin.compute_s_per_token * tokens_e + lin.compute_s_per_expert * (tokens_e > 0), g
+        )
+        seeds = tuple(
+            int(np.random.SeedSequence([s, ctx.seed, ctx.batch]).generate_state(1)[0]) for s in cfg.seeds
+        )
+
+        chunks = [c for c in np.array_split(np.arange(num_layers), min(cfg.workers, num_layers)) if c.size]
+        tasks = [
+            _LayerTask(
+                layers=tuple(int(v) for v in c),
+                loads=load[:, c],
+                prev_home=None if prev is None else prev[c],
+                start_home=start[c],
+                seeds=seeds,
+                config=cfg,
+                cost=ctx.cost,
+            )
+            for c in chunks
+        ]
+        if cfg.workers > 1 and len(tasks) > 1:
+            with ProcessPoolExecutor(max_workers=len(tasks)) as pool:
+                results = [r for chunk in pool.map(_solve_chunk, tasks) for r in chunk]
+        else:
+            results = [r for t in tasks for r in _solve_chunk(t)]
+        home = np.stack([r[0] for r in results]).astype(np.int32)
+        stats = {
+            "reorder_objective_s": float(sum(r[1] for r in results)),
+            "reorder_lpt_objective_s": float(sum(r[2] for r in results)),
+        }
+        ref = prev if prev is not None else static_placement(num_layers, num_experts, g)
+        stats["reorder_moved_experts"] = float(np.count_nonzero(home != ref))
+        sample_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
+        if cfg.locality:
+            sample_gpu, loc_stats = locality_round(ctx, home, tolerance=cfg.locality_tolerance)
+            stats.update(loc_stats)
+        stats["reorder_time_s"] = time.perf_counter() - t0
+        return Reordering(home=home, sample_gpu=sample_gpu, stats=stats)

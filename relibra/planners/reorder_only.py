@@ -1,0 +1,58 @@
+"""Planner ``relibra_reorder_only``: ReLibra's inter-batch reordering without intra-batch replication.
+
+The middle row of the paper's ablation: the annealer of :mod:`relibra.planners.reorder` chooses each
+layer's placement (and, with ``locality=true``, a new sample-to-GPU assignment) once per batch; every token
+is then computed at its expert's home (no replica slots).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from relibra.planner import BatchContext, home_assign
+from relibra.planners.reorder import AnnealingReorderer
+from relibra.types import BatchPlan
+
+__all__ = ["ReorderOnlyPlanner"]
+
+
+class ReorderOnlyPlanner:
+    """Reordering plus home-only assignment (implements :class:`relibra.planner.Planner`).
+
+    Keyword parameters other than ``name`` and ``replica_slots`` go to
+    :class:`~relibra.planners.reorder.AnnealingReorderer` (fields of ``AnnealConfig``).
+    """
+
+    def __init__(self, name: str = "relibra_reorder_only", replica_slots: int = 0, **params: Any) -> None:
+        if replica_slots != 0:
+            raise ValueError(
+                f"planner.replica_slots={replica_slots}: relibra_reorder_only computes every expert at home; "
+                "use 0 (or planner=relibra for replication)"
+            )
+        self.name = name
+        self.replica_slots = 0
+        self.reorderer = AnnealingReorderer(**params)
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        """ctx.load [Mb, L, G, E] -> BatchPlan: annealed home [L, E], home-only assign [Mb, L, E, G]."""
+        t0 = time.perf_counter()
+        reordering = self.reorderer.reorder(ctx)
+        sample_gpu = np.asarray(reordering.sample_gpu, dtype=np.int32)
+        load = np.asarray(ctx.load)
+        if not np.array_equal(sample_gpu, ctx.sample_gpu):
+            if ctx.regroup is None:
+                raise ValueError(
+                    "the locality round moved samples but ctx.regroup is None; the simulator must provide it"
+                )
+            load = np.asarray(ctx.regroup(sample_gpu)[0])
+        return BatchPlan(
+            home=reordering.home,
+            assign=home_assign(load, reordering.home, ctx.num_gpus),
+            load=load.astype(np.int32, copy=False),
+            sample_gpu=sample_gpu,
+            plan_time_s=time.perf_counter() - t0,
+            stats=dict(reordering.stats),
+        )

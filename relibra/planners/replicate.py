@@ -1,0 +1,443 @@
+"""ReLibra's intra-batch replication: incremental greedy replica placement with a water-filling token split.
+
+One problem is one (micro-batch, layer): loads ``x[j, e]`` (source GPU ``j``, expert ``e``) and the
+placement ``home[e]`` are fixed; each GPU has ``r`` replica slots (the layer-shared buffer) that may hold
+copies of experts whose home is on the **same node**. The greedy (paper, "intra-batch replication"):
+
+1. find the bottleneck GPU (largest linearised compute);
+2. take its experts by decreasing tokens; for the first one whose replication helps, add a copy on the
+   least-loaded GPU of the node that has a free slot and no copy of it yet;
+3. re-solve the token split; accept the copy only if ``T_comp_max + T_comm_max`` (linearised, see
+   :meth:`relibra.cost.CostModel.linear`) drops; otherwise try the next expert;
+4. stop when no expert of the bottleneck GPU improves the objective or no slot is left.
+
+The split is solved two ways:
+
+* ``split="waterfill"`` (default): compute-only, in closed form. Given the other loads ``b[g]`` of an
+  expert's copies, its ``A`` tokens fill the copies up to one level ``lambda`` with
+  ``sum_g max(0, lambda - b[g]) = A``. A few sweeps of this over the node's replicated experts converge to
+  the split that minimises the sum of squared GPU loads, which for this splittable restricted-assignment
+  problem is also the min-max split (the lexicographically optimal base of a polymatroid, Fujishige). The
+  communication term still decides acceptance. Compiled with numba: microseconds per problem.
+* ``split="lp"``: the general case. Every candidate's split is the LP of the paper's eq. 7 with the replica
+  set fixed (:func:`relibra.planners.milp.solve_split`), including the communication terms.
+
+Tokens are then rounded to int32 per expert with the largest-remainder rule, so that
+``assign[e, :].sum() == sum_j x[j, e]`` exactly; slots whose copy ends with no tokens are emptied.
+Work is measured in *token equivalents*: compute seconds divided by ``compute_s_per_token``, so an expert
+costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numba import njit
+
+from relibra.cost import CostModel
+from relibra.planner import BatchContext, Replication
+
+SplitMethod = Literal["waterfill", "lp"]
+
+__all__ = [
+    "GreedyReplicator",
+    "ReplicationCoefficients",
+    "linear_objective",
+    "replicate_greedy",
+    "round_assign",
+]
+
+
+@dataclass(frozen=True)
+class ReplicationCoefficients:
+    """The linearised cost model in token equivalents (compute seconds per token = 1)."""
+
+    fixed_tokens: float
+    """Token equivalents charged per expert copy a GPU computes (``compute_s_per_expert / per_token``)."""
+    nvlink_per_token: float
+    """Token equivalents per token crossing one NVLink direction in one all-to-all phase."""
+    nic_per_token: float
+    """Token equivalents per token crossing one rail NIC direction in one all-to-all phase."""
+    latency: float
+    """Token equivalents of the four all-to-all phases' fixed latency (a constant of the objective)."""
+    seconds_per_token: float
+    """Compute seconds per token: multiply token equivalents by this to get seconds."""
+
+    @staticmethod
+    def from_cost(cost: CostModel) -> ReplicationCoefficients:
+        lin = cost.linear()
+        c = lin.compute_s_per_token
+        lat = cost.cluster.hardware.alltoall_latency_s if cost.cluster.num_gpus > 1 else 0.0
+        return ReplicationCoefficients(
+            fixed_tokens=lin.compute_s_per_expert / c,
+            nvlink_per_token=lin.nvlink_s_per_token / 4.0 / c,
+            nic_per_token=lin.rdma_s_per_token / 4.0 / c,
+            latency=4.0 * lat / c,
+            seconds_per_token=c,
+        )
+
+
+# ----------------------------------------------------------------------------------------- compiled core
+@njit(cache=True)
+def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
+    """Linearised ``T_comm(g)`` without latency; traffic [G(j), G(g)] dispatch tokens -> out [G].
+
+    Same routing as :meth:`CostModel.link_bytes`: cross-rail traffic hops over NVLink to the source node's
+    GPU on the destination rail, then over that rail's NIC. Combine is the transpose of dispatch.
+    """
+    g_n = traffic.shape[0]
+    acc = np.zeros((8, g_n))  # dispatch nvl send/recv, nic send/recv; then the same for combine
+    for j in range(g_n):
+        nj = j // gpn
+        rj = j % gpn
+        for g in range(g_n):
+            t = traffic[j, g]
+            if j == g or t == 0.0:
+                continue
+            ng = g // gpn
+            rg = g % gpn
+            if nj == ng:
+                acc[0, j] += t
+                acc[1, g] += t
+                acc[4, g] += t
+                acc[5, j] += t
+            elif rj == rg:
+                acc[2, j] += t
+                acc[3, g] += t
+                acc[6, g] += t
+                acc[7, j] += t
+            else:
+                p = nj * gpn + rg
+                acc[0, j] += t
+                acc[1, p] += t
+                acc[2, p] += t
+                acc[3, g] += t
+                q = ng * gpn + rj
+                acc[4, g] += t
+                acc[5, q] += t
+                acc[6, q] += t
+                acc[7, j] += t
+    for g in range(g_n):
+        d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
+        c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
+        out[g] = 2.0 * (d + c)
+
+
+@njit(cache=True)
+def _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm):  # pragma: no cover
+    """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant)."""
+    t_comp = comp.max()
+    if not use_comm:
+        return t_comp
+    g_n, e_n = x.shape
+    traffic[:, :] = 0.0
+    for e in range(e_n):
+        if tot[e] <= 0.0:
+            continue
+        base = (home[e] // gpn) * gpn
+        for k in range(gpn):
+            if has[e, k] and a[e, k] > 0.0:
+                s = a[e, k] / tot[e]
+                g = base + k
+                for j in range(g_n):
+                    traffic[j, g] += x[j, e] * s
+    _comm_per_gpu(traffic, gpn, nvl, nic, comm)
+    return t_comp + comm.max()
+
+
+@njit(cache=True)
+def _waterfill(e, tot_e, base_gpu, a, has, comp, gpn):  # pragma: no cover - compiled
+    """Closed-form split of expert ``e``'s ``tot_e`` tokens over its copies (min of the max copy load)."""
+    m = 0
+    ks = np.empty(gpn, np.int64)
+    lv = np.empty(gpn)
+    for k in range(gpn):
+        if has[e, k]:
+            ks[m] = k
+            lv[m] = comp[base_gpu + k] - a[e, k]
+            m += 1
+    order = np.argsort(lv[:m])
+    prefix = 0.0
+    level = 0.0
+    for i in range(m):
+        prefix += lv[order[i]]
+        level = (tot_e + prefix) / (i + 1)
+        if i + 1 == m or level <= lv[order[i + 1]]:
+            break
+    for i in range(m):
+        k = ks[i]
+        new = level - lv[i] if level > lv[i] else 0.0
+        comp[base_gpu + k] += new - a[e, k]
+        a[e, k] = new
+
+
+@njit(cache=True)
+def _round_split(a, has, tot_int):  # pragma: no cover - compiled
+    """Largest-remainder rounding per expert: a [E, gpn] float -> int64 [E, gpn] with exact row sums."""
+    e_n, gpn = a.shape
+    out = np.zeros((e_n, gpn), np.int64)
+    for e in range(e_n):
+        s = 0
+        frac = np.empty(gpn)
+        for k in range(gpn):
+            f = np.floor(a[e, k]) if has[e, k] else 0.0
+            out[e, k] = np.int64(f)
+            frac[k] = a[e, k] - f if has[e, k] else -1.0
+            s += out[e, k]
+        rest = tot_int[e] - s
+        order = np.argsort(-frac)
+        i = 0
+        while rest > 0:
+            out[e, order[i % gpn]] += 1
+            rest -= 1
+            i += 1
+        while rest < 0:  # NOTE: only reachable through float drift above the total; take from the largest.
+            kmax = np.argmax(out[e])
+            out[e, kmax] -= 1
+            rest += 1
+    return out
+
+
+@njit(cache=True)
+def _greedy_one(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol):  # pragma: no cover
+    """Greedy replication of one problem. x [G, E] float64, home [E] -> (a [E, gpn], has [E, gpn], slots)."""
+    g_n, e_n = x.shape
+    tot = np.zeros(e_n)
+    for j in range(g_n):
+        for e in range(e_n):
+            tot[e] += x[j, e]
+    a = np.zeros((e_n, gpn))
+    has = np.zeros((e_n, gpn), np.bool_)
+    ncopy = np.ones(e_n, np.int64)
+    comp = np.zeros(g_n)
+    for e in range(e_n):
+        k = home[e] % gpn
+        a[e, k] = tot[e]
+        has[e, k] = True
+        comp[home[e]] += tot[e] + fixed
+    slots = -np.ones((g_n, r), np.int64)
+    nslot = np.zeros(g_n, np.int64)
+    traffic = np.zeros((g_n, g_n))
+    comm = np.zeros(g_n)
+    obj = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+    cand = np.empty(e_n, np.int64)
+    weight = np.empty(e_n)
+    while True:
+        gstar = np.argmax(comp)
+        node = gstar // gpn
+        base_gpu = node * gpn
+        kstar = gstar % gpn
+        nc = 0
+        for e in range(e_n):
+            if home[e] // gpn == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
+                cand[nc] = e
+                weight[nc] = -a[e, kstar]
+                nc += 1
+        order = np.argsort(weight[:nc])
+        improved = False
+        for t in range(min(nc, max_tries)):
+            e = cand[order[t]]
+            target = -1
+            for k in range(gpn):
+                g = base_gpu + k
+                if not has[e, k] and nslot[g] < r and (target < 0 or comp[g] < comp[target]):
+                    target = g
+            if target < 0:
+                continue
+            a_old = a.copy()
+            comp_old = comp.copy()
+            kt = target - base_gpu
+            has[e, kt] = True
+            comp[target] += fixed
+            ncopy[e] += 1
+            _waterfill(e, tot[e], base_gpu, a, has, comp, gpn)
+            for _ in range(sweeps):
+                for f in range(e_n):
+                    if ncopy[f] > 1 and home[f] // gpn == node:
+                        _waterfill(f, tot[f], base_gpu, a, has, comp, gpn)
+            new = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+            if new < obj * (1.0 - rel_tol):
+                obj = new
+                slots[target, nslot[target]] = e
+                nslot[target] += 1
+                improved = True
+                break
+            a[:, :] = a_old
+            comp[:] = comp_old
+            has[e, kt] = False
+            ncopy[e] -= 1
+        if not improved:
+            break
+    return a, has, slots
+
+
+@njit(cache=True)
+def _greedy_batch(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol):  # pragma: no cover
+    """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r]."""
+    p_n, g_n, e_n = x.shape
+    assign = np.zeros((p_n, e_n, g_n), np.int64)
+    replicas = -np.ones((p_n, g_n, r), np.int64)
+    for p in range(p_n):
+        a, has, slots = _greedy_one(
+            x[p], home[p], gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol
+        )
+        tot_int = np.zeros(e_n, np.int64)
+        for j in range(g_n):
+            for e in range(e_n):
+                tot_int[e] += np.int64(x[p, j, e])
+        ai = _round_split(a, has, tot_int)
+        for e in range(e_n):
+            base = (home[p, e] // gpn) * gpn
+            for k in range(gpn):
+                assign[p, e, base + k] = ai[e, k]
+        for g in range(g_n):
+            n = 0
+            for s in range(r):
+                e = slots[g, s]
+                if e >= 0 and assign[p, e, g] > 0:
+                    replicas[p, g, n] = e
+                    n += 1
+    return assign, replicas
+
+
+# ------------------------------------------------------------------------------------------- public API
+def _check(load: np.ndarray, home: np.ndarray, num_gpus: int, gpus_per_node: int, r: int) -> None:
+    if load.ndim < 2 or load.shape[-2] != num_gpus:
+        raise ValueError(f"load must be [..., G={num_gpus}, E], got shape {load.shape}")
+    if home.shape != load.shape[:-2] + load.shape[-1:]:
+        raise ValueError(f"home must be [..., E] = {load.shape[:-2] + load.shape[-1:]}, got {home.shape}")
+    if home.size and (home.min() < 0 or home.max() >= num_gpus):
+        raise ValueError(f"home ids must lie in [0, {num_gpus}), got [{home.min()}, {home.max()}]")
+    if num_gpus % gpus_per_node != 0:
+        raise ValueError(f"G={num_gpus} is not a multiple of gpus_per_node={gpus_per_node}")
+    if r < 0:
+        raise ValueError(f"replica_slots must be >= 0, got {r}")
+    if np.any(load < 0):
+        raise ValueError("load must be non-negative token counts")
+
+
+def replicate_greedy(
+    load: np.ndarray,
+    home: np.ndarray,
+    cost: CostModel,
+    replica_slots: int,
+    *,
+    split: SplitMethod = "waterfill",
+    comm_aware: bool = True,
+    sweeps: int = 3,
+    max_tries: int = 4,
+    rel_tol: float = 1e-9,
+) -> Replication:
+    """Greedy replication of every problem in a stack.
+
+    Args:
+        load: [..., G, E] tokens of source GPU ``j`` for expert ``e`` (one or many (micro-batch, layer)).
+        home: [..., E] home GPU of each expert (same leading axes).
+        cost: the cost model; its :meth:`~CostModel.linear` coefficients define the objective.
+        replica_slots: ``r``, replica slots per GPU (the layer-shared buffer).
+        split: ``"waterfill"`` (compute-only closed form, compiled) or ``"lp"`` (eq. 7 LP per candidate).
+        comm_aware: accept a replica only if compute max plus communication max drops (else compute only).
+        sweeps: water-filling sweeps over the node's replicated experts after each new copy.
+        max_tries: experts of the bottleneck GPU tried (by decreasing tokens) before the greedy stops.
+        rel_tol: minimal relative objective drop for a replica to be kept.
+
+    Returns:
+        :class:`Replication` with ``assign`` int32 [..., E, G] and ``replicas`` int32 [..., G, r].
+    """
+    load = np.asarray(load)
+    home = np.asarray(home)
+    cluster = cost.cluster
+    g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    _check(load, home, g_n, gpn, replica_slots)
+    lead = load.shape[:-2]
+    e_n = load.shape[-1]
+    x = np.ascontiguousarray(load.reshape(-1, g_n, e_n), dtype=np.float64)
+    h = np.ascontiguousarray(home.reshape(-1, e_n), dtype=np.int64)
+    coef = ReplicationCoefficients.from_cost(cost)
+    if split == "lp":
+        from relibra.planners.milp import greedy_with_lp_split
+
+        assign, replicas = greedy_with_lp_split(x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol)
+    elif split == "waterfill":
+        assign, replicas = _greedy_batch(
+            x,
+            h,
+            gpn,
+            max(replica_slots, 1),
+            coef.fixed_tokens,
+            coef.nvlink_per_token,
+            coef.nic_per_token,
+            comm_aware,
+            sweeps,
+            max_tries if replica_slots > 0 else 0,
+            rel_tol,
+        )
+        replicas = replicas[..., :replica_slots]
+    else:
+        raise ValueError(f"split must be 'waterfill' or 'lp', got {split!r}")
+    return Replication(
+        assign=assign.reshape(*lead, e_n, g_n).astype(np.int32),
+        replicas=replicas.reshape(*lead, g_n, replica_slots).astype(np.int32),
+    )
+
+
+def round_assign(assign: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Round a fractional split to integers with exact per-expert totals (largest remainder).
+
+    assign float [..., E, G] (non-negative), totals int [..., E] -> int64 [..., E, G] with
+    ``out.sum(-1) == totals``. Positions holding nothing (``assign == 0``) never receive a token.
+    """
+    a = np.maximum(np.asarray(assign, dtype=np.float64), 0.0)
+    tot = np.asarray(totals, dtype=np.int64)
+    scale = np.divide(tot, a.sum(axis=-1), out=np.zeros(tot.shape), where=a.sum(axis=-1) > 0)
+    a = a * scale[..., None]  # NOTE: removes solver drift so that the remainders add up to an integer.
+    floor = np.floor(a)
+    out = floor.astype(np.int64)
+    rest = tot - out.sum(axis=-1)  # [..., E], in [0, G)
+    frac = np.where(a > 0, a - floor, -1.0)
+    rank = np.argsort(np.argsort(-frac, axis=-1, kind="stable"), axis=-1, kind="stable")
+    return out + (rank < rest[..., None])
+
+
+def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cost: CostModel) -> np.ndarray:
+    """Linearised ``T_MoE`` in seconds, the objective both the greedy and the MILP minimise.
+
+    load [..., G, E], assign [..., E, G], home [..., E] -> float64 [...]. Every expert is charged its fixed
+    cost at home (``z = 1`` there) and on every other GPU where it has tokens; communication follows the
+    proportional split rule exactly.
+    """
+    coef = ReplicationCoefficients.from_cost(cost)
+    g_n = cost.cluster.num_gpus
+    a = np.asarray(assign, dtype=np.float64)
+    at_home = np.arange(g_n) == np.asarray(home)[..., None]  # [..., E, G]
+    copies = (a > 0) | at_home
+    comp = a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)  # [..., G]
+    # comm_time is piecewise linear in the traffic: linear coefficients are the cost model's own.
+    comm_s = cost.comm_time(cost.traffic(load, assign))  # [..., G]
+    return comp.max(axis=-1) * coef.seconds_per_token + comm_s.max(axis=-1)
+
+
+@dataclass(frozen=True)
+class GreedyReplicator:
+    """:class:`~relibra.planner.Replicator` running :func:`replicate_greedy` over a micro-batch's layers."""
+
+    replica_slots: int = 2
+    split: SplitMethod = "waterfill"
+    comm_aware: bool = True
+    sweeps: int = 3
+    max_tries: int = 4
+
+    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
+        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
+        return replicate_greedy(
+            load,
+            home,
+            ctx.cost,
+            self.replica_slots,
+            split=self.split,
+            comm_aware=self.comm_aware,
+            sweeps=self.sweeps,
+            max_tries=self.max_tries,
+        )

@@ -1,0 +1,405 @@
+"""The simulated executor: runs a planner batch by batch over a workload and prices every plan.
+
+For each batch ``b`` the simulator builds a :class:`~relibra.planner.BatchContext` (oracle loads, the
+previous placement, recent history, a ``regroup`` closure), calls the planner, times it, and prices the
+plan with the :class:`~relibra.cost.CostModel`:
+
+* per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
+  ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +
+  max(0, refill - attn_bwd)`` (forward fill, backward gradient reduction, each hidden behind the layer's
+  attention of that pass);
+* per batch: dense (non-MoE) layers, reordering migration of every expert whose home changed (weights,
+  gradients and optimizer state, :data:`MIGRATION_BYTES_PER_PARAM`), and the gradient reduction plus
+  weight broadcast of permanent redundant copies (EPLB+, LPLB+).
+
+A batch is one RL training step: ``step_time_s`` is the mean batch time and throughput is all tokens over
+all batch time. An ideal :class:`Bound` (Balanced) has no plan: it prices each (micro-batch, layer)
+directly and its skewness is 1 by definition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import pandas as pd
+
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost import CostModel, MoEBreakdown
+from relibra.executor import ExecutionReport
+from relibra.invariants import check_plan
+from relibra.planner import BatchContext, Planner, static_placement
+from relibra.types import BatchPlan, SampleCounts, Workload
+from relibra.workload import gpu_token_stats, microbatch_loads
+
+__all__ = [
+    "MIGRATION_BYTES_PER_PARAM",
+    "Bound",
+    "CostModelExecutor",
+    "PlanSource",
+    "SimOptions",
+    "SimResult",
+    "batch_context",
+    "simulate",
+    "skewness",
+]
+
+MIGRATION_BYTES_PER_PARAM = 18.0
+"""Bytes moved per parameter when an expert changes home under Megatron mixed precision with Adam:
+bf16 weight (2) + fp32 main gradient (4) + fp32 master weight, Adam first and second moments (12)."""
+
+METRIC_COLUMNS = (
+    "step_time_s",
+    "throughput_tokens_per_s",
+    "skew_mean",
+    "skew_p50",
+    "skew_p90",
+    "skew_max",
+    "plan_time_s",
+    "replica_buffer_bytes",
+    "reorder_moved_experts",
+    "t_compute_s",
+    "t_comm_s",
+    "t_sync_exposed_s",
+    "t_reorder_s",
+    "t_attention_s",
+)
+
+
+@runtime_checkable
+class Bound(Protocol):
+    """An ideal that prices a batch without a plan (Balanced). ``name`` is the result-table label."""
+
+    @property
+    def name(self) -> str: ...
+
+    def bound(self, ctx: BatchContext) -> MoEBreakdown:
+        """Breakdown with leading axes [Mb, L] for the batch's loads ``ctx.load`` [Mb, L, G, E]."""
+        ...
+
+
+class PlanSource(Protocol):
+    """:class:`~relibra.planner.Planner` with a read-only ``name``, so frozen dataclasses conform too."""
+
+    @property
+    def name(self) -> str: ...
+
+    def plan(self, ctx: BatchContext) -> BatchPlan: ...
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of a simulation run (not of the cost model)."""
+
+    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+    history_window: int = 4
+    """Batches of past loads handed to planners in ``BatchContext.history``."""
+    keep_plans: bool = False
+    seed: int = 0
+    check_plans: bool = False
+    """Run :func:`~relibra.invariants.check_plan` on every plan, with the planner's ``replica_slots``,
+    ``redundant_slots`` and ``replicas_in_home_node`` attributes (defaults 0, 0, True)."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one planner run over a workload produced."""
+
+    planner: str
+    metrics: dict[str, float]
+    """The DESIGN.md result columns (:data:`METRIC_COLUMNS`) plus planner stats (means over batches)."""
+    skew: np.ndarray
+    """float64 [M, L]: skewness of each (micro-batch, layer)."""
+    t_compute: np.ndarray
+    """float64 [M, L]: ``max_g T_comp`` seconds."""
+    t_comm: np.ndarray
+    """float64 [M, L]: ``max_g T_comm`` seconds."""
+    t_attention: np.ndarray
+    """float64 [M, L]: ``max_g`` attention seconds of the MoE layer."""
+    t_sync_exposed: np.ndarray
+    """float64 [M, L]: exposed replica-refill seconds."""
+    batch_time: np.ndarray
+    """float64 [B]: seconds of each batch (step)."""
+    mb_batch: np.ndarray
+    """int32 [M]: batch of each micro-batch."""
+    plans: tuple[BatchPlan, ...] = ()
+    """The plans, one per batch, when ``SimOptions.keep_plans``; empty otherwise (and for a Bound)."""
+
+    def per_layer(self) -> pd.DataFrame:
+        """One row per (micro-batch, layer): batch, micro_batch, layer, skew and the time terms."""
+        m, l = self.skew.shape
+        mm, ll = np.meshgrid(np.arange(m), np.arange(l), indexing="ij")
+        return pd.DataFrame(
+            {
+                "planner": self.planner,
+                "batch": self.mb_batch[mm.ravel()],
+                "micro_batch": mm.ravel(),
+                "layer": ll.ravel(),
+                "skew": self.skew.ravel(),
+                "t_compute_s": self.t_compute.ravel(),
+                "t_comm_s": self.t_comm.ravel(),
+                "t_attention_s": self.t_attention.ravel(),
+                "t_sync_exposed_s": self.t_sync_exposed.ravel(),
+            }
+        )
+
+
+def skewness(compute_tokens: np.ndarray) -> np.ndarray:
+    """``max_g / mean_g`` of per-GPU compute tokens [..., G] -> [...] (1.0 where nothing is computed)."""
+    t = np.asarray(compute_tokens, dtype=np.float64)
+    mean = t.mean(axis=-1)
+    return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+def batch_context(
+    counts: SampleCounts,
+    workload: Workload,
+    batch: int,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    *,
+    prev_home: np.ndarray | None = None,
+    history: tuple[np.ndarray, ...] = (),
+    seed: int = 0,
+) -> BatchContext:
+    """The :class:`BatchContext` of batch ``batch`` of a workload (also handy to build tests' contexts)."""
+    sl = counts.batch(batch)
+    mbs = workload.batch_microbatches(batch)
+    if mbs.size == 0:
+        raise ValueError(f"batch {batch} has no micro-batches in the workload")
+    first = int(mbs[0])
+    num_mb = int(mbs.size)
+    c = counts.counts[sl]
+    local_mb = (workload.sample_mb[sl] - first).astype(np.int32)
+    g = cluster.num_gpus
+    tokens = counts.tokens[sl]
+
+    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        load = microbatch_loads(c, sample_gpu, local_mb, num_mb, g)
+        tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
+        return load, tok
+
+    return BatchContext(
+        batch=batch,
+        counts=c,
+        sample_tokens=tokens,
+        sample_gpu=workload.sample_gpu[sl],
+        sample_mb=local_mb,
+        load=workload.load[first : first + num_mb],
+        cluster=cluster,
+        model=model,
+        cost=cost,
+        prev_home=prev_home,
+        history=history,
+        seed=seed + batch,
+        regroup=regroup,
+    )
+
+
+def _replicas_per_slot(plan: BatchPlan) -> np.ndarray:
+    """int32 [Mb, L, G, r]: the plan's replica slots, or the non-home experts it computes when unlisted."""
+    if plan.replicas is not None:
+        return np.asarray(plan.replicas)
+    g = plan.assign.shape[-1]
+    non_home = (plan.assign > 0) & (plan.home[None, :, :, None] != np.arange(g))  # [Mb, L, E, G]
+    if plan.redundant is not None:
+        # NOTE: copies in permanent redundant slots are not refilled per layer.
+        held = np.zeros(non_home.shape[1:], dtype=bool)  # [L, E, G]
+        l, gg, _ = np.nonzero(plan.redundant >= 0)
+        held[l, plan.redundant[plan.redundant >= 0], gg] = True
+        non_home &= ~held[None]
+    r = int(non_home.sum(axis=2).max()) if non_home.size else 0
+    out = np.full((*non_home.shape[:2], g, max(r, 0)), -1, dtype=np.int32)
+    if r:
+        m, l, e, gg = np.nonzero(non_home)
+        key = (m * non_home.shape[1] + l) * g + gg
+        order = np.argsort(key, kind="stable")
+        key, e = key[order], e[order]
+        start = np.r_[0, np.flatnonzero(np.diff(key)) + 1]
+        slot = np.arange(key.size) - np.repeat(start, np.diff(np.r_[start, key.size]))
+        out.reshape(-1, r)[key, slot] = e
+    return out
+
+
+def _redundant_sync_time(plan: BatchPlan, cost: CostModel) -> float:
+    """Seconds per step to reduce redundant copies' gradients home and broadcast updated weights back."""
+    if plan.redundant is None or not (plan.redundant >= 0).any():
+        return 0.0
+    l, g, _ = np.nonzero(plan.redundant >= 0)
+    experts = plan.redundant[plan.redundant >= 0]
+    src = plan.home[l, experts]
+    grad_bytes = cost.expert_weight_bytes()  # bf16 gradients, like the weights
+    return 2.0 * cost.transfer_time(g, src, grad_bytes)
+
+
+class CostModelExecutor:
+    """The cost model behind the :class:`~relibra.executor.Executor` seam (``executor=sim``)."""
+
+    name = "sim"
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def execute(self, plans: Sequence[BatchPlan], model: ModelSpec, cluster: ClusterSpec) -> ExecutionReport:
+        times = [self.cost.moe(p.load, p.assign).t_moe for p in plans]
+        return ExecutionReport(moe_time_s=np.concatenate(times, axis=0))
+
+
+def simulate(
+    planner: PlanSource | Bound,
+    counts: SampleCounts,
+    workload: Workload,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    options: SimOptions | None = None,
+) -> SimResult:
+    """Run ``planner`` over every batch of ``workload`` and price it.
+
+    Args:
+        planner: a :class:`~relibra.planner.Planner` (returns plans) or a :class:`Bound` (Balanced).
+        counts: per-sample counts [S, L, E] behind ``workload``; workload: loads [M, L, G, E] and layout.
+        cluster, model, cost: the EP group, the model shape and the cost model that prices plans.
+    Returns:
+        :class:`SimResult` with the DESIGN.md metrics and per-(micro-batch, layer) arrays [M, L].
+    """
+    opt = options or SimOptions()
+    g = cluster.num_gpus
+    num_mb, num_layers = workload.num_microbatches, counts.num_layers
+    is_bound = isinstance(planner, Bound) and not isinstance(planner, Planner)
+    skew = np.ones((num_mb, num_layers))
+    t_comp = np.zeros((num_mb, num_layers))
+    t_comm = np.zeros((num_mb, num_layers))
+    t_attn = np.zeros((num_mb, num_layers))
+    t_sync = np.zeros((num_mb, num_layers))
+    batch_time = np.zeros(counts.num_batches)
+    t_reorder_total = 0.0
+    t_red_total = 0.0
+    t_dense_total = 0.0
+    plan_time = 0.0
+    moved_total = 0
+    buffer_slots = int(getattr(planner, "replica_slots", 0) or 0)
+    redundant_slots = 0
+    stats_sum: dict[str, float] = {}
+    kept: list[BatchPlan] = []
+    history: list[np.ndarray] = []
+    prev_home = static_placement(num_layers, counts.num_experts, g)
+    planner_prev: np.ndarray | None = None
+    dense_layers = model.num_layers - model.num_moe_layers
+
+    for b in range(counts.num_batches):
+        ctx = batch_context(
+            counts,
+            workload,
+            b,
+            cluster,
+            model,
+            cost,
+            prev_home=planner_prev,
+            history=tuple(history[-opt.history_window :]) if opt.history_window else (),
+            seed=opt.seed,
+        )
+        mbs = workload.batch_microbatches(b)
+        rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
+        if is_bound:
+            t0 = time.perf_counter()
+            br = planner.bound(ctx)  # type: ignore[union-attr]
+            plan_time += time.perf_counter() - t0
+            tokens, pairs = workload.tokens[rows], workload.causal_pairs[rows]
+            load = ctx.load
+            t_red = t_mig = 0.0
+        else:
+            t0 = time.perf_counter()
+            plan = planner.plan(ctx)  # type: ignore[union-attr]
+            elapsed = time.perf_counter() - t0
+            plan_time += plan.plan_time_s if plan.plan_time_s > 0 else elapsed
+            if opt.check_plans:
+                check_plan(
+                    plan,
+                    ctx,
+                    replica_slots=int(getattr(planner, "replica_slots", 0) or 0),
+                    redundant_slots=int(getattr(planner, "redundant_slots", 0) or 0),
+                    replicas_in_home_node=bool(getattr(planner, "replicas_in_home_node", True)),
+                )
+            load = plan.load
+            br = cost.moe(plan.load, plan.assign)
+            skew[rows] = skewness(plan.assign.sum(axis=-2))
+            tokens, pairs = gpu_token_stats(
+                ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, g
+            )
+            reps = _replicas_per_slot(plan)
+            buffer_slots = max(buffer_slots, int((reps >= 0).sum(axis=-1).max()) if reps.size else 0)
+            refill = cost.replica_refill_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape)
+            attn_one = cost.attention_time(tokens, pairs).max(axis=-1)[:, None]  # [Mb, 1]
+            # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
+            t_sync[rows] = np.maximum(refill - attn_one / 3, 0) + np.maximum(refill - 2 * attn_one / 3, 0)
+            moved_l, moved_e = np.nonzero(plan.home != prev_home)
+            moved_total += moved_l.size
+            t_mig = cost.transfer_time(
+                prev_home[moved_l, moved_e],
+                plan.home[moved_l, moved_e],
+                model.expert_params * opt.migration_bytes_per_param,
+            )
+            prev_home = plan.home
+            planner_prev = plan.home
+            t_red = _redundant_sync_time(plan, cost)
+            if plan.redundant is not None:
+                redundant_slots = max(redundant_slots, int(plan.redundant.shape[-1]))
+            for k, v in plan.stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+            if opt.keep_plans:
+                kept.append(plan)
+        history.append(np.asarray(load))
+        history = history[-max(opt.history_window, 1) :]
+        t_comp[rows], t_comm[rows] = br.t_compute, br.t_comm
+        t_attn[rows] = cost.attention_time(tokens, pairs).max(axis=-1)[:, None]
+        dense = (
+            dense_layers
+            * (cost.attention_time(tokens, pairs) + cost.dense_ffn_time(tokens)).max(axis=-1).sum()
+        )
+        batch_time[b] = (
+            (t_comp[rows] + t_comm[rows] + t_attn[rows] + t_sync[rows]).sum() + dense + t_mig + t_red
+        )
+        t_reorder_total += t_mig
+        t_dense_total += dense
+        t_red_total += t_red
+
+    nb = max(counts.num_batches, 1)
+    total_time = float(batch_time.sum())
+    total_tokens = float(counts.tokens.sum())
+    metrics: dict[str, float] = {
+        "step_time_s": total_time / nb,
+        "throughput_tokens_per_s": total_tokens / total_time if total_time > 0 else 0.0,
+        "skew_mean": float(skew.mean()),
+        "skew_p50": float(np.percentile(skew, 50)),
+        "skew_p90": float(np.percentile(skew, 90)),
+        "skew_max": float(skew.max()),
+        "plan_time_s": plan_time / nb,
+        "replica_buffer_bytes": float(buffer_slots * cost.expert_weight_bytes()),
+        "reorder_moved_experts": moved_total / nb,
+        "t_compute_s": float(t_comp.sum()) / nb,
+        "t_comm_s": float(t_comm.sum()) / nb,
+        "t_sync_exposed_s": (float(t_sync.sum()) + t_red_total) / nb,
+        "t_reorder_s": t_reorder_total / nb,
+        "t_attention_s": (float(t_attn.sum()) + t_dense_total) / nb,
+        "redundant_slot_bytes": float(redundant_slots * num_layers * cost.expert_weight_bytes()),
+    }
+    for k, v in stats_sum.items():
+        if k not in metrics:
+            metrics[k] = v / nb
+    return SimResult(
+        planner=str(planner.name),
+        metrics=metrics,
+        skew=skew,
+        t_compute=t_comp,
+        t_comm=t_comm,
+        t_attention=t_attn,
+        t_sync_exposed=t_sync,
+        batch_time=batch_time,
+        mb_batch=workload.mb_batch,
+        plans=tuple(kept),
+    )

@@ -1,0 +1,139 @@
+"""Analysis on a small synthetic results store: tables match the inputs, files and figures are written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import paper
+from analysis.__main__ import analyse, main
+from analysis.render import to_latex, to_markdown
+from analysis.tables import ablation, overall_cells, overall_summary, overhead, range_ratio, skew_by_ep
+from experiments.store import ResultsStore
+
+# throughput factor of each planner over Megatron-LM, and its mean skewness, in the synthetic results
+FACTOR = {"megatron": 1.0, "popfetcher": 1.2, "eplb": 1.3, "lplb": 1.25, "relibra": 1.5, "balanced": 1.6,
+          "relibra_reorder_only": 1.1}
+SKEW = {"megatron": 1.6, "popfetcher": 1.4, "eplb": 1.3, "lplb": 1.3, "relibra": 1.05, "balanced": 1.0,
+        "relibra_reorder_only": 1.45}
+MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b"]
+DATASETS = ["reasoning", "mixed"]
+
+
+def _row(model: str, dataset: str, planner: str, nodes: int, bump: float = 1.0) -> dict:
+    step = 10.0 / (FACTOR[planner] * bump)
+    return {
+        "model": model, "dataset": dataset, "planner": planner, "nodes": nodes, "gpus_per_node": 8,
+        "replica_slots": 2, "tokens": 1_000_000, "step_time_s": step, "throughput_tokens_per_s": 1e6 / step,
+        "skew_mean": SKEW[planner] + 0.01 * nodes, "skew_p50": 1.0, "skew_p90": 1.0, "skew_max": 2.0,
+        "plan_time_s": 0.5, "replica_buffer_bytes": 18 * 2**20, "reorder_moved_experts": 3,
+        "t_compute_s": step / 2, "t_comm_s": step / 4, "t_sync_exposed_s": 0.0, "t_reorder_s": 0.2,
+        "t_attention_s": step / 4, "param_bytes_per_gpu": 6e9, "num_batches": 2,
+    }
+
+
+def _layers(planner: str, skew: float) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    m, l = np.meshgrid(np.arange(6), np.arange(4), indexing="ij")
+    return pd.DataFrame({"planner": planner, "micro_batch": m.ravel(), "layer": l.ravel(),
+                         "skew": skew + rng.random(m.size) * 0.1})
+
+
+def _write(root: Path, name: str, rows: list[dict], layers: bool = False) -> None:
+    store = ResultsStore(root / name)
+    for i, row in enumerate(rows):
+        per_layer = _layers(row["planner"], SKEW[row["planner"]]) if layers else None
+        store.write(f"c{i:03d}", pd.DataFrame([row]), {"i": i}, per_layer)
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"]
+    overall = [_row(m, d, p, 4, bump=1.0 + 0.1 * j) for j, m in enumerate(MODELS) for d in DATASETS
+               for p in core]
+    _write(tmp_path, "quick_overall", overall, layers=True)
+    abl = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra_reorder_only",
+                                                                       "relibra")]
+    _write(tmp_path, "quick_ablation", abl)
+    _write(tmp_path, "quick_ep_scaling",
+           [_row("qwen3-30b-a3b", "mixed", p, n) for n in (1, 2, 4, 8) for p in ("megatron", "relibra")])
+    _write(tmp_path, "quick_datasets", [_row("qwen3-235b-a22b", d, p, 8) for d in DATASETS
+                                        for p in ("megatron", "relibra")])
+    _write(tmp_path, "quick_overhead", [_row(m, "mixed", "relibra", 4) for m in MODELS])
+    return tmp_path
+
+
+def _frame(root: Path, name: str) -> pd.DataFrame:
+    return ResultsStore(root / name).load()
+
+
+def test_overall_speedups_follow_the_throughputs(results: Path) -> None:
+    cells = overall_cells(_frame(results, "quick_overall")).frame
+    assert len(cells) == len(MODELS) * len(DATASETS)
+    np.testing.assert_allclose(cells["over Megatron-LM"], FACTOR["relibra"] / FACTOR["megatron"])
+    np.testing.assert_allclose(cells["over EPLB+"], FACTOR["relibra"] / FACTOR["eplb"])
+    np.testing.assert_allclose(cells["% of Balanced"], 100 * FACTOR["relibra"] / FACTOR["balanced"])
+    summary = overall_summary(_frame(results, "quick_overall")).frame.set_index("ReLibra")
+    row = summary.loc["over PopFetcher"]
+    lo, hi = paper.OVERALL_SPEEDUP["popfetcher"]
+    assert (row["paper lo"], row["paper hi"]) == (lo, hi)
+    assert row["ours/paper hi"] == pytest.approx(FACTOR["relibra"] / FACTOR["popfetcher"] / hi)
+
+
+def test_ablation_is_relative_to_megatron_with_paper_beside(results: Path) -> None:
+    table = ablation(_frame(results, "quick_ablation")).frame
+    reorder = table[(table["variant"] == paper.label("relibra_reorder_only")) & (table["dataset"] == "mixed")]
+    assert reorder["ours (x Megatron-LM)"].item() == pytest.approx(FACTOR["relibra_reorder_only"])
+    assert reorder["paper"].item() == paper.ABLATION[("relibra_reorder_only", "mixed")]
+    assert reorder["ours/paper"].item() == pytest.approx(1.1 / 1.15)
+
+
+def test_skew_by_ep_and_range_ratio(results: Path) -> None:
+    table = skew_by_ep(_frame(results, "quick_ep_scaling")).frame
+    assert list(table["EP"]) == [8, 16, 32, 64]
+    np.testing.assert_allclose(table["Megatron-LM"], SKEW["megatron"] + 0.01 * np.array([1, 2, 4, 8]))
+    assert range_ratio(1.05, 1.0, 1.08) == 1.0
+    assert range_ratio(1.62, 1.0, 1.08) == pytest.approx(1.5)
+    assert range_ratio(0.5, 1.0, 1.08) == pytest.approx(0.5)
+
+
+def test_overhead_uses_buffer_params_and_batches(results: Path) -> None:
+    table = overhead(_frame(results, "quick_overhead")).frame.set_index("model")
+    assert table.loc["qwen3-30b-a3b", "buffer MiB"] == pytest.approx(18.0)
+    assert table.loc["qwen3-30b-a3b", "buffer % params"] == pytest.approx(100 * 18 * 2**20 / 6e9)
+    assert table.loc["qwen3-30b-a3b", "plan s/batch"] == pytest.approx(0.25)
+
+
+def test_missing_reference_planner_is_named() -> None:
+    frame = pd.DataFrame([_row("m", "d", "relibra", 1)])
+    with pytest.raises(ValueError, match="megatron"):
+        ablation(frame)
+
+
+def test_markdown_and_latex_render(results: Path) -> None:
+    table = overall_summary(_frame(results, "quick_overall"))
+    md = to_markdown(table)
+    assert md.count("\n|") == 2 + len(table.frame) and "paper lo" in md
+    tex = to_latex(table)
+    assert "\\toprule" in tex and "\\caption{" in tex and "ours/paper lo" in tex
+
+
+def test_cli_writes_tables_and_figures(results: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(results), "--out", str(results / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "paper" in printed and "Megatron-LM" in printed
+    names = {p.name for p in (results / "out").iterdir()}
+    for stem in ("overall", "overall_cells", "ablation", "skew_by_ep", "skew_by_dataset", "overhead"):
+        assert {f"{stem}.md", f"{stem}.tex"} <= names
+    figs = {p.name for p in (results / "out" / "figures").iterdir()}
+    for stem in ("throughput", "ablation", "skew_by_ep", "layer_skew_overall"):
+        assert {f"{stem}.png", f"{stem}.pdf"} <= figs
+    assert all((results / "out" / "figures" / f).stat().st_size > 1000 for f in figs)
+
+
+def test_empty_results_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no finished cells"):
+        analyse(tmp_path)

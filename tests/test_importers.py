@@ -1,0 +1,133 @@
+"""Importers: engine formats (vLLM, SGLang, RouterReplay) and the real traces in ../shared/traces."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relibra.importers import (
+    IncompleteTokensError,
+    from_router_replay,
+    from_sglang,
+    from_vllm,
+    load_flame_moe,
+    load_mixtral_jsonl,
+    load_olmoe_decode,
+    load_olmoe_prefill_counts,
+    load_qwen3_counts,
+)
+from relibra.trace import TraceFormatError, load_trace, save_trace
+
+
+def routes(seed: int, lengths: list[int], layers: int = 3, experts: int = 16, k: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.argsort(rng.random((t, layers, experts)), axis=-1)[..., :k] for t in lengths]
+
+
+def test_from_vllm_shapes_and_round_trip(tmp_path: Path) -> None:
+    per_sample = routes(0, [5, 1, 7])
+    trace = from_vllm(per_sample, num_experts=16, model="toy")
+    assert trace.experts.shape == (13, 3, 4) and trace.experts.dtype == np.int16
+    assert trace.sample_offsets.tolist() == [0, 5, 6, 13]
+    for s, arr in enumerate(per_sample):
+        np.testing.assert_array_equal(trace.sample(s), arr)
+    back = load_trace(save_trace(trace, tmp_path / "t.npz"))
+    np.testing.assert_array_equal(back.experts, trace.experts)
+
+
+def test_from_vllm_refuses_mixed_shapes() -> None:
+    with pytest.raises(ValueError, match=r"routed_experts\[1\]"):
+        from_vllm([np.zeros((2, 3, 4), int), np.zeros((2, 2, 4), int)], num_experts=16)
+    with pytest.raises(TraceFormatError, match="'experts'"):
+        from_vllm([np.full((2, 3, 1), 16)], num_experts=16)
+
+
+def test_from_sglang_decodes_base64() -> None:
+    per_sample = routes(1, [4, 2])
+    encoded = [base64.b64encode(a.astype("<i4").tobytes()).decode() for a in per_sample]
+    trace = from_sglang(encoded, num_layers=3, top_k=4, num_experts=16)
+    np.testing.assert_array_equal(trace.sample(0), per_sample[0])
+    np.testing.assert_array_equal(trace.sample(1), per_sample[1])
+    assert trace.meta["source"] == "sglang"
+    with pytest.raises(ValueError, match="multiple of"):
+        from_sglang([base64.b64encode(b"\0" * 20).decode()], num_layers=3, top_k=4, num_experts=16)
+
+
+def test_from_router_replay_stacks_layers() -> None:
+    per_sample = routes(2, [3, 6])
+    per_layer = [[a[:, layer] for layer in range(a.shape[1])] for a in per_sample]
+    trace = from_router_replay(per_layer, num_experts=16)
+    np.testing.assert_array_equal(trace.sample(1), per_sample[1])
+    assert trace.meta["source"] == "router_replay"
+    with pytest.raises(ValueError, match=r"samples\[0\]"):
+        from_router_replay([[np.zeros((3, 4), int), np.zeros((2, 4), int)]], num_experts=16)
+
+
+def test_mixtral_reports_incomplete_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    rows = []
+    for token in range(3):
+        for layer in range(2):
+            if token == 1 and layer == 1:
+                continue  # token 1 misses layer 1
+            rows.append(
+                {"dataset": "d", "problem_id": 0, "layer": layer, "experts": [token, 7], "token_idx": token}
+            )
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(IncompleteTokensError, match="misses layers \\[1\\]") as err:
+        load_mixtral_jsonl(path, num_layers=2)
+    assert err.value.tokens[0].token_idx == 1
+    trace, dropped = load_mixtral_jsonl(path, drop_incomplete=True, num_layers=2)
+    assert [(d.token_idx, d.missing_layers) for d in dropped] == [(1, (1,))]
+    assert trace.num_tokens == 2 and trace.experts[1, 0].tolist() == [2, 7]
+
+
+# --- real traces -------------------------------------------------------------------------------------
+
+
+@pytest.mark.shared_traces
+def test_olmoe_decode(shared_traces: Path) -> None:
+    trace = load_olmoe_decode(shared_traces / "olmoe-decode")
+    assert trace.experts.shape == (200 * 128, 16, 8)
+    assert trace.num_samples == 200 and trace.num_experts == 64
+    assert trace.domain_names == ("general", "coding", "math", "reasoning")
+    assert trace.sample_domain is not None
+    assert np.bincount(trace.sample_domain).tolist() == [50, 50, 50, 50]
+    # The first row of a chunk file is token 0, layer 0 (rows sorted by token, then layer).
+    with np.load(shared_traces / "olmoe-decode/coding/sequence_0100.npz") as z:
+        first = z["requested_expert_ids"][(z["generated_token_index"] == 0) & (z["layer_index"] == 3)][0]
+    s = trace.meta["sequence_ids"].index(100)
+    np.testing.assert_array_equal(trace.sample(s)[0, 3], first)
+
+
+@pytest.mark.shared_traces
+def test_flame_moe(shared_traces: Path) -> None:
+    prefill = load_flame_moe(shared_traces / "flame-moe-290m")
+    assert prefill.experts.shape == (2048, 25, 6) and prefill.num_samples == 32
+    assert prefill.meta["layer_labels"] == list(range(2, 27))
+    decode = load_flame_moe(shared_traces / "flame-moe-290m/decode_positions")
+    assert decode.experts.shape == (640, 25, 6) and decode.num_samples == 64
+
+
+@pytest.mark.shared_traces
+def test_mixtral(shared_traces: Path) -> None:
+    paths = sorted((shared_traces / "mixtral-8x7b").glob("*.jsonl"))
+    with pytest.raises(IncompleteTokensError):
+        load_mixtral_jsonl(paths)
+    trace, dropped = load_mixtral_jsonl(paths, drop_incomplete=True)
+    assert trace.experts.shape[1:] == (32, 2) and trace.num_samples == 4
+    assert len(dropped) > 0 and all(d.missing_layers for d in dropped)
+    assert trace.num_tokens + len(dropped) == 585
+
+
+@pytest.mark.shared_traces
+def test_count_only_data(shared_traces: Path) -> None:
+    prefill = load_olmoe_prefill_counts(shared_traces / "olmoe-prefill-counts")
+    assert prefill.counts.shape == (200, 16, 64)
+    assert np.all(prefill.counts.sum(-1) == prefill.tokens[:, None] * 8)
+    qwen = load_qwen3_counts(shared_traces / "qwen3-moe-counts/counts30b.json")
+    assert qwen.counts.shape == (1, 48, 128) and qwen.meta["model"] == "qwen3-30b-a3b"

@@ -1,0 +1,81 @@
+"""PopFetcher: prediction, the pull test, prefetch buffer contents, hit rate, and the plan invariants."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from baselines.popfetcher import PopFetcherPlanner, adjacent_layer_transition, pull_threshold
+from relibra.invariants import check_plan
+from relibra.planner import home_assign
+from tests.test_eplb import make_ctx
+
+
+def test_transition_recovers_a_deterministic_chain() -> None:
+    """GPU j sends only to expert j at layer 0 and to expert (j + 1) % E at layer 1."""
+    g = e = 4
+    window = np.zeros((3, 2, g, e))
+    window[:, 0, np.arange(g), np.arange(e)] = 5.0
+    window[:, 1, np.arange(g), (np.arange(e) + 1) % e] = 5.0
+    trans = adjacent_layer_transition(window)
+    np.testing.assert_allclose(trans[1], np.eye(e)[(np.arange(e) + 1) % e])
+    assert (trans[0] == 0).all()
+
+
+def test_pull_threshold_balances_bytes() -> None:
+    hidden, expert_bytes = 2048, 3 * 2048 * 768 * 2.0
+    t = pull_threshold(hidden, expert_bytes, 1.0)
+    assert t * 4 * hidden * 2 == pytest.approx(2 * expert_bytes)
+    assert pull_threshold(hidden, expert_bytes, 2.0) == pytest.approx(2 * t)
+
+
+@pytest.mark.parametrize("history", [0, 3])
+def test_plan_invariants_and_prefetch_contents(history: int) -> None:
+    ctx = make_ctx(history=history, microbatches=4, samples=64)
+    planner = PopFetcherPlanner(replica_slots=2, pull_ratio=0.05)
+    plan = planner.plan(ctx)
+    check_plan(plan, ctx, replica_slots=2, replicas_in_home_node=False)
+    assert plan.replicas is not None and plan.replicas.shape == (4, 3, 8, 2)
+    assert plan.stats["prefetched_experts"] > 0
+    if history == 0:
+        assert (plan.replicas[0] == -1).all()  # nothing to predict from before the first micro-batch
+    m, l, g, s = np.nonzero(plan.replicas >= 0)
+    e = plan.replicas[m, l, g, s]
+    assert (plan.home[l, e] != g).all()
+    # a prefetched expert serves exactly the GPU's own tokens for it
+    np.testing.assert_array_equal(plan.assign[m, l, e, g], ctx.load[m, l, g, e])
+    assert 0.0 <= plan.stats["prediction_hit_rate"] <= 1.0
+
+
+def test_no_prefetch_when_tokens_never_outweigh_parameters() -> None:
+    ctx = make_ctx(history=2)
+    plan = PopFetcherPlanner(pull_ratio=1e6).plan(ctx)
+    assert plan.replicas is not None and (plan.replicas == -1).all()
+    np.testing.assert_array_equal(plan.assign, home_assign(ctx.load, plan.home, ctx.num_gpus))
+
+
+def test_stationary_routing_is_predicted_exactly() -> None:
+    ctx = make_ctx(microbatches=2, samples=32, seed=4)
+    steady = replace(ctx, history=(np.concatenate([ctx.load, ctx.load]),))
+    steady = replace(steady, load=np.concatenate([ctx.load[:1], ctx.load[:1]]))
+    steady = replace(steady, sample_mb=np.zeros_like(ctx.sample_mb))
+    plan = PopFetcherPlanner(correlation_weight=0.0, pull_ratio=0.05).plan(steady)
+    assert plan.stats["prediction_hit_rate"] > 0.9
+
+
+def test_wrong_history_lowers_the_hit_rate() -> None:
+    ctx = make_ctx(microbatches=1, samples=16, seed=5, skew=0.1)
+    flipped = ctx.load[..., ::-1].copy()  # history popular where this batch is not
+    wrong = replace(ctx, history=(flipped,))
+    right = replace(ctx, history=(ctx.load.copy(),))
+    planner = PopFetcherPlanner(correlation_weight=0.0, popular_experts=2)
+    assert planner.plan(wrong).stats["prediction_hit_rate"] < planner.plan(right).stats["prediction_hit_rate"]
+
+
+def test_rejects_bad_config() -> None:
+    with pytest.raises(ValueError, match="redundant_slots"):
+        PopFetcherPlanner(redundant_slots=1)
+    with pytest.raises(ValueError, match="correlation_weight"):
+        PopFetcherPlanner(correlation_weight=2.0)

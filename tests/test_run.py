@@ -1,0 +1,244 @@
+"""The Hydra entry point end to end: compose, run(cfg), the files it writes, and bad configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from experiments.config import ConfigError, build_cluster, build_model
+from experiments.run import run
+from relibra.invariants import check_plan_dump
+from relibra.trace import RoutingTrace, load_trace, save_trace
+
+CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = [
+    "model",
+    "dataset",
+    "planner",
+    "nodes",
+    "gpus_per_node",
+    "replica_slots",
+    "tokens",
+    "step_time_s",
+    "throughput_tokens_per_s",
+    "skew_mean",
+    "skew_p50",
+    "skew_p90",
+    "skew_max",
+    "plan_time_s",
+    "replica_buffer_bytes",
+    "reorder_moved_experts",
+    "t_compute_s",
+    "t_comm_s",
+    "t_sync_exposed_s",
+    "t_reorder_s",
+    "t_attention_s",
+]
+
+
+def cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory) -> Path:
+    """A small OLMoE-shaped trace (16 layers, 64 experts, top-8) written by the trace module."""
+    rng = np.random.default_rng(1)
+    lens = rng.integers(4, 20, size=16)
+    num_layers, num_experts, k = 16, 64, 8
+    scores = rng.gumbel(size=(int(lens.sum()), num_layers, num_experts)) + np.log(
+        1.0 / np.arange(1, num_experts + 1)
+    )
+    experts = np.argsort(-scores, axis=-1)[..., :k].astype(np.int16)
+    trace = RoutingTrace(
+        experts=experts,
+        sample_offsets=np.r_[0, np.cumsum(lens)].astype(np.int64),
+        batch_offsets=np.array([0, 8, 16], dtype=np.int64),
+        meta={
+            "num_experts": num_experts,
+            "top_k": k,
+            "num_layers": num_layers,
+            "model": "olmoe",
+            "source": "test",
+        },
+    )
+    return save_trace(trace, tmp_path_factory.mktemp("trace") / "olmoe_test.npz")
+
+
+def file_cfg(trace_file: Path, *more: str):
+    return cfg(
+        f"trace.path={trace_file}",
+        "model=olmoe-1b-7b",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=8",
+        "workload.samples_per_microbatch=1",
+        *more,
+    )
+
+
+def test_megatron_on_trace_file_dumps_valid_plans(trace_file, tmp_path):
+    c = file_cfg(trace_file, "planner=megatron", "dump_plans=true", "simulator.check_plans=true")
+    results = run(c, run_dir=tmp_path)
+    assert len(results) == 1 and set(REQUIRED) <= set(results.columns)
+    row = results.iloc[0]
+    assert (row["planner"], row["model"], row["nodes"], row["gpus_per_node"]) == (
+        "megatron",
+        "olmoe-1b-7b",
+        2,
+        8,
+    )
+    assert row["dataset"] == "olmoe_test"
+    assert row["throughput_tokens_per_s"] == pytest.approx(row["tokens"] / row["step_time_s"])
+    on_disk = pd.read_parquet(tmp_path / "results.parquet")
+    pd.testing.assert_frame_equal(on_disk, results)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[0]["planner"] == "megatron"
+    assert len(pd.read_parquet(tmp_path / "per_layer.parquet")) > 0
+    counts = load_trace(trace_file).to_counts().counts
+    meta = check_plan_dump(tmp_path / "plans.npz", counts=counts)
+    assert meta["planner"] == "megatron" and meta["nodes"] == 2 and meta["num_experts"] == 64
+    with np.load(tmp_path / "plans.npz") as z:
+        assert z["home"].shape == (2, 16, 64) and z["assign"].dtype == np.int32
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
+    results = run(file_cfg(trace_file, "planner=balanced", "dump_plans=true"), run_dir=tmp_path)
+    assert results.iloc[0]["skew_max"] == 1.0
+    assert not (tmp_path / "plans.npz").exists()
+    mega = run(file_cfg(trace_file, "planner=megatron"), run_dir=tmp_path / "m")
+    assert results.iloc[0]["step_time_s"] < mega.iloc[0]["step_time_s"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        (["cluster.nodes=3"], ["model.num_experts=64", "cluster.nodes * cluster.gpus_per_node"]),
+        (["planner.replica_slots=33"], ["planner.replica_slots=33"]),
+        (["model=qwen3-30b-a3b"], ["num_experts=64", "model.num_experts=128"]),
+        (["planner._target_=baselines.nothing.Planner"], ["planner._target_"]),
+        (
+            ["workload.tokens_per_microbatch=100"],
+            ["workload.samples_per_microbatch", "tokens_per_microbatch"],
+        ),
+    ],
+)
+def test_bad_config_stops_before_work(trace_file, tmp_path, overrides, keys):
+    (tmp_path / "results.parquet").write_bytes(b"earlier results")
+    with pytest.raises(ConfigError) as err:
+        run(file_cfg(trace_file, *overrides), run_dir=tmp_path)
+    for key in keys:
+        assert key in str(err.value)
+    assert (tmp_path / "results.parquet").read_bytes() == b"earlier results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.parquet"]
+
+
+def test_missing_trace_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"trace\.path=.*no such file"):
+        run(cfg(f"trace.path={tmp_path / 'none.npz'}"), run_dir=tmp_path)
+
+
+def test_unknown_planner_is_refused_by_compose():
+    with pytest.raises(Exception, match="planner"):
+        cfg("planner=no_such_planner")
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-235b-a22b", "glm4.5-106b-a12b", "olmoe-1b-7b"])
+def test_every_model_composes(model):
+    c = cfg(f"model={model}")
+    spec = build_model(c)
+    assert spec.name == model and spec.num_experts % build_cluster(c).num_gpus == 0
+
+
+@pytest.mark.parametrize("planner", ["megatron", "balanced"])
+def test_spine_planners_instantiate(planner):
+    obj = instantiate(cfg(f"planner={planner}").planner)
+    assert obj.name == planner
+
+
+def test_synthetic_default(tmp_path):
+    pytest.importorskip("relibra.synthetic")
+    c = cfg(
+        "model=olmoe-1b-7b",
+        "trace.num_batches=1",
+        "trace.samples_per_batch=16",
+        "trace.max_tokens=64",
+    )
+    results = run(c, run_dir=tmp_path)
+    assert results.iloc[0]["dataset"] == "reasoning" and results.iloc[0]["step_time_s"] > 0
+
+
+def test_wandb_offline_and_failure_keeps_results(trace_file, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no W&B today")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    with pytest.warns(RuntimeWarning, match="W&B logging failed"):
+        results = run(file_cfg(trace_file, "logger=wandb"), run_dir=tmp_path)
+    assert (tmp_path / "results.parquet").exists() and len(results) == 1
+
+
+@pytest.mark.slow
+def test_wandb_offline_run(trace_file, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run(file_cfg(trace_file, "logger=wandb"), run_dir=tmp_path)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_cli_bad_config_exit_code(trace_file, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            f"trace.path={trace_file}",
+            "model=olmoe-1b-7b",
+            "cluster.nodes=3",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "model.num_experts=64 is not divisible" in proc.stderr
+
+
+@pytest.mark.shared_traces
+def test_real_olmoe_trace_plans_accepted(shared_traces, tmp_path):
+    """The issue's acceptance command on the real OLMoE decode trace saved by another program."""
+    from relibra.importers import load_olmoe_decode
+
+    trace = load_olmoe_decode(
+        shared_traces / "olmoe-decode", domains=["math", "coding"], samples_per_batch=25
+    )
+    path = save_trace(trace, tmp_path / "olmoe_decode.npz")
+    results = run(
+        cfg(
+            f"trace.path={path}",
+            "model=olmoe-1b-7b",
+            "cluster.nodes=2",
+            "cluster.gpus_per_node=8",
+            "planner=megatron",
+            "dump_plans=true",
+        ),
+        run_dir=tmp_path / "run",
+    )
+    assert results.iloc[0]["skew_mean"] > 1.0
+    check_plan_dump(tmp_path / "run" / "plans.npz", counts=trace.to_counts().counts)

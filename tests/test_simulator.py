@@ -1,0 +1,170 @@
+"""The simulator on tiny workloads: metrics add up, and each cost it charges matches the cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from baselines.balanced import BalancedBound
+from baselines.megatron import MegatronPlanner
+from relibra.invariants import check_plan
+from relibra.planner import BatchContext, Planner, home_assign, static_placement
+from relibra.simulator import (
+    METRIC_COLUMNS,
+    MIGRATION_BYTES_PER_PARAM,
+    Bound,
+    CostModelExecutor,
+    SimOptions,
+    simulate,
+    skewness,
+)
+from relibra.types import BatchPlan
+from tests.spine_helpers import tiny_setup
+
+
+@dataclass(frozen=True)
+class SwapPlanner:
+    """Swaps the homes of experts 0 and the last one in every layer from batch 1 on (a toy reorderer)."""
+
+    name: str = "swap"
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        num_layers, num_experts = ctx.counts.shape[1:]
+        home = static_placement(num_layers, num_experts, ctx.num_gpus).copy()
+        if ctx.batch >= 1:
+            home[:, [0, -1]] = home[:, [-1, 0]]
+        return BatchPlan(
+            home=home,
+            assign=home_assign(ctx.load, home, ctx.num_gpus),
+            load=ctx.load,
+            sample_gpu=ctx.sample_gpu,
+        )
+
+
+@dataclass(frozen=True)
+class PeerReplicaPlanner:
+    """Megatron placement; half of each layer's hottest expert computed on the home's node peer."""
+
+    name: str = "peer"
+    replica_slots: int = 1
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        base = MegatronPlanner().plan(ctx)
+        a = base.assign.copy()
+        mb, num_layers = a.shape[:2]
+        for m in range(mb):
+            for l in range(num_layers):
+                e = int(np.argmax(a[m, l].sum(-1)))
+                h = int(base.home[l, e])
+                half = a[m, l, e, h] // 2
+                a[m, l, e, h] -= half
+                a[m, l, e, h ^ 1] += half
+        return BatchPlan(home=base.home, assign=a, load=base.load, sample_gpu=base.sample_gpu)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
+
+
+def test_planners_and_bounds_are_told_apart():
+    assert isinstance(MegatronPlanner(), Planner) and not isinstance(MegatronPlanner(), Bound)
+    assert isinstance(BalancedBound(), Bound) and not isinstance(BalancedBound(), Planner)
+
+
+def test_megatron_metrics_add_up(setup):
+    counts, workload, cluster, model, cost = setup
+    res = simulate(MegatronPlanner(), counts, workload, cluster, model, cost, SimOptions(keep_plans=True))
+    assert set(METRIC_COLUMNS) <= set(res.metrics)
+    nb = counts.num_batches
+    m = res.metrics
+    parts = m["t_compute_s"] + m["t_comm_s"] + m["t_sync_exposed_s"] + m["t_reorder_s"] + m["t_attention_s"]
+    assert m["step_time_s"] == pytest.approx(parts)
+    assert m["step_time_s"] == pytest.approx(res.batch_time.sum() / nb)
+    assert m["throughput_tokens_per_s"] == pytest.approx(counts.tokens.sum() / res.batch_time.sum())
+    assert m["reorder_moved_experts"] == 0 and m["t_reorder_s"] == 0 and m["replica_buffer_bytes"] == 0
+    assign = np.concatenate([p.assign for p in res.plans])
+    np.testing.assert_allclose(res.skew, skewness(assign.sum(axis=-2)))
+    assert m["skew_max"] == pytest.approx(res.skew.max()) and m["skew_mean"] >= 1.0
+    br = cost.moe(np.concatenate([p.load for p in res.plans]), assign)
+    np.testing.assert_allclose(res.t_compute, br.t_compute)
+    np.testing.assert_allclose(res.t_comm, br.t_comm)
+    table = res.per_layer()
+    assert len(table) == workload.num_microbatches * counts.num_layers
+    assert set(table["batch"]) == set(range(nb))
+
+
+def test_plans_kept_only_when_asked(setup):
+    counts, workload, cluster, model, cost = setup
+    assert simulate(MegatronPlanner(), counts, workload, cluster, model, cost).plans == ()
+
+
+def test_reordering_migration_charged(setup):
+    counts, workload, cluster, model, cost = setup
+    res = simulate(SwapPlanner(), counts, workload, cluster, model, cost)
+    nb, num_layers = counts.num_batches, counts.num_layers
+    assert res.metrics["reorder_moved_experts"] == pytest.approx(2 * num_layers / nb)
+    g_first, g_last = 0, cluster.num_gpus - 1
+    src = np.tile([g_first, g_last], num_layers)
+    dst = np.tile([g_last, g_first], num_layers)
+    t = cost.transfer_time(src, dst, model.expert_params * MIGRATION_BYTES_PER_PARAM)
+    assert t > 0
+    assert res.metrics["t_reorder_s"] == pytest.approx(t / nb)
+
+
+def test_replica_refill_exposed(setup):
+    counts, workload, cluster, model, cost = setup
+    res = simulate(PeerReplicaPlanner(), counts, workload, cluster, model, cost, SimOptions(keep_plans=True))
+    assert res.metrics["replica_buffer_bytes"] == cost.expert_weight_bytes()
+    # one replica per receiving GPU, sent by its home: the refill is one expert over NVLink
+    refill = cost.expert_weight_bytes() / (
+        cluster.hardware.nvlink_bytes_per_s * cluster.hardware.nvlink_efficiency
+    )
+    attn = res.t_attention
+    want = np.maximum(refill - attn / 3, 0) + np.maximum(refill - 2 * attn / 3, 0)
+    np.testing.assert_allclose(res.t_sync_exposed, want)
+    mega = simulate(MegatronPlanner(), counts, workload, cluster, model, cost)
+    assert res.metrics["skew_mean"] < mega.metrics["skew_mean"]
+
+
+def test_balanced_is_a_lower_bound(setup):
+    counts, workload, cluster, model, cost = setup
+    bal = simulate(BalancedBound(), counts, workload, cluster, model, cost, SimOptions(keep_plans=True))
+    mega = simulate(MegatronPlanner(), counts, workload, cluster, model, cost)
+    assert bal.plans == ()
+    assert bal.metrics["skew_max"] == 1.0
+    assert bal.metrics["t_compute_s"] <= mega.metrics["t_compute_s"]
+    assert bal.metrics["step_time_s"] < mega.metrics["step_time_s"]
+    assert bal.metrics["t_attention_s"] == pytest.approx(mega.metrics["t_attention_s"])
+
+
+def test_cost_model_executor(setup):
+    counts, workload, cluster, model, cost = setup
+    res = simulate(MegatronPlanner(), counts, workload, cluster, model, cost, SimOptions(keep_plans=True))
+    report = CostModelExecutor(cost).execute(res.plans, model, cluster)
+    np.testing.assert_allclose(report.moe_time_s, res.t_compute + res.t_comm)
+
+
+def test_contexts_are_valid_for_the_checker(setup):
+    counts, workload, cluster, model, cost = setup
+    from relibra.simulator import batch_context
+
+    for b in range(counts.num_batches):
+        ctx = batch_context(counts, workload, b, cluster, model, cost)
+        check_plan(MegatronPlanner().plan(ctx), ctx, replica_slots=0)
+        assert ctx.regroup is not None
+        load, tokens = ctx.regroup(ctx.sample_gpu)
+        np.testing.assert_array_equal(load, ctx.load)
+        assert tokens.sum() == ctx.sample_tokens.sum()
+
+
+def test_check_plans_option(setup):
+    from relibra.invariants import PlanInvariantError
+
+    counts, workload, cluster, model, cost = setup
+    opts = SimOptions(check_plans=True)
+    simulate(PeerReplicaPlanner(), counts, workload, cluster, model, cost, opts)
+    with pytest.raises(PlanInvariantError, match=r"\[replica slots\]"):
+        simulate(PeerReplicaPlanner(replica_slots=0), counts, workload, cluster, model, cost, opts)

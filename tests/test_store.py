@@ -1,0 +1,151 @@
+"""Results store: cell keys, atomic writes, resume, and concurrent writers in separate processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from experiments.store import ResultsStore, cell_key, load_experiment, load_per_layer, run_cell
+
+CONFIG = {
+    "model": {"name": "qwen3-30b-a3b", "num_experts": 128},
+    "planner": {"name": "relibra", "replica_slots": 2},
+    "cluster": {"nodes": 4, "gpus_per_node": 8},
+    "seed": 0,
+    "results_dir": "results/a",
+    "logger": {"name": "none"},
+    "hydra": {"run": {"dir": "outputs/x"}},
+}
+
+
+def _rows(tag: int, n: int = 3) -> pd.DataFrame:
+    return pd.DataFrame(
+        {"planner": ["relibra"] * n, "tag": np.full(n, tag), "step_time_s": np.arange(n, dtype=float) + tag}
+    )
+
+
+def test_key_ignores_order_container_type_and_output_keys() -> None:
+    reordered = {k: CONFIG[k] for k in reversed(list(CONFIG))}
+    moved = {**CONFIG, "results_dir": "elsewhere", "logger": {"name": "wandb"}, "hydra": {}}
+    assert cell_key(CONFIG) == cell_key(reordered) == cell_key(OmegaConf.create(CONFIG)) == cell_key(moved)
+
+
+def test_key_changes_with_any_value_that_defines_the_cell() -> None:
+    base = cell_key(CONFIG)
+    for path, value in [("planner.replica_slots", 3), ("cluster.nodes", 8), ("seed", 1)]:
+        cfg = OmegaConf.create(CONFIG)
+        OmegaConf.update(cfg, path, value)
+        assert cell_key(cfg) != base, path
+
+
+def test_key_resolves_interpolations() -> None:
+    cfg = OmegaConf.create({**CONFIG, "nodes_by_model": {"qwen3-30b-a3b": 4}})
+    cfg.cluster.nodes = "${nodes_by_model[${model.name}]}"
+    assert cell_key(cfg) == cell_key({**CONFIG, "nodes_by_model": {"qwen3-30b-a3b": 4}})
+
+
+def test_write_then_read_round_trips_rows_config_and_per_layer(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    key = cell_key(CONFIG)
+    layers = pd.DataFrame({"planner": ["relibra"] * 4, "microbatch": [0, 0, 1, 1], "layer": [0, 1, 0, 1]})
+    assert not store.has(key)
+    store.write(key, _rows(7), CONFIG, layers)
+    assert store.has(key) and store.keys() == [key]
+    pd.testing.assert_frame_equal(store.read(key), _rows(7))
+    pd.testing.assert_frame_equal(store.read_per_layer(key), layers)
+    assert store.config(key)["planner"] == CONFIG["planner"]
+    loaded = load_experiment(tmp_path)
+    assert list(loaded["cell"].unique()) == [key] and len(loaded) == 3
+    assert len(load_per_layer(tmp_path)) == 4
+
+
+def test_empty_results_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="empty results"):
+        ResultsStore(tmp_path).write("k", pd.DataFrame(), CONFIG)
+
+
+def test_crash_during_write_leaves_no_cell_and_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ResultsStore(tmp_path)
+
+    def half_write(table, where, **kwargs):  # type: ignore[no-untyped-def]
+        where.write(b"PAR1 partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(pq, "write_table", half_write)
+    with pytest.raises(KeyboardInterrupt):
+        store.write("k", _rows(1), CONFIG)
+    assert not store.has("k")
+    assert list(store.cells_dir.iterdir()) == []
+
+
+def test_leftover_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    store.write("done", _rows(1), CONFIG)
+    stale = store.cells_dir / ".tmp-crashed.parquet"
+    stale.write_bytes(b"PAR1 truncated")
+    assert store.keys() == ["done"]
+    assert len(store.load()) == 3
+    assert store.clean_stale(older_than_s=0.0) == 1 and not stale.exists()
+
+
+def test_rerun_reuses_finished_cells_and_redoes_unfinished(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    calls: list[int] = []
+
+    def compute() -> tuple[pd.DataFrame, None]:
+        calls.append(1)
+        return _rows(len(calls)), None
+
+    first, reused_first = run_cell(store, CONFIG, compute)
+    second, reused_second = run_cell(store, CONFIG, compute)
+    assert (reused_first, reused_second) == (False, True) and len(calls) == 1
+    pd.testing.assert_frame_equal(first, second)
+    # an unfinished cell (a crashed writer left only its temp file) runs again
+    other = {**CONFIG, "seed": 1}
+    (store.cells_dir / f".tmp-{cell_key(other)}.parquet").write_bytes(b"x")
+    _, reused_other = run_cell(store, other, compute)
+    assert not reused_other and len(calls) == 2
+
+
+def _writer(root: str, writer: int, rounds: int) -> None:
+    store = ResultsStore(Path(root))
+    for i in range(rounds):
+        tag = writer * 1000 + i
+        # shared keys are written by every process; own keys by this one only
+        store.write(f"shared{i % 3}", _rows(tag, n=20_000), {"writer": writer, "round": i})
+        store.write(f"own{writer}-{i}", _rows(tag, n=50), {"writer": writer, "round": i})
+
+
+def test_concurrent_writers_never_corrupt_the_store(tmp_path: Path) -> None:
+    writers, rounds = 3, 8
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, rounds)) for w in range(writers)]
+    for p in procs:
+        p.start()
+    store = ResultsStore(tmp_path)
+    reads = 0
+    deadline = time.time() + 60
+    while any(p.is_alive() for p in procs) and time.time() < deadline:
+        for key in store.keys():
+            frame = store.read(key)  # must never be partial: one writer's whole frame
+            assert frame["tag"].nunique() == 1
+            assert len(frame) == (20_000 if key.startswith("shared") else 50)
+            reads += 1
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert reads > 0
+    assert sorted(store.keys()) == sorted(
+        [f"shared{i}" for i in range(3)] + [f"own{w}-{i}" for w in range(writers) for i in range(rounds)]
+    )
+    assert not list(store.cells_dir.glob(".tmp-*"))
+    assert len(store.load()) == 3 * 20_000 + writers * rounds * 50
