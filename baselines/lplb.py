@@ -2,8 +2,9 @@
 
 Source: deepseek-ai/LPLB (README "How LPLB Works" and ``lplb/planner.py``). The mechanism:
 
-1. **Placement**: EPLB with replication switched off (reordering only, :func:`baselines.eplb.rebalance_experts`
-   with ``E`` physical experts); each GPU's experts are then ordered by load, heaviest first.
+1. **Placement**: EPLB with replication switched off (reordering only:
+   :func:`baselines.eplb.rebalance_experts` with ``E`` physical experts); each GPU's experts are then
+   ordered by load, heaviest first.
 2. **Redundant copies along a fixed topology**: LPLB's ``r2o`` matrix ``[G, D]`` says that redundant slot
    ``j`` of GPU ``i`` holds a copy of the ``j``-th heaviest expert of GPU ``r2o[i, j]``; every column is a
    permutation, so each expert has at most two copies (LPLB asserts this) and every copy is an edge
@@ -40,9 +41,9 @@ from relibra.types import BatchPlan
 
 __all__ = [
     "TOPOLOGIES",
-    "auto_topology",
     "LplbLayout",
     "LplbPlanner",
+    "auto_topology",
     "exact_split",
     "ipm_split",
     "lplb_layout",
@@ -60,6 +61,7 @@ def auto_topology(nodes: int, gpus_per_node: int) -> str:
     if nodes >= 2 and gpus_per_node >= 2:
         return "torus"
     return "cube" if (nodes * gpus_per_node) % 8 == 0 else "ring"
+
 
 # LPLB README's Cube8P2E example, transposed to [8 GPUs, 2 redundant slots].
 _CUBE8 = np.array([[3, 0, 1, 2, 7, 4, 5, 6], [6, 7, 4, 5, 0, 1, 2, 3]]).T
@@ -104,7 +106,10 @@ def topology_edges(r2o: np.ndarray) -> set[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class LplbLayout:
-    """Placement and redundant copies for one batch; ``P = G * R`` edges, edge ``p`` in slot ``p % R`` of GPU ``p // R``."""
+    """Placement and redundant copies of one batch.
+
+    ``P = G * R`` edges; edge ``p`` is redundant slot ``p % R`` of GPU ``p // R``.
+    """
 
     home: np.ndarray
     """int32 [L, E]: GPU of each expert's original."""
@@ -199,9 +204,54 @@ def exact_split(
     h.passModel(lp)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"HiGHS did not solve the LPLB split LP: {h.modelStatusToString(h.getModelStatus())}")
+        raise RuntimeError(
+            f"HiGHS did not solve the LPLB split LP: {h.modelStatusToString(h.getModelStatus())}"
+        )
     sol = np.asarray(h.getSolution().col_value).reshape(x_count, nvar)
     return np.clip(sol[:, :p], 0.0, cap), sol[:, p]
+
+
+Blocks = tuple[np.ndarray, ...]
+
+
+@dataclass(frozen=True)
+class _Newton:
+    """One interior-point iteration's linear system (blocks ``[f, s, t, w]``; ``X`` batched problems)."""
+
+    z: Blocks
+    """dual slacks per block, [X, n_block]."""
+    d: Blocks
+    """``D = X Z^-1`` per block."""
+    rd: Blocks
+    """dual residuals per block."""
+    rp1: np.ndarray
+    """[X, P] primal residual of ``f + s = cap``."""
+    rp2: np.ndarray
+    """[X, G] primal residual of ``B f - t + w = -base``."""
+    schur: np.ndarray
+    """[X, G, G] Schur complement of the normal equations."""
+    b_mat: np.ndarray
+    """[G, P] edge incidence."""
+
+    def direction(self, rc: Blocks) -> tuple[Blocks, Blocks, tuple[np.ndarray, np.ndarray]]:
+        """Newton direction for complementarity residual ``rc`` (per block) -> (dx, dz, dy)."""
+        b_mat = self.b_mat
+        df_, ds_ = self.d[0], self.d[1]
+        vf, vs, vt, vw = (-r / z + d * q for r, z, d, q in zip(rc, self.z, self.d, self.rd))
+        r1 = self.rp1 + vf + vs
+        r2 = self.rp2 + vf @ b_mat.T - vt + vw
+        dy2 = np.linalg.solve(self.schur, (r2 - (df_ / (df_ + ds_) * r1) @ b_mat.T)[..., None])[..., 0]
+        dy1 = (r1 - df_ * (dy2 @ b_mat)) / (df_ + ds_)
+        at = (dy1 + dy2 @ b_mat, dy1, -dy2.sum(-1, keepdims=True), dy2)  # A^T dy
+        dx = tuple(-v + d * a for v, d, a in zip((vf, vs, vt, vw), self.d, at))
+        dz = tuple(q - a for q, a in zip(self.rd, at))
+        return dx, dz, (dy1, dy2)
+
+
+def _step(x: Blocks, dx: Blocks) -> np.ndarray:
+    """Largest step in [0, 1] keeping every block of ``x + step * dx >= 0`` -> [X, 1]."""
+    ratio = [np.where(d < 0, -v / np.where(d < 0, d, -1.0), np.inf).min(-1) for v, d in zip(x, dx)]
+    return np.minimum(1.0, np.min(ratio, axis=0))[:, None]
 
 
 def ipm_split(
@@ -237,34 +287,21 @@ def ipm_split(
         schur = np.einsum("gp,xp,hp->xgh", b_mat, h, b_mat) + dt_[..., None]
         schur[:, np.arange(bb.shape[1]), np.arange(bb.shape[1])] += dw_
 
-        def direction(rc: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarray, ...], ...]:
-            """Newton direction for complementarity residual rc (per block): (dx, dz, dy)."""
-            vf, vs, vt, vw = (-r / z + d * q for r, z, d, q in zip(rc, zs_, dd, rd))
-            r1 = rp1 + vf + vs
-            r2 = rp2 + vf @ b_mat.T - vt + vw
-            dy2 = np.linalg.solve(schur, (r2 - (df_ / (df_ + ds_) * r1) @ b_mat.T)[..., None])[..., 0]
-            dy1 = (r1 - df_ * (dy2 @ b_mat)) / (df_ + ds_)
-            at = (dy1 + dy2 @ b_mat, dy1, -dy2.sum(-1, keepdims=True), dy2)  # A^T dy
-            dx = tuple(-v + d * a for v, d, a in zip((vf, vs, vt, vw), dd, at))
-            dz = tuple(q - a for q, a in zip(rd, at))
-            return dx, dz, (dy1, dy2)
-
-        def step(x: tuple[np.ndarray, ...], dx: tuple[np.ndarray, ...]) -> np.ndarray:
-            """Largest step in [0, 1] keeping every block of x + step * dx >= 0. -> [X, 1]."""
-            ratio = [np.where(d < 0, -v / np.where(d < 0, d, -1.0), np.inf).min(-1) for v, d in zip(x, dx)]
-            return np.minimum(1.0, np.min(ratio, axis=0))[:, None]
-
         mu = sum((a * b).sum(-1) for a, b in zip(xs, zs_))[:, None] / n
-        dx_aff, dz_aff, _ = direction(tuple(-a * b for a, b in zip(xs, zs_)))
-        ap, ad = step(xs, dx_aff), step(zs_, dz_aff)
-        mu_aff = sum(
-            ((a + ap * da) * (b + ad * db)).sum(-1, keepdims=True)
-            for a, da, b, db in zip(xs, dx_aff, zs_, dz_aff)
-        ) / n
+        newton = _Newton(zs_, dd, rd, rp1, rp2, schur, b_mat)
+        dx_aff, dz_aff, _ = newton.direction(tuple(-a * b for a, b in zip(xs, zs_)))
+        ap, ad = _step(xs, dx_aff), _step(zs_, dz_aff)
+        mu_aff = (
+            sum(
+                ((a + ap * da) * (b + ad * db)).sum(-1, keepdims=True)
+                for a, da, b, db in zip(xs, dx_aff, zs_, dz_aff)
+            )
+            / n
+        )
         sigma = (mu_aff / mu) ** 3
         rc = tuple(sigma * mu - a * b - da * db for a, b, da, db in zip(xs, zs_, dx_aff, dz_aff))
-        dx, dz, (dy1, dy2) = direction(rc)
-        ap, ad = 0.995 * step(xs, dx), 0.995 * step(zs_, dz)
+        dx, dz, (dy1, dy2) = newton.direction(rc)
+        ap, ad = 0.995 * _step(xs, dx), 0.995 * _step(zs_, dz)
         f, s, t, w = (a + ap * da for a, da in zip(xs, dx))
         zf, zs, zt, zw = (b + ad * db for b, db in zip(zs_, dz))
         y1, y2 = y1 + ad * dy1, y2 + ad * dy2
@@ -275,10 +312,10 @@ def ipm_split(
 class LplbPlanner:
     """LPLB+ as a :class:`~relibra.planner.Planner`.
 
-    ``topology`` ring, cube, hypercube, torus or auto (:func:`auto_topology`); ``redundant_slots`` (R) a multiple of the topology's
-    copies per GPU; ``solver`` highs (exact) or ipm (``ipm_iterations`` interior-point steps, gap to the
-    exact LP reported); ``load_mode`` oracle or history (moving average of ``history_window`` batches)
-    for the placement and the choice of copies.
+    ``topology`` ring, cube, hypercube, torus or auto (:func:`auto_topology`); ``redundant_slots`` (R) a
+    multiple of the topology's copies per GPU; ``solver`` highs (exact) or ipm (``ipm_iterations``
+    interior-point steps, gap to the exact LP reported); ``load_mode`` oracle or history (moving average
+    of ``history_window`` batches) for the placement and the choice of copies.
     """
 
     name: str = "lplb"
@@ -336,7 +373,9 @@ class LplbPlanner:
 
         stats = {
             "redundant_experts_per_gpu": float(num_layers * self.redundant_slots),
-            "redundant_bytes_per_gpu": float(num_layers * self.redundant_slots * ctx.cost.expert_weight_bytes()),
+            "redundant_bytes_per_gpu": float(
+                num_layers * self.redundant_slots * ctx.cost.expert_weight_bytes()
+            ),
             "lp_problems": float(mb * num_layers),
         }
         if self.solver == "ipm":

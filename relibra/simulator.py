@@ -249,6 +249,63 @@ class CostModelExecutor:
         return ExecutionReport(moe_time_s=np.concatenate(times, axis=0))
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """The costs of one batch beyond the MoE breakdown (internal)."""
+
+    br: MoEBreakdown
+    """Leading axes [Mb, L]."""
+    skew: np.ndarray
+    """float64 [Mb, L]."""
+    tokens: np.ndarray
+    """int64 [Mb, G]: tokens each GPU holds (after any sample re-assignment)."""
+    pairs: np.ndarray
+    """float64 [Mb, G]: causal attention pairs each GPU holds."""
+    refill: np.ndarray
+    """float64 [Mb, L]: one-direction replica-buffer refill seconds."""
+    buffer_slots: int = 0
+    moved: int = 0
+    t_migration: float = 0.0
+    t_redundant: float = 0.0
+
+
+def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slice) -> _Priced:
+    br = bound.bound(ctx)
+    return _Priced(
+        br=br,
+        skew=np.ones(br.t_compute.shape),
+        tokens=workload.tokens[rows],
+        pairs=workload.causal_pairs[rows],
+        refill=np.zeros(br.t_compute.shape),
+    )
+
+
+def _price_plan(
+    plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray, bytes_per_param: float
+) -> _Priced:
+    br = cost.moe(plan.load, plan.assign)
+    tokens, pairs = gpu_token_stats(
+        ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+    )
+    reps = _replicas_per_slot(plan)  # [Mb, L, G, r]
+    moved_l, moved_e = np.nonzero(plan.home != prev_home)
+    return _Priced(
+        br=br,
+        skew=skewness(plan.assign.sum(axis=-2)),
+        tokens=tokens,
+        pairs=pairs,
+        refill=cost.replica_refill_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
+        buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
+        moved=int(moved_l.size),
+        t_migration=cost.transfer_time(
+            prev_home[moved_l, moved_e],
+            plan.home[moved_l, moved_e],
+            ctx.model.expert_params * bytes_per_param,
+        ),
+        t_redundant=_redundant_sync_time(plan, cost),
+    )
+
+
 def simulate(
     planner: PlanSource | Bound,
     counts: SampleCounts,
@@ -268,55 +325,35 @@ def simulate(
         :class:`SimResult` with the DESIGN.md metrics and per-(micro-batch, layer) arrays [M, L].
     """
     opt = options or SimOptions()
-    g = cluster.num_gpus
-    num_mb, num_layers = workload.num_microbatches, counts.num_layers
-    is_bound = isinstance(planner, Bound) and not isinstance(planner, Planner)
-    skew = np.ones((num_mb, num_layers))
-    t_comp = np.zeros((num_mb, num_layers))
-    t_comm = np.zeros((num_mb, num_layers))
-    t_attn = np.zeros((num_mb, num_layers))
-    t_sync = np.zeros((num_mb, num_layers))
+    shape = (workload.num_microbatches, counts.num_layers)
+    skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
-    t_reorder_total = 0.0
-    t_red_total = 0.0
-    t_dense_total = 0.0
-    plan_time = 0.0
-    moved_total = 0
-    buffer_slots = int(getattr(planner, "replica_slots", 0) or 0)
-    redundant_slots = 0
+    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved"), 0.0)
+    slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
     history: list[np.ndarray] = []
-    prev_home = static_placement(num_layers, counts.num_experts, g)
+    # NOTE: the model starts in Megatron's placement, so moving away from it in batch 0 is charged too.
+    prev_home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
     planner_prev: np.ndarray | None = None
     dense_layers = model.num_layers - model.num_moe_layers
 
     for b in range(counts.num_batches):
+        window = tuple(history[-opt.history_window :]) if opt.history_window else ()
         ctx = batch_context(
-            counts,
-            workload,
-            b,
-            cluster,
-            model,
-            cost,
-            prev_home=planner_prev,
-            history=tuple(history[-opt.history_window :]) if opt.history_window else (),
-            seed=opt.seed,
+            counts, workload, b, cluster, model, cost, prev_home=planner_prev, history=window, seed=opt.seed
         )
         mbs = workload.batch_microbatches(b)
         rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
-        if is_bound:
-            t0 = time.perf_counter()
-            br = planner.bound(ctx)  # type: ignore[union-attr]
-            plan_time += time.perf_counter() - t0
-            tokens, pairs = workload.tokens[rows], workload.causal_pairs[rows]
-            load = ctx.load
-            t_red = t_mig = 0.0
+        t0 = time.perf_counter()
+        if isinstance(planner, Bound) and not isinstance(planner, Planner):
+            priced = _price_bound(planner, ctx, workload, rows)
+            totals["plan"] += time.perf_counter() - t0
+            history.append(ctx.load)
         else:
-            t0 = time.perf_counter()
             plan = planner.plan(ctx)  # type: ignore[union-attr]
             elapsed = time.perf_counter() - t0
-            plan_time += plan.plan_time_s if plan.plan_time_s > 0 else elapsed
+            totals["plan"] += plan.plan_time_s if plan.plan_time_s > 0 else elapsed
             if opt.check_plans:
                 check_plan(
                     plan,
@@ -325,72 +362,54 @@ def simulate(
                     redundant_slots=int(getattr(planner, "redundant_slots", 0) or 0),
                     replicas_in_home_node=bool(getattr(planner, "replicas_in_home_node", True)),
                 )
-            load = plan.load
-            br = cost.moe(plan.load, plan.assign)
-            skew[rows] = skewness(plan.assign.sum(axis=-2))
-            tokens, pairs = gpu_token_stats(
-                ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, g
-            )
-            reps = _replicas_per_slot(plan)
-            buffer_slots = max(buffer_slots, int((reps >= 0).sum(axis=-1).max()) if reps.size else 0)
-            refill = cost.replica_refill_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape)
-            attn_one = cost.attention_time(tokens, pairs).max(axis=-1)[:, None]  # [Mb, 1]
-            # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
-            t_sync[rows] = np.maximum(refill - attn_one / 3, 0) + np.maximum(refill - 2 * attn_one / 3, 0)
-            moved_l, moved_e = np.nonzero(plan.home != prev_home)
-            moved_total += moved_l.size
-            t_mig = cost.transfer_time(
-                prev_home[moved_l, moved_e],
-                plan.home[moved_l, moved_e],
-                model.expert_params * opt.migration_bytes_per_param,
-            )
-            prev_home = plan.home
-            planner_prev = plan.home
-            t_red = _redundant_sync_time(plan, cost)
+            priced = _price_plan(plan, ctx, cost, prev_home, opt.migration_bytes_per_param)
+            prev_home = planner_prev = plan.home
             if plan.redundant is not None:
-                redundant_slots = max(redundant_slots, int(plan.redundant.shape[-1]))
+                slots["redundant"] = max(slots["redundant"], int(plan.redundant.shape[-1]))
             for k, v in plan.stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
             if opt.keep_plans:
                 kept.append(plan)
-        history.append(np.asarray(load))
+            history.append(plan.load)
         history = history[-max(opt.history_window, 1) :]
-        t_comp[rows], t_comm[rows] = br.t_compute, br.t_comm
-        t_attn[rows] = cost.attention_time(tokens, pairs).max(axis=-1)[:, None]
-        dense = (
-            dense_layers
-            * (cost.attention_time(tokens, pairs) + cost.dense_ffn_time(tokens)).max(axis=-1).sum()
-        )
-        batch_time[b] = (
-            (t_comp[rows] + t_comm[rows] + t_attn[rows] + t_sync[rows]).sum() + dense + t_mig + t_red
-        )
-        t_reorder_total += t_mig
-        t_dense_total += dense
-        t_red_total += t_red
+
+        attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
+        attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
+        skew[rows], t_comp[rows], t_comm[rows] = priced.skew, priced.br.t_compute, priced.br.t_comm
+        t_attn[rows] = attn
+        # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
+        t_sync[rows] = np.maximum(priced.refill - attn / 3, 0) + np.maximum(priced.refill - 2 * attn / 3, 0)
+        dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
+        per_layer = t_comp[rows] + t_comm[rows] + t_attn[rows] + t_sync[rows]
+        batch_time[b] = per_layer.sum() + dense + priced.t_migration + priced.t_redundant
+        slots["buffer"] = max(slots["buffer"], priced.buffer_slots)
+        totals["reorder"] += priced.t_migration
+        totals["redundant"] += priced.t_redundant
+        totals["dense"] += dense
+        totals["moved"] += priced.moved
 
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
-    total_tokens = float(counts.tokens.sum())
+    expert_bytes = cost.expert_weight_bytes()
     metrics: dict[str, float] = {
         "step_time_s": total_time / nb,
-        "throughput_tokens_per_s": total_tokens / total_time if total_time > 0 else 0.0,
+        "throughput_tokens_per_s": float(counts.tokens.sum()) / total_time if total_time > 0 else 0.0,
         "skew_mean": float(skew.mean()),
         "skew_p50": float(np.percentile(skew, 50)),
         "skew_p90": float(np.percentile(skew, 90)),
         "skew_max": float(skew.max()),
-        "plan_time_s": plan_time / nb,
-        "replica_buffer_bytes": float(buffer_slots * cost.expert_weight_bytes()),
-        "reorder_moved_experts": moved_total / nb,
+        "plan_time_s": totals["plan"] / nb,
+        "replica_buffer_bytes": float(slots["buffer"] * expert_bytes),
+        "reorder_moved_experts": totals["moved"] / nb,
         "t_compute_s": float(t_comp.sum()) / nb,
         "t_comm_s": float(t_comm.sum()) / nb,
-        "t_sync_exposed_s": (float(t_sync.sum()) + t_red_total) / nb,
-        "t_reorder_s": t_reorder_total / nb,
-        "t_attention_s": (float(t_attn.sum()) + t_dense_total) / nb,
-        "redundant_slot_bytes": float(redundant_slots * num_layers * cost.expert_weight_bytes()),
+        "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
+        "t_reorder_s": totals["reorder"] / nb,
+        "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
+        "redundant_slot_bytes": float(slots["redundant"] * counts.num_layers * expert_bytes),
     }
     for k, v in stats_sum.items():
-        if k not in metrics:
-            metrics[k] = v / nb
+        metrics.setdefault(k, v / nb)
     return SimResult(
         planner=str(planner.name),
         metrics=metrics,

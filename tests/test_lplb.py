@@ -52,7 +52,9 @@ def test_torus_edges() -> None:
     assert topology_edges(r2o) == want
 
 
-@pytest.mark.parametrize(("topology", "nodes", "gpn"), [("ring", 1, 4), ("cube", 1, 8), ("hypercube", 1, 16), ("torus", 2, 4)])
+@pytest.mark.parametrize(
+    ("topology", "nodes", "gpn"), [("ring", 1, 4), ("cube", 1, 8), ("hypercube", 1, 16), ("torus", 2, 4)]
+)
 def test_every_column_is_a_permutation_without_self_loops(topology: str, nodes: int, gpn: int) -> None:
     r2o = redundant_to_original(topology, nodes, gpn)
     for j in range(r2o.shape[1]):
@@ -60,7 +62,9 @@ def test_every_column_is_a_permutation_without_self_loops(topology: str, nodes: 
     assert (r2o != np.arange(nodes * gpn)[:, None]).all()
 
 
-@pytest.mark.parametrize(("topology", "nodes", "gpn"), [("cube", 1, 4), ("hypercube", 1, 8), ("torus", 1, 8), ("mesh", 1, 8)])
+@pytest.mark.parametrize(
+    ("topology", "nodes", "gpn"), [("cube", 1, 4), ("hypercube", 1, 8), ("torus", 1, 8), ("mesh", 1, 8)]
+)
 def test_bad_topology_is_refused(topology: str, nodes: int, gpn: int) -> None:
     with pytest.raises(ValueError, match="topology"):
         redundant_to_original(topology, nodes, gpn)

@@ -110,7 +110,9 @@ def finish_case(name: str, rng: np.random.Generator, plan: MicroBatchPlan, route
                enumerate(routes)]
     gouts = [torch.randn(len(rt), SHAPE.hidden, generator=torch.Generator().manual_seed(seed - j - 1)) for j, rt in
              enumerate(routes)]
-    return {"name": name, "plan": plan, "routes": routes, "hiddens": hiddens, "gouts": gouts, "k": k}
+    gpn = 2 if len(routes) == 4 else 4
+    return {"name": name, "plan": plan, "routes": routes, "hiddens": hiddens, "gouts": gouts, "k": k,
+            "gpus_per_node": gpn}
 
 
 def as_batch_plan(plan: MicroBatchPlan) -> BatchPlan:
@@ -134,12 +136,14 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         num_layers, num_experts = plan.home.shape
         r = 0 if plan.replicas is None else plan.replicas.shape[-1]
         red = 0 if plan.redundant is None else plan.redundant.shape[-1]
+        same_node = case["name"] != "planner_popfetcher"
+        check_plan(as_batch_plan(plan), world, case["gpus_per_node"], r, red, [case["routes"]], same_node)
         model = EPMoEModel(num_layers, num_experts, SHAPE, rank, world, r, red)
         model.place_initial(static_placement(num_layers, num_experts, world))
         moved = reorder_experts(model, plan.home)
         model.fill_redundant(plan.redundant)
         misplaced = max(
-            float((model.experts[layer][i] - expert_init(layer, int(e), SHAPE)).abs().max())
+            float((model.experts[layer][i].detach() - expert_init(layer, int(e), SHAPE)).abs().max())
             for layer in range(num_layers)
             for i, e in enumerate(model.slot_expert[layer])
         )
@@ -398,7 +402,7 @@ def test_split_counts_largest_remainder_ties_to_lower_gpu() -> None:
     assert split_counts(np.array([[1]]), np.array([[1, 1]])).tolist() == [[[1, 0]]]
     assert split_counts(np.array([[5]]), np.array([[1, 2, 2]])).tolist() == [[[1, 2, 2]]]
     assert split_counts(np.array([[4]]), np.array([[1, 1, 1]])).tolist() == [[[2, 1, 1]]]
-    assert split_counts(np.array([[2]]), np.array([[0, 1, 3]])).tolist() == [[[0, 0, 2]]]
+    assert split_counts(np.array([[2]]), np.array([[0, 1, 3]])).tolist() == [[[0, 1, 1]]]
 
 
 # ------------------------------------------------------------------------------------ plan refusal

@@ -11,8 +11,8 @@ instead of hanging a collective or silently computing with a misplaced copy:
 ``conservation``      ``sum_g assign[m, l, e, :] == sum_j load[m, l, :, e]``.
 ``slot-capacity``     ``replicas`` has at most the executor's ``replica_slots`` columns and ``redundant``
                       at most its ``redundant_slots`` columns.
-``slot-duplicate``    a GPU's slots of one (micro-batch, layer) name an expert at most once, and never one of
-                      the GPU's own home experts.
+``slot-duplicate``    a GPU's replica slots of one (micro-batch, layer) name an expert at most once, and never
+                      one of the GPU's own home experts (redundant slots may: such copies compute as one).
 ``replica-node``      a replica (layer-shared buffer slot) sits in the node of its expert's home GPU.
 ``copy-present``      every GPU with ``assign[m, l, e, g] > 0`` and ``g != home[l, e]`` holds ``e`` in a replica
                       or redundant slot.
@@ -77,13 +77,15 @@ def _check_shapes(plan: BatchPlan, num_gpus: int) -> tuple[int, int, int]:
     return mb, num_layers, num_experts
 
 
-def _check_slots(slots: np.ndarray, home: np.ndarray, name: str) -> None:
-    """slots int [..., L, G, s] (expert or -1), home [L, E]: range and duplicate checks."""
+def _check_slots(slots: np.ndarray, home: np.ndarray, name: str, strict: bool = True) -> None:
+    """slots int [..., L, G, s] (expert or -1), home [L, E]: range and (``strict``) duplicate checks."""
     num_experts = home.shape[1]
     bad = (slots < -1) | (slots >= num_experts)
     if bad.any():
         idx = _first(bad)
         raise PlanRefused("gpu-range", f"{name}{list(idx)} = {slots[idx]}; expected an expert id in [-1, {num_experts})")
+    if not strict:
+        return
     if slots.shape[-1] > 1:
         srt = np.sort(slots, axis=-1)
         dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
@@ -172,7 +174,9 @@ def check_plan(
                 "slot-capacity",
                 f"redundant has {red.shape[-1]} slots per GPU; the executor has redundant_slots={redundant_slots}",
             )
-        _check_slots(red, home, "redundant")
+        # NOTE: EPLB may put two physical copies of one expert on one GPU (its home and a redundant slot, or
+        # two redundant slots); they compute as one copy, so redundant slots are not held to slot-duplicate.
+        _check_slots(red, home, "redundant", strict=False)
         l_i, g_i, _ = np.nonzero(red >= 0)
         held[:, l_i, red[l_i, g_i, _], g_i] = True
     at_home = np.arange(num_gpus)[None, None, :] == home[..., None]  # [L, E, G]

@@ -39,11 +39,19 @@ class SlotCopies:
 
     @classmethod
     def from_slots(cls, slots: np.ndarray, home: np.ndarray, rank: int) -> SlotCopies:
-        """slots int [G, s], home int [E] -> this rank's copies."""
-        mine = slots[rank]
-        recv = tuple((int(s), int(e), int(home[e])) for s, e in enumerate(mine) if e >= 0)
-        dst, slot = np.nonzero((slots >= 0) & (home[np.maximum(slots, 0)] == rank))
-        send = tuple((int(g), int(s), int(slots[g, s])) for g, s in zip(dst, slot) if g != rank)
+        """slots int [G, s], home int [E] -> this rank's copies.
+
+        A slot naming its own GPU's home expert, or an expert an earlier slot of that GPU already holds, is
+        left empty (EPLB may place two physical copies of one expert on one GPU; they compute as one).
+        """
+        num_gpus, width = slots.shape
+        safe = np.maximum(slots, 0)
+        useful = (slots >= 0) & (home[safe] != np.arange(num_gpus)[:, None])
+        earlier = (slots[:, :, None] == slots[:, None, :]) & np.tri(width, k=-1, dtype=bool)[None]
+        useful &= ~earlier.any(axis=-1)
+        recv = tuple((int(s), int(slots[rank, s]), int(home[slots[rank, s]])) for s in np.flatnonzero(useful[rank]))
+        dst, slot = np.nonzero(useful & (home[safe] == rank))
+        send = tuple((int(g), int(s), int(slots[g, s])) for g, s in zip(dst, slot))
         return cls(recv=recv, send=send)
 
     @property

@@ -298,7 +298,13 @@ def greedy_with_lp_split(
                 trial = copies.copy()
                 trial[e, target] = True
                 new = solve_split(x[p], home[p], cost, trial, routing=routing)
-                if new.objective_s < sol.objective_s * (1.0 - rel_tol):
+                # NOTE: LP optima tie many GPUs at the compute max, so relieving one leaves the objective
+                # flat; such a plateau move is kept when it lowers the bottleneck GPU without raising T_MoE.
+                better = new.objective_s < sol.objective_s * (1.0 - rel_tol)
+                plateau = new.objective_s <= sol.objective_s * (1.0 + 1e-12) and new.compute_tokens[
+                    gstar
+                ] < sol.compute_tokens[gstar] * (1.0 - rel_tol)
+                if better or plateau:
                     sol, copies = new, trial
                     slots[target].append(int(e))
                     improved = True

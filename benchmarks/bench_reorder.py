@@ -1,0 +1,306 @@
+"""Inter-batch reordering: quality against exact optima, speed, and effect against Megatron-LM.
+
+Usage: ``python benchmarks/bench_reorder.py [--full] [--sections quality,olmoe,speed,batch,effect]``.
+
+* ``quality``: LPT, annealing and the exact MILP (SCIP) on random Dirichlet-skewed layers of 16 experts x 4
+  GPUs (2 x 2) and 32 experts x 8 GPUs (2 x 4), 4 micro-batches; gap = annealing / exact - 1 where the
+  MILP proved optimality.
+* ``olmoe``: the same on layers of the real OLMoE prefill counts (64 experts, 16 GPUs = 2 x 8; batch
+  aggregate objective so that the MILP stays tractable); needs ``../shared/traces``.
+* ``speed``: seconds per layer for 128 experts at EP 8, 16, 32, 64 (8 GPUs per node), 16 micro-batches.
+* ``batch``: a whole Qwen3-235B-A22B batch (94 layers, EP 64, 16 micro-batches) with 1 and 2 workers
+  (default: the first 24 layers, scaled; ``--full``: all 94).
+* ``effect``: node-level imbalance (max / mean of per-node compute tokens, mean over micro-batch x layer)
+  and the cost model's summed ``T_MoE`` (home-only) for Megatron's static placement, LPT, annealing and
+  annealing + the locality round, on the synthetic presets and the OLMoE trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cost import CostModel
+from relibra.importers import load_olmoe_prefill_counts
+from relibra.planner import BatchContext, home_assign, static_placement
+from relibra.planners.exact_reorder import milp_reorder
+from relibra.planners.reorder import (
+    AnnealConfig,
+    AnnealingReorderer,
+    anneal_layer,
+    layer_problem,
+    link_routes,
+    lpt_placement,
+    placement_objective,
+)
+from relibra.simulator import batch_context
+from relibra.synthetic import generate_counts
+from relibra.types import SampleCounts
+from relibra.workload import build_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "experiments" / "conf"
+TRACES = ROOT.parent / "shared" / "traces"
+console = Console(width=160)
+
+
+def hardware() -> HardwareSpec:
+    return HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware))  # type: ignore[arg-type]
+
+
+def model(name: str) -> ModelSpec:
+    return ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
+
+
+def cost_for(name: str, nodes: int, gpus_per_node: int) -> CostModel:
+    return CostModel(ClusterSpec(nodes, gpus_per_node, hardware()), model(name))
+
+
+def random_layer(rng: np.random.Generator, mb: int, g: int, e: int, tokens: int, alpha: float) -> np.ndarray:
+    """Dirichlet-skewed loads [Mb, G, E]: one routing distribution per layer, multinomial per source GPU."""
+    p = rng.dirichlet(np.full(e, alpha))
+    return np.stack([rng.multinomial(tokens, p, size=g) for _ in range(mb)]).astype(np.int32)
+
+
+def lpt_of(problem_w: np.ndarray, g: int) -> np.ndarray:
+    return lpt_placement(problem_w.sum(axis=0), g)
+
+
+def best_of_seeds(problem, start, cluster, cfg, routes):  # type: ignore[no-untyped-def]
+    best = None
+    for s in cfg.seeds:
+        home, obj, _ = anneal_layer(problem, start, cluster, cfg, s, routes)
+        if best is None or obj < best[1]:
+            best = (home, obj)
+    return best
+
+
+def quality_rows(
+    label: str, problems: list, cluster: ClusterSpec, cfg: AnnealConfig, limit: float
+) -> list[list[str]]:  # type: ignore[type-arg]
+    routes = link_routes(cluster.nodes, cluster.gpus_per_node)
+    gaps, lpt_gaps, bound_gaps, t_sa, t_ex = [], [], [], 0.0, 0.0
+    for problem in problems:
+        g = problem.x.shape[2]
+        start = lpt_of(problem.w, g)
+        lpt = placement_objective(problem, start, cluster, routes)
+        t0 = time.perf_counter()
+        home, sa = best_of_seeds(problem, start, cluster, cfg, routes)
+        t_sa += time.perf_counter() - t0
+        ex = milp_reorder(problem, cluster, time_limit_s=limit, hint=home)
+        t_ex += ex.solve_time_s
+        if ex.optimal:
+            gaps.append(sa / ex.objective_s - 1)
+            lpt_gaps.append(lpt / ex.objective_s - 1)
+        else:
+            bound_gaps.append(sa / ex.bound_s - 1)  # an upper estimate of the true gap
+    n = len(problems)
+
+    def pct(v: list[float], f=np.mean) -> str:  # type: ignore[no-untyped-def]
+        return f"{100 * f(v):.2f}%" if v else "-"
+
+    return [
+        [
+            label,
+            str(n),
+            f"{len(gaps)}/{n}",
+            pct(lpt_gaps),
+            pct(gaps),
+            pct(gaps, np.max),
+            pct(bound_gaps),
+            f"{1e3 * t_sa / n:.1f}",
+            f"{t_ex / n:.1f}",
+        ]
+    ]
+
+
+def section_quality(full: bool, with_olmoe: bool, with_random: bool) -> None:
+    cfg = AnnealConfig()
+    table = Table(
+        title="Reordering quality vs exact (MILP, SCIP)",
+        caption="* over instances with a proven optimum; ** mean gap to the MILP bound where not proven",
+    )
+    cols = ("instance", "n", "proven", "LPT gap*", "anneal gap*", "anneal max*", "vs bound**", "anneal ms", "MILP s")
+    for col in cols:
+        table.add_column(col, justify="right")
+    rng = np.random.default_rng(0)
+    n = 10 if full else 4
+    limit = 120.0 if full else 30.0
+    if with_random:
+        for e, nodes, gpn in ((16, 2, 2), (32, 2, 4)):
+            cost = cost_for("qwen3-30b-a3b", nodes, gpn)
+            g = nodes * gpn
+            probs = [
+                layer_problem(random_layer(rng, 4, g, e, 2048, alpha=0.5), cost) for _ in range(n)
+            ]
+            for row in quality_rows(f"random {e}x{g}, Mb=4", probs, cost.cluster, cfg, limit):
+                table.add_row(*row)
+    if with_olmoe:
+        if not (TRACES / "olmoe-prefill-counts").is_dir():
+            console.print(f"[yellow]skipping OLMoE: {TRACES} not found")
+        else:
+            counts = load_olmoe_prefill_counts(TRACES / "olmoe-prefill-counts")
+            cost = cost_for("olmoe-1b-7b", 2, 8)
+            wl = build_workload(counts, 16, samples_per_microbatch=4)
+            ctx = batch_context(counts, wl, 0, cost.cluster, cost.model, cost)
+            layers = range(16) if full else range(3)
+            probs = [layer_problem(ctx.load[:, l].sum(axis=0, keepdims=True), cost) for l in layers]
+            for row in quality_rows(
+                "OLMoE 64x16, aggregate", probs, cost.cluster, cfg, 300.0 if full else 60.0
+            ):
+                table.add_row(*row)
+    console.print(table)
+
+
+def synthetic_ctx(
+    preset: str, model_name: str, nodes: int, gpn: int, samples: int, max_tokens: int, layers: int | None
+) -> BatchContext:
+    cost = cost_for(model_name, nodes, gpn)
+    m = cost.model
+    num_layers = layers or m.num_moe_layers
+    counts = generate_counts(preset, m.num_experts, num_layers, m.top_k, 1, samples, seed=0, max_tokens=max_tokens)
+    g = nodes * gpn
+    per_mb = max(1, samples // (g * 16))  # 16 micro-batches per batch
+    wl = build_workload(counts, g, samples_per_microbatch=per_mb)
+    return batch_context(counts, wl, 0, cost.cluster, cost.model, cost)
+
+
+def section_speed(full: bool) -> None:
+    table = Table(title="Annealing speed per layer (128 experts, 16 micro-batches, 1 process)")
+    for col in ("EP", "nodes", "objective", "iterations x seeds", "ms / layer", "us / swap", "gain vs LPT"):
+        table.add_column(col, justify="right")
+    rng = np.random.default_rng(1)
+    layers = 8 if full else 3
+    for g in (8, 16, 32, 64):
+        nodes = g // 8
+        cost = cost_for("qwen3-235b-a22b", nodes, 8)
+        routes = link_routes(nodes, 8)
+        for objective in ("microbatch", "aggregate"):
+            cfg = AnnealConfig(objective=objective)
+            t_total, gain = 0.0, []
+            for _ in range(layers):
+                load = random_layer(rng, 16, g, 128, 4096, alpha=0.5)
+                if objective == "aggregate":
+                    load = load.sum(axis=0, keepdims=True)
+                problem = layer_problem(load, cost)
+                start = lpt_of(problem.w, g)
+                anneal_layer(problem, start, cost.cluster, AnnealConfig(iterations=10), 0, routes)  # JIT
+                t0 = time.perf_counter()
+                _, obj = best_of_seeds(problem, start, cost.cluster, cfg, routes)
+                t_total += time.perf_counter() - t0
+                gain.append(1 - obj / placement_objective(problem, start, cost.cluster, routes))
+            per_layer = t_total / layers
+            swaps = cfg.iterations * len(cfg.seeds)
+            table.add_row(
+                str(g),
+                str(nodes),
+                objective,
+                f"{cfg.iterations} x {len(cfg.seeds)}",
+                f"{1e3 * per_layer:.1f}",
+                f"{1e6 * per_layer / swaps:.1f}",
+                f"{100 * np.mean(gain):.1f}%",
+            )
+    console.print(table)
+
+
+def section_batch(full: bool) -> None:
+    layers = 94 if full else 24
+    ctx = synthetic_ctx("reasoning", "qwen3-235b-a22b", 8, 8, 512, 4096, layers)
+    table = Table(title=f"Whole Qwen3-235B-A22B batch at EP 64 ({layers} of 94 layers, Mb={ctx.num_microbatches})")
+    for col in ("objective", "workers", "seconds", "x 94/L (s)", "gain vs LPT"):
+        table.add_column(col, justify="right")
+    AnnealingReorderer(iterations=10, seeds=[0]).reorder(ctx)  # JIT warm-up (cached on disk afterwards)
+    for objective in ("microbatch", "aggregate"):
+        for workers in (1, 2):
+            t0 = time.perf_counter()
+            r = AnnealingReorderer(objective=objective, workers=workers).reorder(ctx)
+            dt = time.perf_counter() - t0
+            gain = 1 - r.stats["reorder_objective_s"] / r.stats["reorder_lpt_objective_s"]
+            table.add_row(objective, str(workers), f"{dt:.2f}", f"{dt * 94 / layers:.2f}", f"{100 * gain:.1f}%")
+    console.print(table)
+
+
+def node_imbalance(load: np.ndarray, home: np.ndarray, gpn: int) -> float:
+    """Mean over (m, l) of max_n / mean_n of per-node compute tokens. load [Mb, L, G, E], home [L, E]."""
+    per_expert = load.sum(axis=2).astype(np.float64)  # [Mb, L, E]
+    nodes = load.shape[2] // gpn
+    onehot = (home[:, :, None] // gpn) == np.arange(nodes)  # [L, E, N]
+    per_node = np.einsum("mle,len->mln", per_expert, onehot)
+    return float((per_node.max(-1) / np.maximum(per_node.mean(-1), 1e-9)).mean())
+
+
+def t_moe(cost: CostModel, load: np.ndarray, home: np.ndarray) -> float:
+    return float(cost.moe(load, home_assign(load, home, cost.cluster.num_gpus)).t_moe.sum())
+
+
+def effect_rows(label: str, ctx: BatchContext) -> list[list[str]]:
+    g, gpn = ctx.num_gpus, ctx.cluster.gpus_per_node
+    num_layers, num_experts = ctx.counts.shape[1:]
+    lin = ctx.cost.linear()
+    tok = ctx.load.sum(axis=(0, 2)).astype(np.float64)
+    placements = {
+        "megatron": (static_placement(num_layers, num_experts, g), ctx.load),
+        "LPT": (lpt_placement(lin.compute_s_per_token * tok + lin.compute_s_per_expert * (tok > 0), g), ctx.load),
+    }
+    r = AnnealingReorderer().reorder(ctx)
+    placements["anneal"] = (r.home, ctx.load)
+    rl = AnnealingReorderer(locality=True, locality_tolerance=0.1).reorder(ctx)
+    assert ctx.regroup is not None
+    placements["anneal+locality"] = (rl.home, ctx.regroup(rl.sample_gpu)[0])
+    base = t_moe(ctx.cost, ctx.load, placements["megatron"][0])
+    rows = []
+    for name, (home, load) in placements.items():
+        t = t_moe(ctx.cost, load, home)
+        rows.append(
+            [label, name, f"{node_imbalance(load, home, gpn):.3f}", f"{1e3 * t:.2f}", f"{base / t:.3f}"]
+        )
+    return rows
+
+
+def section_effect(full: bool) -> None:
+    table = Table(title="Effect vs Megatron-LM static placement (home-only assignment, cost model T_MoE)")
+    for col in ("workload", "placement", "node imbalance", "sum T_MoE ms", "speed-up"):
+        table.add_column(col, justify="right")
+    layers = None if full else 8
+    samples = 512 if full else 128
+    for preset in ("reasoning", "mixed"):
+        for nodes in (2, 4):
+            ctx = synthetic_ctx(preset, "qwen3-30b-a3b", nodes, 8, samples, 4096, layers)
+            for row in effect_rows(f"{preset} 30B EP{nodes * 8}", ctx):
+                table.add_row(*row)
+    if (TRACES / "olmoe-prefill-counts").is_dir():
+        counts: SampleCounts = load_olmoe_prefill_counts(TRACES / "olmoe-prefill-counts")
+        cost = cost_for("olmoe-1b-7b", 2, 8)
+        wl = build_workload(counts, 16, samples_per_microbatch=4)
+        ctx = batch_context(counts, wl, 0, cost.cluster, cost.model, cost)
+        for row in effect_rows("OLMoE EP16", ctx):
+            table.add_row(*row)
+    console.print(table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="more instances, all 94 layers, paper-size batches")
+    ap.add_argument("--sections", default="quality,olmoe,speed,batch,effect")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    console.print("[bold]bench_reorder[/bold]: " + ", ".join(sorted(sections)) + (" (full)" if args.full else ""))
+    if "quality" in sections or "olmoe" in sections:
+        section_quality(args.full, "olmoe" in sections, "quality" in sections)
+    if "speed" in sections:
+        section_speed(args.full)
+    if "batch" in sections:
+        section_batch(args.full)
+    if "effect" in sections:
+        section_effect(args.full)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""ReLibra's planners: a Reorderer (per batch) composed with a Replicator (per micro-batch and layer).
+
+* ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.AnnealingReorderer`), then
+  the incremental greedy replication (:class:`relibra.planners.replicate.GreedyReplicator`);
+* ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
+* ``relibra_milp``: static placement (or any reorderer), then the exact MILP per problem
+  (:class:`relibra.planners.milp.MilpReplicator`), a reference for small and medium instances.
+
+:class:`ComposedPlanner` is the generic composition; the three names are factory functions over it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from relibra.planner import BatchContext, Reorderer, Reordering, Replicator, static_placement
+from relibra.planners.milp import MilpReplicator
+from relibra.planners.replicate import GreedyReplicator, SplitMethod
+from relibra.types import BatchPlan
+
+__all__ = [
+    "ComposedPlanner",
+    "StaticReorderer",
+    "relibra",
+    "relibra_milp",
+    "relibra_replicate_only",
+]
+
+
+@dataclass(frozen=True)
+class StaticReorderer:
+    """Megatron-LM's contiguous placement, samples where the context put them (no reordering)."""
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        _, num_layers, g, num_experts = np.shape(ctx.load)
+        home = static_placement(num_layers, num_experts, g)
+        return Reordering(home=home, sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32))
+
+
+@dataclass(frozen=True)
+class ComposedPlanner:
+    """``reorderer`` once per batch, then ``replicator`` for every micro-batch (all its layers at once).
+
+    ``plan_time_s`` covers both stages; ``stats`` merges the reorderer's and the replicators' (the latter
+    averaged over micro-batches) with ``replicate_time_s`` and ``replicas_mean`` (filled slots per
+    (micro-batch, layer) and GPU).
+    """
+
+    name: str
+    reorderer: Reorderer
+    replicator: Replicator
+    replica_slots: int
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        t0 = time.perf_counter()
+        reo = self.reorderer.reorder(ctx)
+        sample_gpu = np.asarray(reo.sample_gpu, dtype=np.int32)
+        load = np.asarray(ctx.load)
+        if not np.array_equal(sample_gpu, ctx.sample_gpu):
+            if ctx.regroup is None:
+                raise ValueError(
+                    f"planner {self.name!r}: the reorderer moved samples but ctx.regroup is None; the control "
+                    "plane must provide regroup(sample_gpu) -> (load, tokens)"
+                )
+            load, _ = ctx.regroup(sample_gpu)
+        home = np.asarray(reo.home, dtype=np.int32)
+        t1 = time.perf_counter()
+        reps = [self.replicator.replicate(load[m], home, ctx) for m in range(load.shape[0])]
+        t2 = time.perf_counter()
+        mb, num_layers, g, num_experts = load.shape
+        if reps:
+            assign = np.stack([r.assign for r in reps]).astype(np.int32)
+            replicas = np.stack([r.replicas for r in reps]).astype(np.int32)
+        else:
+            assign = np.zeros((0, num_layers, num_experts, g), dtype=np.int32)
+            replicas = np.zeros((0, num_layers, g, self.replica_slots), dtype=np.int32)
+        stats: dict[str, float] = dict(reo.stats)
+        for key in sorted({k for r in reps for k in r.stats}):
+            stats[key] = float(np.mean([r.stats[key] for r in reps if key in r.stats]))
+        stats["replicate_time_s"] = t2 - t1
+        stats["replicas_mean"] = float((replicas >= 0).sum(axis=-1).mean()) if replicas.size else 0.0
+        return BatchPlan(
+            home=home,
+            assign=assign,
+            load=np.asarray(load, dtype=np.int32),
+            sample_gpu=sample_gpu,
+            replicas=replicas,
+            plan_time_s=time.perf_counter() - t0,
+            stats=stats,
+        )
+
+
+def relibra(
+    replica_slots: int = 2,
+    reorder: dict[str, Any] | None = None,
+    split: SplitMethod = "waterfill",
+    comm_aware: bool = True,
+    name: str = "relibra",
+) -> ComposedPlanner:
+    """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication."""
+    from relibra.planners.reorder import AnnealingReorderer
+
+    return ComposedPlanner(
+        name=name,
+        reorderer=AnnealingReorderer(**dict(reorder or {})),
+        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, comm_aware=comm_aware),
+        replica_slots=replica_slots,
+    )
+
+
+def relibra_replicate_only(
+    replica_slots: int = 2,
+    split: SplitMethod = "waterfill",
+    comm_aware: bool = True,
+    name: str = "relibra_replicate_only",
+) -> ComposedPlanner:
+    """Ablation: static Megatron placement, then greedy replication."""
+    return ComposedPlanner(
+        name=name,
+        reorderer=StaticReorderer(),
+        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, comm_aware=comm_aware),
+        replica_slots=replica_slots,
+    )
+
+
+def relibra_milp(
+    replica_slots: int = 2,
+    solver: str = "SCIP",
+    time_limit_s: float = 10.0,
+    relative_gap: float = 1e-3,
+    reorderer: Reorderer | None = None,
+    name: str = "relibra_milp",
+) -> ComposedPlanner:
+    """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem."""
+    return ComposedPlanner(
+        name=name,
+        reorderer=reorderer if reorderer is not None else StaticReorderer(),
+        replicator=MilpReplicator(
+            replica_slots=replica_slots, solver=solver, time_limit_s=time_limit_s, relative_gap=relative_gap
+        ),
+        replica_slots=replica_slots,
+    )

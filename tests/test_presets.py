@@ -1,0 +1,148 @@
+"""Experiment presets: every cell of every preset composes and validates; each runs in a tiny mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import experiments.run as run_module
+from experiments.config import validate
+from experiments.grid import cells, compose_cell, compose_cells, presets
+from experiments.store import ResultsStore, cell_key
+
+FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
+ALL = FULL + [f"quick_{p}" for p in FULL]
+PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"}
+
+
+def tiny(cfg_nodes: int) -> list[str]:
+    """Tiny mode: one step of two rollouts per GPU of at most 64 tokens (model and EP size kept)."""
+    return ["trace.num_batches=1", f"trace.samples_per_batch={2 * 8 * cfg_nodes}", "trace.max_tokens=64"]
+
+
+@pytest.fixture(scope="module")
+def olmoe_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic trace with the OLMoE shape, standing in for the real one (which CI may lack)."""
+    from relibra.synthetic import generate_trace
+    from relibra.trace import save_trace
+
+    trace = generate_trace("mixed", num_experts=64, num_layers=16, top_k=8, num_batches=1,
+                           samples_per_batch=32, seed=0, max_tokens=32)
+    return save_trace(trace, tmp_path_factory.mktemp("trace") / "olmoe-like.npz")
+
+
+def _extra(preset: str, trace: Path) -> list[str]:
+    return [f"trace.path={trace}"] if preset.removeprefix("quick_") == "real_trace" else []
+
+
+def test_every_paper_preset_and_its_quick_variant_exist() -> None:
+    assert set(ALL) <= set(presets())
+
+
+def covering(grid: list[list[str]]) -> list[list[str]]:
+    """Cells in which every swept value (every model, dataset, planner, EP size) appears at least once."""
+    axes = [sorted({cell[i] for cell in grid}) for i in range(len(grid[0]))]
+    width = max(len(values) for values in axes)
+    picked = {tuple(values[j % len(values)] for values in axes) for j in range(width)}
+    return [list(cell) for cell in grid if tuple(cell) in picked]
+
+
+def _check_cells(preset: str, grid: list[list[str]], trace: Path) -> None:
+    keys = set()
+    for cfg in compose_cells(preset, [[*cell, *_extra(preset, trace)] for cell in grid]):
+        validate(cfg)
+        assert cfg.experiment_name == preset
+        assert Path(cfg.results_dir).name == preset
+        keys.add(cell_key(cfg))
+    assert len(keys) == len(grid), f"{preset}: two cells share a config"
+
+
+@pytest.mark.parametrize("preset", ALL)
+def test_every_swept_value_composes_and_validates(preset: str, olmoe_like_trace: Path) -> None:
+    grid = cells(preset)
+    assert grid, f"{preset} has no cells"
+    subset = covering(grid)
+    for i in range(len(grid[0])):
+        assert {c[i] for c in subset} == {c[i] for c in grid}
+    _check_cells(preset, subset, olmoe_like_trace)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ALL)
+def test_every_cell_composes_and_validates(preset: str, olmoe_like_trace: Path) -> None:
+    _check_cells(preset, cells(preset), olmoe_like_trace)
+
+
+@pytest.mark.parametrize("preset", FULL)
+def test_quick_variant_keeps_the_grid_and_shrinks_the_batch(preset: str) -> None:
+    full, quick = cells(preset), cells(f"quick_{preset}")
+    if preset != "real_trace":
+        assert quick == full
+    else:
+        assert set(map(tuple, quick)) <= set(map(tuple, full))
+    f, q = compose_cell(preset, full[0]), compose_cell(f"quick_{preset}", quick[0])
+    assert (f.model.name, f.cluster.nodes) == (q.model.name, q.cluster.nodes)
+    if preset != "real_trace":
+        assert q.trace.samples_per_batch * q.trace.max_tokens < f.trace.samples_per_batch * f.trace.max_tokens
+
+
+def test_overall_covers_models_datasets_planners_at_paper_ep_sizes() -> None:
+    grid = [dict(o.split("=", 1) for o in cell) for cell in cells("overall")]
+    assert {c["model"] for c in grid} == {"qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b"}
+    assert {c["trace.preset"] for c in grid} == {"reasoning", "instruction_following", "coding", "mixed"}
+    assert {c["planner"] for c in grid} == PLANNERS
+    for model in ("qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b"):
+        cfg = compose_cell("overall", [f"model={model}"])
+        g = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        assert 32 <= g <= 160 and cfg.model.num_experts % g == 0
+
+
+def _first_cell_per_planner(preset: str) -> list[list[str]]:
+    seen: dict[str, list[str]] = {}
+    for cell in cells(preset):
+        planner = dict(o.split("=", 1) for o in cell).get("planner", "relibra")
+        seen.setdefault(planner, cell)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("preset", FULL)
+def test_preset_runs_in_tiny_mode_and_reruns_from_the_store(
+    preset: str, tmp_path: Path, olmoe_like_trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first cell of each planner runs tiny; a rerun reuses every finished cell and computes nothing."""
+    chosen = _first_cell_per_planner(preset) if preset in ("overall", "real_trace") else cells(preset)[:1]
+    configs = []
+    for cell in chosen:
+        probe = compose_cell(preset, [*cell, *_extra(preset, olmoe_like_trace)])
+        cfg = compose_cell(
+            preset,
+            [*cell, *tiny(int(probe.cluster.nodes)), *_extra(preset, olmoe_like_trace), f"results_dir={tmp_path}"],
+        )
+        out = run_module.run(cfg, run_dir=tmp_path / "runs" / cell_key(cfg))
+        assert len(out) == 1 and out["step_time_s"].iloc[0] > 0
+        configs.append((cfg, out))
+    store = ResultsStore(tmp_path)
+    assert len(store.keys()) == len(chosen)
+
+    def must_not_run(cfg):  # type: ignore[no-untyped-def]
+        raise AssertionError("a finished cell was computed again")
+
+    monkeypatch.setattr(run_module, "compute", must_not_run)
+    for cfg, out in configs:
+        pd.testing.assert_frame_equal(run_module.run(cfg, run_dir=tmp_path / "again").reset_index(drop=True),
+                                      out.reset_index(drop=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", [f"quick_{p}" for p in FULL])
+def test_every_quick_cell_runs_in_tiny_mode(preset: str, tmp_path: Path, olmoe_like_trace: Path) -> None:
+    for cell in cells(preset):
+        probe = compose_cell(preset, [*cell, *_extra(preset, olmoe_like_trace)])
+        cfg = compose_cell(
+            preset,
+            [*cell, *tiny(int(probe.cluster.nodes)), *_extra(preset, olmoe_like_trace), f"results_dir={tmp_path}"],
+        )
+        run_module.run(cfg, run_dir=tmp_path / "runs" / cell_key(cfg))
+    assert len(ResultsStore(tmp_path).keys()) == len(cells(preset))
