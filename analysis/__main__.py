@@ -8,6 +8,7 @@ figures go to ``--out/figures`` as PNG and PDF.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class AnalysisOutput:
     tables: list[Path]
     figures: list[Path]
     out_dir: Path
+    skipped: list[str]
+    """Why a table or figure could not be built (e.g. a planner missing from a partial grid)."""
 
 
 def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | None = None) -> AnalysisOutput:
@@ -35,20 +38,29 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
     out_dir = out_dir or results_dir / "analysis"
     results = load_results(results_dir)
     if not results:
-        raise FileNotFoundError(f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)")
+        raise FileNotFoundError(
+            f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
+        )
     tables: list[Path] = []
-    for table in all_tables(results):
+    built, skipped = all_tables(results)
+    for table in built:
         tables += write_table(table, out_dir, console)
-    figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
-    return AnalysisOutput(tables, figures, out_dir)
+    figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
+    skipped += skipped_figures
+    if console is not None:
+        for why in skipped:
+            console.print(f"[yellow]{why}")
+    return AnalysisOutput(tables, figures, out_dir, skipped)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
-    parser.add_argument("results_dir", type=Path, help="results root (one folder per experiment) or one store")
+    parser.add_argument(
+        "results_dir", type=Path, help="results root (one folder per experiment) or one store"
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default RESULTS_DIR/analysis)")
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=160)  # NOTE: rich assumes 80 off a tty
     out = analyse(args.results_dir, args.out, console)
     console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
     console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")

@@ -7,23 +7,24 @@ Each ``plot_*`` function takes a results (or per-layer) frame and returns a matp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # NOTE: figures are files; no display is assumed (CI, Slurm nodes)
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
 
-from analysis import paper  # noqa: E402
-from analysis.tables import ep_size  # noqa: E402
+from analysis import paper
+from analysis.tables import ep_size
 
 __all__ = [
+    "FIGURES",
     "PER_LAYER_SKEW",
     "all_figures",
     "plot_ablation",
@@ -62,9 +63,9 @@ def _relative_throughput(frame: pd.DataFrame) -> pd.DataFrame:
     ref = data[data["planner"] == "megatron"].set_index(keys)["throughput_tokens_per_s"]
     if ref.empty:
         raise ValueError("normalised throughput needs rows with planner == 'megatron' (the reference)")
-    data["relative"] = data["throughput_tokens_per_s"] / ref.reindex(
-        pd.MultiIndex.from_frame(data[keys])
-    ).to_numpy()
+    data["relative"] = (
+        data["throughput_tokens_per_s"] / ref.reindex(pd.MultiIndex.from_frame(data[keys])).to_numpy()
+    )
     data["planner_label"] = data["planner"].map(paper.label)
     return data
 
@@ -103,8 +104,15 @@ def plot_ablation(frame: pd.DataFrame) -> Figure:
     data = data.groupby(["dataset", "planner", "planner_label"], as_index=False)["relative"].mean()
     order = _order(data["planner"])
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    sns.barplot(data=data, x="dataset", y="relative", hue="planner_label", hue_order=order, ax=ax,
-                palette="colorblind")
+    sns.barplot(
+        data=data,
+        x="dataset",
+        y="relative",
+        hue="planner_label",
+        hue_order=order,
+        ax=ax,
+        palette="colorblind",
+    )
     datasets = list(dict.fromkeys(data["dataset"]))
     width = 0.8 / len(order)
     shown = False
@@ -127,8 +135,17 @@ def plot_skew_by_ep(frame: pd.DataFrame) -> Figure:
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     lo, hi = paper.SKEW_BY_EP["relibra"]
     ax.axhspan(lo, hi, color="grey", alpha=0.25, label=f"paper ReLibra {lo:.2f}-{hi:.2f}")
-    sns.lineplot(data=data, x="EP", y="skew_mean", hue="planner_label", hue_order=_order(data["planner"]),
-                 marker="o", ax=ax, palette="colorblind", errorbar=None)
+    sns.lineplot(
+        data=data,
+        x="EP",
+        y="skew_mean",
+        hue="planner_label",
+        hue_order=_order(data["planner"]),
+        marker="o",
+        ax=ax,
+        palette="colorblind",
+        errorbar=None,
+    )
     ax.set_xscale("log", base=2)
     eps = sorted(data["EP"].unique())
     ax.set_xticks(eps, [str(e) for e in eps])
@@ -165,8 +182,15 @@ def plot_layer_skew(layers: pd.DataFrame, planners: tuple[str, ...] = ("megatron
             .unstack("micro_batch")
         )
         last = i == len(present) - 1
-        sns.heatmap(grid, ax=ax, vmin=1.0, vmax=max(vmax, 1.01), cmap="rocket_r", cbar=last,
-                    cbar_kws={"label": "skewness"} if last else None)
+        sns.heatmap(
+            grid,
+            ax=ax,
+            vmin=1.0,
+            vmax=max(vmax, 1.01),
+            cmap="rocket_r",
+            cbar=last,
+            cbar_kws={"label": "skewness"} if last else None,
+        )
         ax.set_title(f"{paper.label(planner)} (mean {np.nanmean(grid.to_numpy()):.2f})")
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("MoE layer")
@@ -185,26 +209,42 @@ def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     return paths
 
 
+FIGURES = {
+    "overall": [("throughput", plot_throughput)],
+    "ablation": [("ablation", plot_ablation)],
+    "ep_scaling": [("skew_by_ep", plot_skew_by_ep)],
+    "real_trace": [("throughput", plot_throughput)],
+}
+"""Preset kind -> the figures drawn from its results frame."""
+LAYER_FIGURES = ("overall", "datasets", "real_trace")
+"""Preset kinds whose per-layer tables give a skewness heatmap."""
+
+
 def all_figures(
     by_experiment: Mapping[str, pd.DataFrame],
     per_layer: Mapping[str, pd.DataFrame],
     out_dir: Path,
-) -> list[Path]:
-    """Draw every figure whose experiment is present; returns the written paths."""
+) -> tuple[list[Path], list[str]]:
+    """Draw every figure the present experiments allow as ``<experiment>.<figure>.{png,pdf}``.
+
+    Returns the written paths and why any figure was skipped.
+    """
     sns.set_theme(style="whitegrid", context="paper")
-    written: list[Path] = []
+    jobs: list[tuple[str, str, Callable[[pd.DataFrame], Figure], pd.DataFrame]] = []
     for experiment, frame in by_experiment.items():
-        kind = experiment.removeprefix("quick_")
-        if kind == "overall":
-            written += save(plot_throughput(frame), out_dir, "throughput")
-        elif kind == "ablation":
-            written += save(plot_ablation(frame), out_dir, "ablation")
-        elif kind == "ep_scaling":
-            written += save(plot_skew_by_ep(frame), out_dir, "skew_by_ep")
-        elif kind == "real_trace" and "megatron" in set(frame["planner"]):
-            written += save(plot_throughput(frame), out_dir, "real_trace_throughput")
+        for name, plot in FIGURES.get(experiment.removeprefix("quick_"), []):
+            jobs.append((experiment, name, plot, frame))
     for experiment, layers in per_layer.items():
-        kind = experiment.removeprefix("quick_")
-        if kind in ("overall", "datasets") and PER_LAYER_SKEW in layers:
-            written += save(plot_layer_skew(layers), out_dir, f"layer_skew_{kind}")
-    return written
+        if experiment.removeprefix("quick_") in LAYER_FIGURES:
+            jobs.append((experiment, "layer_skew", plot_layer_skew, layers))
+    written: list[Path] = []
+    skipped: list[str] = []
+    for experiment, name, plot, frame in jobs:
+        try:
+            fig = plot(frame)
+        except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
+            skipped.append(f"{experiment}: figure {name} skipped: {exc}")
+            plt.close("all")
+            continue
+        written += save(fig, out_dir, f"{experiment}.{name}")
+    return written, skipped

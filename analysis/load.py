@@ -53,16 +53,18 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
             continue
         if "param_bytes_per_gpu" not in frame:
             ep = dict(zip(frame["cell"], frame["nodes"] * frame["gpus_per_node"], strict=False))
-            frame["param_bytes_per_gpu"] = [
-                _cell_params(store, key, int(ep[key])) for key in frame["cell"]
-            ]
+            frame["param_bytes_per_gpu"] = [_cell_params(store, key, int(ep[key])) for key in frame["cell"]]
         out[name] = frame.assign(experiment=name)
     return out
 
 
 def _cell_params(store: ResultsStore, key: str, ep_size: int) -> float:
     model = store.config(key).get("model")
-    return param_bytes_per_gpu(model, ep_size) if isinstance(model, Mapping) and "hidden" in model else float("nan")
+    return (
+        param_bytes_per_gpu(model, ep_size)
+        if isinstance(model, Mapping) and "hidden" in model
+        else float("nan")
+    )
 
 
 def load_per_layer_results(root: str | Path) -> dict[str, pd.DataFrame]:

@@ -14,7 +14,7 @@ Ratios ("ours / paper"):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -127,7 +127,7 @@ def overall_summary(frame: pd.DataFrame) -> Table:
 
 
 def ablation(frame: pd.DataFrame) -> Table:
-    """Throughput of each ablation variant relative to Megatron-LM per dataset (geometric mean over models)."""
+    """Each ablation variant's throughput over Megatron-LM per dataset (geometric mean over models)."""
     wide = _cells(frame, "throughput_tokens_per_s")
     if "megatron" not in wide:
         raise ValueError("ablation table needs rows with planner == 'megatron' (the reference)")
@@ -166,7 +166,11 @@ def skew_by_ep(frame: pd.DataFrame) -> Table:
 def skew_by_dataset(frame: pd.DataFrame) -> Table:
     """Mean skewness per dataset and planner (the paper: Qwen3-235B-A22B)."""
     return _skew_table(
-        frame, "dataset", "skew_by_dataset", "Skewness (max/mean GPU tokens) by dataset", paper.SKEW_BY_DATASET
+        frame,
+        "dataset",
+        "skew_by_dataset",
+        "Skewness (max/mean GPU tokens) by dataset",
+        paper.SKEW_BY_DATASET,
     )
 
 
@@ -178,7 +182,12 @@ def overhead(frame: pd.DataFrame) -> Table:
     rows = frame[frame["planner"] == "relibra"]
     if rows.empty:
         raise ValueError("overhead table needs rows with planner == 'relibra'; none found in the results")
-    cols = {"replica_buffer_bytes": "mean", "plan_time_s": "mean", "t_reorder_s": "mean", "step_time_s": "mean"}
+    cols = {
+        "replica_buffer_bytes": "mean",
+        "plan_time_s": "mean",
+        "t_reorder_s": "mean",
+        "step_time_s": "mean",
+    }
     for extra in ("param_bytes_per_gpu", "num_batches"):
         if extra in rows:
             cols[extra] = "mean"
@@ -190,7 +199,9 @@ def overhead(frame: pd.DataFrame) -> Table:
     out["buffer MiB"] = buf
     out["paper MiB"] = paper_mib
     out["MiB ours/paper"] = buf / paper_mib
-    params = agg["param_bytes_per_gpu"].to_numpy() if "param_bytes_per_gpu" in agg else np.full(len(agg), np.nan)
+    params = (
+        agg["param_bytes_per_gpu"].to_numpy() if "param_bytes_per_gpu" in agg else np.full(len(agg), np.nan)
+    )
     pct = 100.0 * agg["replica_buffer_bytes"].to_numpy() / params
     out["buffer % params"] = pct
     out["paper %"] = paper_pct
@@ -210,22 +221,31 @@ def overhead(frame: pd.DataFrame) -> Table:
     )
 
 
-def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> list[Table]:
-    """Every table whose experiment is present: ``{experiment name: frame}`` (``quick_`` prefixes allowed)."""
+def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], list[str]]:
+    """Every table the present experiments allow, and why any other was skipped.
+
+    ``by_experiment``: ``{experiment name: frame}`` (``quick_`` variants map to their preset's tables).
+    Table names become ``<experiment>.<table>`` and titles end with the experiment, so a full preset and
+    its quick variant never overwrite each other.
+    """
     builders = {
         "overall": [overall_summary, overall_cells],
         "ablation": [ablation],
         "ep_scaling": [skew_by_ep],
         "datasets": [skew_by_dataset],
         "overhead": [overhead],
-        "real_trace": [overall_cells],
+        "real_trace": [overall_summary, overall_cells],
     }
     tables: list[Table] = []
+    skipped: list[str] = []
     for experiment, frame in by_experiment.items():
-        kind = experiment.removeprefix("quick_")
-        for build in builders.get(kind, []):
-            table = build(frame)
-            if kind == "real_trace":
-                table = Table("real_trace", f"Real trace (OLMoE): {table.title}", table.frame, table.formats)
-            tables.append(table)
-    return tables
+        for build in builders.get(experiment.removeprefix("quick_"), []):
+            try:
+                table = build(frame)
+            except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other tables
+                skipped.append(f"{experiment}: {build.__name__} skipped: {exc}")
+                continue
+            tables.append(
+                replace(table, name=f"{experiment}.{table.name}", title=f"{table.title} [{experiment}]")
+            )
+    return tables, skipped

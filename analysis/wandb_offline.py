@@ -46,7 +46,9 @@ class OfflineRun:
         """A ``wandb.Table`` logged under ``key``, read from its JSON file."""
         ref = self.summary.get(key)
         if not isinstance(ref, dict) or "path" not in ref:
-            raise KeyError(f"run {self.run_id}: summary has no table under {key!r} (keys: {sorted(self.summary)})")
+            raise KeyError(
+                f"run {self.run_id}: summary has no table under {key!r} (keys: {sorted(self.summary)})"
+            )
         doc = json.loads((self.run_dir / "files" / ref["path"]).read_text())
         return pd.DataFrame(doc["data"], columns=doc["columns"])
 
@@ -68,7 +70,9 @@ def _records(data: bytes) -> list[bytes]:
             pos += left - _CHUNK.size
             continue
         if pos + length > len(data) or kind not in (_FULL, _FIRST, _MIDDLE, _LAST):
-            raise ValueError(f"corrupt W&B run file at byte {pos - _CHUNK.size}: chunk type {kind}, length {length}")
+            raise ValueError(
+                f"corrupt W&B run file at byte {pos - _CHUNK.size}: chunk type {kind}, length {length}"
+            )
         chunk = data[pos : pos + length]
         pos += length
         pending = chunk if kind in (_FULL, _FIRST) else pending + chunk
@@ -101,13 +105,17 @@ def read_offline_run(run_dir: str | Path) -> OfflineRun:
     history: list[dict[str, Any]] = []
     ident = {"run_id": "", "project": "", "group": "", "name": ""}
     for payload in _records(files[0].read_bytes()):
-        record = pb.Record()
+        record = pb.Record()  # type: ignore[attr-defined]
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
-            ident = {"run_id": run.run_id, "project": run.project, "group": run.run_group,
-                     "name": run.display_name}
+            ident = {
+                "run_id": run.run_id,
+                "project": run.project,
+                "group": run.run_group,
+                "name": run.display_name,
+            }
             for path, value in _items(run.config.update):
                 _set(config, path, value)
         elif kind == "config":

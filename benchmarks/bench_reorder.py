@@ -127,7 +127,17 @@ def section_quality(full: bool, with_olmoe: bool, with_random: bool) -> None:
         title="Reordering quality vs exact (MILP, SCIP)",
         caption="* over instances with a proven optimum; ** mean gap to the MILP bound where not proven",
     )
-    cols = ("instance", "n", "proven", "LPT gap*", "anneal gap*", "anneal max*", "vs bound**", "anneal ms", "MILP s")
+    cols = (
+        "instance",
+        "n",
+        "proven",
+        "LPT gap*",
+        "anneal gap*",
+        "anneal max*",
+        "vs bound**",
+        "anneal ms",
+        "MILP s",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     rng = np.random.default_rng(0)
@@ -137,9 +147,7 @@ def section_quality(full: bool, with_olmoe: bool, with_random: bool) -> None:
         for e, nodes, gpn in ((16, 2, 2), (32, 2, 4)):
             cost = cost_for("qwen3-30b-a3b", nodes, gpn)
             g = nodes * gpn
-            probs = [
-                layer_problem(random_layer(rng, 4, g, e, 2048, alpha=0.5), cost) for _ in range(n)
-            ]
+            probs = [layer_problem(random_layer(rng, 4, g, e, 2048, alpha=0.5), cost) for _ in range(n)]
             for row in quality_rows(f"random {e}x{g}, Mb=4", probs, cost.cluster, cfg, limit):
                 table.add_row(*row)
     if with_olmoe:
@@ -165,7 +173,9 @@ def synthetic_ctx(
     cost = cost_for(model_name, nodes, gpn)
     m = cost.model
     num_layers = layers or m.num_moe_layers
-    counts = generate_counts(preset, m.num_experts, num_layers, m.top_k, 1, samples, seed=0, max_tokens=max_tokens)
+    counts = generate_counts(
+        preset, m.num_experts, num_layers, m.top_k, 1, samples, seed=0, max_tokens=max_tokens
+    )
     g = nodes * gpn
     per_mb = max(1, samples // (g * 16))  # 16 micro-batches per batch
     wl = build_workload(counts, g, samples_per_microbatch=per_mb)
@@ -212,8 +222,11 @@ def section_speed(full: bool) -> None:
 
 def section_batch(full: bool) -> None:
     layers = 94 if full else 24
-    ctx = synthetic_ctx("reasoning", "qwen3-235b-a22b", 8, 8, 512, 4096, layers)
-    table = Table(title=f"Whole Qwen3-235B-A22B batch at EP 64 ({layers} of 94 layers, Mb={ctx.num_microbatches})")
+    # NOTE: 1024 samples so that EP 64 gets 16 micro-batches of one sample per GPU.
+    ctx = synthetic_ctx("reasoning", "qwen3-235b-a22b", 8, 8, 1024, 4096, layers)
+    table = Table(
+        title=f"Whole Qwen3-235B-A22B batch at EP 64 ({layers} of 94 layers, Mb={ctx.num_microbatches})"
+    )
     for col in ("objective", "workers", "seconds", "x 94/L (s)", "gain vs LPT"):
         table.add_column(col, justify="right")
     AnnealingReorderer(iterations=10, seeds=[0]).reorder(ctx)  # JIT warm-up (cached on disk afterwards)
@@ -223,7 +236,9 @@ def section_batch(full: bool) -> None:
             r = AnnealingReorderer(objective=objective, workers=workers).reorder(ctx)
             dt = time.perf_counter() - t0
             gain = 1 - r.stats["reorder_objective_s"] / r.stats["reorder_lpt_objective_s"]
-            table.add_row(objective, str(workers), f"{dt:.2f}", f"{dt * 94 / layers:.2f}", f"{100 * gain:.1f}%")
+            table.add_row(
+                objective, str(workers), f"{dt:.2f}", f"{dt * 94 / layers:.2f}", f"{100 * gain:.1f}%"
+            )
     console.print(table)
 
 
@@ -247,7 +262,10 @@ def effect_rows(label: str, ctx: BatchContext) -> list[list[str]]:
     tok = ctx.load.sum(axis=(0, 2)).astype(np.float64)
     placements = {
         "megatron": (static_placement(num_layers, num_experts, g), ctx.load),
-        "LPT": (lpt_placement(lin.compute_s_per_token * tok + lin.compute_s_per_expert * (tok > 0), g), ctx.load),
+        "LPT": (
+            lpt_placement(lin.compute_s_per_token * tok + lin.compute_s_per_expert * (tok > 0), g),
+            ctx.load,
+        ),
     }
     r = AnnealingReorderer().reorder(ctx)
     placements["anneal"] = (r.home, ctx.load)
@@ -291,7 +309,9 @@ def main() -> None:
     ap.add_argument("--sections", default="quality,olmoe,speed,batch,effect")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    console.print("[bold]bench_reorder[/bold]: " + ", ".join(sorted(sections)) + (" (full)" if args.full else ""))
+    console.print(
+        "[bold]bench_reorder[/bold]: " + ", ".join(sorted(sections)) + (" (full)" if args.full else "")
+    )
     if "quality" in sections or "olmoe" in sections:
         section_quality(args.full, "olmoe" in sections, "quality" in sections)
     if "speed" in sections:

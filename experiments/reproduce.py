@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from experiments.grid import cells, compose_cell
+from experiments.grid import cells, compose_cells
 from experiments.store import ResultsStore, cell_key
 
 __all__ = ["QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
@@ -50,8 +51,8 @@ QUICK_PRESETS = (
 )
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
-OLMOE_SAMPLES_PER_BATCH = 50
-"""The 100 OLMoE prompts become 2 batches (RL steps) of 50 rollouts each."""
+OLMOE_SAMPLES_PER_BATCH = 100
+"""The 200 OLMoE prompts become 2 batches (RL steps) of 100 rollouts each."""
 
 
 @dataclass
@@ -66,7 +67,7 @@ class GridReport:
 
 
 def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
-    """The OLMoE decode trace as a routing trace file at ``out`` (made once); None when ``shared`` lacks it."""
+    """The OLMoE decode trace as a trace file at ``out`` (made once); None when ``shared`` lacks it."""
     if out.is_file():
         return out
     source = shared / "olmoe-decode"
@@ -93,12 +94,14 @@ def run_grid(
 
     report = GridReport(preset)
     store_dir = results_root / preset
+    store = ResultsStore(store_dir)
     grid = cells(preset)
+    configs = compose_cells(preset, [[*cell, *overrides, f"results_dir={store_dir}"] for cell in grid])
+    store.write_grid(cell_key(cfg) for cfg in configs)
     task = progress.add_task(preset, total=len(grid), reused=0) if progress is not None else None
-    for cell in grid:
-        cfg = compose_cell(preset, [*cell, *overrides, f"results_dir={store_dir}"])
+    for cell, cfg in zip(grid, configs):
         key = cell_key(cfg)
-        if ResultsStore(store_dir).has(key):
+        if store.has(key):
             report.reused += 1
         else:
             try:
@@ -127,13 +130,20 @@ def _progress(console: Console) -> Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every cell (e.g. logger=wandb)")
-    parser.add_argument("--results", type=Path, default=Path("results"), help="results root (default results/)")
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.reproduce", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides for every cell (e.g. logger=wandb)"
+    )
+    parser.add_argument(
+        "--results", type=Path, default=Path("results"), help="results root (default results/)"
+    )
     parser.add_argument("--presets", nargs="+", default=list(QUICK_PRESETS), help="presets to run, in order")
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
     args = parser.parse_args(argv)
-    console = Console()
+    # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     root: Path = args.results.resolve()
     start = time.perf_counter()
     reports: list[GridReport] = []

@@ -8,6 +8,9 @@
 4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
    ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``);
 5. the logger (``logger=wandb``) sees only what is already on disk.
+
+With ``results_dir`` set (experiment presets), steps 2-4 run only when the experiment's results store has
+no finished cell of the same config (:func:`experiments.store.run_cell`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from experiments.config import (
     sim_options,
     validate,
 )
+from experiments.store import ResultsStore, run_cell
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import build_workload
@@ -131,10 +135,14 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
 
 
 def write_outputs(
-    run_dir: Path, results: pd.DataFrame, per_layer: pd.DataFrame, dump: dict[str, np.ndarray] | None
+    run_dir: Path,
+    results: pd.DataFrame,
+    per_layer: pd.DataFrame | None,
+    dump: dict[str, np.ndarray] | None,
 ) -> None:
     """Write the run's files atomically; the files already in ``run_dir`` stay whole until replaced."""
-    _atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+    if per_layer is not None:
+        _atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
     if dump is not None:
         _atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
     summary = json.dumps(results.to_dict(orient="records"), indent=2, default=float)
@@ -146,15 +154,30 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
     """Run one config end to end and return its results (one row per planner run).
 
     ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
-    the current directory. Raises :class:`~experiments.config.ConfigError` before any work on a bad config.
+    the current directory. With ``results_dir`` set, the run is one cell of an experiment's
+    :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
+    computed again. Raises :class:`~experiments.config.ConfigError` before any work on a bad config.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
             HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "."
         )
     out = Path(str(run_dir))
-    results, per_layer, dump = compute(cfg)
-    write_outputs(out, results, per_layer, dump)
+    validate(cfg)
+    per_layer = pd.DataFrame()
+
+    def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
+        nonlocal per_layer
+        results, per_layer, dump = compute(cfg)
+        write_outputs(out, results, per_layer, dump)
+        return results, per_layer
+
+    if cfg.get("results_dir"):
+        results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell)
+        if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
+            write_outputs(out, results, None, None)
+    else:
+        results, _ = cell()
     if str(cfg.logger.name) == "wandb":
         from experiments.wandb_logger import log_run
 

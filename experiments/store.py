@@ -6,6 +6,7 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
         cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); the resolved config
                                    is kept as JSON in the parquet schema metadata
         per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps)
+        grid.json                  optional: the keys of the experiment's current grid
 
 ``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
 keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``).
@@ -16,6 +17,10 @@ per-layer file is written before the cell file, so a cell is finished exactly wh
 exists, and a finished cell always has its per-layer table if it has one. Two writers of the same cell
 both write complete files and the last rename wins; readers see either no file or a whole one. A crashed
 writer leaves only a ``.tmp-*`` file, which readers ignore and a rerun redoes.
+
+When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
+driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only
+the grid's finished cells (``all_cells=True`` returns every cell on disk).
 """
 
 from __future__ import annotations
@@ -116,7 +121,9 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_parquet(frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None) -> None:
+def atomic_write_parquet(
+    frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None
+) -> None:
     """Write ``frame`` to ``path`` so that no reader ever sees a partial file (temp file, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pandas(frame, preserve_index=False)
@@ -176,13 +183,15 @@ class ResultsStore:
         config: Any,
         per_layer: pd.DataFrame | None = None,
     ) -> Path:
-        """Store cell ``key``: its result rows, its config (JSON in the file metadata) and its per-layer table.
+        """Store cell ``key``: its result rows, its config (JSON in the metadata) and its per-layer table.
 
         The per-layer table goes first, so the cell file (which marks the cell finished) appears last.
         Returns the cell file's path.
         """
         if results.empty:
-            raise ValueError(f"cell {key}: refusing to store an empty results frame (a finished cell has rows)")
+            raise ValueError(
+                f"cell {key}: refusing to store an empty results frame (a finished cell has rows)"
+            )
         meta = {
             _KEY_META: key.encode(),
             _CONFIG_META: json.dumps(_plain(config), sort_keys=True, default=str).encode(),
@@ -210,15 +219,42 @@ class ResultsStore:
         meta = pq.read_schema(self.cell_path(key)).metadata or {}
         return json.loads(meta[_CONFIG_META])
 
-    def load(self) -> pd.DataFrame:
-        """All finished cells' rows in one frame, with a ``cell`` column holding each row's key."""
-        frames = [self.read(k).assign(cell=k) for k in self.keys()]
+    @property
+    def grid_path(self) -> Path:
+        return self.root / "grid.json"
+
+    def write_grid(self, keys: Iterable[str]) -> None:
+        """Record the keys of the experiment's current grid (atomically), so loads skip stale cells."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".json", dir=self.root)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(sorted(set(keys)), fh)
+            os.replace(tmp, self.grid_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def current_keys(self, all_cells: bool = False) -> list[str]:
+        """Finished cells of the current grid (``grid.json``), or every finished cell without one."""
+        done = self.keys()
+        if all_cells or not self.grid_path.is_file():
+            return done
+        grid = set(json.loads(self.grid_path.read_text()))
+        return [k for k in done if k in grid]
+
+    def load(self, all_cells: bool = False) -> pd.DataFrame:
+        """Finished cells' rows in one frame, with a ``cell`` column holding each row's key.
+
+        Only the current grid's cells when ``grid.json`` exists, unless ``all_cells``.
+        """
+        frames = [self.read(k).assign(cell=k) for k in self.current_keys(all_cells)]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
 
-    def load_per_layer(self) -> pd.DataFrame:
-        """All finished cells' per-layer tables in one frame, with a ``cell`` column."""
+    def load_per_layer(self, all_cells: bool = False) -> pd.DataFrame:
+        """Finished cells' per-layer tables in one frame, with a ``cell`` column (grid rule as ``load``)."""
         frames = []
-        for k in self.keys():
+        for k in self.current_keys(all_cells):
             table = self.read_per_layer(k)
             if table is not None:
                 frames.append(table.assign(cell=k))
@@ -259,12 +295,15 @@ def run_cell(
     return results, False
 
 
-def load_experiment(results_dir: str | Path) -> pd.DataFrame:
-    """One experiment's finished cells as a frame (one row per planner run, plus a ``cell`` column)."""
+def load_experiment(results_dir: str | Path, all_cells: bool = False) -> pd.DataFrame:
+    """One experiment's finished cells as a frame (one row per planner run, plus a ``cell`` column).
+
+    Only the cells of its current grid when the experiment has a ``grid.json``, unless ``all_cells``.
+    """
     root = Path(results_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"results directory {root} does not exist (run the experiment first)")
-    return ResultsStore(root).load()
+    return ResultsStore(root).load(all_cells)
 
 
 def load_per_layer(results_dir: str | Path) -> pd.DataFrame:

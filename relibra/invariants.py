@@ -8,7 +8,8 @@ Every planner's :class:`~relibra.types.BatchPlan` and every ``plans.npz`` must s
 * without redundant slots: each GPU is home to exactly ``E / G`` experts per layer and computes at most
   ``replica_slots`` distinct non-home experts per (micro-batch, layer);
 * with redundant slots: each GPU computes at most ``E / G + redundant_slots + replica_slots`` distinct
-  experts per (micro-batch, layer);
+  experts per (micro-batch, layer), and when the plan lists ``redundant`` its homes plus copies fit its
+  ``E / G + redundant_slots`` physical slots;
 * optionally (ReLibra's layer-shared buffer): every non-home copy is in the node of the expert's home;
 * when the plan lists its slot contents (``replicas``, ``redundant``), every non-home expert a GPU computes
   sits in one of that GPU's slots.
@@ -209,11 +210,20 @@ def check_assignment(
         listed = True
     if redundant is not None:
         red = np.asarray(redundant)
-        if red.ndim != 3 or red.shape[:2] != (num_layers, num_gpus) or red.shape[2] > redundant_slots:
+        if red.ndim != 3 or red.shape[:2] != (num_layers, num_gpus):
             _fail(
-                "shape",
-                f"{where}: redundant has shape {red.shape}; expected [{num_layers}, {num_gpus}, R] "
-                f"with R <= redundant_slots={redundant_slots}",
+                "shape", f"{where}: redundant has shape {red.shape}; expected [{num_layers}, {num_gpus}, R]"
+            )
+        # NOTE: the width may exceed redundant_slots (a GPU home to fewer than E/G experts holds more
+        # redundant copies); what is bounded is the physical slots: homes + copies <= E/G + redundant_slots.
+        physical = is_home.sum(axis=1) + (red >= 0).sum(axis=-1)  # [L, G]
+        bad = physical > per_gpu + redundant_slots
+        if bad.any():
+            l, g = _first(bad)
+            _fail(
+                "redundant slots",
+                f"{where}: GPU {g} holds {physical[l, g]} experts (homes + redundant copies) in layer {l}; "
+                f"at most E/G + redundant_slots = {per_gpu + redundant_slots}",
             )
         _mark_slots(held, np.broadcast_to(red, (mb, *red.shape)), num_experts, "redundant", where)
         listed = True

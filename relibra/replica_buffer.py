@@ -27,7 +27,9 @@ __all__ = [
 BF16_BYTES = 2
 MIB = 1 << 20
 
-PAPER_BUFFER_MIB = MappingProxyType({"qwen3-30b-a3b": 18.0, "glm4.5-106b-a12b": 22.0, "qwen3-235b-a22b": 72.0})
+PAPER_BUFFER_MIB = MappingProxyType(
+    {"qwen3-30b-a3b": 18.0, "glm4.5-106b-a12b": 22.0, "qwen3-235b-a22b": 72.0}
+)
 """Replica buffer per GPU reported by the paper (DESIGN.md, "The paper's numbers")."""
 PAPER_PARAM_FRACTION = MappingProxyType(
     {"qwen3-30b-a3b": 0.0028, "glm4.5-106b-a12b": 0.0013, "qwen3-235b-a22b": 0.0162}
@@ -41,14 +43,14 @@ def expert_weight_bytes(model: ModelSpec) -> int:
 
 
 def replica_buffer_bytes(model: ModelSpec, replica_slots: int) -> int:
-    """Bytes per GPU of the layer-shared buffer: ``r * expert_bytes`` (the ``replica_buffer_bytes`` column)."""
+    """Bytes per GPU of the layer-shared buffer, ``r * expert_bytes`` (column ``replica_buffer_bytes``)."""
     if replica_slots < 0:
         raise ValueError(f"replica_slots must be >= 0, got {replica_slots}")
     return replica_slots * expert_weight_bytes(model)
 
 
 def per_gpu_parameter_bytes(model: ModelSpec, ep: int, tp: int = 1, pp: int = 1) -> float:
-    """bf16 parameter bytes one GPU holds: experts split over ``ep``, the rest over ``tp``, layers over ``pp``.
+    """bf16 parameter bytes on one GPU: experts split over ``ep``, the rest over ``tp``, layers over ``pp``.
 
     Counts routed experts, attention projections, routers, shared experts, dense FFN layers, norms and the
     (untied) embedding and output layers.
@@ -93,8 +95,10 @@ class ReplicaBufferFootprint:
         return PAPER_BUFFER_MIB.get(self.model)
 
 
-def buffer_footprint(model: ModelSpec, replica_slots: int, ep: int, tp: int = 1, pp: int = 1) -> ReplicaBufferFootprint:
-    """The buffer accounting of ``model`` with ``r = replica_slots`` under an (``ep``, ``tp``, ``pp``) layout."""
+def buffer_footprint(
+    model: ModelSpec, replica_slots: int, ep: int, tp: int = 1, pp: int = 1
+) -> ReplicaBufferFootprint:
+    """The buffer accounting of ``model`` with ``r = replica_slots`` under an (ep, tp, pp) layout."""
     shared = replica_buffer_bytes(model, replica_slots)
     return ReplicaBufferFootprint(
         model=model.name,

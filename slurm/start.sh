@@ -15,7 +15,8 @@
 #   RELIBRA_SLURM_CPUS      CPUs the node advertises (may exceed the real count)    [max(nproc, 4)]
 #   RELIBRA_SLURM_NO_INSTALL=1   never run apt-get; fail if a binary is missing
 #
-# Exit status: 0 cluster up; 3 Slurm is not installed and cannot be installed here (callers may skip);
+# Exit status: 0 cluster up; 3 Slurm is not installed and cannot be installed here, or the script is
+# not run as root (callers may skip);
 # anything else: a start-up failure, with the failing daemon's log printed.
 #
 # After it succeeds:   export SLURM_CONF=$RELIBRA_SLURM_DIR/etc/slurm.conf   (or: source .../env.sh)
@@ -41,7 +42,9 @@ ETC="$STATE/etc"
 LOG="$STATE/log"
 RUN="$STATE/run"
 PIDS="$STATE/pids"
-MUNGE_SOCKET="$RUN/munge.socket"
+# NOTE: the client commands (sacctmgr, sacct) reach munged only at its compiled-in socket path, whatever
+# AuthInfo says, so every daemon uses that path.
+MUNGE_SOCKET=/run/munge/munge.socket.2
 DB_SOCKET="$RUN/mysqld.sock"
 export SLURM_CONF="$ETC/slurm.conf"
 
@@ -77,7 +80,10 @@ if [ -n "$(missing_binaries)" ]; then
   fi
   [ -z "$(missing_binaries)" ] || { echo "[relibra-slurm] still missing after install: $(missing_binaries | xargs)" >&2; exit 3; }
 fi
-[ "$(id -u)" = 0 ] || die "the test cluster runs its daemons as root; run this script as root"
+if [ "$(id -u)" != 0 ]; then
+  echo "[relibra-slurm] the test cluster runs its daemons as root (SlurmUser=root); run this script as root" >&2
+  exit 3
+fi
 
 mkdir -p "$ETC" "$LOG" "$RUN" "$PIDS" "$STATE/spool/ctld" "$STATE/spool/slurmd" "$STATE/munge" "$STATE/mysql"
 # munged refuses directories that others may write to; keep the state tree private.
@@ -93,11 +99,14 @@ write_if_changed() {
   if [ -f "$file" ] && cmp -s "$tmp" "$file"; then rm -f "$tmp"; else mv -f "$tmp" "$file"; fi
 }
 
-alive() { # alive NAME: the recorded daemon is running
-  local pidfile="$PIDS/$1.pid" pid
+# alive NAME: the recorded daemon is running (the process name must match, so a stale PID file whose
+# number was reused by another program does not count).
+alive() {
+  local name=$1 pidfile="$PIDS/$1.pid" pid
   [ -f "$pidfile" ] || return 1
   pid="$(cat "$pidfile")"
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+  [ "$name" = mariadb ] && name=mariadbd
+  [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]
 }
 
 # launch NAME CMD...: start a foreground daemon in its own session and record its PID.
@@ -110,14 +119,14 @@ launch() {
   echo $! >"$PIDS/$name.pid"
 }
 
-# wait_for NAME SECONDS CHECK...: poll CHECK until it succeeds; on failure print the log and stop.
+# wait_for NAME SECONDS 'SHELL CHECK': poll the check until it succeeds; on failure print the log and stop.
+# NOTE: every try is bounded by `timeout`, since Slurm clients retry for minutes when a daemon is down.
 wait_for() {
-  local name=$1 secs=$2 i
-  shift 2
-  for ((i = 0; i < secs * 10; i++)); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
+  local name=$1 secs=$2 check=$3 i
+  for ((i = 0; i < secs * 5; i++)); do
+    if timeout 10 bash -c "$check" >/dev/null 2>&1; then return 0; fi
     if ! alive "$name"; then break; fi
-    sleep 0.1
+    sleep 0.2
   done
   echo "[relibra-slurm] $name did not come up; last lines of its logs:" >&2
   tail -n 30 "$LOG/$name".* >&2 || true
@@ -134,7 +143,6 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
 CredType=cred/munge
 StateSaveLocation=$STATE/spool/ctld
 SlurmdSpoolDir=$STATE/spool/slurmd
@@ -172,7 +180,6 @@ EOF
 write_if_changed "$ETC/slurmdbd.conf" 0600 <<EOF
 # Accounting daemon of the single-node test cluster; written by slurm/start.sh.
 AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
 DbdHost=localhost
 DbdAddr=127.0.0.1
 DbdPort=$DBD_PORT
@@ -196,13 +203,21 @@ EOF
 MUNGE_KEY="$STATE/munge/munge.key"
 [ -f "$MUNGE_KEY" ] || mungekey --create --keyfile="$MUNGE_KEY"
 chmod 0600 "$MUNGE_KEY"
+MUNGE_OK="munge --socket=$MUNGE_SOCKET -n | unmunge --socket=$MUNGE_SOCKET"
 if ! alive munged; then
-  rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
-  launch munged munged --foreground --force --socket="$MUNGE_SOCKET" --key-file="$MUNGE_KEY" \
-    --pid-file="$RUN/munged.pid" --log-file="$LOG/munged.log" --seed-file="$STATE/munge/munged.seed"
+  if timeout 5 bash -c "$MUNGE_OK" >/dev/null 2>&1; then
+    # A munged that this script did not start already serves the socket: use it, never stop it.
+    say "using the munged already listening on $MUNGE_SOCKET"
+    rm -f "$PIDS/munged.pid"
+  else
+    mkdir -p "$(dirname "$MUNGE_SOCKET")"
+    chmod 0755 "$(dirname "$MUNGE_SOCKET")"
+    rm -f "$MUNGE_SOCKET" "$MUNGE_SOCKET.lock"
+    launch munged munged --foreground --force --socket="$MUNGE_SOCKET" --key-file="$MUNGE_KEY" \
+      --pid-file="$RUN/munged.pid" --log-file="$LOG/munged.log" --seed-file="$STATE/munge/munged.seed"
+  fi
 fi
-munge_ok() { munge --socket="$MUNGE_SOCKET" -n | unmunge --socket="$MUNGE_SOCKET"; }
-wait_for munged 10 munge_ok
+[ ! -f "$PIDS/munged.pid" ] || wait_for munged 10 "$MUNGE_OK"
 
 # --- 4. MariaDB ----------------------------------------------------------------------------------
 DB_ARGS=(--no-defaults --user=root --datadir="$STATE/mysql" --socket="$DB_SOCKET"
@@ -214,7 +229,7 @@ if [ ! -d "$STATE/mysql/mysql" ]; then
     >"$LOG/mariadb-install.log" 2>&1 || { tail -20 "$LOG/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
 fi
 alive mariadb || launch mariadb mariadbd "${DB_ARGS[@]}"
-wait_for mariadb 30 mariadb --no-defaults --socket="$DB_SOCKET" -uroot -e 'SELECT 1'
+wait_for mariadb 30 "mariadb --no-defaults --socket=$DB_SOCKET -uroot -e 'SELECT 1'"
 mariadb --no-defaults --socket="$DB_SOCKET" -uroot <<EOF
 CREATE DATABASE IF NOT EXISTS $DB_NAME;
 CREATE USER IF NOT EXISTS '$DB_USER'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
@@ -225,7 +240,7 @@ EOF
 
 # --- 5. slurmdbd, then the cluster's registration ------------------------------------------------
 alive slurmdbd || launch slurmdbd slurmdbd -D
-wait_for slurmdbd 30 sacctmgr -n list cluster
+wait_for slurmdbd 30 "sacctmgr -n list cluster"
 # NOTE: registration goes through slurm.conf's AccountingStorageHost, so it can only happen now.
 if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
   sacctmgr -i add cluster "$CLUSTER" >/dev/null
@@ -233,11 +248,9 @@ fi
 
 # --- 6. slurmctld and slurmd ---------------------------------------------------------------------
 alive slurmctld || launch slurmctld slurmctld -D
-ctld_up() { scontrol ping | grep -q UP; }
-wait_for slurmctld 30 ctld_up
+wait_for slurmctld 30 "scontrol ping | grep -q UP"
 alive slurmd || launch slurmd slurmd -D -N "$NODE"
-node_ready() { sinfo -h -n "$NODE" -o %t | grep -Eq '^(idle|mix|alloc)'; }
-wait_for slurmd 30 node_ready
+wait_for slurmd 30 "sinfo -h -n $NODE -o %t | grep -Eq '^(idle|mix|alloc)'"
 
 say "cluster '$CLUSTER' is up: $CPUS CPUs, ${MEM_MB} MB on node $NODE (state in $STATE)"
 say "use it with: export SLURM_CONF=$SLURM_CONF"

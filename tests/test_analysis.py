@@ -15,10 +15,24 @@ from analysis.tables import ablation, overall_cells, overall_summary, overhead, 
 from experiments.store import ResultsStore
 
 # throughput factor of each planner over Megatron-LM, and its mean skewness, in the synthetic results
-FACTOR = {"megatron": 1.0, "popfetcher": 1.2, "eplb": 1.3, "lplb": 1.25, "relibra": 1.5, "balanced": 1.6,
-          "relibra_reorder_only": 1.1}
-SKEW = {"megatron": 1.6, "popfetcher": 1.4, "eplb": 1.3, "lplb": 1.3, "relibra": 1.05, "balanced": 1.0,
-        "relibra_reorder_only": 1.45}
+FACTOR = {
+    "megatron": 1.0,
+    "popfetcher": 1.2,
+    "eplb": 1.3,
+    "lplb": 1.25,
+    "relibra": 1.5,
+    "balanced": 1.6,
+    "relibra_reorder_only": 1.1,
+}
+SKEW = {
+    "megatron": 1.6,
+    "popfetcher": 1.4,
+    "eplb": 1.3,
+    "lplb": 1.3,
+    "relibra": 1.05,
+    "balanced": 1.0,
+    "relibra_reorder_only": 1.45,
+}
 MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b"]
 DATASETS = ["reasoning", "mixed"]
 
@@ -26,20 +40,43 @@ DATASETS = ["reasoning", "mixed"]
 def _row(model: str, dataset: str, planner: str, nodes: int, bump: float = 1.0) -> dict:
     step = 10.0 / (FACTOR[planner] * bump)
     return {
-        "model": model, "dataset": dataset, "planner": planner, "nodes": nodes, "gpus_per_node": 8,
-        "replica_slots": 2, "tokens": 1_000_000, "step_time_s": step, "throughput_tokens_per_s": 1e6 / step,
-        "skew_mean": SKEW[planner] + 0.01 * nodes, "skew_p50": 1.0, "skew_p90": 1.0, "skew_max": 2.0,
-        "plan_time_s": 0.5, "replica_buffer_bytes": 18 * 2**20, "reorder_moved_experts": 3,
-        "t_compute_s": step / 2, "t_comm_s": step / 4, "t_sync_exposed_s": 0.0, "t_reorder_s": 0.2,
-        "t_attention_s": step / 4, "param_bytes_per_gpu": 6e9, "num_batches": 2,
+        "model": model,
+        "dataset": dataset,
+        "planner": planner,
+        "nodes": nodes,
+        "gpus_per_node": 8,
+        "replica_slots": 2,
+        "tokens": 1_000_000,
+        "step_time_s": step,
+        "throughput_tokens_per_s": 1e6 / step,
+        "skew_mean": SKEW[planner] + 0.01 * nodes,
+        "skew_p50": 1.0,
+        "skew_p90": 1.0,
+        "skew_max": 2.0,
+        "plan_time_s": 0.5,
+        "replica_buffer_bytes": 18 * 2**20,
+        "reorder_moved_experts": 3,
+        "t_compute_s": step / 2,
+        "t_comm_s": step / 4,
+        "t_sync_exposed_s": 0.0,
+        "t_reorder_s": 0.2,
+        "t_attention_s": step / 4,
+        "param_bytes_per_gpu": 6e9,
+        "num_batches": 2,
     }
 
 
 def _layers(planner: str, skew: float) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     m, l = np.meshgrid(np.arange(6), np.arange(4), indexing="ij")
-    return pd.DataFrame({"planner": planner, "micro_batch": m.ravel(), "layer": l.ravel(),
-                         "skew": skew + rng.random(m.size) * 0.1})
+    return pd.DataFrame(
+        {
+            "planner": planner,
+            "micro_batch": m.ravel(),
+            "layer": l.ravel(),
+            "skew": skew + rng.random(m.size) * 0.1,
+        }
+    )
 
 
 def _write(root: Path, name: str, rows: list[dict], layers: bool = False) -> None:
@@ -52,16 +89,27 @@ def _write(root: Path, name: str, rows: list[dict], layers: bool = False) -> Non
 @pytest.fixture
 def results(tmp_path: Path) -> Path:
     core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"]
-    overall = [_row(m, d, p, 4, bump=1.0 + 0.1 * j) for j, m in enumerate(MODELS) for d in DATASETS
-               for p in core]
+    overall = [
+        _row(m, d, p, 4, bump=1.0 + 0.1 * j) for j, m in enumerate(MODELS) for d in DATASETS for p in core
+    ]
     _write(tmp_path, "quick_overall", overall, layers=True)
-    abl = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra_reorder_only",
-                                                                       "relibra")]
+    abl = [
+        _row(m, d, p, 4)
+        for m in MODELS
+        for d in DATASETS
+        for p in ("megatron", "relibra_reorder_only", "relibra")
+    ]
     _write(tmp_path, "quick_ablation", abl)
-    _write(tmp_path, "quick_ep_scaling",
-           [_row("qwen3-30b-a3b", "mixed", p, n) for n in (1, 2, 4, 8) for p in ("megatron", "relibra")])
-    _write(tmp_path, "quick_datasets", [_row("qwen3-235b-a22b", d, p, 8) for d in DATASETS
-                                        for p in ("megatron", "relibra")])
+    _write(
+        tmp_path,
+        "quick_ep_scaling",
+        [_row("qwen3-30b-a3b", "mixed", p, n) for n in (1, 2, 4, 8) for p in ("megatron", "relibra")],
+    )
+    _write(
+        tmp_path,
+        "quick_datasets",
+        [_row("qwen3-235b-a22b", d, p, 8) for d in DATASETS for p in ("megatron", "relibra")],
+    )
     _write(tmp_path, "quick_overhead", [_row(m, "mixed", "relibra", 4) for m in MODELS])
     return tmp_path
 
@@ -126,12 +174,43 @@ def test_cli_writes_tables_and_figures(results: Path, capsys: pytest.CaptureFixt
     printed = capsys.readouterr().out
     assert "paper" in printed and "Megatron-LM" in printed
     names = {p.name for p in (results / "out").iterdir()}
-    for stem in ("overall", "overall_cells", "ablation", "skew_by_ep", "skew_by_dataset", "overhead"):
+    for stem in (
+        "quick_overall.overall",
+        "quick_overall.overall_cells",
+        "quick_ablation.ablation",
+        "quick_ep_scaling.skew_by_ep",
+        "quick_datasets.skew_by_dataset",
+        "quick_overhead.overhead",
+    ):
         assert {f"{stem}.md", f"{stem}.tex"} <= names
     figs = {p.name for p in (results / "out" / "figures").iterdir()}
-    for stem in ("throughput", "ablation", "skew_by_ep", "layer_skew_overall"):
+    for stem in (
+        "quick_overall.throughput",
+        "quick_ablation.ablation",
+        "quick_ep_scaling.skew_by_ep",
+        "quick_overall.layer_skew",
+    ):
         assert {f"{stem}.png", f"{stem}.pdf"} <= figs
     assert all((results / "out" / "figures" / f).stat().st_size > 1000 for f in figs)
+
+
+def test_partial_grid_skips_what_it_cannot_build_and_keeps_the_rest(tmp_path: Path) -> None:
+    _write(tmp_path, "quick_overall", [_row("m", "reasoning", p, 1) for p in ("megatron", "eplb")])
+    _write(
+        tmp_path,
+        "quick_ep_scaling",
+        [_row("m", "mixed", p, n) for n in (1, 2) for p in ("megatron", "relibra")],
+    )
+    out = analyse(tmp_path)
+    assert any("quick_overall" in why and "relibra" in why for why in out.skipped)
+    assert {p.name for p in out.tables} == {
+        "quick_ep_scaling.skew_by_ep.md",
+        "quick_ep_scaling.skew_by_ep.tex",
+    }
+    assert {p.name for p in out.figures} >= {
+        "quick_overall.throughput.png",
+        "quick_ep_scaling.skew_by_ep.png",
+    }
 
 
 def test_empty_results_dir_is_refused(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,40 @@ def test_plan_dump_violations(ctx, plan):
     counts[0, 0, 0] += 1
     with pytest.raises(PlanInvariantError, match=r"\[load\]"):
         check_plan_dump(d, counts=counts)
+
+
+def test_redundant_physical_slots(ctx, plan):
+    l, g = 0, 0
+    num_layers, num_experts = plan.home.shape
+    red = np.full((num_layers, ctx.num_gpus, 3), -1, dtype=np.int32)
+    others = [e for e in range(num_experts) if plan.home[l, e] != g]
+    red[l, g, :2] = others[:2]  # a width of 3 is fine; two copies fit two redundant slots
+    check_plan(replace(plan, redundant=red), ctx, replica_slots=0, redundant_slots=2)
+    red[l, g, 2] = others[2]  # a third copy needs a third slot
+    _expect("redundant slots", replace(plan, redundant=red), ctx, redundant_slots=2)
+
+
+PLANNER_CONF = sorted(
+    p.stem for p in (Path(__file__).resolve().parents[1] / "experiments" / "conf" / "planner").glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize("name", PLANNER_CONF)
+def test_every_configured_planner_keeps_the_invariants(name):
+    """Every planner in experiments/conf/planner, run by the simulator with check_plans on a tiny case."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from relibra.simulator import Bound, SimOptions, simulate
+    from tests.spine_helpers import tiny_setup
+
+    conf = OmegaConf.load(
+        Path(__file__).resolve().parents[1] / "experiments" / "conf" / "planner" / f"{name}.yaml"
+    )
+    planner = instantiate(conf, _convert_="all")
+    counts, workload, cluster, model, cost = tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
+    res = simulate(
+        planner, counts, workload, cluster, model, cost, SimOptions(check_plans=True, keep_plans=True)
+    )
+    assert res.metrics["step_time_s"] > 0
+    assert len(res.plans) == (0 if isinstance(planner, Bound) else counts.num_batches)

@@ -28,8 +28,16 @@ def olmoe_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from relibra.synthetic import generate_trace
     from relibra.trace import save_trace
 
-    trace = generate_trace("mixed", num_experts=64, num_layers=16, top_k=8, num_batches=1,
-                           samples_per_batch=32, seed=0, max_tokens=32)
+    trace = generate_trace(
+        "mixed",
+        num_experts=64,
+        num_layers=16,
+        top_k=8,
+        num_batches=1,
+        samples_per_batch=32,
+        seed=0,
+        max_tokens=32,
+    )
     return save_trace(trace, tmp_path_factory.mktemp("trace") / "olmoe-like.npz")
 
 
@@ -118,7 +126,12 @@ def test_preset_runs_in_tiny_mode_and_reruns_from_the_store(
         probe = compose_cell(preset, [*cell, *_extra(preset, olmoe_like_trace)])
         cfg = compose_cell(
             preset,
-            [*cell, *tiny(int(probe.cluster.nodes)), *_extra(preset, olmoe_like_trace), f"results_dir={tmp_path}"],
+            [
+                *cell,
+                *tiny(int(probe.cluster.nodes)),
+                *_extra(preset, olmoe_like_trace),
+                f"results_dir={tmp_path}",
+            ],
         )
         out = run_module.run(cfg, run_dir=tmp_path / "runs" / cell_key(cfg))
         assert len(out) == 1 and out["step_time_s"].iloc[0] > 0
@@ -131,8 +144,9 @@ def test_preset_runs_in_tiny_mode_and_reruns_from_the_store(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     for cfg, out in configs:
-        pd.testing.assert_frame_equal(run_module.run(cfg, run_dir=tmp_path / "again").reset_index(drop=True),
-                                      out.reset_index(drop=True))
+        pd.testing.assert_frame_equal(
+            run_module.run(cfg, run_dir=tmp_path / "again").reset_index(drop=True), out.reset_index(drop=True)
+        )
 
 
 @pytest.mark.slow
@@ -142,7 +156,12 @@ def test_every_quick_cell_runs_in_tiny_mode(preset: str, tmp_path: Path, olmoe_l
         probe = compose_cell(preset, [*cell, *_extra(preset, olmoe_like_trace)])
         cfg = compose_cell(
             preset,
-            [*cell, *tiny(int(probe.cluster.nodes)), *_extra(preset, olmoe_like_trace), f"results_dir={tmp_path}"],
+            [
+                *cell,
+                *tiny(int(probe.cluster.nodes)),
+                *_extra(preset, olmoe_like_trace),
+                f"results_dir={tmp_path}",
+            ],
         )
         run_module.run(cfg, run_dir=tmp_path / "runs" / cell_key(cfg))
     assert len(ResultsStore(tmp_path).keys()) == len(cells(preset))

@@ -290,3 +290,18 @@ def test_brute_force_refuses_large() -> None:
     ctx = make_ctx(2, 4, 32, seed=0)
     with pytest.raises(ValueError, match="milp_reorder"):
         brute_force_reorder(layer_problem(ctx.load[:, 0], ctx.cost), ctx.cluster)
+
+
+def test_planner_config_instantiates() -> None:
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    path = Path(__file__).resolve().parents[1] / "experiments/conf/planner/relibra_reorder_only.yaml"
+    cfg = OmegaConf.load(path)
+    planner = instantiate(cfg, _convert_="all")
+    assert isinstance(planner, ReorderOnlyPlanner)
+    assert planner.name == "relibra_reorder_only" and planner.replica_slots == 0
+    c = planner.reorderer.config
+    assert c.iterations == cfg.iterations and c.seeds == tuple(cfg.seeds) and c.objective == cfg.objective

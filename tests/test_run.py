@@ -242,3 +242,18 @@ def test_real_olmoe_trace_plans_accepted(shared_traces, tmp_path):
     )
     assert results.iloc[0]["skew_mean"] > 1.0
     check_plan_dump(tmp_path / "run" / "plans.npz", counts=trace.to_counts().counts)
+
+
+def test_results_dir_reuses_finished_cell(trace_file, tmp_path, monkeypatch):
+    import experiments.run as run_module
+
+    c = file_cfg(trace_file, f"+results_dir={tmp_path / 'store'}")
+    first = run(c, run_dir=tmp_path / "a")
+
+    def must_not_run(cfg):
+        raise AssertionError("a finished cell was computed again")
+
+    monkeypatch.setattr(run_module, "compute", must_not_run)
+    again = run(c, run_dir=tmp_path / "b")
+    pd.testing.assert_frame_equal(again.reset_index(drop=True), first.reset_index(drop=True))
+    assert (tmp_path / "b" / "results.parquet").exists()

@@ -116,6 +116,16 @@ def test_rerun_reuses_finished_cells_and_redoes_unfinished(tmp_path: Path) -> No
     assert not reused_other and len(calls) == 2
 
 
+def test_grid_manifest_hides_stale_cells(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    store.write("old", _rows(1), CONFIG)
+    store.write("new", _rows(2), CONFIG)
+    assert len(load_experiment(tmp_path)) == 6  # no grid.json: every cell on disk
+    store.write_grid(["new", "not-run-yet"])
+    assert set(load_experiment(tmp_path)["cell"]) == {"new"}
+    assert set(load_experiment(tmp_path, all_cells=True)["cell"]) == {"old", "new"}
+
+
 def _writer(root: str, writer: int, rounds: int) -> None:
     store = ResultsStore(Path(root))
     for i in range(rounds):

@@ -1,4 +1,4 @@
-"""The torch executor: integer split rule, plan refusal, and equivalence with the unbalanced layer (gloo, CPU).
+"""The torch executor: integer split rule, plan refusal, equivalence with the unbalanced layer (gloo, CPU).
 
 Equivalence cases run in one spawned process group per world size (world 4 = 2 nodes x 2 GPUs, world 8 =
 2 x 4); the single-process reference is computed here and every case is checked by its own test.
@@ -44,7 +44,9 @@ def _tiny_model() -> ModelSpec:
     return ModelSpec("tiny", 2, 2, 8, 4, 8, 2, 2, 1, 4)
 
 
-def random_routes(rng: np.random.Generator, tokens: int, num_layers: int, num_experts: int, k: int) -> np.ndarray:
+def random_routes(
+    rng: np.random.Generator, tokens: int, num_layers: int, num_experts: int, k: int
+) -> np.ndarray:
     """Distinct top-k experts per token: int64 [T, L, k]."""
     return np.argsort(rng.random((tokens, num_layers, num_experts)), axis=-1)[..., :k].astype(np.int64)
 
@@ -68,7 +70,11 @@ def random_slot_plan(
     for layer in range(num_layers):
         for g in range(num_gpus):
             node = g // gpus_per_node
-            cand = [e for e in range(num_experts) if home[layer, e] != g and home[layer, e] // gpus_per_node == node]
+            cand = [
+                e
+                for e in range(num_experts)
+                if home[layer, e] != g and home[layer, e] // gpus_per_node == node
+            ]
             pick = rng.permutation(cand)[: rng.integers(0, r + 1)] if cand and r else []
             replicas[layer, g, : len(pick)] = pick
         for e in range(num_experts):
@@ -104,15 +110,28 @@ def make_case(
     return finish_case(name, rng, MicroBatchPlan(home, assign, load, replicas if r else None), routes, k)
 
 
-def finish_case(name: str, rng: np.random.Generator, plan: MicroBatchPlan, routes: list[np.ndarray], k: int) -> dict:
+def finish_case(
+    name: str, rng: np.random.Generator, plan: MicroBatchPlan, routes: list[np.ndarray], k: int
+) -> dict:
     seed = int(rng.integers(1 << 30))
-    hiddens = [torch.randn(len(rt), SHAPE.hidden, generator=torch.Generator().manual_seed(seed + j)) for j, rt in
-               enumerate(routes)]
-    gouts = [torch.randn(len(rt), SHAPE.hidden, generator=torch.Generator().manual_seed(seed - j - 1)) for j, rt in
-             enumerate(routes)]
+    hiddens = [
+        torch.randn(len(rt), SHAPE.hidden, generator=torch.Generator().manual_seed(seed + j))
+        for j, rt in enumerate(routes)
+    ]
+    gouts = [
+        torch.randn(len(rt), SHAPE.hidden, generator=torch.Generator().manual_seed(seed - j - 1))
+        for j, rt in enumerate(routes)
+    ]
     gpn = 2 if len(routes) == 4 else 4
-    return {"name": name, "plan": plan, "routes": routes, "hiddens": hiddens, "gouts": gouts, "k": k,
-            "gpus_per_node": gpn}
+    return {
+        "name": name,
+        "plan": plan,
+        "routes": routes,
+        "hiddens": hiddens,
+        "gouts": gouts,
+        "k": k,
+        "gpus_per_node": gpn,
+    }
 
 
 def as_batch_plan(plan: MicroBatchPlan) -> BatchPlan:
@@ -168,10 +187,17 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 def reference(case: dict, num_layers: int, num_experts: int) -> dict:
     """Single-process unbalanced layer: outputs and every parameter gradient."""
-    attn = torch.stack([dense_init(layer, SHAPE, num_experts)[0] for layer in range(num_layers)]).requires_grad_()
-    router = torch.stack([dense_init(layer, SHAPE, num_experts)[1] for layer in range(num_layers)]).requires_grad_()
+    attn = torch.stack(
+        [dense_init(layer, SHAPE, num_experts)[0] for layer in range(num_layers)]
+    ).requires_grad_()
+    router = torch.stack(
+        [dense_init(layer, SHAPE, num_experts)[1] for layer in range(num_layers)]
+    ).requires_grad_()
     experts = torch.stack(
-        [torch.stack([expert_init(layer, e, SHAPE) for e in range(num_experts)]) for layer in range(num_layers)]
+        [
+            torch.stack([expert_init(layer, e, SHAPE) for e in range(num_experts)])
+            for layer in range(num_layers)
+        ]
     ).requires_grad_()
     outs, grads_h = [], []
     for rt, hid, gout in zip(case["routes"], case["hiddens"], case["gouts"]):
@@ -180,13 +206,20 @@ def reference(case: dict, num_layers: int, num_experts: int) -> dict:
         (y * gout).sum().backward()
         outs.append(y.detach())
         grads_h.append(h.grad)
-    return {"out": outs, "grad_hidden": grads_h, "grad_experts": experts.grad, "grad_attn": attn.grad,
-            "grad_router": router.grad}
+    return {
+        "out": outs,
+        "grad_hidden": grads_h,
+        "grad_experts": experts.grad,
+        "grad_attn": attn.grad,
+        "grad_router": router.grad,
+    }
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     scale = float(expected.abs().max()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=RTOL * max(scale, 1e-12), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual, expected, rtol=RTOL, atol=RTOL * max(scale, 1e-12), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def assert_equivalent(case: dict, ranks: list[dict]) -> None:
@@ -227,7 +260,9 @@ def world4_cases() -> list[dict]:
     replicas = np.full((2, g, 1), -1, dtype=np.int64)
     replicas[:, 0, 0] = 3
     assign[:, 3, 0], assign[:, 3, 1] = 11, 7
-    cases.append(finish_case("all_tokens_one_expert", rng, MicroBatchPlan(home, assign, load, replicas), routes, 1))
+    cases.append(
+        finish_case("all_tokens_one_expert", rng, MicroBatchPlan(home, assign, load, replicas), routes, 1)
+    )
     # An expert without tokens that is nevertheless replicated (its slot is filled, computes nothing).
     routes = [random_routes(rng, t, 2, 7, 2) + 1 for t in (5, 4, 6, 3)]  # expert 0 gets no token
     load = np.stack([routes_load(rt, 8) for rt in routes], axis=1)
@@ -251,7 +286,9 @@ def world4_cases() -> list[dict]:
             total = int(load[layer, :, e].sum())
             assign[layer, e, gpu] = total // 2
             assign[layer, e, home[layer, e]] -= total // 2
-    cases.append(finish_case("redundant_cross_node", rng, MicroBatchPlan(home, assign, load, None, redundant), rt, 2))
+    cases.append(
+        finish_case("redundant_cross_node", rng, MicroBatchPlan(home, assign, load, None, redundant), rt, 2)
+    )
     cases += planner_cases(rng, g, gpn)
     return cases
 
@@ -286,7 +323,9 @@ def planner_cases(rng: np.random.Generator, num_gpus: int, gpus_per_node: int) -
     from relibra.planner import BatchContext
 
     num_layers, num_experts, k = 2, 8, 2
-    sample_routes = [random_routes(rng, int(t), num_layers, num_experts, k) for t in rng.integers(1, 6, 2 * num_gpus)]
+    sample_routes = [
+        random_routes(rng, int(t), num_layers, num_experts, k) for t in rng.integers(1, 6, 2 * num_gpus)
+    ]
     counts = np.stack([routes_load(rt, num_experts) for rt in sample_routes]).astype(np.int32)  # [S, L, E]
     sample_gpu = (np.arange(len(sample_routes)) % num_gpus).astype(np.int32)
     cluster = _cluster(num_gpus // gpus_per_node, gpus_per_node)
@@ -296,23 +335,34 @@ def planner_cases(rng: np.random.Generator, num_gpus: int, gpus_per_node: int) -
         load = np.zeros((1, num_layers, num_gpus, num_experts), dtype=np.int32)
         np.add.at(load[0].transpose(1, 0, 2), sample_gpu, counts)
         ctx = BatchContext(
-            batch=0, counts=counts, sample_tokens=np.array([len(r) for r in sample_routes], dtype=np.int64),
-            sample_gpu=sample_gpu, sample_mb=np.zeros(len(sample_routes), dtype=np.int32), load=load,
-            cluster=cluster, model=model, cost=CostModel(cluster, model),
-            history=(load,), regroup=None,
+            batch=0,
+            counts=counts,
+            sample_tokens=np.array([len(r) for r in sample_routes], dtype=np.int64),
+            sample_gpu=sample_gpu,
+            sample_mb=np.zeros(len(sample_routes), dtype=np.int32),
+            load=load,
+            cluster=cluster,
+            model=model,
+            cost=CostModel(cluster, model),
+            history=(load,),
+            regroup=None,
         )
         try:
             plan = planner.plan(ctx)
-        except Exception as err:  # noqa: BLE001 - a planner that cannot plan this shape is reported, not run
+        except Exception as err:
             print(f"planner {planner.name} skipped: {err}")
             continue
         routes = [
-            np.concatenate([sample_routes[s] for s in np.flatnonzero(plan.sample_gpu == g)] or
-                           [np.zeros((0, num_layers, k), dtype=np.int64)])
+            np.concatenate(
+                [sample_routes[s] for s in np.flatnonzero(plan.sample_gpu == g)]
+                or [np.zeros((0, num_layers, k), dtype=np.int64)]
+            )
             for g in range(num_gpus)
         ]
         mb = MicroBatchPlan(
-            plan.home.astype(np.int64), plan.assign[0].astype(np.int64), plan.load[0].astype(np.int64),
+            plan.home.astype(np.int64),
+            plan.assign[0].astype(np.int64),
+            plan.load[0].astype(np.int64),
             None if plan.replicas is None else plan.replicas[0].astype(np.int64),
             None if plan.redundant is None else plan.redundant.astype(np.int64),
         )
@@ -323,7 +373,7 @@ def planner_cases(rng: np.random.Generator, num_gpus: int, gpus_per_node: int) -
 @pytest.fixture(scope="module")
 def world4() -> tuple[list[dict], list[list[dict]]]:
     cases = world4_cases()
-    ranks = launch(run_cases, 4, cases)
+    ranks = launch(run_cases, 4, cases, start_method="fork")
     return cases, [[ranks[j][i] for j in range(4)] for i in range(len(cases))]
 
 
@@ -353,9 +403,11 @@ def test_world4_reports_reordering(world4) -> None:
 def test_world8_equals_unbalanced_layer() -> None:
     rng = np.random.default_rng(8)
     cases = [
-        make_case("w8_random_replicas", rng, 8, 4, [3, 2, 4, 0, 3, 2, 1, 3], num_layers=2, num_experts=16, r=2),
+        make_case(
+            "w8_random_replicas", rng, 8, 4, [3, 2, 4, 0, 3, 2, 1, 3], num_layers=2, num_experts=16, r=2
+        ),
     ]
-    results = launch(run_cases, 8, cases)
+    results = launch(run_cases, 8, cases, start_method="fork")
     assert_equivalent(cases[0], [results[j][0] for j in range(8)])
 
 
@@ -458,8 +510,16 @@ def _mutate(invariant: str) -> tuple[BatchPlan, list]:
 
 
 INVARIANTS = [
-    "shape", "gpu-range", "home-balance", "non-negative", "conservation", "slot-capacity", "slot-duplicate",
-    "replica-node", "copy-present", "routes-match-load",
+    "shape",
+    "gpu-range",
+    "home-balance",
+    "non-negative",
+    "conservation",
+    "slot-capacity",
+    "slot-duplicate",
+    "replica-node",
+    "copy-present",
+    "routes-match-load",
 ]
 
 
@@ -508,9 +568,34 @@ def test_executor_measures_every_microbatch_and_layer() -> None:
                 replicas=np.stack([r for _, r, _ in assign]).astype(np.int32),
             )
         )
-    report = TorchExecutor(hidden=8, moe_ffn=4).execute(plans, _tiny_model(), _cluster(2, 2))
+    report = TorchExecutor(hidden=8, moe_ffn=4, start_method="fork").execute(
+        plans, _tiny_model(), _cluster(2, 2)
+    )
     assert report.moe_time_s.shape == (4, 2)
     assert np.isfinite(report.moe_time_s).all() and (report.moe_time_s > 0).all()
     moved = len(moved_experts(plans[0].home, plans[1].home))
     assert report.extra["reorder_moved_experts"] == moved
     assert report.extra["replica_buffer_bytes"] == 2 * 1 * ExpertShape(8, 4).params * 4
+
+
+# ------------------------------------------------------------------------------------ calibration
+def test_calibration_dry_run_writes_the_documented_format(tmp_path) -> None:
+    import importlib.util
+    import json
+
+    from relibra.cluster import ModelSpec as _  # noqa: F401  (the script must not need anything else)
+
+    spec = importlib.util.spec_from_file_location("calibrate_gpu", "scripts/calibrate_gpu.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "cal.json"
+    mod.main(["--dry-run", "--out", str(out), "--models", "qwen3-30b-a3b", "olmoe-1b-7b"])
+    cal = json.loads(out.read_text())
+    assert {"gpu", "driver", "torch", "date"} <= set(cal["provenance"]) and cal["provenance"]["dry_run"]
+    assert set(cal["models"]) == {"qwen3-30b-a3b", "olmoe-1b-7b"}
+    for row in cal["models"].values():
+        assert len(row["tokens"]) == len(row["fwd_s"]) == len(row["bwd_s"]) == len(row["fwd_bwd_s"]) == 4
+        assert all(t > 0 for t in row["fwd_s"])
+        np.testing.assert_allclose(row["fwd_bwd_s"], np.add(row["fwd_s"], row["bwd_s"]))
+    assert cal["d2d_bytes_per_s"] > 0

@@ -69,7 +69,9 @@ def test_failing_wandb_does_not_lose_the_results(offline: Path, monkeypatch: pyt
     cfg = compose_cell("quick_ep_scaling", TINY)
     with pytest.warns(RuntimeWarning, match="W&B logging failed"):
         results = run(cfg, run_dir=offline / "cell")
-    pd.testing.assert_frame_equal(results.reset_index(drop=True), pd.read_parquet(offline / "cell" / "results.parquet"))
+    pd.testing.assert_frame_equal(
+        results.reset_index(drop=True), pd.read_parquet(offline / "cell" / "results.parquet")
+    )
 
 
 def test_reader_refuses_files_that_are_not_wandb_runs() -> None:

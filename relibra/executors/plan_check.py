@@ -14,8 +14,8 @@ instead of hanging a collective or silently computing with a misplaced copy:
 ``slot-duplicate``    a GPU's replica slots of one (micro-batch, layer) name an expert at most once, and never
                       one of the GPU's own home experts (redundant slots may: such copies compute as one).
 ``replica-node``      a replica (layer-shared buffer slot) sits in the node of its expert's home GPU.
-``copy-present``      every GPU with ``assign[m, l, e, g] > 0`` and ``g != home[l, e]`` holds ``e`` in a replica
-                      or redundant slot.
+``copy-present``      every GPU with ``assign[m, l, e, g] > 0`` and ``g != home[l, e]`` holds ``e`` in a
+                      replica or redundant slot.
 ``routes-match-load`` when the real routes are given: ``load`` is their bincount per source GPU.
 """
 
@@ -57,18 +57,24 @@ def _check_shapes(plan: BatchPlan, num_gpus: int) -> tuple[int, int, int]:
     num_layers, num_experts = plan.home.shape
     if plan.assign.ndim != 4 or plan.assign.shape[1:] != (num_layers, num_experts, num_gpus):
         raise PlanRefused(
-            "shape", f"assign has shape {plan.assign.shape}; expected [Mb, {num_layers}, {num_experts}, {num_gpus}]"
+            "shape",
+            f"assign has shape {plan.assign.shape}; expected [Mb, {num_layers}, {num_experts}, {num_gpus}]",
         )
     mb = plan.assign.shape[0]
     if plan.load.shape != (mb, num_layers, num_gpus, num_experts):
         raise PlanRefused(
-            "shape", f"load has shape {plan.load.shape}; expected [{mb}, {num_layers}, {num_gpus}, {num_experts}]"
+            "shape",
+            f"load has shape {plan.load.shape}; expected [{mb}, {num_layers}, {num_gpus}, {num_experts}]",
         )
-    if plan.replicas is not None and (plan.replicas.ndim != 4 or plan.replicas.shape[:3] != (mb, num_layers, num_gpus)):
+    if plan.replicas is not None and (
+        plan.replicas.ndim != 4 or plan.replicas.shape[:3] != (mb, num_layers, num_gpus)
+    ):
         raise PlanRefused(
             "shape", f"replicas has shape {plan.replicas.shape}; expected [{mb}, {num_layers}, {num_gpus}, r]"
         )
-    if plan.redundant is not None and (plan.redundant.ndim != 3 or plan.redundant.shape[:2] != (num_layers, num_gpus)):
+    if plan.redundant is not None and (
+        plan.redundant.ndim != 3 or plan.redundant.shape[:2] != (num_layers, num_gpus)
+    ):
         raise PlanRefused(
             "shape", f"redundant has shape {plan.redundant.shape}; expected [{num_layers}, {num_gpus}, R]"
         )
@@ -83,7 +89,9 @@ def _check_slots(slots: np.ndarray, home: np.ndarray, name: str, strict: bool = 
     bad = (slots < -1) | (slots >= num_experts)
     if bad.any():
         idx = _first(bad)
-        raise PlanRefused("gpu-range", f"{name}{list(idx)} = {slots[idx]}; expected an expert id in [-1, {num_experts})")
+        raise PlanRefused(
+            "gpu-range", f"{name}{list(idx)} = {slots[idx]}; expected an expert id in [-1, {num_experts})"
+        )
     if not strict:
         return
     if slots.shape[-1] > 1:
@@ -91,7 +99,9 @@ def _check_slots(slots: np.ndarray, home: np.ndarray, name: str, strict: bool = 
         dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
         if dup.any():
             idx = _first(dup.any(axis=-1))
-            raise PlanRefused("slot-duplicate", f"{name}{list(idx)} holds an expert twice: {slots[idx].tolist()}")
+            raise PlanRefused(
+                "slot-duplicate", f"{name}{list(idx)} holds an expert twice: {slots[idx].tolist()}"
+            )
     num_layers, num_gpus = slots.shape[-3], slots.shape[-2]
     layer = np.arange(num_layers)[:, None, None]
     gpu = np.arange(num_gpus)[None, :, None]
@@ -100,7 +110,8 @@ def _check_slots(slots: np.ndarray, home: np.ndarray, name: str, strict: bool = 
         idx = _first(own)
         raise PlanRefused(
             "slot-duplicate",
-            f"{name}{list(idx)} = expert {slots[idx]} whose home is that same GPU; a slot must hold a non-home expert",
+            f"{name}{list(idx)} = expert {slots[idx]} whose home is that same GPU; "
+            "a slot must hold a non-home expert",
         )
 
 
@@ -142,7 +153,8 @@ def check_plan(
         idx = _first(computed != routed)
         raise PlanRefused(
             "conservation",
-            f"(micro-batch, layer, expert) {idx}: sum_g assign = {computed[idx]} but sum_j load = {routed[idx]}",
+            f"(micro-batch, layer, expert) {idx}: sum_g assign = {computed[idx]} "
+            f"but sum_j load = {routed[idx]}",
         )
 
     # Which non-home copies each GPU holds: held[m, l, e, g].
@@ -153,7 +165,8 @@ def check_plan(
         if reps.shape[-1] > replica_slots:
             raise PlanRefused(
                 "slot-capacity",
-                f"replicas has {reps.shape[-1]} slots per GPU; the executor's buffer has replica_slots={replica_slots}",
+                f"replicas has {reps.shape[-1]} slots per GPU; "
+                f"the executor's buffer has replica_slots={replica_slots}",
             )
         _check_slots(reps, home, "replicas")
         m_i, l_i, g_i, _ = np.nonzero(reps >= 0)
@@ -163,8 +176,9 @@ def check_plan(
             i = int(np.argmax(far))
             raise PlanRefused(
                 "replica-node",
-                f"replicas[{m_i[i]}, {l_i[i]}, {g_i[i]}] = expert {e_i[i]} on node {node[g_i[i]]}, but its home GPU "
-                f"{home[l_i[i], e_i[i]]} is on node {node[home[l_i[i], e_i[i]]]}; replicas must stay in the home node",
+                f"replicas[{m_i[i]}, {l_i[i]}, {g_i[i]}] = expert {e_i[i]} on node {node[g_i[i]]}, "
+                f"but its home GPU {home[l_i[i], e_i[i]]} is on node {node[home[l_i[i], e_i[i]]]}; "
+                "replicas must stay in the home node",
             )
         held[m_i, l_i, e_i, g_i] = True
     if plan.redundant is not None:
@@ -172,7 +186,8 @@ def check_plan(
         if red.shape[-1] > redundant_slots:
             raise PlanRefused(
                 "slot-capacity",
-                f"redundant has {red.shape[-1]} slots per GPU; the executor has redundant_slots={redundant_slots}",
+                f"redundant has {red.shape[-1]} slots per GPU; "
+                f"the executor has redundant_slots={redundant_slots}",
             )
         # NOTE: EPLB may put two physical copies of one expert on one GPU (its home and a redundant slot, or
         # two redundant slots); they compute as one copy, so redundant slots are not held to slot-duplicate.
@@ -185,12 +200,14 @@ def check_plan(
         m, layer, e, g = _first(missing)
         raise PlanRefused(
             "copy-present",
-            f"assign[{m}, {layer}, {e}, {g}] = {plan.assign[m, layer, e, g]} tokens on GPU {g}, which is not expert "
-            f"{e}'s home ({home[layer, e]}) and holds no replica or redundant copy of it",
+            f"assign[{m}, {layer}, {e}, {g}] = {plan.assign[m, layer, e, g]} tokens on GPU {g}, "
+            f"which is not expert {e}'s home ({home[layer, e]}) and holds no replica or redundant copy of it",
         )
     if routes is not None:
         if len(routes) != mb:
-            raise PlanRefused("routes-match-load", f"routes cover {len(routes)} micro-batches; the plan has {mb}")
+            raise PlanRefused(
+                "routes-match-load", f"routes cover {len(routes)} micro-batches; the plan has {mb}"
+            )
         for m, per_gpu_routes in enumerate(routes):
             for j, r in enumerate(per_gpu_routes):
                 got = routes_load(np.asarray(r), num_experts)

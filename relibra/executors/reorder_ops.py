@@ -6,8 +6,8 @@ e.g. Adam's ``exp_avg`` / ``exp_avg_sq``). Unmoved experts stay in their rows; e
 row freed by an outgoing one (freed rows ascending get incoming experts ascending).
 
 As vLLM's EPLB (``vllm/distributed/eplb/rebalance_execute.py``) does, one layer moves at a time through a
-staging buffer sized for one layer, with batched point-to-point sends: all experts one GPU sends to another in a
-layer are packed into one message per (source, destination) pair.
+staging buffer sized for one layer, with batched point-to-point sends: all experts one GPU sends to another
+in a layer are packed into one message per (source, destination) pair.
 """
 
 from __future__ import annotations
@@ -24,11 +24,15 @@ __all__ = ["moved_experts", "reorder_experts"]
 def moved_experts(old_home: np.ndarray, new_home: np.ndarray) -> np.ndarray:
     """old_home [L, E], new_home [L, E] -> int64 [n, 2] of (layer, expert) pairs whose home changes."""
     if old_home.shape != new_home.shape:
-        raise ValueError(f"placements differ in shape: {old_home.shape} vs {new_home.shape}; expected [L, E] both")
+        raise ValueError(
+            f"placements differ in shape: {old_home.shape} vs {new_home.shape}; expected [L, E] both"
+        )
     return np.argwhere(np.asarray(old_home) != np.asarray(new_home)).astype(np.int64)
 
 
-def _per_expert_tensors(param: torch.nn.Parameter, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+def _per_expert_tensors(
+    param: torch.nn.Parameter, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
     """Everything stored per row of ``param``: the weights, the gradient, same-shaped optimizer state."""
     out = [param.data]
     if param.grad is not None:
@@ -54,7 +58,8 @@ def reorder_experts(
     if (counts != per_gpu).any():
         layer, gpu = np.argwhere(counts != per_gpu)[0]
         raise ValueError(
-            f"new_home: layer {layer} puts {counts[layer, gpu]} experts on GPU {gpu}; expected E / G = {per_gpu}"
+            f"new_home: layer {layer} puts {counts[layer, gpu]} experts on GPU {gpu}; "
+            f"expected E / G = {per_gpu}"
         )
     moves = moved_experts(model.home, new_home)
     rank = model.rank

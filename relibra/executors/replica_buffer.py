@@ -49,7 +49,9 @@ class SlotCopies:
         useful = (slots >= 0) & (home[safe] != np.arange(num_gpus)[:, None])
         earlier = (slots[:, :, None] == slots[:, None, :]) & np.tri(width, k=-1, dtype=bool)[None]
         useful &= ~earlier.any(axis=-1)
-        recv = tuple((int(s), int(slots[rank, s]), int(home[slots[rank, s]])) for s in np.flatnonzero(useful[rank]))
+        recv = tuple(
+            (int(s), int(slots[rank, s]), int(home[slots[rank, s]])) for s in np.flatnonzero(useful[rank])
+        )
         dst, slot = np.nonzero(useful & (home[safe] == rank))
         send = tuple((int(g), int(s), int(slots[g, s])) for g, s in zip(dst, slot))
         return cls(recv=recv, send=send)
@@ -78,7 +80,11 @@ def _run(ops: list[dist.P2POp]) -> list[dist.Work]:
 
 
 def fill_slots(
-    store: torch.Tensor, copies: SlotCopies, local_weights: torch.Tensor, slot_of: dict[int, int], tag_base: int = 0
+    store: torch.Tensor,
+    copies: SlotCopies,
+    local_weights: torch.Tensor,
+    slot_of: dict[int, int],
+    tag_base: int = 0,
 ) -> FillHandle:
     """Start copying home weights into ``store``; returns at once.
 
@@ -104,8 +110,13 @@ def reduce_slot_grads(
     the sum is deterministic.
     """
     staging = slot_grads.new_empty((len(copies.send), slot_grads.shape[1]))
-    ops = [dist.P2POp(dist.isend, slot_grads[s].contiguous(), peer, tag=tag_base + s) for s, _, peer in copies.recv]
-    ops += [dist.P2POp(dist.irecv, staging[i], g, tag=tag_base + s) for i, (g, s, _) in enumerate(copies.send)]
+    ops = [
+        dist.P2POp(dist.isend, slot_grads[s].contiguous(), peer, tag=tag_base + s)
+        for s, _, peer in copies.recv
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, staging[i], g, tag=tag_base + s) for i, (g, s, _) in enumerate(copies.send)
+    ]
     for w in _run(ops):
         w.wait()
     if copies.send:
@@ -134,7 +145,9 @@ class ReplicaBuffer:
     def nbytes(self) -> int:
         return self.weights.nbytes + self.grads.nbytes
 
-    def start_fill(self, copies: SlotCopies, local_weights: torch.Tensor, slot_of: dict[int, int]) -> FillHandle:
+    def start_fill(
+        self, copies: SlotCopies, local_weights: torch.Tensor, slot_of: dict[int, int]
+    ) -> FillHandle:
         """Start filling the slots for one layer (overlap with attention, then ``wait()``)."""
         self.fills += 1
         return fill_slots(self.weights, copies, local_weights, slot_of)

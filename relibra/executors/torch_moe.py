@@ -114,7 +114,9 @@ def expert_init(layer: int, expert: int, shape: ExpertShape, seed: int = 0) -> t
     return w
 
 
-def dense_init(layer: int, shape: ExpertShape, num_experts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_init(
+    layer: int, shape: ExpertShape, num_experts: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Replicated (data-parallel) weights of layer ``l``: attention stand-in [H, H] and router [E, H]."""
     gen = torch.Generator().manual_seed((seed * 7_919 + layer + 1) & 0x7FFF_FFFF)
     h = shape.hidden
@@ -136,7 +138,7 @@ def attention_standin(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def router_probs(a: torch.Tensor, w_router: torch.Tensor, routes: np.ndarray) -> torch.Tensor:
-    """Softmax router probabilities at the replayed experts. a [T, H], w_router [E, H], routes [T, k] -> [T, k]."""
+    """Router softmax at the replayed experts. a [T, H], w_router [E, H], routes [T, k] -> [T, k]."""
     probs = torch.softmax(a @ w_router.T, dim=-1)
     return probs.gather(1, torch.as_tensor(routes, dtype=torch.long))
 
@@ -158,7 +160,7 @@ def reference_forward(
     """The unbalanced layer stack in one process. hidden [T, H], routes [T, L, k], attn [L, H, H],
     router [L, E, H], experts [L, E, P] -> [T, H]."""
     h = hidden
-    t, num_layers, k = routes.shape
+    _, num_layers, k = routes.shape
     for layer in range(num_layers):
         a = attention_standin(h, attn[layer])
         probs = router_probs(a, router[layer], routes[:, layer])
@@ -205,7 +207,9 @@ def dispatch_layout(routes: np.ndarray, split: np.ndarray, rank: int) -> Dispatc
     flat = routes.reshape(-1)
     mine = split[rank]  # [E, G]
     if flat.size != int(mine.sum()):
-        raise ValueError(f"rank {rank}: routes hold {flat.size} slots but the plan's load has {int(mine.sum())}")
+        raise ValueError(
+            f"rank {rank}: routes hold {flat.size} slots but the plan's load has {int(mine.sum())}"
+        )
     # Step 1: slots grouped by expert in token order, then each group cut over the copies (g ascending).
     by_expert = np.argsort(flat, kind="stable")  # [T * k]
     dest = np.repeat(np.tile(np.arange(num_gpus), num_experts), mine.reshape(-1))  # [T * k], aligned
@@ -396,7 +400,9 @@ class EPMoEModel(nn.Module):
             elif e in red:
                 segments.append((e, rows, 2, red.index(e)))
             else:
-                raise RuntimeError(f"rank {self.rank}, layer {layer}: received tokens of expert {e} without a copy")
+                raise RuntimeError(
+                    f"rank {self.rank}, layer {layer}: received tokens of expert {e} without a copy"
+                )
         return tuple(segments)
 
     def forward(
@@ -440,11 +446,21 @@ class EPMoEModel(nn.Module):
                 slot_of=slot_of,
             )
             x_recv = _AllToAll.apply(
-                a.index_select(0, layout.send_token), layout.send_splits, layout.recv_splits, timer, key, "dispatch"
+                a.index_select(0, layout.send_token),
+                layout.send_splits,
+                layout.recv_splits,
+                timer,
+                key,
+                "dispatch",
             )
             y = _ExpertCompute.apply(x_recv.index_select(0, layout.group_order), self.experts[layer], spec)
             y_back = _AllToAll.apply(
-                y.index_select(0, layout.group_inverse), layout.recv_splits, layout.send_splits, timer, key, "combine"
+                y.index_select(0, layout.group_inverse),
+                layout.recv_splits,
+                layout.send_splits,
+                timer,
+                key,
+                "combine",
             )
             h = a + _combine(y_back.index_select(0, layout.send_inverse), probs)
             if timer is not None:

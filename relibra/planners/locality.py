@@ -1,44 +1,46 @@
 """Reordering's second round: re-assign samples to GPUs for data locality (ReLibra, inter-batch stage).
 
-Given the batch's placement ``home`` [L, E], a sample's tokens that route to experts homed on its own node
-stay on NVLink; the rest cross the rail fabric. Each sample keeps its micro-batch (``sample_mb`` is fixed);
-within a micro-batch, samples move between GPUs so that more of their routed tokens are node-local, while
-each GPU's token count stays within a tolerance (so attention and dense time stay balanced).
+Given the batch's placement ``home`` [L, E], the tokens a sample routes to experts homed on its own node
+stay on NVLink; the rest cross the rail fabric. Each sample keeps its micro-batch (``sample_mb`` is fixed,
+so every expert's token count, hence compute, is unchanged); within a micro-batch, samples move between
+GPUs so that the all-to-all gets cheaper, while each GPU's token count stays within a tolerance (attention
+and dense time stay balanced).
 
-Per micro-batch this is a generalised assignment problem; it is solved greedily:
+The search is a randomised hill climb per micro-batch on the cost model's communication objective
+``sum_l max_g T_comm(g)`` (home-only assignment, rail-optimized routing as in
+:func:`relibra.planners.reorder.link_routes`):
 
-1. ``affinity[s, g]``: routed slots of sample ``s`` whose expert is homed on ``g``'s node, plus half the
-   slots homed on ``g`` itself (those skip NVLink too);
-2. samples in order of decreasing tokens, each onto the GPU of highest affinity whose token count stays
-   within ``cap = max(original busiest GPU, (1 + tolerance) * mean)``; if none fits, onto the GPU with the
-   fewest tokens;
-3. the new assignment is kept only if it lowers the batch's total all-to-all time under the cost model
-   (home-only assignment), so the round never makes communication worse.
+1. ``per_gpu[s, l, g]``: routed slots of sample ``s`` in layer ``l`` whose expert is homed on ``g``;
+2. propose moving a sample to a GPU on another node (or anywhere, with a small probability); if that GPU
+   would exceed ``cap = max(busiest GPU before, (1 + tolerance) * mean)`` tokens, swap with one of its
+   samples instead;
+3. update the per-layer link-class loads of the two source GPUs incrementally (O(L * G) per move) and keep
+   the change only if the objective drops. The result is never worse than the input assignment.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from relibra.planner import BatchContext, home_assign
+from relibra.planners.reorder import NUM_LINKS, _comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 
-__all__ = ["cross_node_tokens", "locality_round", "sample_affinity"]
+__all__ = ["cross_node_tokens", "locality_round", "per_gpu_slots"]
 
 
-def sample_affinity(counts: np.ndarray, home: np.ndarray, num_gpus: int, gpus_per_node: int) -> np.ndarray:
-    """Routed slots of each sample that would stay local on each GPU.
+def per_gpu_slots(counts: np.ndarray, home: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Routed slots of each sample per layer per home GPU.
 
-    counts [Sb, L, E], home [L, E] -> float64 [Sb, G]: slots homed on ``g``'s node plus half those on ``g``.
+    counts [Sb, L, E], home [L, E] (``E / G`` experts per GPU) -> float64 [Sb, L, G].
     """
     counts = np.asarray(counts)
     sb, num_layers, num_experts = counts.shape
-    onehot = np.zeros((num_layers, num_experts, num_gpus))
-    onehot[np.arange(num_layers)[:, None], np.arange(num_experts)[None, :], home] = 1.0
-    on_gpu = np.einsum("sle,leg->sg", counts.astype(np.float64), onehot)  # [Sb, G]
-    nodes = num_gpus // gpus_per_node
-    on_node = on_gpu.reshape(sb, nodes, gpus_per_node).sum(axis=2)  # [Sb, N]
-    return np.repeat(on_node, gpus_per_node, axis=1) + 0.5 * on_gpu
+    order = np.argsort(np.asarray(home), axis=1, kind="stable")  # [L, E], experts grouped by home GPU
+    grouped = np.take_along_axis(counts, order[None], axis=2)  # [Sb, L, E]
+    per = num_experts // num_gpus
+    return grouped.reshape(sb, num_layers, num_gpus, per).sum(axis=3, dtype=np.float64)
 
 
 def cross_node_tokens(load: np.ndarray, home: np.ndarray, gpus_per_node: int) -> float:
@@ -54,33 +56,137 @@ def cross_node_tokens(load: np.ndarray, home: np.ndarray, gpus_per_node: int) ->
     return float((load * remote[None]).sum(dtype=np.float64))
 
 
-def _assign_microbatch(
-    tokens: np.ndarray, affinity: np.ndarray, current: np.ndarray, num_gpus: int, tolerance: float
-) -> np.ndarray:
-    """Greedy for one micro-batch: tokens [n], affinity [n, G], current GPUs [n] -> new GPUs int32 [n]."""
-    before = np.bincount(current, weights=tokens, minlength=num_gpus)
-    cap = max(before.max(), (1.0 + tolerance) * before.mean())
-    gpu_tokens = np.zeros(num_gpus)
-    out = np.empty(tokens.shape[0], dtype=np.int32)
-    for s in np.argsort(-tokens, kind="stable"):
-        fits = gpu_tokens + tokens[s] <= cap
-        if fits.any():
-            g = int(np.argmax(np.where(fits, affinity[s], -np.inf)))
+@njit(cache=True)
+def _link_state(traffic: np.ndarray, idx: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """traffic [L, G(j), G(g)] tokens -> per-layer link-class loads [L, 8 * G]."""
+    num_layers, g_total, _ = traffic.shape
+    link = np.zeros((num_layers, NUM_LINKS * g_total))
+    for l in range(num_layers):
+        for j in range(g_total):
+            for g in range(g_total):
+                v = traffic[l, j, g]
+                if v != 0.0:
+                    for k in range(cnt[j, g]):
+                        link[l, idx[j, g, k]] += v
+    return link
+
+
+@njit(cache=True)
+def _move(slots: np.ndarray, u: int, v: int, link: np.ndarray, idx: np.ndarray, cnt: np.ndarray) -> None:
+    """Move one sample's traffic (slots [L, G] per home GPU) from source GPU ``u`` to ``v``."""
+    num_layers, g_total = slots.shape
+    for l in range(num_layers):
+        for g in range(g_total):
+            c = slots[l, g]
+            if c != 0.0:
+                for k in range(cnt[u, g]):
+                    link[l, idx[u, g, k]] -= c
+                for k in range(cnt[v, g]):
+                    link[l, idx[v, g, k]] += c
+
+
+@njit(cache=True)
+def _comm_total(link: np.ndarray, coef: np.ndarray, g_total: int) -> float:
+    """sum over layers of max over GPUs of the all-to-all seconds."""
+    total = 0.0
+    for l in range(link.shape[0]):
+        mx = 0.0
+        for g in range(g_total):
+            v = _comm_gpu(link[l], g, g_total, coef)
+            if v > mx:
+                mx = v
+        total += mx
+    return total
+
+
+@njit(cache=True)
+def _hill_climb(
+    gpu: np.ndarray,
+    tokens: np.ndarray,
+    slots: np.ndarray,
+    link: np.ndarray,
+    idx: np.ndarray,
+    cnt: np.ndarray,
+    coef: np.ndarray,
+    gpus_per_node: int,
+    cap: float,
+    iterations: int,
+    cross_node_prob: float,
+    rng: np.random.Generator,
+) -> float:
+    """Improve ``gpu`` [n] in place for one micro-batch; ``slots`` [n, L, G]. Returns the final objective."""
+    n = gpu.shape[0]
+    g_total = link.shape[1] // NUM_LINKS
+    nodes = g_total // gpus_per_node
+    gpu_tokens = np.zeros(g_total)
+    for i in range(n):
+        gpu_tokens[gpu[i]] += tokens[i]
+    cur = _comm_total(link, coef, g_total)
+    if n == 0 or g_total < 2:
+        return cur
+    for _ in range(iterations):
+        s = rng.integers(0, n)
+        u = gpu[s]
+        if nodes > 1 and rng.random() < cross_node_prob:
+            nd = rng.integers(0, nodes - 1)
+            if nd >= u // gpus_per_node:
+                nd += 1
+            v = int(nd * gpus_per_node + rng.integers(0, gpus_per_node))
         else:
-            g = int(np.argmin(gpu_tokens))
-        out[s] = g
-        gpu_tokens[g] += tokens[s]
-    return out
+            v = int(rng.integers(0, g_total - 1))
+            if v >= u:
+                v += 1
+        t = -1
+        if gpu_tokens[v] + tokens[s] > cap:
+            on_v = 0
+            for r in range(n):
+                if gpu[r] == v:
+                    on_v += 1
+            if on_v == 0:
+                continue
+            pick = rng.integers(0, on_v)
+            for r in range(n):
+                if gpu[r] == v:
+                    if pick == 0:
+                        t = r
+                        break
+                    pick -= 1
+            if gpu_tokens[v] - tokens[t] + tokens[s] > cap or gpu_tokens[u] - tokens[s] + tokens[t] > cap:
+                continue
+        _move(slots[s], u, v, link, idx, cnt)
+        if t >= 0:
+            _move(slots[t], v, u, link, idx, cnt)
+        new = _comm_total(link, coef, g_total)
+        if new < cur * (1.0 - 1e-12):
+            cur = new
+            gpu[s] = v
+            gpu_tokens[u] -= tokens[s]
+            gpu_tokens[v] += tokens[s]
+            if t >= 0:
+                gpu[t] = u
+                gpu_tokens[v] -= tokens[t]
+                gpu_tokens[u] += tokens[t]
+        else:
+            _move(slots[s], v, u, link, idx, cnt)
+            if t >= 0:
+                _move(slots[t], u, v, link, idx, cnt)
+    return cur
 
 
 def locality_round(
-    ctx: BatchContext, home: np.ndarray, *, tolerance: float = 0.05
+    ctx: BatchContext,
+    home: np.ndarray,
+    *,
+    tolerance: float = 0.05,
+    iterations_per_sample: int = 10,
+    cross_node_prob: float = 0.8,
+    seed: int = 0,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Re-assign the batch's samples to GPUs (micro-batches fixed) for data locality under ``home`` [L, E].
 
     Returns (sample_gpu int32 [Sb], stats): ``locality_cross_node_before`` / ``_after`` (routed slots leaving
     their source node, batch total), ``locality_comm_before_s`` / ``_after_s`` (summed all-to-all seconds,
-    home-only), ``locality_moved_samples`` and ``locality_applied`` (1.0 when the new assignment was kept).
+    home-only, from the cost model) and ``locality_moved_samples``.
     """
     g = ctx.num_gpus
     gpn = ctx.cluster.gpus_per_node
@@ -89,34 +195,54 @@ def locality_round(
     sample_mb = np.asarray(ctx.sample_mb)
     old_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
     tokens = np.asarray(ctx.sample_tokens, dtype=np.float64)
-    affinity = sample_affinity(ctx.counts, home, g, gpn)
+    load = np.asarray(ctx.load)
+    lin = ctx.cost.linear()
+    lat = 4.0 * ctx.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
+    coef = np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat])
+    idx, cnt = link_routes(ctx.cluster.nodes, gpn)
+    slots = per_gpu_slots(ctx.counts, home, g)  # [Sb, L, G]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, ctx.seed, ctx.batch]))
     new_gpu = old_gpu.copy()
     for m in range(mb):
         members = np.flatnonzero(sample_mb == m)
-        if members.size:
-            new_gpu[members] = _assign_microbatch(
-                tokens[members], affinity[members], old_gpu[members], g, tolerance
-            )
-
-    old_load = np.asarray(ctx.load)
-    if ctx.regroup is not None:
-        new_load = ctx.regroup(new_gpu)[0]
-    else:
-        new_load = microbatch_loads(ctx.counts, new_gpu, sample_mb, mb, g)
-
-    def comm_s(load: np.ndarray) -> float:
-        return float(
-            ctx.cost.comm_time(ctx.cost.traffic(load, home_assign(load, home, g))).max(axis=-1).sum()
+        if members.size == 0:
+            continue
+        before = np.bincount(old_gpu[members], weights=tokens[members], minlength=g)
+        cap = max(float(before.max()), (1.0 + tolerance) * float(before.mean()))
+        # load[m] [L, G(j), E] grouped by home GPU -> traffic [L, G(j), G(g)]
+        t_m = per_gpu_slots(load[m].transpose(1, 0, 2), home, g).transpose(1, 0, 2)
+        link = _link_state(np.ascontiguousarray(t_m), idx, cnt)
+        gpu_m = new_gpu[members].astype(np.int64)
+        _hill_climb(
+            gpu_m,
+            tokens[members],
+            np.ascontiguousarray(slots[members]),
+            link,
+            idx,
+            cnt,
+            coef,
+            gpn,
+            cap,
+            iterations_per_sample * members.size,
+            cross_node_prob,
+            rng,
         )
+        new_gpu[members] = gpu_m
 
-    before, after = comm_s(old_load), comm_s(new_load)
-    applied = after < before
+    new_load = (
+        ctx.regroup(new_gpu)[0]
+        if ctx.regroup is not None
+        else microbatch_loads(ctx.counts, new_gpu, sample_mb, mb, g)
+    )
+
+    def comm_s(x: np.ndarray) -> float:
+        return float(ctx.cost.comm_time(ctx.cost.traffic(x, home_assign(x, home, g))).max(axis=-1).sum())
+
     stats = {
-        "locality_cross_node_before": cross_node_tokens(old_load, home, gpn),
-        "locality_cross_node_after": cross_node_tokens(new_load if applied else old_load, home, gpn),
-        "locality_comm_before_s": before,
-        "locality_comm_after_s": after if applied else before,
-        "locality_moved_samples": float(np.count_nonzero(new_gpu != old_gpu)) if applied else 0.0,
-        "locality_applied": float(applied),
+        "locality_cross_node_before": cross_node_tokens(load, home, gpn),
+        "locality_cross_node_after": cross_node_tokens(new_load, home, gpn),
+        "locality_comm_before_s": comm_s(load),
+        "locality_comm_after_s": comm_s(new_load),
+        "locality_moved_samples": float(np.count_nonzero(new_gpu != old_gpu)),
     }
-    return (new_gpu if applied else old_gpu), stats
+    return new_gpu, stats

@@ -52,7 +52,7 @@ class ReplicationSolution:
     copies: np.ndarray
     """bool [E, G]: GPUs holding a copy of ``e`` (home or replica slot)."""
     compute_tokens: np.ndarray
-    """float64 [G]: linearised compute of each GPU in token equivalents (fixed cost of every copy included)."""
+    """float64 [G]: linearised compute per GPU in token equivalents (fixed cost of every copy included)."""
     objective_s: float
     """Linearised ``T_MoE`` of ``assign`` in seconds (latency included)."""
     bound_s: float
@@ -195,7 +195,9 @@ def _solve(
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, relative_gap)
     status = solver.Solve(params)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise RuntimeError(f"{solver_name} found no feasible replication within {time_limit_s} s (status {status})")
+        raise RuntimeError(
+            f"{solver_name} found no feasible replication within {time_limit_s} s (status {status})"
+        )
     a = np.zeros((e_n, gpn))
     for e, k in zip(*np.nonzero(active)):
         a[e, k] = a_var[e, k].solution_value()

@@ -19,7 +19,7 @@ import numpy as np
 
 from relibra.planner import BatchContext, Reorderer, Reordering, Replicator, static_placement
 from relibra.planners.milp import MilpReplicator
-from relibra.planners.replicate import GreedyReplicator, SplitMethod
+from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.types import BatchPlan
 
 __all__ = [
@@ -63,15 +63,15 @@ class ComposedPlanner:
         if not np.array_equal(sample_gpu, ctx.sample_gpu):
             if ctx.regroup is None:
                 raise ValueError(
-                    f"planner {self.name!r}: the reorderer moved samples but ctx.regroup is None; the control "
-                    "plane must provide regroup(sample_gpu) -> (load, tokens)"
+                    f"planner {self.name!r}: the reorderer moved samples but ctx.regroup is None; the "
+                    "control plane must provide regroup(sample_gpu) -> (load, tokens)"
                 )
             load, _ = ctx.regroup(sample_gpu)
         home = np.asarray(reo.home, dtype=np.int32)
         t1 = time.perf_counter()
         reps = [self.replicator.replicate(load[m], home, ctx) for m in range(load.shape[0])]
         t2 = time.perf_counter()
-        mb, num_layers, g, num_experts = load.shape
+        _, num_layers, g, num_experts = load.shape
         if reps:
             assign = np.stack([r.assign for r in reps]).astype(np.int32)
             replicas = np.stack([r.replicas for r in reps]).astype(np.int32)
@@ -98,7 +98,7 @@ def relibra(
     replica_slots: int = 2,
     reorder: dict[str, Any] | None = None,
     split: SplitMethod = "waterfill",
-    comm_aware: bool = True,
+    acceptance: Acceptance = "best",
     name: str = "relibra",
 ) -> ComposedPlanner:
     """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication."""
@@ -107,7 +107,7 @@ def relibra(
     return ComposedPlanner(
         name=name,
         reorderer=AnnealingReorderer(**dict(reorder or {})),
-        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, comm_aware=comm_aware),
+        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, acceptance=acceptance),
         replica_slots=replica_slots,
     )
 
@@ -115,14 +115,14 @@ def relibra(
 def relibra_replicate_only(
     replica_slots: int = 2,
     split: SplitMethod = "waterfill",
-    comm_aware: bool = True,
+    acceptance: Acceptance = "best",
     name: str = "relibra_replicate_only",
 ) -> ComposedPlanner:
     """Ablation: static Megatron placement, then greedy replication."""
     return ComposedPlanner(
         name=name,
         reorderer=StaticReorderer(),
-        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, comm_aware=comm_aware),
+        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, acceptance=acceptance),
         replica_slots=replica_slots,
     )
 

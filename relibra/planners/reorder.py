@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,6 @@ from numba import njit
 from relibra.cluster import ClusterSpec
 from relibra.cost import CostModel
 from relibra.planner import BatchContext, Reordering, static_placement
-from relibra.planners.locality import locality_round
 
 __all__ = [
     "MIGRATION_BYTES_PER_PARAM",
@@ -68,8 +67,13 @@ receive, ``2`` NIC send, ``3`` NIC receive), then the same four for combine (the
 class AnnealConfig:
     """Parameters of :class:`AnnealingReorderer` (all have defaults; Hydra passes them as keyword args)."""
 
-    iterations: int = 2000
-    """Swap proposals per seed and layer."""
+    iterations: int = 500
+    """Swap proposals per seed and layer on ``objective`` (after the warm-up, if any)."""
+    aggregate_warmup: int = 2000
+    """With ``objective="microbatch"``: swap proposals on the aggregate objective first (about ``Mb`` times
+    cheaper each); the main phase then starts from the better of the warm-up's best and the LPT start."""
+    warm_temperature_start: float = 0.002
+    """Initial temperature of the main phase after a warm-up (lower: refine rather than restart)."""
     seeds: tuple[int, ...] = (0, 1)
     """Independent annealing runs per layer; the best placement by the true objective wins."""
     objective: str = "microbatch"
@@ -94,14 +98,23 @@ class AnnealConfig:
     """Run the second round (sample re-assignment for data locality, :mod:`relibra.planners.locality`)."""
     locality_tolerance: float = 0.05
     """Per-GPU token slack of the locality round, relative to the micro-batch's mean tokens per GPU."""
+    locality_iterations: int = 10
+    """Move / swap proposals of the locality round per sample."""
     workers: int = 1
     """Processes for the per-layer problems (layers are split over workers; each runs every seed)."""
 
     def __post_init__(self) -> None:
         if self.objective not in ("microbatch", "aggregate"):
             raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
-        if self.iterations < 0:
-            raise ValueError(f"iterations={self.iterations}; expected >= 0")
+        if self.iterations < 0 or self.aggregate_warmup < 0:
+            raise ValueError(
+                f"iterations={self.iterations}, aggregate_warmup={self.aggregate_warmup}; expected >= 0"
+            )
+        if not (self.temperature_end <= self.warm_temperature_start):
+            raise ValueError(
+                f"warm_temperature_start={self.warm_temperature_start}; expected >= temperature_end="
+                f"{self.temperature_end}"
+            )
         if len(self.seeds) == 0:
             raise ValueError("seeds is empty; give at least one seed, e.g. seeds=[0]")
         if not (0 < self.beta_start <= self.beta_end):
@@ -119,8 +132,11 @@ class AnnealConfig:
                 raise ValueError(f"{name}={v}; expected a probability in [0, 1]")
         if self.migration_weight < 0:
             raise ValueError(f"migration_weight={self.migration_weight}; expected >= 0")
-        if self.locality_tolerance < 0:
-            raise ValueError(f"locality_tolerance={self.locality_tolerance}; expected >= 0")
+        if self.locality_tolerance < 0 or self.locality_iterations < 0:
+            raise ValueError(
+                f"locality_tolerance={self.locality_tolerance}, locality_iterations="
+                f"{self.locality_iterations}; expected >= 0"
+            )
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}; expected >= 1")
 
@@ -566,10 +582,28 @@ def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
             # NOTE: staying put costs no migration; start from whichever is better by the true objective.
             if placement_objective(problem, prev, cost.cluster, routes) < lpt_obj:
                 start = prev.astype(np.int32)
+        warm = cfg.objective == "microbatch" and cfg.aggregate_warmup > 0 and task.loads.shape[0] > 1
+        main_cfg = cfg
+        if warm:
+            agg = layer_problem(
+                task.loads[:, i].sum(axis=0, keepdims=True, dtype=np.int64),
+                cost,
+                prev_home=prev,
+                migration_weight=cfg.migration_weight,
+            )
+            agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
+            main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
+            start_obj = placement_objective(problem, start, cost.cluster, routes)
         best: tuple[np.ndarray, float] | None = None
         for s in task.seeds:
             seed = int(np.random.SeedSequence([s, layer]).generate_state(1)[0] & 0x7FFFFFFF)
-            home, obj, _ = anneal_layer(problem, start, cost.cluster, cfg, seed, routes)
+            first = start
+            if warm:
+                # Step 1: the cheap aggregate objective; Step 2: refine on the per-micro-batch objective.
+                w_home, _, _ = anneal_layer(agg, start, cost.cluster, agg_cfg, seed + 1, routes)
+                if placement_objective(problem, w_home, cost.cluster, routes) < start_obj:
+                    first = w_home
+            home, obj, _ = anneal_layer(problem, first, cost.cluster, main_cfg, seed, routes)
             if best is None or obj < best[1]:
                 best = (home, obj)
         assert best is not None
@@ -646,7 +680,16 @@ class AnnealingReorderer:
         stats["reorder_moved_experts"] = float(np.count_nonzero(home != ref))
         sample_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
         if cfg.locality:
-            sample_gpu, loc_stats = locality_round(ctx, home, tolerance=cfg.locality_tolerance)
+            # NOTE: imported here because the locality round reuses this module's link routing kernels.
+            from relibra.planners.locality import locality_round
+
+            sample_gpu, loc_stats = locality_round(
+                ctx,
+                home,
+                tolerance=cfg.locality_tolerance,
+                iterations_per_sample=cfg.locality_iterations,
+                seed=cfg.seeds[0],
+            )
             stats.update(loc_stats)
         stats["reorder_time_s"] = time.perf_counter() - t0
         return Reordering(home=home, sample_gpu=sample_gpu, stats=stats)

@@ -40,6 +40,8 @@ from relibra.cost import CostModel
 from relibra.planner import BatchContext, Replication
 
 SplitMethod = Literal["waterfill", "lp"]
+Acceptance = Literal["best", "comm", "compute"]
+_MODES = {"compute": 0, "comm": 1, "best": 2}
 
 __all__ = [
     "GreedyReplicator",
@@ -201,8 +203,74 @@ def _round_split(a, has, tot_int):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _greedy_one(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol):  # pragma: no cover
-    """Greedy replication of one problem. x [G, E] float64, home [E] -> (a [E, gpn], has [E, gpn], slots)."""
+def _try_copy(
+    x,
+    tot,
+    home,
+    e,
+    target,
+    pin,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    gpn,
+    fixed,
+    nvl,
+    nic,
+    use_comm,
+    sweeps,
+    traffic,
+    comm,
+):  # pragma: no cover - compiled
+    """Add a copy of ``e`` on ``target`` (same node) and return the objective.
+
+    ``pin=False``: water-fill ``e`` over its copies; ``pin=True``: move all of ``e``'s tokens to the new copy
+    (the move that keeps a heavy sender's tokens local) and keep them there. Then the node's other
+    replicated, unpinned experts are re-split. The caller saves ``a``, ``comp`` and ``pinned[e]`` first.
+    """
+    base_gpu = (target // gpn) * gpn
+    kt = target - base_gpu
+    has[e, kt] = True
+    comp[target] += fixed
+    ncopy[e] += 1
+    pinned[e] = pin
+    if pin:
+        for k in range(gpn):
+            comp[base_gpu + k] -= a[e, k]
+            a[e, k] = 0.0
+        a[e, kt] = tot[e]
+        comp[target] += tot[e]
+    else:
+        _waterfill(e, tot[e], base_gpu, a, has, comp, gpn)
+    node = target // gpn
+    for _ in range(sweeps):
+        for f in range(a.shape[0]):
+            if ncopy[f] > 1 and not pinned[f] and home[f] // gpn == node:
+                _waterfill(f, tot[f], base_gpu, a, has, comp, gpn)
+    return _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+
+
+@njit(cache=True)
+def _undo_copy(e, target, a, has, ncopy, pinned, pinned_old, comp, gpn, a_old, comp_old):  # pragma: no cover
+    a[:, :] = a_old
+    comp[:] = comp_old
+    has[e, target % gpn] = False
+    ncopy[e] -= 1
+    pinned[e] = pinned_old
+
+
+@njit(cache=True)
+def _greedy_one(
+    x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, sweeps, max_tries, rel_tol
+):  # pragma: no cover
+    """Greedy replication of one problem. x [G, E] float64, home [E].
+
+    ``accept_comm``: a copy is kept if compute max plus comm max drops (else if the compute max drops).
+    ``track_comm``: return the state, along the greedy's path, with the lowest compute-plus-comm objective.
+    Returns (a [E, gpn], has [E, gpn], slots [G, r], objective in token equivalents without latency).
+    """
     g_n, e_n = x.shape
     tot = np.zeros(e_n)
     for j in range(g_n):
@@ -211,6 +279,7 @@ def _greedy_one(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, r
     a = np.zeros((e_n, gpn))
     has = np.zeros((e_n, gpn), np.bool_)
     ncopy = np.ones(e_n, np.int64)
+    pinned = np.zeros(e_n, np.bool_)
     comp = np.zeros(g_n)
     for e in range(e_n):
         k = home[e] % gpn
@@ -221,10 +290,18 @@ def _greedy_one(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, r
     nslot = np.zeros(g_n, np.int64)
     traffic = np.zeros((g_n, g_n))
     comm = np.zeros(g_n)
-    obj = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+    obj = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, accept_comm, traffic, comm)
+    best = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+    best_a = a.copy()
+    best_has = has.copy()
+    best_slots = slots.copy()
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
+    a_old = a.copy()
+    comp_old = comp.copy()
     while True:
+        a_old[:, :] = a
+        comp_old[:] = comp
         gstar = np.argmax(comp)
         node = gstar // gpn
         base_gpu = node * gpn
@@ -246,43 +323,94 @@ def _greedy_one(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, r
                     target = g
             if target < 0:
                 continue
-            a_old = a.copy()
-            comp_old = comp.copy()
-            kt = target - base_gpu
-            has[e, kt] = True
-            comp[target] += fixed
-            ncopy[e] += 1
-            _waterfill(e, tot[e], base_gpu, a, has, comp, gpn)
-            for _ in range(sweeps):
-                for f in range(e_n):
-                    if ncopy[f] > 1 and home[f] // gpn == node:
-                        _waterfill(f, tot[f], base_gpu, a, has, comp, gpn)
-            new = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+            pin_old = pinned[e]
+            new = _try_copy(
+                x, tot, home, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, accept_comm,
+                sweeps, traffic, comm,
+            )  # fmt: skip
             if new < obj * (1.0 - rel_tol):
                 obj = new
                 slots[target, nslot[target]] = e
                 nslot[target] += 1
                 improved = True
                 break
-            a[:, :] = a_old
-            comp[:] = comp_old
-            has[e, kt] = False
-            ncopy[e] -= 1
+            _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+        if not improved and accept_comm:
+            # Communication-driven move: a copy on the GPU with the busiest links, of the expert it sends the
+            # most tokens for, keeps those tokens local (the send side that compute balancing cannot reach).
+            _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+            gc = np.argmax(comm)
+            node = gc // gpn
+            kc = gc % gpn
+            nc = 0
+            if nslot[gc] < r:
+                for e in range(e_n):
+                    if home[e] // gpn == node and not has[e, kc] and x[gc, e] > 0.0:
+                        cand[nc] = e
+                        weight[nc] = -x[gc, e]
+                        nc += 1
+            order = np.argsort(weight[:nc])
+            for t in range(min(nc, max_tries)):
+                e = cand[order[t]]
+                pin_old = pinned[e]
+                best_pin = -1
+                best_new = obj * (1.0 - rel_tol)
+                for pin in (False, True):
+                    new = _try_copy(
+                        x, tot, home, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
+                        sweeps, traffic, comm,
+                    )  # fmt: skip
+                    _undo_copy(e, gc, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+                    if new < best_new:
+                        best_new = new
+                        best_pin = 1 if pin else 0
+                if best_pin >= 0:
+                    obj = _try_copy(
+                        x, tot, home, e, gc, best_pin == 1, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic,
+                        True, sweeps, traffic, comm,
+                    )  # fmt: skip
+                    slots[gc, nslot[gc]] = e
+                    nslot[gc] += 1
+                    improved = True
+                    break
         if not improved:
             break
-    return a, has, slots
+        if track_comm:
+            full = (
+                obj
+                if accept_comm
+                else _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+            )
+            if full < best * (1.0 - rel_tol):
+                best = full
+                best_a[:, :] = a
+                best_has[:, :] = has
+                best_slots[:, :] = slots
+    if track_comm:
+        return best_a, best_has, best_slots, best
+    return a, has, slots, _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
 
 
 @njit(cache=True)
-def _greedy_batch(x, home, gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol):  # pragma: no cover
-    """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r]."""
+def _greedy_batch(x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol):  # pragma: no cover
+    """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
+
+    ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 both runs, the better kept (the
+    compute-driven run returning its best state along the way).
+    """
     p_n, g_n, e_n = x.shape
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for p in range(p_n):
-        a, has, slots = _greedy_one(
-            x[p], home[p], gpn, r, fixed, nvl, nic, use_comm, sweeps, max_tries, rel_tol
+        a, has, slots, obj = _greedy_one(
+            x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, sweeps, max_tries, rel_tol
         )
+        if mode == 2:
+            a2, has2, slots2, obj2 = _greedy_one(
+                x[p], home[p], gpn, r, fixed, nvl, nic, False, True, sweeps, max_tries, rel_tol
+            )
+            if obj2 < obj:
+                a, has, slots = a2, has2, slots2
         tot_int = np.zeros(e_n, np.int64)
         for j in range(g_n):
             for e in range(e_n):
@@ -325,7 +453,7 @@ def replicate_greedy(
     replica_slots: int,
     *,
     split: SplitMethod = "waterfill",
-    comm_aware: bool = True,
+    acceptance: Acceptance = "best",
     sweeps: int = 3,
     max_tries: int = 4,
     rel_tol: float = 1e-9,
@@ -338,7 +466,11 @@ def replicate_greedy(
         cost: the cost model; its :meth:`~CostModel.linear` coefficients define the objective.
         replica_slots: ``r``, replica slots per GPU (the layer-shared buffer).
         split: ``"waterfill"`` (compute-only closed form, compiled) or ``"lp"`` (eq. 7 LP per candidate).
-        comm_aware: accept a replica only if compute max plus communication max drops (else compute only).
+        acceptance: which copies the water-filling greedy keeps. ``"comm"``: those that lower the linearised
+            ``T_comp_max + T_comm_max``; ``"compute"``: those that lower ``T_comp_max``; ``"best"`` (default):
+            both runs, keeping the one with the lower ``T_MoE``, the compute-driven run cut where its
+            ``T_MoE`` was lowest (a copy can lower compute yet raise the busiest link, and a later one undo
+            that, so neither rule alone is best everywhere).
         sweeps: water-filling sweeps over the node's replicated experts after each new copy.
         max_tries: experts of the bottleneck GPU tried (by decreasing tokens) before the greedy stops.
         rel_tol: minimal relative objective drop for a replica to be kept.
@@ -359,8 +491,12 @@ def replicate_greedy(
     if split == "lp":
         from relibra.planners.milp import greedy_with_lp_split
 
-        assign, replicas = greedy_with_lp_split(x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol)
+        assign, replicas = greedy_with_lp_split(
+            x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol
+        )
     elif split == "waterfill":
+        if acceptance not in _MODES:
+            raise ValueError(f"acceptance must be one of {sorted(_MODES)}, got {acceptance!r}")
         assign, replicas = _greedy_batch(
             x,
             h,
@@ -369,7 +505,7 @@ def replicate_greedy(
             coef.fixed_tokens,
             coef.nvlink_per_token,
             coef.nic_per_token,
-            comm_aware,
+            _MODES[acceptance],
             sweeps,
             max_tries if replica_slots > 0 else 0,
             rel_tol,
@@ -425,7 +561,7 @@ class GreedyReplicator:
 
     replica_slots: int = 2
     split: SplitMethod = "waterfill"
-    comm_aware: bool = True
+    acceptance: Acceptance = "best"
     sweeps: int = 3
     max_tries: int = 4
 
@@ -437,7 +573,7 @@ class GreedyReplicator:
             ctx.cost,
             self.replica_slots,
             split=self.split,
-            comm_aware=self.comm_aware,
+            acceptance=self.acceptance,
             sweeps=self.sweeps,
             max_tries=self.max_tries,
         )

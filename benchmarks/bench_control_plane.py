@@ -1,0 +1,131 @@
+"""Control plane: time from the last sample's arrival to all plans ready, against a post-rollout window.
+
+Usage: ``python benchmarks/bench_control_plane.py [--full] [--layers N] [--workers 1,2] [--samples 512]``.
+
+Qwen3-235B-A22B at EP 64 (8 nodes x 8 GPUs), one batch of the synthetic ``reasoning`` preset, ReLibra's
+planner (annealing reordering + greedy replication, default parameters, ``replica_slots=2``). Samples
+arrive in 16 chunks (``submit``), then ``seal``; the table reports, per worker count: time to first plan,
+time to all plans, the summed task time (``plan_cpu_s``), workload assembly, and the all-plans time
+extrapolated to ``C`` cores (``assembly + cpu / C``, which assumes layers keep every core busy: 94 tasks
+per phase).
+
+By default only the first ``--layers`` (8) MoE layers are planned and times are scaled by ``94 / layers``
+(layers are independent: per-layer work is the same); ``--full`` plans all 94.
+
+Post-rollout window (the assumption the target is held against): between rollout and the first training
+micro-batch, the trainer runs a reference-model and an old-policy log-probability forward over the batch
+(verl / slime / NeMo-RL GRPO and PPO recipes). Its length is estimated as two forward passes over the
+batch's tokens at ``2 * active_params`` FLOPs per token on the EP group's GPUs at 40% of bf16 peak
+(Hopper 989 TFLOP/s), reward computation ignored (it only lengthens the window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.control_plane import ControlPlane, ControlPlaneConfig
+from relibra.cost import CostModel
+from relibra.planners.relibra import relibra
+from relibra.synthetic import generate_counts
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "experiments" / "conf"
+ACTIVE_PARAMS = 22e9
+"""Qwen3-235B-A22B's active parameters per token (model card)."""
+MFU = 0.4
+"""Assumed model FLOP utilisation of the log-probability forward passes."""
+
+
+def post_rollout_window_s(tokens: int, cluster: ClusterSpec) -> float:
+    """Seconds of two forward passes over ``tokens`` (reference + old-policy log-probabilities)."""
+    flops = 2 * 2.0 * ACTIVE_PARAMS * tokens
+    return flops / (cluster.num_gpus * cluster.hardware.bf16_flops * MFU)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--full", action="store_true", help="plan all 94 layers (default: --layers, scaled)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--workers", default="1,2")
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--samples-per-microbatch", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    hardware = HardwareSpec(
+        **OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware)
+    )  # type: ignore[arg-type]
+    spec = ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / "qwen3-235b-a22b.yaml")))  # type: ignore[arg-type]
+    cluster = ClusterSpec(nodes=8, gpus_per_node=8, hardware=hardware)
+    total_layers = spec.num_moe_layers
+    layers = total_layers if args.full else min(args.layers, total_layers)
+    model = ModelSpec(**{**spec.__dict__, "num_layers": layers, "num_moe_layers": layers})
+    cost = CostModel(cluster, model)
+    scale = total_layers / layers
+
+    t0 = time.perf_counter()
+    counts = generate_counts("reasoning", model.num_experts, layers, model.top_k, 1, args.samples, args.seed)
+    gen_s = time.perf_counter() - t0
+    tokens = int(counts.tokens.sum())
+    window = post_rollout_window_s(tokens, cluster)
+    console = Console(width=170)
+    console.print(
+        f"Qwen3-235B-A22B EP {cluster.num_gpus}: {args.samples} samples, {tokens} tokens "
+        f"(mean {counts.tokens.mean():.0f}, max {counts.tokens.max()}), "
+        f"{layers}/{total_layers} layers planned "
+        f"(x{scale:.2f}), counts generated in {gen_s:.1f}s; post-rollout window estimate {window:.1f}s"
+    )
+    table = Table(title="control plane: seconds from the last arrival (scaled to 94 layers)")
+    for col in (
+        "workers",
+        "micro-batches",
+        "startup",
+        "assembly",
+        "first plan",
+        "all plans",
+        "task cpu",
+        "per-core extrapolation: 2 / 8 / 32 cores",
+        "fallbacks",
+        "window",
+    ):
+        table.add_column(col, justify="right")
+    order = np.random.default_rng(args.seed).permutation(args.samples)
+    for workers in (int(w) for w in args.workers.split(",")):
+        cfg = ControlPlaneConfig(workers=workers, samples_per_microbatch=args.samples_per_microbatch)
+        with ControlPlane.from_planner(relibra(replica_slots=2), cluster, model, cost, cfg) as cp:
+            for chunk in np.array_split(order, 16):
+                cp.submit(counts.counts[chunk], counts.tokens[chunk], sample_ids=chunk)
+            batch = cp.seal()
+            plan = cp.plans(batch)
+            rep = cp.report(batch)
+            startup = cp.startup_s
+        cpu = rep.plan_cpu_s * scale
+        asm = rep.assemble_s * scale
+        per_core = " / ".join(f"{asm + cpu / c:.1f}" for c in (2, 8, 32))
+        table.add_row(
+            str(workers),
+            str(plan.assign.shape[0]),
+            f"{startup:.1f}",
+            f"{asm:.2f}",
+            f"{rep.time_to_first_plan_s:.2f}",
+            f"{rep.time_to_all_plans_s * scale:.1f}",
+            f"{cpu:.1f}",
+            per_core,
+            str(int(rep.fallback.astype(bool).sum())),
+            f"{window:.1f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Helpers of the Slurm integration tests (tests/test_slurm.py): the test cluster, sweep commands, polling.
+
+The cluster is the real single-node Slurm of ``slurm/start.sh`` (munged, MariaDB, slurmdbd, slurmctld,
+slurmd), in its own state directory and on its own ports so that it never meets a cluster a user started
+with the default settings. :class:`PauseOnce` is a Hydra callback that makes one cell of a sweep wait, the
+first time only, so a test can kill or preempt that cell while its Python process runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_SCRIPTS = REPO / "slurm"
+CANNOT_RUN_HERE = 3
+"""Exit status of slurm/start.sh where Slurm cannot be installed or run (not root, no apt-get, offline)."""
+
+T = TypeVar("T")
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot be installed or run on this machine (the tests skip with this message)."""
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running test cluster.
+
+    state_dir: where start.sh keeps configs, logs, the database and the daemons' PIDs.
+    env: the process environment for Slurm clients and sweeps (``SLURM_CONF`` set, repo on PYTHONPATH).
+    """
+
+    state_dir: Path
+    env: dict[str, str]
+
+    def client(self, *args: str, timeout_s: float = 30.0) -> str:
+        """Run a Slurm client command (sacct, squeue, scancel, scontrol) and return its stdout."""
+        done = subprocess.run(args, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def states(self, job_id: str, *, duplicates: bool = False) -> list[tuple[str, str]]:
+        """(job id, state) of every allocation of ``job_id`` (an array: one per task) from sacct.
+
+        ``duplicates``: also the earlier runs of requeued jobs (state ``REQUEUED``).
+        """
+        args = ["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State"]
+        if duplicates:
+            args.append("--duplicates")
+        rows = [line.split("|") for line in self.client(*args).splitlines() if line.strip()]
+        return [(row[0], row[1].split()[0]) for row in rows]
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of every daemon log, for failure messages."""
+        parts = []
+        for log in sorted((self.state_dir / "log").glob("*.log")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name}\n" + "\n".join(text))
+        return "\n".join(parts)
+
+
+def _script(name: str, state_dir: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SLURM_SCRIPTS / name)],
+        env={**env, "RELIBRA_SLURM_DIR": str(state_dir)},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def start_cluster(state_dir: Path, port: int, timeout_s: float = 600.0) -> SlurmCluster:
+    """Start (installing Slurm when missing) the test cluster; raises :class:`SlurmUnavailable` where it
+    cannot run, RuntimeError when it fails to start."""
+    env = {**os.environ, "RELIBRA_SLURM_PORT": str(port)}
+    done = _script("start.sh", state_dir, env, timeout_s)
+    if done.returncode == CANNOT_RUN_HERE:
+        raise SlurmUnavailable(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no reason")
+    if done.returncode != 0:
+        raise RuntimeError(f"slurm/start.sh exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    pythonpath = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.update(SLURM_CONF=str(state_dir / "etc" / "slurm.conf"), PYTHONPATH=pythonpath)
+    return SlurmCluster(state_dir=state_dir, env=env)
+
+
+def stop_cluster(state_dir: Path) -> str:
+    """Stop every daemon of the test cluster by its recorded PID; returns the script's output."""
+    done = _script("stop.sh", state_dir, dict(os.environ), timeout_s=120.0)
+    return done.stdout + done.stderr
+
+
+def wait_until(check: Callable[[], T | None], timeout_s: float, what: str, every_s: float = 0.5) -> T:
+    """Poll ``check`` until it returns something other than None/False; fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(every_s)
+
+
+def sweep_command(overrides: Sequence[str]) -> list[str]:
+    """``python -m experiments.run --multirun`` with ``overrides`` (run from the repository root)."""
+    return [sys.executable, "-m", "experiments.run", "--multirun", *overrides]
+
+
+def pause_overrides(marker: Path, job_num: int, seconds: float) -> list[str]:
+    """Hydra overrides that install :class:`PauseOnce` for cell ``job_num`` of a sweep."""
+    prefix = "+hydra.callbacks.pause_once"
+    return [
+        f"{prefix}._target_={PauseOnce.__module__}.PauseOnce",
+        f"{prefix}.marker={marker}",
+        f"{prefix}.job_num={job_num}",
+        f"{prefix}.seconds={seconds}",
+    ]
+
+
+def read_marker(marker: Path) -> dict[str, Any] | None:
+    """What :class:`PauseOnce` wrote when it began to wait (None before that)."""
+    try:
+        return json.loads(marker.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class PauseOnce(Callback):
+    """Hydra callback: cell ``job_num`` of a sweep sleeps ``seconds`` before running, once.
+
+    The first time that cell starts, it writes ``marker`` (JSON: its PID and Slurm job id ``ARRAY_TASK``)
+    and sleeps inside the cell's Python process; later starts (a rerun, a requeue) find the marker and run
+    at once. Test-only: it is installed with ``+hydra.callbacks.pause_once._target_=...`` overrides.
+    """
+
+    def __init__(self, marker: str, job_num: int, seconds: float) -> None:
+        self.marker = Path(marker)
+        self.job_num = int(job_num)
+        self.seconds = float(seconds)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(config.hydra.job.num) != self.job_num or self.marker.exists():
+            return
+        array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        slurm_job = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
+        tmp = self.marker.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "slurm_job_id": slurm_job}))
+        tmp.replace(self.marker)
+        time.sleep(self.seconds)

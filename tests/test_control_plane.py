@@ -1,0 +1,272 @@
+"""The control plane: same plans as the serial planner, arrival order, deadline fallbacks, worker failure."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relibra.cluster import ClusterSpec
+from relibra.control_plane import ControlPlane, ControlPlaneConfig, Fallback
+from relibra.cost import CostModel
+from relibra.invariants import check_plan
+from relibra.planner import BatchContext, Reordering, Replication, static_placement
+from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
+from relibra.planners.replicate import GreedyReplicator
+from relibra.simulator import batch_context
+from relibra.workload import build_workload
+from tests.spine_helpers import HOPPER, random_counts, tiny_model
+
+LAYERS = 4
+SLOTS = 2
+
+
+def _setup(num_samples: int = 24, seed: int = 0):
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER)
+    model = tiny_model(num_experts=8, num_layers=LAYERS)
+    counts = random_counts(
+        num_samples=num_samples, num_layers=LAYERS, num_experts=8, num_batches=1, seed=seed
+    )
+    return counts, cluster, model, CostModel(cluster, model)
+
+
+def _ctx(counts, cluster, model, cost, spm: int = 2) -> BatchContext:
+    workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch=spm)
+    return batch_context(counts, workload, 0, cluster, model, cost)
+
+
+def _check(plan, ctx):
+    check_plan(plan, ctx, replica_slots=SLOTS)
+
+
+@dataclass(frozen=True)
+class SlowReorderer:
+    """Static placement, but layers whose expert-0 total is in ``slow`` take ``seconds`` first."""
+
+    slow: tuple[int, ...]
+    seconds: float
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        if int(np.asarray(ctx.counts)[..., 0].sum()) in self.slow:
+            time.sleep(self.seconds)
+        return StaticReorderer().reorder(ctx)
+
+
+@dataclass(frozen=True)
+class CrashingReorderer:
+    """Kills its worker process on the layer whose expert-0 total is ``target``; only the first time when
+    ``marker`` names a file to create, every time when it is empty."""
+
+    target: int
+    marker: str = ""
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:
+            if not self.marker or not Path(self.marker).exists():
+                if self.marker:
+                    Path(self.marker).touch()
+                os._exit(13)
+        return StaticReorderer().reorder(ctx)
+
+
+@dataclass(frozen=True)
+class FailingReplicator:
+    """Raises on the layer whose expert-0 total is ``target``; the greedy elsewhere."""
+
+    target: int
+
+    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
+        if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:
+            raise RuntimeError("replicator failed on purpose")
+        return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx)
+
+
+def _layer_key(counts, layer: int) -> int:
+    keys = [int(counts.counts[:, l, 0].sum()) for l in range(LAYERS)]
+    assert len(set(keys)) == LAYERS, "test fixture: layers must differ in expert-0 totals"
+    return keys[layer]
+
+
+def test_matches_serial_planner_and_is_independent_of_workers():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    serial = relibra_replicate_only(replica_slots=SLOTS).plan(ctx)
+    plans = {}
+    for workers in (0, 2):
+        with ControlPlane.from_planner(
+            relibra(replica_slots=SLOTS, reorder={"iterations": 50, "aggregate_warmup": 50}),
+            cluster,
+            model,
+            cost,
+            ControlPlaneConfig(workers=workers),
+        ) as cp:
+            plans[workers] = cp.plan(ctx)
+            report = cp.report(0)
+        _check(plans[workers], ctx)
+        assert not report.fallback.any() and report.time_to_all_plans_s >= report.time_to_first_plan_s > 0
+    for field in ("home", "assign", "replicas", "sample_gpu"):
+        np.testing.assert_array_equal(getattr(plans[0], field), getattr(plans[2], field))
+    # Replicate-only through the control plane equals the serial composed planner exactly.
+    with ControlPlane.from_planner(
+        relibra_replicate_only(replica_slots=SLOTS), cluster, model, cost, ControlPlaneConfig(workers=0)
+    ) as cp:
+        through = cp.plan(ctx)
+    for field in ("home", "assign", "replicas", "load"):
+        np.testing.assert_array_equal(getattr(through, field), getattr(serial, field))
+
+
+def test_arrival_order_does_not_change_the_plan():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    rng = np.random.default_rng(3)
+    order = rng.permutation(counts.num_samples)
+    cfg = ControlPlaneConfig(workers=0, samples_per_microbatch=2)
+    with ControlPlane.from_planner(
+        relibra_replicate_only(replica_slots=SLOTS), cluster, model, cost, cfg
+    ) as cp:
+        for chunk in np.array_split(order, 5):
+            cp.submit(counts.counts[chunk], counts.tokens[chunk], sample_ids=chunk)
+        batch = cp.seal()
+        plan = cp.plans(batch)
+        # A second batch in arrival order: its fallback placement is the first batch's delivered one.
+        cp.submit(counts.counts, counts.tokens)
+        second = cp.plans(cp.seal(), deadline_s=0.0)
+    _check(plan, ctx)  # same layout as the simulator's in-order workload
+    np.testing.assert_array_equal(plan.sample_gpu, ctx.sample_gpu)
+    np.testing.assert_array_equal(plan.load, ctx.load)
+    assert batch == 0 and second.home.shape == plan.home.shape
+
+
+def test_deadline_falls_back_without_blocking():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    slow = (_layer_key(counts, 2), _layer_key(counts, 3))
+    cp = ControlPlane(
+        cluster,
+        model,
+        cost,
+        reorderer=SlowReorderer(slow=slow, seconds=30.0),
+        replicator=GreedyReplicator(replica_slots=SLOTS),
+        replica_slots=SLOTS,
+        name="slow",
+        config=ControlPlaneConfig(workers=2, samples_per_microbatch=2),
+    )
+    try:
+        cp.submit(counts.counts, counts.tokens)
+        batch = cp.seal()
+        deadline = 2.0
+        t0 = time.perf_counter()
+        plan = cp.plans(batch, deadline_s=deadline)
+        waited = time.perf_counter() - t0
+        report = cp.report(batch)
+    finally:
+        t_close = time.perf_counter()
+        cp.close()
+        closed_in = time.perf_counter() - t_close
+    assert waited < deadline + 1.0 and closed_in < 10.0  # a stuck worker is terminated, not awaited
+    _check(plan, ctx)
+    flags = report.fallback
+    assert flags[2] == flags[3] == Fallback.PREVIOUS_PLACEMENT | Fallback.NO_REPLICATION
+    assert not flags[:2].any()
+    static = static_placement(LAYERS, 8, cluster.num_gpus)
+    np.testing.assert_array_equal(plan.home[2:], static[2:])
+    assert (plan.replicas[:, 2:] == -1).all()
+    assert np.isnan(report.time_to_all_plans_s) and report.previous_placement_layers == 2
+    assert plan.stats["cp_previous_placement_layers"] == 2.0
+
+
+def test_zero_deadline_delivers_the_previous_placement():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    with ControlPlane(
+        cluster,
+        model,
+        cost,
+        reorderer=SlowReorderer(slow=tuple(_layer_key(counts, l) for l in range(LAYERS)), seconds=0.5),
+        replicator=GreedyReplicator(replica_slots=SLOTS),
+        replica_slots=SLOTS,
+        config=ControlPlaneConfig(workers=0, samples_per_microbatch=2),
+    ) as cp:
+        cp.submit(counts.counts, counts.tokens)
+        plan = cp.plans(cp.seal(), deadline_s=0.0)
+        report = cp.report(0)
+    _check(plan, ctx)
+    assert (report.fallback & Fallback.PREVIOUS_PLACEMENT).all()
+    np.testing.assert_array_equal(plan.home, static_placement(LAYERS, 8, cluster.num_gpus))
+
+
+def test_crashed_worker_is_replaced_and_its_layer_replanned(tmp_path):
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    crash = CrashingReorderer(target=_layer_key(counts, 1), marker=str(tmp_path / "crashed"))
+    with ControlPlane(
+        cluster,
+        model,
+        cost,
+        reorderer=crash,
+        replicator=GreedyReplicator(replica_slots=SLOTS),
+        replica_slots=SLOTS,
+        config=ControlPlaneConfig(workers=1, max_retries=1),
+    ) as cp:
+        plan = cp.plan(ctx)
+        report = cp.report(0)
+    _check(plan, ctx)
+    assert (tmp_path / "crashed").exists()
+    assert report.worker_crashes == 1 and report.retries == 1 and not report.fallback.any()
+
+
+def test_always_crashing_layer_falls_back_and_nothing_is_lost():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    with ControlPlane(
+        cluster,
+        model,
+        cost,
+        reorderer=CrashingReorderer(target=_layer_key(counts, 1)),
+        replicator=FailingReplicator(target=_layer_key(counts, 3)),
+        replica_slots=SLOTS,
+        config=ControlPlaneConfig(workers=1, max_retries=1),
+    ) as cp:
+        plan = cp.plan(ctx)
+        report = cp.report(0)
+    _check(plan, ctx)
+    # Layer 1: reordering died twice -> previous placement, still replicated; layer 3: replication raised.
+    assert report.fallback.tolist() == [0, Fallback.PREVIOUS_PLACEMENT, 0, Fallback.NO_REPLICATION]
+    assert report.worker_crashes == 2 and report.retries == 1 and len(report.errors) == 2
+    assert "replicator failed on purpose" in " ".join(report.errors)
+    assert np.isfinite(report.time_to_all_plans_s)
+
+
+def test_whole_batch_planner_runs_as_one_task():
+    eplb = pytest.importorskip("baselines.eplb")
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    planner = eplb.EplbPlanner(redundant_slots=2)
+    direct = planner.plan(ctx)
+    with ControlPlane.from_planner(planner, cluster, model, cost, ControlPlaneConfig(workers=0)) as cp:
+        through = cp.plan(ctx)
+    for field in ("home", "assign", "load"):
+        np.testing.assert_array_equal(getattr(through, field), getattr(direct, field))
+    assert not cp.per_layer
+
+
+def test_bad_calls_name_the_problem():
+    counts, cluster, model, cost = _setup()
+    with ControlPlane.from_planner(
+        relibra_replicate_only(replica_slots=SLOTS), cluster, model, cost, ControlPlaneConfig(workers=0)
+    ) as cp:
+        with pytest.raises(ValueError, match="no submitted samples"):
+            cp.seal()
+        with pytest.raises(ValueError, match=r"\(L, E\)"):
+            cp.submit(np.zeros((2, LAYERS + 1, 8), dtype=np.int32), np.ones(2, dtype=np.int64))
+        with pytest.raises(KeyError, match="never sealed"):
+            cp.plans(7)
+        cp.submit(counts.counts[:4], counts.tokens[:4], sample_ids=np.array([0, 1, 1, 2]))
+        with pytest.raises(ValueError, match="repeat"):
+            cp.seal()
+    with pytest.raises(ValueError, match="workers"):
+        ControlPlaneConfig(workers=-1)

@@ -1,0 +1,347 @@
+"""Megatron-core integration: routing replay, ReLibra placement and replication inside ``MoELayer``.
+
+The distributed checks run once, in one spawned gloo group of 4 ranks (EP 4): every rank builds the plain
+Megatron model and the ReLibra one (same weights per logical expert), trains two batches of two
+micro-batches each with replayed routes (the second batch after a reordering, with Adam), and returns
+what the tests compare; the same run records routes, writes them as a trace file and replays them.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
+
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec  # noqa: E402
+from relibra.cost import CostModel  # noqa: E402
+from relibra.executors.plan_check import routes_load  # noqa: E402
+from relibra.executors.torch_executor import launch  # noqa: E402
+from relibra.invariants import check_plan  # noqa: E402
+from relibra.megatron.adapter import (  # noqa: E402
+    PhysicalLayout,
+    ReplicatingRouter,
+    log2phy,
+    next_phy2log,
+    slot_table,
+)
+from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches  # noqa: E402
+from relibra.planner import BatchContext  # noqa: E402
+from relibra.types import BatchPlan  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+WORLD = 4
+R = 2
+NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K = 2, 16, 8, 8, 2
+NUM_MB = 2
+ATOL = 2e-5
+
+
+# ------------------------------------------------------------------------------------ case builders
+def _cluster() -> ClusterSpec:
+    return ClusterSpec(1, WORLD, HardwareSpec("cpu", 1e12, 1e11, 1e10, 1e9))
+
+
+def _model_spec() -> ModelSpec:
+    return ModelSpec("tiny", NUM_LAYERS, NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, 1, 1, HIDDEN)
+
+
+def skewed_routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
+    """Distinct top-k experts per token, experts 0 and 1 hot: int64 [T, L, k]."""
+    weight = np.ones(NUM_EXPERTS)
+    weight[:2] = 6.0
+    keys = rng.random((tokens, NUM_LAYERS, NUM_EXPERTS)) ** (1.0 / weight)  # weighted sampling w/o replacement
+    return np.argsort(-keys, axis=-1)[..., :TOP_K].astype(np.int64)
+
+
+def batch_routes(rng: np.random.Generator) -> list[list[np.ndarray]]:
+    """routes[m][rank]: int64 [T, L, k], 4 to 9 tokens each."""
+    return [[skewed_routes(rng, int(rng.integers(4, 10))) for _ in range(WORLD)] for _ in range(NUM_MB)]
+
+
+def context(routes: list[list[np.ndarray]]) -> BatchContext:
+    """One sample per (micro-batch, rank)."""
+    counts = np.stack([routes_load(routes[m][j], NUM_EXPERTS) for m in range(NUM_MB) for j in range(WORLD)])
+    sample_gpu = np.tile(np.arange(WORLD), NUM_MB).astype(np.int32)
+    sample_mb = np.repeat(np.arange(NUM_MB), WORLD).astype(np.int32)
+    load = np.zeros((NUM_MB, NUM_LAYERS, WORLD, NUM_EXPERTS), dtype=np.int32)
+    for s in range(len(counts)):
+        load[sample_mb[s], :, sample_gpu[s]] += counts[s]
+    tokens = np.array([len(routes[m][j]) for m in range(NUM_MB) for j in range(WORLD)], dtype=np.int64)
+    cluster, model = _cluster(), _model_spec()
+    return BatchContext(
+        batch=0, counts=counts.astype(np.int32), sample_tokens=tokens, sample_gpu=sample_gpu, sample_mb=sample_mb,
+        load=load, cluster=cluster, model=model, cost=CostModel(cluster, model),
+    )
+
+
+def handmade_plan(rng: np.random.Generator, ctx: BatchContext) -> BatchPlan:
+    """A random balanced placement; per (micro-batch, layer) every rank replicates up to R hot non-home
+    experts, and each expert's tokens are split at random over its copies."""
+    per_gpu = NUM_EXPERTS // WORLD
+    home = np.stack([rng.permutation(NUM_EXPERTS) // per_gpu for _ in range(NUM_LAYERS)]).astype(np.int32)
+    replicas = np.full((NUM_MB, NUM_LAYERS, WORLD, R), -1, dtype=np.int32)
+    assign = np.zeros((NUM_MB, NUM_LAYERS, NUM_EXPERTS, WORLD), dtype=np.int32)
+    for m in range(NUM_MB):
+        for layer in range(NUM_LAYERS):
+            total = ctx.load[m, layer].sum(axis=0)  # [E]
+            hot = np.argsort(-total, kind="stable")[:3]
+            for g in range(WORLD):
+                cand = [e for e in hot if home[layer, e] != g][: int(rng.integers(0, R + 1))]
+                replicas[m, layer, g, : len(cand)] = cand
+            for e in range(NUM_EXPERTS):
+                copies = np.flatnonzero((replicas[m, layer] == e).any(axis=1))
+                copies = np.union1d(copies, [home[layer, e]])
+                cuts = np.sort(rng.integers(0, total[e] + 1, len(copies) - 1))
+                assign[m, layer, e, copies] = np.diff(np.concatenate([[0], cuts, [total[e]]]))
+    return BatchPlan(home=home, assign=assign, load=ctx.load.copy(), sample_gpu=ctx.sample_gpu.copy(), replicas=replicas)
+
+
+# ----------------------------------------------------------------------------------------- per rank
+def _train_batch(model, optimizer, batch, inputs, plan, rank):  # type: ignore[no-untyped-def]
+    """Forward and backward every micro-batch with replayed routes; returns outputs, input grads, grads."""
+    from relibra.megatron.replay import replaying
+
+    outs, xgrads = [], []
+    for m, routes in enumerate(batch):
+        if plan is not None:
+            model.adapter.set_microbatch(plan, m)
+        x = inputs[m][rank].clone().requires_grad_(True)
+        with replaying(routes[rank], model.routers, NUM_EXPERTS):
+            y = model(x)
+        (y * torch.linspace(-1.0, 1.0, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach().numpy().copy())
+        xgrads.append(x.grad.numpy().copy())
+    grads = {
+        "experts": [model.expert_grad_state(layer) for layer in range(NUM_LAYERS)],
+        "routers": [r.weight.grad.numpy().copy() for r in model.routers],
+        "mix": model.mix.grad.numpy().copy(),
+    }
+    return outs, xgrads, grads
+
+
+def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> dict:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    from relibra.megatron.model import TinyMoEModel, TinyMoESpec, init_expert_parallel
+    from relibra.megatron.replay import recorded_routes, recording, replaying, routes_to_trace, trace_routes
+    from relibra.trace import load_trace, save_trace
+
+    init_expert_parallel(world)
+    spec = TinyMoESpec(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, seed=3)
+    plain = TinyMoEModel(spec, world)
+    relib = TinyMoEModel(spec, world, replica_slots=R)
+    out: dict = {"plain": [], "relibra": [], "moved_grads": None}
+    opts = [torch.optim.Adam(m.trainable_parameters(), lr=1e-2) for m in (plain, relib)]
+    for b, (batch, plan) in enumerate(zip(batches, plans)):
+        moved = relib.adapter.apply_placement(plan.home, opts[1])
+        if b > 0:  # the grads of the last batch travelled with their experts
+            out["moved_grads"] = [relib.expert_grad_state(layer) for layer in range(NUM_LAYERS)]
+            out["moved"] = moved
+        for opt in opts:
+            opt.zero_grad()
+        out["plain"].append(_train_batch(plain, opts[0], batch, inputs[b], None, rank))
+        out["relibra"].append(_train_batch(relib, opts[1], batch, inputs[b], plan, rank))
+        for opt in opts:
+            opt.step()
+    out["weights"] = {
+        name: [m.expert_state(layer) for layer in range(NUM_LAYERS)] for name, m in (("plain", plain), ("relibra", relib))
+    }
+    out["buffer_fills"] = relib.adapter.buffer.fills
+    # RECORD -> trace file -> REPLAY_FORWARD, on the plain model (the rollout side).
+    x = inputs[0][0][rank]
+    with torch.no_grad(), recording(plain.routers):
+        y_record = plain(x)
+    rec = recorded_routes(plain.routers)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, rec)
+    if rank == 0:
+        save_trace(routes_to_trace(gathered, NUM_EXPERTS, model="tiny"), trace_path)
+    dist.barrier()
+    replayed = trace_routes(load_trace(trace_path), [rank])
+    with torch.no_grad(), replaying(replayed, plain.routers, NUM_EXPERTS):
+        y_replay = plain(x)
+    with torch.no_grad(), replaying(np.roll(replayed, 1, axis=-1), plain.routers, NUM_EXPERTS):
+        y_shuffled = plain(x)  # same expert sets, other top-k order: same output
+    with torch.no_grad(), replaying((replayed + 1) % NUM_EXPERTS, plain.routers, NUM_EXPERTS):
+        y_other = plain(x)
+    out["record"] = dict(routes=rec, replayed=replayed, y_record=y_record.numpy(), y_replay=y_replay.numpy(),
+                         y_shuffled=y_shuffled.numpy(), y_other=y_other.numpy())
+    return out
+
+
+@functools.cache
+def world_run() -> tuple[list, list, list[dict]]:
+    rng = np.random.default_rng(7)
+    batches = [batch_routes(rng) for _ in range(2)]
+    inputs = [[[torch.randn(len(batches[b][m][j]), HIDDEN, generator=torch.Generator().manual_seed(100 * b + 10 * m + j))
+                for j in range(WORLD)] for m in range(NUM_MB)] for b in range(2)]
+    ctxs = [context(bt) for bt in batches]
+    plans = [handmade_plan(rng, ctx) for ctx in ctxs]
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = launch(run_rank, WORLD, batches, inputs, plans, str(Path(tmp) / "recorded.npz"))
+    return ctxs, plans, ranks
+
+
+@pytest.fixture(scope="module")
+def run() -> tuple[list, list, list[dict]]:
+    return world_run()
+
+
+def _merged(per_rank: list[dict[int, np.ndarray]]) -> dict[int, np.ndarray]:
+    out: dict[int, np.ndarray] = {}
+    for d in per_rank:
+        assert not set(d) & set(out), "two ranks hold the same logical expert at home"
+        out.update(d)
+    assert sorted(out) == list(range(NUM_EXPERTS))
+    return out
+
+
+# ------------------------------------------------------------------------------- distributed checks
+def test_plans_are_valid_and_exercise_the_adapter(run) -> None:  # type: ignore[no-untyped-def]
+    ctxs, plans, ranks = run
+    for ctx, plan in zip(ctxs, plans):
+        check_plan(plan, ctx, replica_slots=R)
+    static = np.arange(NUM_EXPERTS) // (NUM_EXPERTS // WORLD)
+    assert (plans[0].home != static).any(), "the first plan must move experts away from the static placement"
+    assert (plans[0].replicas >= 0).sum() > 0 and (plans[1].replicas >= 0).sum() > 0, "plans must replicate"
+    assert sum(r["buffer_fills"] for r in ranks) > 0
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_outputs_and_input_grads_match_plain_layer(run, batch: int) -> None:  # type: ignore[no-untyped-def]
+    _, _, ranks = run
+    for rank, r in enumerate(ranks):
+        (p_out, p_xg, _), (q_out, q_xg, _) = r["plain"][batch], r["relibra"][batch]
+        for m in range(NUM_MB):
+            np.testing.assert_allclose(q_out[m], p_out[m], atol=ATOL, err_msg=f"rank {rank} mb {m} output")
+            np.testing.assert_allclose(q_xg[m], p_xg[m], atol=ATOL, err_msg=f"rank {rank} mb {m} input grad")
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignore[no-untyped-def]
+    _, _, ranks = run
+    for layer in range(NUM_LAYERS):
+        plain = _merged([r["plain"][batch][2]["experts"][layer] for r in ranks])
+        relib = _merged([r["relibra"][batch][2]["experts"][layer] for r in ranks])
+        assert sum(np.abs(g).sum() > 0 for g in plain.values()) >= NUM_EXPERTS // 2
+        for e in range(NUM_EXPERTS):
+            np.testing.assert_allclose(relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} grad")
+    for rank, r in enumerate(ranks):
+        for name in ("routers", "mix"):
+            np.testing.assert_allclose(np.asarray(r["relibra"][batch][2][name]), np.asarray(r["plain"][batch][2][name]),
+                                       atol=ATOL, err_msg=f"rank {rank} {name} grad")
+
+
+def test_placement_moves_grads_and_optimizer_state(run) -> None:  # type: ignore[no-untyped-def]
+    _, plans, ranks = run
+    assert ranks[0]["moved"] == int((plans[0].home != plans[1].home).sum()) > 0
+    for layer in range(NUM_LAYERS):
+        moved = _merged([r["moved_grads"][layer] for r in ranks])
+        before = _merged([r["plain"][0][2]["experts"][layer] for r in ranks])
+        for e in range(NUM_EXPERTS):
+            np.testing.assert_allclose(moved[e], before[e], atol=ATOL, err_msg=f"layer {layer} expert {e}")
+        # After two Adam steps around the move, every expert's weights equal the plain model's.
+        plain = _merged([r["weights"]["plain"][layer] for r in ranks])
+        relib = _merged([r["weights"]["relibra"][layer] for r in ranks])
+        for e in range(NUM_EXPERTS):
+            np.testing.assert_allclose(relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} weights")
+    homes = [{e for d in [r["weights"]["relibra"][layer]] for e in d} for r in ranks for layer in [0]]
+    for rank, held in enumerate(homes):
+        assert held == set(np.flatnonzero(plans[1].home[0] == rank))
+
+
+def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped-def]
+    _, _, ranks = run
+    for rank, r in enumerate(ranks):
+        rec = r["record"]
+        assert rec["routes"].shape == (len(rec["y_record"]), NUM_LAYERS, TOP_K)
+        np.testing.assert_array_equal(rec["replayed"], rec["routes"])
+        np.testing.assert_array_equal(rec["y_replay"], rec["y_record"])
+        np.testing.assert_allclose(rec["y_shuffled"], rec["y_record"], atol=1e-6)
+        assert not np.allclose(rec["y_other"], rec["y_record"]), f"rank {rank}: other routes must change the output"
+
+
+# --------------------------------------------------------------------------------- local unit checks
+def test_log2phy_and_next_phy2log() -> None:
+    layout = PhysicalLayout(num_experts=8, num_gpus=4, replica_slots=1)
+    assert layout.num_physical == 12 and layout.slots_per_gpu == 3
+    p2l = layout.static_phy2log(1)
+    np.testing.assert_array_equal(log2phy(layout, p2l)[0], [0, 1, 3, 4, 6, 7, 9, 10])
+    new_home = np.array([[1, 0, 0, 2, 2, 3, 3, 1]])
+    nxt = next_phy2log(p2l, new_home)
+    # Rank 0 keeps nothing of [0, 1]: incoming 1, 2 ascending take rows 0, 1; rank 1 keeps nothing of [2, 3].
+    np.testing.assert_array_equal(nxt[0], [[1, 2], [0, 7], [3, 4], [5, 6]])
+    with pytest.raises(ValueError, match="expected E / G = 2"):
+        next_phy2log(p2l, np.array([[0, 0, 0, 2, 2, 3, 3, 1]]))
+
+
+def test_slot_table_refuses_copies_the_plan_does_not_hold() -> None:
+    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)
+    home = np.array([0, 0, 1, 1])
+    home_phys = log2phy(layout, layout.static_phy2log(1))[0]  # [0, 1, 3, 4]
+    replicas = np.array([[-1], [0]])  # rank 1's slot holds expert 0
+    split = np.array([[2, 3], [1, 0], [0, 4], [0, 1]])
+    phys, bound = slot_table(layout, home_phys, home, replicas, split)
+    assert phys[0, 1] == 5 and phys[0, 0] == 0
+    np.testing.assert_array_equal(bound[:, -1], split.sum(axis=1))
+    bad = split.copy()
+    bad[1, 1] = 2
+    with pytest.raises(ValueError, match="expert 1 to rank 1"):
+        slot_table(layout, home_phys, home, replicas, bad)
+
+
+class _FixedRouter(torch.nn.Module):
+    """Stands in for a logical TopKRouter: fixed probs and mask."""
+
+    def __init__(self, routes: np.ndarray, num_experts: int) -> None:
+        super().__init__()
+        t = len(routes)
+        self.mask = torch.zeros(t, num_experts, dtype=torch.bool)
+        self.mask[torch.arange(t)[:, None], torch.as_tensor(routes)] = True
+        self.probs = torch.rand(t, num_experts) * self.mask
+
+    def forward(self, hidden, padding_mask=None):  # type: ignore[no-untyped-def]
+        return self.probs, self.mask
+
+
+def test_replicating_router_splits_tokens_in_token_order() -> None:
+    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)
+    routes = np.array([[0, 1], [0, 2], [3, 0], [0, 1], [2, 0]])  # expert 0 on tokens 0..4
+    router = ReplicatingRouter(_FixedRouter(routes, 4), layout)
+    home_phys = log2phy(layout, layout.static_phy2log(1))[0]
+    split = np.array([[3, 2], [2, 0], [2, 0], [0, 1]])  # expert 0: first 3 tokens home, last 2 on rank 1's slot
+    replicas = np.array([[-1], [0]])
+    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split))
+    probs, mask = router(torch.zeros(5, 1, 8))
+    assert mask.shape == (5, 6) and (mask.sum(dim=1) == 2).all()
+    np.testing.assert_array_equal(mask[:, 0].numpy(), [1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(mask[:, 5].numpy(), [0, 0, 0, 1, 1])
+    assert torch.equal(probs.sum(dim=1), router.logical.probs.sum(dim=1))
+    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split + np.eye(4, 2, dtype=int)))
+    with pytest.raises(ValueError, match="replay the routes the plan was made from"):
+        router(torch.zeros(5, 1, 8))
+
+
+def test_cpu_patches_apply_and_restore() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the CPU patches are not applied where CUDA is available")
+    from megatron.core.transformer.moe import moe_utils
+
+    before = set(applied_patches())
+    with cpu_patches() as names:
+        assert set(names) == {p.name for p in CPU_PATCHES}
+        assert moe_utils.te_general_gemm is None
+        assert torch.cuda.current_device() == torch.device("cpu")
+    if not before:
+        assert applied_patches() == ()
+        assert not hasattr(moe_utils, "te_general_gemm")
+        with pytest.raises((AssertionError, RuntimeError)):
+            torch.cuda.current_device()
+    assert all(p.reason for p in CPU_PATCHES)

@@ -1,0 +1,246 @@
+"""Integration tests against a real single-node Slurm cluster (slurm/start.sh), through Hydra's submitit
+launcher (``hydra/launcher=slurm``):
+
+1. a 2 planners x 2 datasets grid: every cell's result arrives and equals the same cell run locally;
+2. a fault: one array task is cancelled mid-run; the sweep fails instead of hanging, and rerunning the
+   same command computes only the missing cell (the results store keeps the others untouched);
+3. preemption: a task receiving Slurm's preemption signal checkpoints through submitit, is requeued and
+   finishes.
+
+The module starts the cluster (installing Slurm with apt-get when missing, as root) and stops it when the
+module ends, whether the tests pass or not. The tests skip only where Slurm cannot be installed or run.
+Concurrent test sessions on one machine take turns through a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.slurm_helpers import (
+    REPO,
+    SlurmCluster,
+    SlurmUnavailable,
+    pause_overrides,
+    read_marker,
+    start_cluster,
+    stop_cluster,
+    sweep_command,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slurm
+
+STATE_DIR = Path(os.environ.get("RELIBRA_SLURM_TEST_DIR", "/tmp/relibra-slurm-test"))
+PORT = int(os.environ.get("RELIBRA_SLURM_TEST_PORT", "6917"))
+SWEEP_TIMEOUT_S = 240.0
+
+# One tiny cell: seconds of CPU each. NOTE: planner=relibra is left out of the grid because a fresh
+# checkout compiles its numba kernels in every new process (about a minute on 2 cores).
+CELL = [
+    "model=olmoe-1b-7b",
+    "trace.num_batches=1",
+    "trace.samples_per_batch=16",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=4",
+]
+GRID = ["planner=megatron,eplb", "trace.preset=reasoning,coding"]
+LAUNCHER = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=1",
+    "hydra.launcher.timeout_min=60",
+]
+
+
+def _wall_clock(column: str) -> bool:
+    """Columns measured with a wall clock (planner solve times), which differ between any two runs."""
+    return column.endswith("_time_s") and column != "step_time_s"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    lock_path = STATE_DIR.with_name(STATE_DIR.name + ".lock")
+    with open(lock_path, "w") as lock:
+        # NOTE: one test cluster per machine; another session waits here until this module is done.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            try:
+                running = start_cluster(STATE_DIR, PORT)
+            except SlurmUnavailable as exc:
+                pytest.skip(f"Slurm cannot be installed or run on this machine: {exc}")
+            # Never let a surrounding Slurm job's variables leak into the sweeps.
+            for key in [k for k in running.env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+                del running.env[key]
+            yield running
+        finally:
+            stop_cluster(STATE_DIR)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _sweep(cluster: SlurmCluster, overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        sweep_command(overrides),
+        cwd=REPO,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, cluster: SlurmCluster, timeout_s: float = SWEEP_TIMEOUT_S) -> str:
+    """Wait for a sweep; returns its stderr+stdout. A hang is a failure (the sweep is killed)."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"sweep still running after {timeout_s:.0f} s\n{err[-3000:]}\n{cluster.log_tail()}")
+    return err + out
+
+
+def _local_result(overrides: list[str], run_dir: Path) -> pd.DataFrame:
+    """The same cell run in this process, without Slurm."""
+    from experiments.run import run
+
+    with initialize_config_dir(str(REPO / "experiments" / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return run(cfg, run_dir=run_dir)
+
+
+def _assert_same_result(remote: pd.DataFrame, local: pd.DataFrame) -> None:
+    columns = [c for c in local.columns if not _wall_clock(c)]
+    assert set(remote.columns) == set(local.columns)
+    pd.testing.assert_frame_equal(
+        remote[columns].reset_index(drop=True), local[columns].reset_index(drop=True), check_exact=False
+    )
+
+
+def _array_job_id(sweep_dir: Path) -> str:
+    """The Slurm array job id of a sweep, from submitit's folder ``.submitit/<array id>_<task>``."""
+    ids = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
+    assert len(ids) == 1, f"expected one array job in {sweep_dir}, found {sorted(ids)}"
+    return ids.pop()
+
+
+def test_grid_results_match_local_runs(cluster: SlurmCluster, tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    proc = _sweep(cluster, [*LAUNCHER, *CELL, *GRID, f"hydra.sweep.dir={sweep_dir}"])
+    output = _finish(proc, cluster)
+    assert proc.returncode == 0, output[-3000:]
+
+    # Every cell ran as one task of a single Slurm array job.
+    job = _array_job_id(sweep_dir)
+    states = dict(cluster.states(job))
+    assert sorted(states) == [f"{job}_{i}" for i in range(4)], states
+    assert set(states.values()) == {"COMPLETED"}, states
+
+    seen = set()
+    for num in range(4):
+        remote = pd.read_parquet(sweep_dir / str(num) / "results.parquet")
+        assert len(remote) == 1
+        planner, dataset = remote.loc[0, "planner"], remote.loc[0, "dataset"]
+        seen.add((planner, dataset))
+        local = _local_result([*CELL, f"planner={planner}", f"trace.preset={dataset}"], tmp_path / f"local{num}")
+        _assert_same_result(remote, local)
+    assert seen == {(p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")}
+
+
+def test_killed_task_fails_the_sweep_and_rerun_completes_only_missing_cells(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    sweep_dir, store = tmp_path / "sweep", tmp_path / "store"
+    marker = tmp_path / "paused.json"
+    command = [
+        *LAUNCHER,
+        *CELL,
+        *GRID,
+        f"hydra.sweep.dir={sweep_dir}",
+        f"+results_dir={store}",
+        *pause_overrides(marker, job_num=1, seconds=600),
+    ]
+    cells = store / "cells"
+
+    def finished() -> list[Path]:
+        return sorted(cells.glob("[!.]*.parquet")) if cells.is_dir() else []
+
+    proc = _sweep(cluster, command)
+    try:
+        paused = wait_until(lambda: read_marker(marker), 120, "cell 1 to start")
+        wait_until(lambda: len(finished()) == 3 or None, 120, "the three other cells to finish")
+        cluster.client("scancel", paused["slurm_job_id"])
+        output = _finish(proc, cluster, timeout_s=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "a sweep with a cancelled task must fail"
+    assert "CANCELLED" in output, output[-3000:]
+    assert dict(cluster.states(paused["slurm_job_id"])) == {paused["slurm_job_id"]: "CANCELLED"}
+
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished()}
+    rerun = _sweep(cluster, command)
+    output = _finish(rerun, cluster)
+    assert rerun.returncode == 0, output[-3000:]
+
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished()}
+    assert len(after) == 4
+    # The three finished cells were read back, not computed and written again; one new cell appeared.
+    assert {k: after[k] for k in before} == before
+    rows = pd.concat([pd.read_parquet(p) for p in finished()], ignore_index=True)
+    assert sorted(zip(rows.planner, rows.dataset)) == sorted(
+        (p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")
+    )
+    for num in range(4):  # every run directory of the rerun holds its cell's row
+        assert len(pd.read_parquet(sweep_dir / str(num) / "results.parquet")) == 1
+
+
+def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster, tmp_path: Path) -> None:
+    sweep_dir, store = tmp_path / "sweep", tmp_path / "store"
+    marker = tmp_path / "paused.json"
+    cell = [*CELL, "planner=megatron", "trace.preset=reasoning"]
+    proc = _sweep(
+        cluster,
+        [
+            *LAUNCHER,
+            *cell,
+            f"hydra.sweep.dir={sweep_dir}",
+            f"+results_dir={store}",
+            *pause_overrides(marker, job_num=0, seconds=600),
+        ],
+    )
+    try:
+        paused = wait_until(lambda: read_marker(marker), 120, "the cell to start")
+        job = paused["slurm_job_id"]
+        # What Slurm does on preemption with submitit's --signal=USR2: SIGTERM (ignored), then USR2.
+        cluster.client("scancel", "--signal=TERM", job)
+        cluster.client("scancel", "--signal=USR2", job)
+
+        def requeued() -> bool:
+            return any(state == "REQUEUED" for _, state in cluster.states(job, duplicates=True))
+
+        wait_until(requeued, 60, f"job {job} to be requeued")
+        # NOTE: Slurm holds a requeued job for 120 s (BeginTime); an administrator's release skips the wait.
+        cluster.client("scontrol", "update", f"JobId={job}", "StartTime=now")
+        output = _finish(proc, cluster)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+
+    assert [state for _, state in cluster.states(job, duplicates=True)] == ["REQUEUED", "COMPLETED"]
+    logs = "\n".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.*"))
+    assert "Calling checkpoint method" in logs, logs[-3000:]
+    assert re.search(rf"Requeued job {re.escape(job)}", logs), logs[-3000:]
+
+    remote = pd.read_parquet(sweep_dir / "0" / "results.parquet")
+    assert len(list((store / "cells").glob("[!.]*.parquet"))) == 1
+    _assert_same_result(remote, _local_result(cell, tmp_path / "local"))
