@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntFlag
 from typing import Any
 
@@ -105,6 +105,8 @@ class ControlPlaneConfig:
     """Start method of worker processes. NOTE: ``spawn`` because a trainer process holds CUDA state and
     threads, which ``fork`` does not copy safely."""
     seed: int = 0
+    warm_up: bool = True
+    """Plan one small random layer in each worker at start-up (process start, imports, JIT compilation)."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -176,11 +178,29 @@ def _init_worker(kit: _Kit) -> None:
     _WORKER_KIT = kit
 
 
-def _warm() -> int:
-    """Called once per worker at start-up so that process start and imports are off the critical path."""
-    import os
-
-    return os.getpid()
+def _warm(kit: _Kit | None = None) -> float:
+    """Plan one small random layer once per worker at start-up, so that process start, imports and JIT
+    compilation (numba) are off the critical path. Returns its seconds."""
+    t0 = time.perf_counter()
+    kit = kit or _kit()
+    g, num_experts = kit.cluster.num_gpus, kit.model.num_experts
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 8, size=(g, 1, num_experts)).astype(np.int32)
+    sample_gpu = np.arange(g, dtype=np.int32)
+    part = _Slice(
+        batch=0,
+        counts=counts,
+        sample_tokens=np.full(g, 8, dtype=np.int64),
+        sample_gpu=sample_gpu,
+        sample_mb=np.zeros(g, dtype=np.int32),
+        load=microbatch_loads(counts, sample_gpu, np.zeros(g, dtype=np.int32), 1, g),
+        prev_home=static_placement(1, num_experts, g),
+        seed=0,
+    )
+    if kit.reorderer is not None:
+        home, _, _ = _reorder_task(part, kit)
+        _replicate_task(replace(part, home=home[None]), kit)
+    return time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -425,9 +445,11 @@ class ControlPlane:
         self._closed = False
         t0 = time.perf_counter()
         self._slots = [_Slot(self._new_pool()) for _ in range(self.config.workers)] or [_Slot(None)]
-        for slot in self._slots:
-            if slot.pool is not None:
-                slot.pool.submit(_warm).result()
+        if self.config.warm_up:
+            for slot, fut in [(s, s.pool.submit(_warm)) for s in self._slots if s.pool is not None]:
+                if fut.exception() is not None:  # NOTE: a planner that fails here fails its tasks later.
+                    self._kill(slot.pool)
+                    slot.pool = self._new_pool()
         self.startup_s = time.perf_counter() - t0
         """Seconds spent starting the worker processes."""
         self._thread = threading.Thread(target=self._loop, name="relibra-control-plane", daemon=True)

@@ -153,7 +153,7 @@ def test_deadline_falls_back_without_blocking():
         replicator=GreedyReplicator(replica_slots=SLOTS),
         replica_slots=SLOTS,
         name="slow",
-        config=ControlPlaneConfig(workers=2, samples_per_microbatch=2),
+        config=ControlPlaneConfig(workers=2, samples_per_microbatch=2, warm_up=False),
     )
     try:
         cp.submit(counts.counts, counts.tokens)
@@ -210,7 +210,7 @@ def test_crashed_worker_is_replaced_and_its_layer_replanned(tmp_path):
         reorderer=crash,
         replicator=GreedyReplicator(replica_slots=SLOTS),
         replica_slots=SLOTS,
-        config=ControlPlaneConfig(workers=1, max_retries=1),
+        config=ControlPlaneConfig(workers=1, max_retries=1, warm_up=False),
     ) as cp:
         plan = cp.plan(ctx)
         report = cp.report(0)
@@ -229,7 +229,7 @@ def test_always_crashing_layer_falls_back_and_nothing_is_lost():
         reorderer=CrashingReorderer(target=_layer_key(counts, 1)),
         replicator=FailingReplicator(target=_layer_key(counts, 3)),
         replica_slots=SLOTS,
-        config=ControlPlaneConfig(workers=1, max_retries=1),
+        config=ControlPlaneConfig(workers=1, max_retries=1, warm_up=False),
     ) as cp:
         plan = cp.plan(ctx)
         report = cp.report(0)

@@ -276,8 +276,9 @@ def test_log2phy_and_next_phy2log() -> None:
     np.testing.assert_array_equal(log2phy(layout, p2l)[0], [0, 1, 3, 4, 6, 7, 9, 10])
     new_home = np.array([[1, 0, 0, 2, 2, 3, 3, 1]])
     nxt = next_phy2log(p2l, new_home)
-    # Rank 0 keeps nothing of [0, 1]: incoming 1, 2 ascending take rows 0, 1; rank 1 keeps nothing of [2, 3].
-    np.testing.assert_array_equal(nxt[0], [[1, 2], [0, 7], [3, 4], [5, 6]])
+    # Kept experts keep their rows (1 on rank 0, 4 on rank 2, 6 on rank 3); incoming ones fill the freed rows,
+    # ascending (rank 1 lost both of [2, 3] and takes 0, 7).
+    np.testing.assert_array_equal(nxt[0], [[2, 1], [0, 7], [4, 3], [6, 5]])
     with pytest.raises(ValueError, match="expected E / G = 2"):
         next_phy2log(p2l, np.array([[0, 0, 0, 2, 2, 3, 3, 1]]))
 
@@ -316,7 +317,7 @@ def test_replicating_router_splits_tokens_in_token_order() -> None:
     routes = np.array([[0, 1], [0, 2], [3, 0], [0, 1], [2, 0]])  # expert 0 on tokens 0..4
     router = ReplicatingRouter(_FixedRouter(routes, 4), layout)
     home_phys = log2phy(layout, layout.static_phy2log(1))[0]
-    split = np.array([[3, 2], [2, 0], [2, 0], [0, 1]])  # expert 0: first 3 tokens home, last 2 on rank 1's slot
+    split = np.array([[3, 2], [2, 0], [0, 2], [0, 1]])  # expert 0: first 3 tokens home, last 2 on rank 1's slot
     replicas = np.array([[-1], [0]])
     router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split))
     probs, mask = router(torch.zeros(5, 1, 8))
@@ -324,7 +325,9 @@ def test_replicating_router_splits_tokens_in_token_order() -> None:
     np.testing.assert_array_equal(mask[:, 0].numpy(), [1, 1, 1, 0, 0])
     np.testing.assert_array_equal(mask[:, 5].numpy(), [0, 0, 0, 1, 1])
     assert torch.equal(probs.sum(dim=1), router.logical.probs.sum(dim=1))
-    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split + np.eye(4, 2, dtype=int)))
+    more = split.copy()
+    more[0, 0] += 1  # the plan counted one more token of expert 0 than these routes hold
+    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, more))
     with pytest.raises(ValueError, match="replay the routes the plan was made from"):
         router(torch.zeros(5, 1, 8))
 

@@ -262,12 +262,81 @@ def _undo_copy(e, target, a, has, ncopy, pinned, pinned_old, comp, gpn, a_old, c
 
 
 @njit(cache=True)
+def _compute_step(
+    x,
+    tot,
+    home,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    slots,
+    nslot,
+    gpn,
+    r,
+    fixed,
+    nvl,
+    nic,
+    use_comm,
+    sweeps,
+    max_tries,
+    rel_tol,
+    obj_ref,
+    traffic,
+    comm,
+):  # pragma: no cover - compiled
+    """One step of the paper's greedy: the bottleneck GPU's heaviest experts, each onto the least-loaded GPU
+    of the node with a free slot; the first copy that brings the objective under ``obj_ref`` is kept.
+
+    Returns the new objective, or -1.0 when no copy helped (the state is then unchanged).
+    """
+    e_n = x.shape[1]
+    gstar = np.argmax(comp)
+    base_gpu = (gstar // gpn) * gpn
+    node = gstar // gpn
+    kstar = gstar % gpn
+    cand = np.empty(e_n, np.int64)
+    weight = np.empty(e_n)
+    nc = 0
+    for e in range(e_n):
+        if home[e] // gpn == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
+            cand[nc] = e
+            weight[nc] = -a[e, kstar]
+            nc += 1
+    order = np.argsort(weight[:nc])
+    a_old = a.copy()
+    comp_old = comp.copy()
+    for t in range(min(nc, max_tries)):
+        e = cand[order[t]]
+        target = -1
+        for k in range(gpn):
+            g = base_gpu + k
+            if not has[e, k] and nslot[g] < r and (target < 0 or comp[g] < comp[target]):
+                target = g
+        if target < 0:
+            continue
+        pin_old = pinned[e]
+        new = _try_copy(
+            x, tot, home, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
+            sweeps, traffic, comm,
+        )  # fmt: skip
+        if new < obj_ref * (1.0 - rel_tol):
+            slots[target, nslot[target]] = e
+            nslot[target] += 1
+            return new
+        _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+    return -1.0
+
+
+@njit(cache=True)
 def _greedy_one(
     x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, sweeps, max_tries, rel_tol
 ):  # pragma: no cover
     """Greedy replication of one problem. x [G, E] float64, home [E].
 
-    ``accept_comm``: a copy is kept if compute max plus comm max drops (else if the compute max drops).
+    ``accept_comm``: a copy is kept if compute max plus comm max drops (else if the compute max drops), and
+    when no compute-driven copy helps, a communication-driven one is tried (see below).
     ``track_comm``: return the state, along the greedy's path, with the lowest compute-plus-comm objective.
     Returns (a [E, gpn], has [E, gpn], slots [G, r], objective in token equivalents without latency).
     """
@@ -297,47 +366,16 @@ def _greedy_one(
     best_slots = slots.copy()
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
-    a_old = a.copy()
-    comp_old = comp.copy()
     while True:
-        a_old[:, :] = a
-        comp_old[:] = comp
-        gstar = np.argmax(comp)
-        node = gstar // gpn
-        base_gpu = node * gpn
-        kstar = gstar % gpn
-        nc = 0
-        for e in range(e_n):
-            if home[e] // gpn == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
-                cand[nc] = e
-                weight[nc] = -a[e, kstar]
-                nc += 1
-        order = np.argsort(weight[:nc])
-        improved = False
-        for t in range(min(nc, max_tries)):
-            e = cand[order[t]]
-            target = -1
-            for k in range(gpn):
-                g = base_gpu + k
-                if not has[e, k] and nslot[g] < r and (target < 0 or comp[g] < comp[target]):
-                    target = g
-            if target < 0:
-                continue
-            pin_old = pinned[e]
-            new = _try_copy(
-                x, tot, home, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, accept_comm,
-                sweeps, traffic, comm,
-            )  # fmt: skip
-            if new < obj * (1.0 - rel_tol):
-                obj = new
-                slots[target, nslot[target]] = e
-                nslot[target] += 1
-                improved = True
-                break
-            _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
-        if not improved and accept_comm:
-            # Communication-driven move: a copy on the GPU with the busiest links, of the expert it sends the
-            # most tokens for, keeps those tokens local (the send side that compute balancing cannot reach).
+        new = _compute_step(
+            x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, accept_comm,
+            sweeps, max_tries, rel_tol, obj, traffic, comm,
+        )  # fmt: skip
+        if new < 0.0 and accept_comm:
+            # Communication-driven move: a copy on the GPU with the busiest links, of an expert it sends many
+            # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
+            # side that compute balancing cannot reach). It often pays only together with the compute step
+            # that relieves that GPU next, so that step is tried as a one-move lookahead.
             _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
             gc = np.argmax(comm)
             node = gc // gpn
@@ -350,31 +388,39 @@ def _greedy_one(
                         weight[nc] = -x[gc, e]
                         nc += 1
             order = np.argsort(weight[:nc])
+            s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
+            s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
             for t in range(min(nc, max_tries)):
                 e = cand[order[t]]
-                pin_old = pinned[e]
-                best_pin = -1
-                best_new = obj * (1.0 - rel_tol)
                 for pin in (False, True):
-                    new = _try_copy(
+                    trial = _try_copy(
                         x, tot, home, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
                         sweeps, traffic, comm,
                     )  # fmt: skip
-                    _undo_copy(e, gc, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
-                    if new < best_new:
-                        best_new = new
-                        best_pin = 1 if pin else 0
-                if best_pin >= 0:
-                    obj = _try_copy(
-                        x, tot, home, e, gc, best_pin == 1, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic,
-                        True, sweeps, traffic, comm,
-                    )  # fmt: skip
                     slots[gc, nslot[gc]] = e
                     nslot[gc] += 1
-                    improved = True
+                    if trial < obj * (1.0 - rel_tol):
+                        new = trial
+                        break
+                    trial = _compute_step(
+                        x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
+                        sweeps, max_tries, rel_tol, obj, traffic, comm,
+                    )  # fmt: skip
+                    if trial >= 0.0:
+                        new = trial
+                        break
+                    a[:, :] = s_a
+                    has[:, :] = s_has
+                    ncopy[:] = s_ncopy
+                    pinned[:] = s_pinned
+                    comp[:] = s_comp
+                    slots[:, :] = s_slots
+                    nslot[:] = s_nslot
+                if new >= 0.0:
                     break
-        if not improved:
+        if new < 0.0:
             break
+        obj = new
         if track_comm:
             full = (
                 obj
