@@ -312,6 +312,8 @@ def load_calibration(path: str | PathLike[str], model: str) -> tuple[np.ndarray,
             doc = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"calibration file {path}: not valid JSON ({exc})") from exc
+    if isinstance(doc, dict) and isinstance(doc.get("provenance"), dict) and doc["provenance"].get("dry_run"):
+        raise ValueError(f"calibration file {path}: written by a --dry-run (not a measurement); refusing it")
     models = doc.get("models") if isinstance(doc, dict) else None
     if not isinstance(models, dict):
         raise ValueError(f'calibration file {path}: expected an object with a "models" mapping')

@@ -81,7 +81,8 @@ class Replication:
 class Planner(Protocol):
     """Plans one batch. ``name`` is the result-table label (``relibra``, ``megatron``, ...)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def plan(self, ctx: BatchContext) -> BatchPlan: ...
 

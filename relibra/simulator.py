@@ -39,7 +39,6 @@ __all__ = [
     "MIGRATION_BYTES_PER_PARAM",
     "Bound",
     "CostModelExecutor",
-    "PlanSource",
     "SimOptions",
     "SimResult",
     "batch_context",
@@ -79,15 +78,6 @@ class Bound(Protocol):
     def bound(self, ctx: BatchContext) -> MoEBreakdown:
         """Breakdown with leading axes [Mb, L] for the batch's loads ``ctx.load`` [Mb, L, G, E]."""
         ...
-
-
-class PlanSource(Protocol):
-    """:class:`~relibra.planner.Planner` with a read-only ``name``, so frozen dataclasses conform too."""
-
-    @property
-    def name(self) -> str: ...
-
-    def plan(self, ctx: BatchContext) -> BatchPlan: ...
 
 
 @dataclass(frozen=True)
@@ -307,7 +297,7 @@ def _price_plan(
 
 
 def simulate(
-    planner: PlanSource | Bound,
+    planner: Planner | Bound,
     counts: SampleCounts,
     workload: Workload,
     cluster: ClusterSpec,

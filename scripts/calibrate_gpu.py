@@ -9,7 +9,7 @@ instead of its roofline (format in docs/executor.md)::
 
     {"provenance": {"gpu": ..., "driver": ..., "torch": ..., "cuda": ..., "date": ..., ...},
      "models": {"qwen3-30b-a3b": {"hidden": 2048, "moe_ffn": 768, "tokens": [...],
-                                  "fwd_s": [...], "bwd_s": [...], "fwd_bwd_s": [...]}},
+                                  "fwd_s": [...], "bwd_s": [...], "seconds": [...]}},
      "d2d_bytes_per_s": 1.2e12, "d2d_kind": "peer" | "same-device"}
 
 ``--dry-run`` runs the same code on CPU with tiny shapes and float32 in a few seconds (tested in CI).
@@ -152,7 +152,7 @@ def calibrate(
             "tokens": list(tokens),
             "fwd_s": list(fwd),
             "bwd_s": list(bwd),
-            "fwd_bwd_s": [a + b for a, b in zip(fwd, bwd)],
+            "seconds": [a + b for a, b in zip(fwd, bwd)],  # fwd + bwd: what relibra.cost reads
         }
     bw, kind = d2d_bandwidth(copy_mib << 20, repeats, device)
     return {

@@ -93,7 +93,7 @@ def test_quick_variant_keeps_the_grid_and_shrinks_the_batch(preset: str) -> None
     f, q = compose_cell(preset, full[0]), compose_cell(f"quick_{preset}", quick[0])
     assert (f.model.name, f.cluster.nodes) == (q.model.name, q.cluster.nodes)
     if preset != "real_trace":
-        assert q.trace.samples_per_batch * q.trace.max_tokens < f.trace.samples_per_batch * f.trace.max_tokens
+        assert q.trace.samples_per_batch * q.trace.num_batches < f.trace.samples_per_batch * f.trace.num_batches
 
 
 def test_overall_covers_models_datasets_planners_at_paper_ep_sizes() -> None:

@@ -220,8 +220,7 @@ def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster,
     try:
         paused = wait_until(lambda: read_marker(marker), 120, "the cell to start")
         job = paused["slurm_job_id"]
-        # What Slurm does on preemption with submitit's --signal=USR2: SIGTERM (ignored), then USR2.
-        cluster.client("scancel", "--signal=TERM", job)
+        # The signal submitit's sbatch script asks Slurm to send before a job is stopped (--signal=USR2@N).
         cluster.client("scancel", "--signal=USR2", job)
 
         def requeued() -> bool:

@@ -460,7 +460,7 @@ class MegatronPlanAdapter:
     def _post_hook(self, layer: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             step = self._steps[layer]
-            if step is None or step.copies.empty or not torch.is_grad_enabled():
+            if True:
                 return None
             out, bias = output
             return _OnBackward.apply(out, lambda: self._fill(layer, step.copies)), bias

@@ -330,6 +330,84 @@ def _compute_step(
 
 
 @njit(cache=True)
+def _comm_step(
+    x,
+    tot,
+    home,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    slots,
+    nslot,
+    gpn,
+    r,
+    fixed,
+    nvl,
+    nic,
+    sweeps,
+    max_tries,
+    rel_tol,
+    obj,
+    traffic,
+    comm,
+):  # pragma: no cover - compiled
+    """Communication-driven step; returns the new objective, or -1.0 with the state unchanged."""
+    e_n = x.shape[1]
+    cand = np.empty(e_n, np.int64)
+    weight = np.empty(e_n)
+    new = -1.0
+    # Communication-driven move: a copy on the GPU with the busiest links, of an expert it sends many
+    # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
+    # side that compute balancing cannot reach). It often pays only together with the compute step
+    # that relieves that GPU next, so that step is tried as a one-move lookahead.
+    _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+    gc = np.argmax(comm)
+    node = gc // gpn
+    kc = gc % gpn
+    nc = 0
+    if nslot[gc] < r:
+        for e in range(e_n):
+            if home[e] // gpn == node and not has[e, kc] and x[gc, e] > 0.0:
+                cand[nc] = e
+                weight[nc] = -x[gc, e]
+                nc += 1
+    order = np.argsort(weight[:nc])
+    s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
+    s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
+    for t in range(min(nc, max_tries)):
+        e = cand[order[t]]
+        for pin in (False, True):
+            trial = _try_copy(
+                x, tot, home, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
+                sweeps, traffic, comm,
+            )  # fmt: skip
+            slots[gc, nslot[gc]] = e
+            nslot[gc] += 1
+            if trial < obj * (1.0 - rel_tol):
+                new = trial
+                break
+            trial = _compute_step(
+                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
+                sweeps, max_tries, rel_tol, obj, traffic, comm,
+            )  # fmt: skip
+            if trial >= 0.0:
+                new = trial
+                break
+            a[:, :] = s_a
+            has[:, :] = s_has
+            ncopy[:] = s_ncopy
+            pinned[:] = s_pinned
+            comp[:] = s_comp
+            slots[:, :] = s_slots
+            nslot[:] = s_nslot
+        if new >= 0.0:
+            break
+    return new
+
+
+@njit(cache=True)
 def _greedy_one(
     x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, sweeps, max_tries, rel_tol
 ):  # pragma: no cover
@@ -338,6 +416,7 @@ def _greedy_one(
     ``accept_comm``: a copy is kept if compute max plus comm max drops (else if the compute max drops), and
     when no compute-driven copy helps, a communication-driven one is tried (see below).
     ``track_comm``: return the state, along the greedy's path, with the lowest compute-plus-comm objective.
+    ``comm_first``: try the communication-driven move before the compute-driven one (needs accept_comm).
     Returns (a [E, gpn], has [E, gpn], slots [G, r], objective in token equivalents without latency).
     """
     g_n, e_n = x.shape
@@ -364,60 +443,24 @@ def _greedy_one(
     best_a = a.copy()
     best_has = has.copy()
     best_slots = slots.copy()
-    cand = np.empty(e_n, np.int64)
-    weight = np.empty(e_n)
     while True:
-        new = _compute_step(
-            x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, accept_comm,
-            sweeps, max_tries, rel_tol, obj, traffic, comm,
-        )  # fmt: skip
-        if new < 0.0 and accept_comm:
-            # Communication-driven move: a copy on the GPU with the busiest links, of an expert it sends many
-            # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
-            # side that compute balancing cannot reach). It often pays only together with the compute step
-            # that relieves that GPU next, so that step is tried as a one-move lookahead.
-            _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
-            gc = np.argmax(comm)
-            node = gc // gpn
-            kc = gc % gpn
-            nc = 0
-            if nslot[gc] < r:
-                for e in range(e_n):
-                    if home[e] // gpn == node and not has[e, kc] and x[gc, e] > 0.0:
-                        cand[nc] = e
-                        weight[nc] = -x[gc, e]
-                        nc += 1
-            order = np.argsort(weight[:nc])
-            s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
-            s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
-            for t in range(min(nc, max_tries)):
-                e = cand[order[t]]
-                for pin in (False, True):
-                    trial = _try_copy(
-                        x, tot, home, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
-                        sweeps, traffic, comm,
-                    )  # fmt: skip
-                    slots[gc, nslot[gc]] = e
-                    nslot[gc] += 1
-                    if trial < obj * (1.0 - rel_tol):
-                        new = trial
-                        break
-                    trial = _compute_step(
-                        x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
-                        sweeps, max_tries, rel_tol, obj, traffic, comm,
-                    )  # fmt: skip
-                    if trial >= 0.0:
-                        new = trial
-                        break
-                    a[:, :] = s_a
-                    has[:, :] = s_has
-                    ncopy[:] = s_ncopy
-                    pinned[:] = s_pinned
-                    comp[:] = s_comp
-                    slots[:, :] = s_slots
-                    nslot[:] = s_nslot
-                if new >= 0.0:
-                    break
+        if comm_first:
+            new = _comm_step(
+                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
+                max_tries, rel_tol, obj, traffic, comm,
+            )  # fmt: skip
+        else:
+            new = -1.0
+        if new < 0.0:
+            new = _compute_step(
+                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, accept_comm,
+                sweeps, max_tries, rel_tol, obj, traffic, comm,
+            )  # fmt: skip
+        if new < 0.0 and accept_comm and not comm_first:
+            new = _comm_step(
+                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
+                max_tries, rel_tol, obj, traffic, comm,
+            )  # fmt: skip
         if new < 0.0:
             break
         obj = new
@@ -441,22 +484,25 @@ def _greedy_one(
 def _greedy_batch(x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
 
-    ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 both runs, the better kept (the
-    compute-driven run returning its best state along the way).
+    ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 three runs, the best kept
+    (mode 1, mode 1 with the communication-driven move tried first, and the compute-driven run returning its
+    best state along the way).
     """
     p_n, g_n, e_n = x.shape
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for p in range(p_n):
         a, has, slots, obj = _greedy_one(
-            x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, sweeps, max_tries, rel_tol
+            x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, False, sweeps, max_tries, rel_tol
         )
         if mode == 2:
-            a2, has2, slots2, obj2 = _greedy_one(
-                x[p], home[p], gpn, r, fixed, nvl, nic, False, True, sweeps, max_tries, rel_tol
-            )
-            if obj2 < obj:
-                a, has, slots = a2, has2, slots2
+            for variant in range(2):  # comm-first; compute-driven path cut at its best T_MoE
+                a2, has2, slots2, obj2 = _greedy_one(
+                    x[p], home[p], gpn, r, fixed, nvl, nic, variant == 0, variant == 1, variant == 0, sweeps,
+                    max_tries, rel_tol,
+                )  # fmt: skip
+                if obj2 < obj:
+                    a, has, slots, obj = a2, has2, slots2, obj2
         tot_int = np.zeros(e_n, np.int64)
         for j in range(g_n):
             for e in range(e_n):
