@@ -191,8 +191,12 @@ def plot_layer_skew(layers: pd.DataFrame, planners: tuple[str, ...] = ("megatron
             cbar=last,
             cbar_kws={"label": "skewness"} if last else None,
         )
+        if "batch" in layers:  # white lines between RL steps (a reordering happens at each)
+            steps = layers[layers["planner"] == planner].groupby("micro_batch")["batch"].first()
+            for x in np.flatnonzero(np.diff(steps.to_numpy())) + 1:
+                ax.axvline(x, color="white", linewidth=2)
         ax.set_title(f"{paper.label(planner)} (mean {np.nanmean(grid.to_numpy()):.2f})")
-        ax.set_xlabel("micro-batch")
+        ax.set_xlabel("micro-batch (white line: next RL step)" if "batch" in layers else "micro-batch")
         ax.set_ylabel("MoE layer")
     fig.suptitle(f"Per-layer skewness over micro-batches ({where})" if where else "Per-layer skewness")
     fig.tight_layout()

@@ -143,6 +143,8 @@ SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120); 10 keeps tests short.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$STATE/spool/ctld
 SlurmdSpoolDir=$STATE/spool/slurmd

@@ -72,6 +72,7 @@ def _layers(planner: str, skew: float) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "planner": planner,
+            "batch": m.ravel() // 3,
             "micro_batch": m.ravel(),
             "layer": l.ravel(),
             "skew": skew + rng.random(m.size) * 0.1,

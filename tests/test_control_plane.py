@@ -45,13 +45,16 @@ def _check(plan, ctx):
 
 @dataclass(frozen=True)
 class SlowReorderer:
-    """Static placement, but layers whose expert-0 total is in ``slow`` take ``seconds`` first."""
+    """Static placement, but layers (of ``samples`` samples) whose expert-0 total is in ``slow`` take
+    ``seconds`` first."""
 
     slow: tuple[int, ...]
     seconds: float
+    samples: int = 24
 
     def reorder(self, ctx: BatchContext) -> Reordering:
-        if int(np.asarray(ctx.counts)[..., 0].sum()) in self.slow:
+        counts = np.asarray(ctx.counts)
+        if counts.shape[0] == self.samples and int(counts[..., 0].sum()) in self.slow:
             time.sleep(self.seconds)
         return StaticReorderer().reorder(ctx)
 
@@ -153,7 +156,7 @@ def test_deadline_falls_back_without_blocking():
         replicator=GreedyReplicator(replica_slots=SLOTS),
         replica_slots=SLOTS,
         name="slow",
-        config=ControlPlaneConfig(workers=2, samples_per_microbatch=2, warm_up=False),
+        config=ControlPlaneConfig(workers=2, samples_per_microbatch=2),
     )
     try:
         cp.submit(counts.counts, counts.tokens)

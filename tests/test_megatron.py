@@ -18,21 +18,21 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec  # noqa: E402
-from relibra.cost import CostModel  # noqa: E402
-from relibra.executors.plan_check import routes_load  # noqa: E402
-from relibra.executors.torch_executor import launch  # noqa: E402
-from relibra.invariants import check_plan  # noqa: E402
-from relibra.megatron.adapter import (  # noqa: E402
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cost import CostModel
+from relibra.executors.plan_check import routes_load
+from relibra.executors.torch_executor import launch
+from relibra.invariants import check_plan
+from relibra.megatron.adapter import (
     PhysicalLayout,
     ReplicatingRouter,
     log2phy,
     next_phy2log,
     slot_table,
 )
-from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches  # noqa: E402
-from relibra.planner import BatchContext  # noqa: E402
-from relibra.types import BatchPlan  # noqa: E402
+from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
+from relibra.planner import BatchContext
+from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
 
@@ -56,7 +56,9 @@ def skewed_routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
     """Distinct top-k experts per token, experts 0 and 1 hot: int64 [T, L, k]."""
     weight = np.ones(NUM_EXPERTS)
     weight[:2] = 6.0
-    keys = rng.random((tokens, NUM_LAYERS, NUM_EXPERTS)) ** (1.0 / weight)  # weighted sampling w/o replacement
+    keys = rng.random((tokens, NUM_LAYERS, NUM_EXPERTS)) ** (
+        1.0 / weight
+    )  # weighted sampling w/o replacement
     return np.argsort(-keys, axis=-1)[..., :TOP_K].astype(np.int64)
 
 
@@ -76,8 +78,15 @@ def context(routes: list[list[np.ndarray]]) -> BatchContext:
     tokens = np.array([len(routes[m][j]) for m in range(NUM_MB) for j in range(WORLD)], dtype=np.int64)
     cluster, model = _cluster(), _model_spec()
     return BatchContext(
-        batch=0, counts=counts.astype(np.int32), sample_tokens=tokens, sample_gpu=sample_gpu, sample_mb=sample_mb,
-        load=load, cluster=cluster, model=model, cost=CostModel(cluster, model),
+        batch=0,
+        counts=counts.astype(np.int32),
+        sample_tokens=tokens,
+        sample_gpu=sample_gpu,
+        sample_mb=sample_mb,
+        load=load,
+        cluster=cluster,
+        model=model,
+        cost=CostModel(cluster, model),
     )
 
 
@@ -100,7 +109,9 @@ def handmade_plan(rng: np.random.Generator, ctx: BatchContext) -> BatchPlan:
                 copies = np.union1d(copies, [home[layer, e]])
                 cuts = np.sort(rng.integers(0, total[e] + 1, len(copies) - 1))
                 assign[m, layer, e, copies] = np.diff(np.concatenate([[0], cuts, [total[e]]]))
-    return BatchPlan(home=home, assign=assign, load=ctx.load.copy(), sample_gpu=ctx.sample_gpu.copy(), replicas=replicas)
+    return BatchPlan(
+        home=home, assign=assign, load=ctx.load.copy(), sample_gpu=ctx.sample_gpu.copy(), replicas=replicas
+    )
 
 
 # ----------------------------------------------------------------------------------------- per rank
@@ -139,6 +150,7 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
     relib = TinyMoEModel(spec, world, replica_slots=R)
     out: dict = {"plain": [], "relibra": [], "moved_grads": None}
     opts = [torch.optim.Adam(m.trainable_parameters(), lr=1e-2) for m in (plain, relib)]
+    assert relib.adapter is not None
     for b, (batch, plan) in enumerate(zip(batches, plans)):
         moved = relib.adapter.apply_placement(plan.home, opts[1])
         if b > 0:  # the grads of the last batch travelled with their experts
@@ -151,7 +163,8 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
         for opt in opts:
             opt.step()
     out["weights"] = {
-        name: [m.expert_state(layer) for layer in range(NUM_LAYERS)] for name, m in (("plain", plain), ("relibra", relib))
+        name: [m.expert_state(layer) for layer in range(NUM_LAYERS)]
+        for name, m in (("plain", plain), ("relibra", relib))
     }
     out["buffer_fills"] = relib.adapter.buffer.fills
     # RECORD -> trace file -> REPLAY_FORWARD, on the plain model (the rollout side).
@@ -171,8 +184,14 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
         y_shuffled = plain(x)  # same expert sets, other top-k order: same output
     with torch.no_grad(), replaying((replayed + 1) % NUM_EXPERTS, plain.routers, NUM_EXPERTS):
         y_other = plain(x)
-    out["record"] = dict(routes=rec, replayed=replayed, y_record=y_record.numpy(), y_replay=y_replay.numpy(),
-                         y_shuffled=y_shuffled.numpy(), y_other=y_other.numpy())
+    out["record"] = dict(
+        routes=rec,
+        replayed=replayed,
+        y_record=y_record.numpy(),
+        y_replay=y_replay.numpy(),
+        y_shuffled=y_shuffled.numpy(),
+        y_other=y_other.numpy(),
+    )
     return out
 
 
@@ -180,8 +199,20 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
 def world_run() -> tuple[list, list, list[dict]]:
     rng = np.random.default_rng(7)
     batches = [batch_routes(rng) for _ in range(2)]
-    inputs = [[[torch.randn(len(batches[b][m][j]), HIDDEN, generator=torch.Generator().manual_seed(100 * b + 10 * m + j))
-                for j in range(WORLD)] for m in range(NUM_MB)] for b in range(2)]
+    inputs = [
+        [
+            [
+                torch.randn(
+                    len(batches[b][m][j]),
+                    HIDDEN,
+                    generator=torch.Generator().manual_seed(100 * b + 10 * m + j),
+                )
+                for j in range(WORLD)
+            ]
+            for m in range(NUM_MB)
+        ]
+        for b in range(2)
+    ]
     ctxs = [context(bt) for bt in batches]
     plans = [handmade_plan(rng, ctx) for ctx in ctxs]
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,11 +263,17 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
         relib = _merged([r["relibra"][batch][2]["experts"][layer] for r in ranks])
         assert sum(np.abs(g).sum() > 0 for g in plain.values()) >= NUM_EXPERTS // 2
         for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} grad")
+            np.testing.assert_allclose(
+                relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} grad"
+            )
     for rank, r in enumerate(ranks):
         for name in ("routers", "mix"):
-            np.testing.assert_allclose(np.asarray(r["relibra"][batch][2][name]), np.asarray(r["plain"][batch][2][name]),
-                                       atol=ATOL, err_msg=f"rank {rank} {name} grad")
+            np.testing.assert_allclose(
+                np.asarray(r["relibra"][batch][2][name]),
+                np.asarray(r["plain"][batch][2][name]),
+                atol=ATOL,
+                err_msg=f"rank {rank} {name} grad",
+            )
 
 
 def test_placement_moves_grads_and_optimizer_state(run) -> None:  # type: ignore[no-untyped-def]
@@ -251,7 +288,9 @@ def test_placement_moves_grads_and_optimizer_state(run) -> None:  # type: ignore
         plain = _merged([r["weights"]["plain"][layer] for r in ranks])
         relib = _merged([r["weights"]["relibra"][layer] for r in ranks])
         for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} weights")
+            np.testing.assert_allclose(
+                relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} weights"
+            )
     homes = [{e for d in [r["weights"]["relibra"][layer]] for e in d} for r in ranks for layer in [0]]
     for rank, held in enumerate(homes):
         assert held == set(np.flatnonzero(plans[1].home[0] == rank))
@@ -265,7 +304,9 @@ def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped
         np.testing.assert_array_equal(rec["replayed"], rec["routes"])
         np.testing.assert_array_equal(rec["y_replay"], rec["y_record"])
         np.testing.assert_allclose(rec["y_shuffled"], rec["y_record"], atol=1e-6)
-        assert not np.allclose(rec["y_other"], rec["y_record"]), f"rank {rank}: other routes must change the output"
+        assert not np.allclose(rec["y_other"], rec["y_record"]), (
+            f"rank {rank}: other routes must change the output"
+        )
 
 
 # --------------------------------------------------------------------------------- local unit checks
@@ -306,7 +347,7 @@ class _FixedRouter(torch.nn.Module):
         t = len(routes)
         self.mask = torch.zeros(t, num_experts, dtype=torch.bool)
         self.mask[torch.arange(t)[:, None], torch.as_tensor(routes)] = True
-        self.probs = torch.rand(t, num_experts) * self.mask
+        self.probs: torch.Tensor = torch.rand(t, num_experts) * self.mask
 
     def forward(self, hidden, padding_mask=None):  # type: ignore[no-untyped-def]
         return self.probs, self.mask
@@ -317,7 +358,9 @@ def test_replicating_router_splits_tokens_in_token_order() -> None:
     routes = np.array([[0, 1], [0, 2], [3, 0], [0, 1], [2, 0]])  # expert 0 on tokens 0..4
     router = ReplicatingRouter(_FixedRouter(routes, 4), layout)
     home_phys = log2phy(layout, layout.static_phy2log(1))[0]
-    split = np.array([[3, 2], [2, 0], [0, 2], [0, 1]])  # expert 0: first 3 tokens home, last 2 on rank 1's slot
+    split = np.array(
+        [[3, 2], [2, 0], [0, 2], [0, 1]]
+    )  # expert 0: first 3 tokens home, last 2 on rank 1's slot
     replicas = np.array([[-1], [0]])
     router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split))
     probs, mask = router(torch.zeros(5, 1, 8))

@@ -197,13 +197,14 @@ def test_lse_bounds_the_hard_max() -> None:
 
 # ------------------------------------------------------------------------------------- annealer
 @pytest.mark.parametrize(
-    ("nodes", "gpn", "objective"), [(2, 4, "microbatch"), (4, 2, "aggregate"), (1, 8, "microbatch")]
+    ("nodes", "gpn", "objective", "warmup"),
+    [(2, 4, "microbatch", 2000), (4, 2, "aggregate", 0), (1, 8, "microbatch", 0), (2, 2, "aggregate", 500)],
 )
-def test_never_worse_than_lpt_and_invariants(nodes: int, gpn: int, objective: str) -> None:
+def test_never_worse_than_lpt_and_invariants(nodes: int, gpn: int, objective: str, warmup: int) -> None:
     from relibra.invariants import check_plan
 
     ctx = make_ctx(nodes, gpn, 32, seed=nodes + gpn)
-    planner = ReorderOnlyPlanner(iterations=800, seeds=[0, 1], objective=objective)
+    planner = ReorderOnlyPlanner(iterations=800, seeds=[0, 1], objective=objective, aggregate_warmup=warmup)
     plan = planner.plan(ctx)
     check_plan(plan, ctx, replica_slots=0)
     assert per_gpu_counts_ok(plan.home, nodes * gpn)

@@ -18,6 +18,7 @@ import fcntl
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def _assert_same_result(remote: pd.DataFrame, local: pd.DataFrame) -> None:
 
 def _array_job_id(sweep_dir: Path) -> str:
     """The Slurm array job id of a sweep, from submitit's folder ``.submitit/<array id>_<task>``."""
-    ids = {p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
+    ids = {
+        p.name.split("_")[0] for p in (sweep_dir / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)
+    }
     assert len(ids) == 1, f"expected one array job in {sweep_dir}, found {sorted(ids)}"
     return ids.pop()
 
@@ -150,7 +153,9 @@ def test_grid_results_match_local_runs(cluster: SlurmCluster, tmp_path: Path) ->
         assert len(remote) == 1
         planner, dataset = remote.loc[0, "planner"], remote.loc[0, "dataset"]
         seen.add((planner, dataset))
-        local = _local_result([*CELL, f"planner={planner}", f"trace.preset={dataset}"], tmp_path / f"local{num}")
+        local = _local_result(
+            [*CELL, f"planner={planner}", f"trace.preset={dataset}"], tmp_path / f"local{num}"
+        )
         _assert_same_result(remote, local)
     assert seen == {(p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")}
 
@@ -226,9 +231,8 @@ def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster,
         def requeued() -> bool:
             return any(state == "REQUEUED" for _, state in cluster.states(job, duplicates=True))
 
+        # The requeued job starts again after the test cluster's credential lifetime (cred_expire, 10 s).
         wait_until(requeued, 60, f"job {job} to be requeued")
-        # NOTE: Slurm holds a requeued job for 120 s (BeginTime); an administrator's release skips the wait.
-        cluster.client("scontrol", "update", f"JobId={job}", "StartTime=now")
         output = _finish(proc, cluster)
     finally:
         if proc.poll() is None:
@@ -243,3 +247,38 @@ def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster,
     remote = pd.read_parquet(sweep_dir / "0" / "results.parquet")
     assert len(list((store / "cells").glob("[!.]*.parquet"))) == 1
     _assert_same_result(remote, _local_result(cell, tmp_path / "local"))
+
+
+def test_sim_grid_sbatch_template_runs_every_cell(cluster: SlurmCluster, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    env = {**cluster.env, "RELIBRA_PYTHON": sys.executable}
+    submitted = subprocess.run(
+        [
+            "bash",
+            str(REPO / "slurm" / "sim_grid.sbatch"),
+            "quick_datasets",
+            *CELL,
+            *GRID,
+            f"results_dir={store}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = re.search(r"Submitted batch job (\d+)", submitted.stdout)
+    assert job, submitted.stdout
+
+    def done() -> dict[str, str] | None:
+        states = dict(cluster.states(job.group(1)))
+        finished = len(states) == 4 and all(s not in {"PENDING", "RUNNING"} for s in states.values())
+        return states if finished else None
+
+    states = wait_until(done, SWEEP_TIMEOUT_S, f"array job {job.group(1)} to finish")
+    assert set(states.values()) == {"COMPLETED"}, states
+    rows = pd.concat([pd.read_parquet(p) for p in (store / "cells").glob("[!.]*.parquet")])
+    assert sorted(zip(rows.planner, rows.dataset)) == sorted(
+        (p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")
+    )

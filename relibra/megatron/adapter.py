@@ -84,7 +84,9 @@ class PhysicalLayout:
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.num_experts % self.num_gpus:
-            raise ValueError(f"num_experts={self.num_experts} must be a multiple of num_gpus={self.num_gpus} (>= 1)")
+            raise ValueError(
+                f"num_experts={self.num_experts} must be a multiple of num_gpus={self.num_gpus} (>= 1)"
+            )
         if self.replica_slots < 0:
             raise ValueError(f"replica_slots={self.replica_slots}; expected >= 0")
 
@@ -119,8 +121,10 @@ def log2phy(layout: PhysicalLayout, phy2log: np.ndarray) -> np.ndarray:
     """phy2log [L, G, E / G] -> int64 [L, E]: physical id of each expert's home row."""
     num_layers, g, n = phy2log.shape
     out = np.empty((num_layers, layout.num_experts), dtype=np.int64)
-    ids = layout.home_id(np.arange(g)[:, None], np.arange(n)[None, :])  # [G, n]
-    np.put_along_axis(out, phy2log.reshape(num_layers, -1), np.broadcast_to(ids.reshape(-1), (num_layers, g * n)), 1)
+    ids = np.asarray(layout.home_id(np.arange(g)[:, None], np.arange(n)[None, :]))  # [G, n]
+    np.put_along_axis(
+        out, phy2log.reshape(num_layers, -1), np.broadcast_to(ids.reshape(-1), (num_layers, g * n)), 1
+    )
     return out
 
 
@@ -131,7 +135,9 @@ def next_phy2log(phy2log: np.ndarray, new_home: np.ndarray) -> np.ndarray:
     counts = np.stack([(new_home == gpu).sum(axis=1) for gpu in range(g)], axis=1)  # [L, G]
     if (counts != n).any():
         layer, gpu = np.argwhere(counts != n)[0]
-        raise ValueError(f"new home: layer {layer} puts {counts[layer, gpu]} experts on rank {gpu}; expected E / G = {n}")
+        raise ValueError(
+            f"new home: layer {layer} puts {counts[layer, gpu]} experts on rank {gpu}; expected E / G = {n}"
+        )
     out = np.array(phy2log, dtype=np.int64, copy=True)
     for layer in range(num_layers):
         for gpu in range(g):
@@ -142,7 +148,11 @@ def next_phy2log(phy2log: np.ndarray, new_home: np.ndarray) -> np.ndarray:
 
 
 def slot_table(
-    layout: PhysicalLayout, home_phys: np.ndarray, home: np.ndarray, replicas: np.ndarray | None, split: np.ndarray
+    layout: PhysicalLayout,
+    home_phys: np.ndarray,
+    home: np.ndarray,
+    replicas: np.ndarray | None,
+    split: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Where one source rank's tokens of each expert go, for one (micro-batch, layer).
 
@@ -179,7 +189,7 @@ class ReplicatingRouter(nn.Module):
 
     def __init__(self, logical: nn.Module, layout: PhysicalLayout) -> None:
         super().__init__()
-        self.logical = logical
+        self.logical: Any = logical
         self.layout = layout
         self.log2phy = torch.arange(layout.num_experts, dtype=torch.long)
         """long [E]: physical id of each expert's home row (set by the adapter)."""
@@ -196,7 +206,9 @@ class ReplicatingRouter(nn.Module):
     def set_table(self, table: tuple[np.ndarray, np.ndarray] | None) -> None:
         self.table = None if table is None else tuple(torch.as_tensor(a, dtype=torch.long) for a in table)  # type: ignore[assignment]
 
-    def forward(self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         probs, mask = self.logical(hidden, padding_mask)  # [T, E] each
         t, e_total = mask.shape
         if self.table is None:
@@ -208,7 +220,8 @@ class ReplicatingRouter(nn.Module):
                 e = int(torch.nonzero(got != bound[:, -1])[0, 0])
                 raise ValueError(
                     f"this rank routes {int(got[e])} tokens to expert {e} but the plan's load says "
-                    f"{int(bound[e, -1])}; replay the routes the plan was made from (RouterReplay REPLAY_FORWARD)"
+                    f"{int(bound[e, -1])}; replay the routes the plan was made from "
+                    "(RouterReplay REPLAY_FORWARD)"
                 )
             rank_in_expert = mask.long().cumsum(dim=0) - 1  # [T, E]: position among e's tokens
             copy_idx = (rank_in_expert.unsqueeze(-1) >= bound.unsqueeze(0)).sum(dim=-1)  # [T, E]
@@ -227,7 +240,8 @@ def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRoute
     def build(*, config: Any, pg_collection: Any = None) -> ReplicatingRouter:
         if config.num_moe_experts != layout.num_physical:
             raise ValueError(
-                f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer needs "
+                f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer "
+                "needs "
                 f"the physical count E + G * r = {layout.num_physical}"
             )
         logical = copy.deepcopy(config)
@@ -259,7 +273,7 @@ class _LayerStep:
     table: tuple[np.ndarray, np.ndarray]
 
 
-def _expert_params(mlp: nn.Module) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+def _expert_params(mlp: Any) -> tuple[Any, Any]:
     return mlp.linear_fc1.weight, mlp.linear_fc2.weight
 
 
@@ -274,17 +288,22 @@ class MegatronPlanAdapter:
     def __init__(self, layers: Sequence[nn.Module], layout: PhysicalLayout) -> None:
         if not dist.is_initialized() or dist.get_world_size() != layout.num_gpus:
             raise ValueError(
-                f"the adapter needs torch.distributed initialised with world size = EP size = {layout.num_gpus}"
+                f"the adapter needs torch.distributed initialised with world size = EP size = "
+                f"{layout.num_gpus}"
             )
-        self.layers = list(layers)
+        self.layers: list[Any] = list(layers)
         self.layout = layout
         self.rank = dist.get_rank()
         for i, layer in enumerate(self.layers):
             if not isinstance(layer.router, ReplicatingRouter):
-                raise TypeError(f"layer {i}: router is {type(layer.router).__name__}; build it with replicating_router")
+                raise TypeError(
+                    f"layer {i}: router is {type(layer.router).__name__}; build it with replicating_router"
+                )
             got = len(layer.experts.local_experts)
             if got != layout.slots_per_gpu:
-                raise ValueError(f"layer {i} has {got} local experts; expected E / G + r = {layout.slots_per_gpu}")
+                raise ValueError(
+                    f"layer {i} has {got} local experts; expected E / G + r = {layout.slots_per_gpu}"
+                )
         self.phy2log = layout.static_phy2log(len(self.layers))
         """int64 [L, G, E / G]: the logical expert in each home row."""
         fc1, fc2 = _expert_params(self.layers[0].experts.local_experts[0])
@@ -309,17 +328,22 @@ class MegatronPlanAdapter:
             out[layer, self.phy2log[layer].reshape(-1)] = gpu.reshape(-1)
         return out
 
-    def home_rows(self, layer: int) -> list[nn.Module]:
+    def home_rows(self, layer: int) -> list[Any]:
         """This rank's home-row expert MLPs of ``layer`` (row ``i`` holds ``phy2log[layer, rank, i]``)."""
         return list(self.layers[layer].experts.local_experts[: self.layout.experts_per_gpu])
 
-    def replica_slots(self, layer: int) -> list[nn.Module]:
+    def replica_slots(self, layer: int) -> list[Any]:
         """This rank's replica-slot MLPs of ``layer`` (views of the layer-shared buffer)."""
         return list(self.layers[layer].experts.local_experts[self.layout.experts_per_gpu :])
 
     def replica_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters backed by the replica buffer: leave them out of the optimizer."""
-        return [p for layer in range(len(self.layers)) for m in self.replica_slots(layer) for p in _expert_params(m)]
+        return [
+            p
+            for layer in range(len(self.layers))
+            for m in self.replica_slots(layer)
+            for p in _expert_params(m)
+        ]
 
     def slot_of(self, layer: int) -> dict[int, int]:
         """Logical expert -> home row on this rank."""
@@ -333,13 +357,16 @@ class MegatronPlanAdapter:
         """This rank's home experts of ``layer``: logical id -> flat weight gradient [P] (zeros if none)."""
         out = {}
         for e, m in zip(self.phy2log[layer, self.rank], self.home_rows(layer)):
-            out[int(e)] = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in _expert_params(m)
-            ])
+            out[int(e)] = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    for p in _expert_params(m)
+                ]
+            )
         return out
 
     def load_expert_weights(self, layer: int, weights: Callable[[int], torch.Tensor]) -> None:
-        """Set each home row's weights from ``weights(logical_id) -> flat [P]`` (e.g. per global expert id)."""
+        """Set each home row's weights from ``weights(logical_id) -> flat [P]`` (per global expert id)."""
         with torch.no_grad():
             for e, m in zip(self.phy2log[layer, self.rank], self.home_rows(layer)):
                 self._unflatten_into(m, weights(int(e)))
@@ -379,22 +406,31 @@ class MegatronPlanAdapter:
         ones the plan's ``load`` was counted from.
         """
         if plan.redundant is not None:
-            raise ValueError("plan.redundant is set: permanent redundant slots (EPLB+, LPLB+) are not supported here")
+            raise ValueError(
+                "plan.redundant is set: permanent redundant slots (EPLB+, LPLB+) are not supported here"
+            )
         if not np.array_equal(np.asarray(plan.home), self.home):
-            raise ValueError("plan.home differs from the model's placement; call apply_placement(plan.home) first")
+            raise ValueError(
+                "plan.home differs from the model's placement; call apply_placement(plan.home) first"
+            )
         num_layers, r = len(self.layers), self.layout.replica_slots
         if plan.assign.shape[1:] != (num_layers, self.layout.num_experts, self.layout.num_gpus):
-            raise ValueError(f"plan.assign[m] has shape {plan.assign.shape[1:]}; expected [L, E, G] = "
-                             f"{(num_layers, self.layout.num_experts, self.layout.num_gpus)}")
+            raise ValueError(
+                f"plan.assign[m] has shape {plan.assign.shape[1:]}; expected [L, E, G] = "
+                f"{(num_layers, self.layout.num_experts, self.layout.num_gpus)}"
+            )
         if plan.replicas is not None and plan.replicas.shape[-1] > r:
-            raise ValueError(f"plan.replicas has {plan.replicas.shape[-1]} slots per rank; the model has r = {r}")
+            raise ValueError(
+                f"plan.replicas has {plan.replicas.shape[-1]} slots per rank; the model has r = {r}"
+            )
         home_phys = log2phy(self.layout, self.phy2log)
         for layer in range(num_layers):
             split = split_counts(plan.load[m, layer], plan.assign[m, layer])[self.rank]  # [E, G]
             replicas = None if plan.replicas is None else np.asarray(plan.replicas[m, layer])
             table = slot_table(self.layout, home_phys[layer], plan.home[layer], replicas, split)
             copies = (
-                SlotCopies((), ()) if replicas is None
+                SlotCopies((), ())
+                if replicas is None
                 else SlotCopies.from_slots(replicas, np.asarray(plan.home[layer]), self.rank)
             )
             self._steps[layer] = _LayerStep(copies=copies, table=table)
@@ -447,7 +483,8 @@ class MegatronPlanAdapter:
             x = kwargs[key] if key in kwargs else args[0]
             if not x.requires_grad:
                 raise ValueError(
-                    f"layer {layer}: the MoE input does not require grad, so replica gradients could not be reduced "
+                    f"layer {layer}: the MoE input does not require grad, so replica gradients could not be "
+                    "reduced "
                     "home in backward; make the input require grad or run under torch.no_grad()"
                 )
             x = _OnBackward.apply(x, lambda: self._reduce_grads(layer, step.copies))
@@ -460,7 +497,7 @@ class MegatronPlanAdapter:
     def _post_hook(self, layer: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, output: Any) -> Any:
             step = self._steps[layer]
-            if True:
+            if step is None or step.copies.empty or not torch.is_grad_enabled():
                 return None
             out, bias = output
             return _OnBackward.apply(out, lambda: self._fill(layer, step.copies)), bias
@@ -476,8 +513,10 @@ class MegatronPlanAdapter:
         """
         new_home = np.asarray(new_home, dtype=np.int64)
         if new_home.shape != (len(self.layers), self.layout.num_experts):
-            raise ValueError(f"new_home has shape {new_home.shape}; expected [L, E] = "
-                             f"{(len(self.layers), self.layout.num_experts)}")
+            raise ValueError(
+                f"new_home has shape {new_home.shape}; expected [L, E] = "
+                f"{(len(self.layers), self.layout.num_experts)}"
+            )
         old = self.phy2log
         new = next_phy2log(old, new_home)
         old_home = self.home
@@ -516,7 +555,10 @@ class MegatronPlanAdapter:
         outgoing = [int(e) for e in old[rank] if new_home[e] != rank]
         incoming = [int(e) for e in new[rank] if old_home[e] != rank]
         # Step 1: pack every outgoing expert before any incoming one overwrites its freed row.
-        send = {e: torch.cat([t.reshape(-1) for t in self._row_tensors(rows[old_row[e]], optimizer)]) for e in outgoing}
+        send = {
+            e: torch.cat([t.reshape(-1) for t in self._row_tensors(rows[old_row[e]], optimizer)])
+            for e in outgoing
+        }
         recv = {
             e: torch.empty(sum(t.numel() for t in self._row_tensors(rows[new_row[e]], optimizer)))
             for e in incoming

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_PATCHES", "apply_cpu_patches", "applied_patches", "cpu_patches", "remove_cpu_patches"]
+__all__ = ["CPU_PATCHES", "applied_patches", "apply_cpu_patches", "cpu_patches", "remove_cpu_patches"]
 
 
 class _CpuStream:
@@ -98,7 +98,13 @@ def _moe_utils() -> Any:
 
 
 CPU_PATCHES: tuple[_Patch, ...] = (
-    _Patch("cuda_stream", "alltoall dispatcher creates a DtoH side stream", lambda: torch.cuda, "Stream", _CpuStream),
+    _Patch(
+        "cuda_stream",
+        "alltoall dispatcher creates a DtoH side stream",
+        lambda: torch.cuda,
+        "Stream",
+        _CpuStream,
+    ),
     _Patch(
         "cuda_current_stream",
         "alltoall dispatcher compares and waits on the current stream",
@@ -106,8 +112,13 @@ CPU_PATCHES: tuple[_Patch, ...] = (
         "current_stream",
         _current_stream,
     ),
-    _Patch("cuda_stream_context", "alltoall dispatcher copies split sizes under a stream context", lambda: torch.cuda,
-           "stream", _stream),
+    _Patch(
+        "cuda_stream_context",
+        "alltoall dispatcher copies split sizes under a stream context",
+        lambda: torch.cuda,
+        "stream",
+        _stream,
+    ),
     _Patch(
         "cuda_current_device",
         "TopKRouter.gating moves the router weight to it; all-to-all outputs are allocated on it",
@@ -117,7 +128,7 @@ CPU_PATCHES: tuple[_Patch, ...] = (
     ),
     _Patch(
         "te_general_gemm",
-        "megatron-core 0.16.1 reads moe_utils.te_general_gemm although it is only defined with Transformer Engine",
+        "megatron-core 0.16.1 reads moe_utils.te_general_gemm, defined only with Transformer Engine",
         _moe_utils,
         "te_general_gemm",
         None,

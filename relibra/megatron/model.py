@@ -14,6 +14,7 @@ The expert flat layout: ``fc1 [2F, H]`` (gate rows, then up rows) then ``fc2 [H,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,8 @@ def _build_moe_layer(config: Any, layout: PhysicalLayout | None) -> nn.Module:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     experts = ModuleSpec(
-        module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        module=SequentialMLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
     )
     if layout is None:
         return MoELayer(config, MoESubmodules(experts=experts))
@@ -115,10 +117,12 @@ class TinyMoEModel(nn.Module):
         super().__init__()
         self.spec = spec
         RouterReplay.clear_global_router_replay_instances()
-        self.layout = None if replica_slots is None else PhysicalLayout(spec.num_experts, ep_size, replica_slots)
+        self.layout = (
+            None if replica_slots is None else PhysicalLayout(spec.num_experts, ep_size, replica_slots)
+        )
         num = spec.num_experts if self.layout is None else self.layout.num_physical
         config = moe_config(spec, num, ep_size)
-        self.moe = nn.ModuleList([_build_moe_layer(config, self.layout) for _ in range(spec.num_layers)])
+        self.moe: Any = nn.ModuleList([_build_moe_layer(config, self.layout) for _ in range(spec.num_layers)])
         gen = torch.Generator().manual_seed(spec.seed * 7_919 + 1)
         h = spec.hidden
         self.mix = nn.Parameter(torch.randn(spec.num_layers, h, h, generator=gen) / h)
@@ -128,7 +132,8 @@ class TinyMoEModel(nn.Module):
         self.adapter: MegatronPlanAdapter | None = None
         if self.layout is None:
             rank, per_gpu = torch.distributed.get_rank(), spec.num_experts // ep_size
-            for layer, module in enumerate(self.moe):
+            layers: list[Any] = list(self.moe)
+            for layer, module in enumerate(layers):
                 with torch.no_grad():
                     for i, mlp in enumerate(module.experts.local_experts):
                         flat = expert_weights(spec, layer, rank * per_gpu + i)
@@ -138,15 +143,15 @@ class TinyMoEModel(nn.Module):
         else:
             self.adapter = MegatronPlanAdapter(list(self.moe), self.layout)
             for layer in range(spec.num_layers):
-                self.adapter.load_expert_weights(layer, lambda e, layer=layer: expert_weights(spec, layer, e))
+                self.adapter.load_expert_weights(layer, functools.partial(expert_weights, spec, layer))
 
     @property
-    def routers(self) -> list[nn.Module]:
+    def routers(self) -> list[Any]:
         """The logical ``TopKRouter`` of every layer (the one holding ``router_replay``), in layer order."""
         return [getattr(m.router, "logical", m.router) for m in self.moe]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """Every parameter except the replica slots (views of the replica buffer): give these to the optimizer."""
+        """Every parameter except the replica slots (views of the replica buffer): the optimizer's."""
         skip = set() if self.adapter is None else {id(p) for p in self.adapter.replica_parameters()}
         return [p for p in self.parameters() if id(p) not in skip]
 
@@ -169,12 +174,12 @@ class TinyMoEModel(nn.Module):
             return {e: g.numpy().copy() for e, g in self.adapter.expert_grads(layer).items()}
         return {e: _flat(m, grad=True) for e, m in self._plain_rows(layer)}
 
-    def _plain_rows(self, layer: int) -> list[tuple[int, nn.Module]]:
+    def _plain_rows(self, layer: int) -> list[tuple[int, Any]]:
         rank, rows = torch.distributed.get_rank(), self.moe[layer].experts.local_experts
         return [(rank * len(rows) + i, m) for i, m in enumerate(rows)]
 
 
-def _flat(mlp: nn.Module, grad: bool) -> np.ndarray:
+def _flat(mlp: Any, grad: bool) -> np.ndarray:
     params = (mlp.linear_fc1.weight, mlp.linear_fc2.weight)
     parts = [(p.grad if grad else p).detach().reshape(-1) for p in params]  # type: ignore[union-attr]
     return torch.cat(parts).numpy().copy()

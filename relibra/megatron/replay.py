@@ -48,13 +48,17 @@ def check_replay_config(config: Any) -> None:
         raise ValueError("config.moe_enable_routing_replay is False; set it to True so routers replay routes")
     if getattr(config, "moe_router_fusion", False):
         raise ValueError(
-            "config.moe_router_fusion=True: the fused router path ignores RouterReplay; set moe_router_fusion=False"
+            "config.moe_router_fusion=True: the fused router path ignores RouterReplay; "
+            "set moe_router_fusion=False"
         )
     if getattr(config, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
-        raise ValueError("config.moe_router_load_balancing_type='sinkhorn' bypasses RouterReplay; use 'aux_loss' or 'none'")
+        raise ValueError(
+            "config.moe_router_load_balancing_type='sinkhorn' bypasses RouterReplay; use 'aux_loss' or 'none'"
+        )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         raise ValueError(
-            "config.moe_expert_capacity_factor is set: token dropping changes the replayed routes; use None (dropless)"
+            "config.moe_expert_capacity_factor is set: token dropping changes the replayed routes; "
+            "use None (dropless)"
         )
 
 
@@ -78,13 +82,19 @@ def _check_routes(routes: np.ndarray, num_layers: int, num_experts: int | None) 
     if routes.ndim != 3 or not np.issubdtype(routes.dtype, np.integer):
         raise ValueError(f"routes: expected integer [T, L, k], got {routes.dtype} {routes.shape}")
     if routes.shape[1] != num_layers:
-        raise ValueError(f"routes hold {routes.shape[1]} layers but there are {num_layers} RouterReplay instances")
+        raise ValueError(
+            f"routes hold {routes.shape[1]} layers but there are {num_layers} RouterReplay instances"
+        )
     if routes.size and (routes.min() < 0 or (num_experts is not None and routes.max() >= num_experts)):
-        raise ValueError(f"routes: expert ids span [{routes.min()}, {routes.max()}]; expected [0, {num_experts})")
+        raise ValueError(
+            f"routes: expert ids span [{routes.min()}, {routes.max()}]; expected [0, {num_experts})"
+        )
     distinct = np.sort(routes, axis=-1)
     if routes.shape[2] > 1 and (distinct[..., 1:] == distinct[..., :-1]).any():
         t, layer, _ = np.argwhere(distinct[..., 1:] == distinct[..., :-1])[0]
-        raise ValueError(f"routes[{t}, {layer}] names one expert twice; top-k experts of a token must be distinct")
+        raise ValueError(
+            f"routes[{t}, {layer}] names one expert twice; top-k experts of a token must be distinct"
+        )
     return routes
 
 
@@ -102,7 +112,9 @@ def set_replay_routes(
     _, action_enum = _replay_types()
     instances = replay_instances(routers)
     routes = _check_routes(routes, len(instances), num_experts)
-    per_layer = torch.as_tensor(np.ascontiguousarray(routes.transpose(1, 0, 2)), dtype=torch.long)  # [L, T, k]
+    per_layer = torch.as_tensor(
+        np.ascontiguousarray(routes.transpose(1, 0, 2)), dtype=torch.long
+    )  # [L, T, k]
     for layer, inst in enumerate(instances):
         inst.clear_indices()
         inst.set_target_indices(per_layer[layer])
@@ -128,7 +140,7 @@ def recorded_routes(routers: Sequence[Any] | None = None) -> np.ndarray:
 
 @contextlib.contextmanager
 def recording(routers: Sequence[Any] | None = None) -> Iterator[None]:
-    """Record routes during the forwards inside the block (rollout); read them with :func:`recorded_routes`."""
+    """Record routes in the forwards inside the block (rollout); read them with :func:`recorded_routes`."""
     _, action_enum = _replay_types()
     instances = replay_instances(routers)
     for inst in instances:
@@ -142,7 +154,9 @@ def recording(routers: Sequence[Any] | None = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def replaying(routes: np.ndarray, routers: Sequence[Any] | None = None, num_experts: int | None = None) -> Iterator[None]:
+def replaying(
+    routes: np.ndarray, routers: Sequence[Any] | None = None, num_experts: int | None = None
+) -> Iterator[None]:
     """Replay routes [T, L, k] during the forwards inside the block, then clear the replay state."""
     set_replay_routes(routes, routers, num_experts)
     try:
@@ -164,7 +178,9 @@ def routes_to_trace(
         raise ValueError("sample_routes is empty; expected the recorded routes of at least one sample")
     shapes = {tuple(r.shape[1:]) for r in sample_routes}
     if len(shapes) != 1:
-        raise ValueError(f"samples disagree on [L, k]: {sorted(shapes)}; every sample must come from one model")
+        raise ValueError(
+            f"samples disagree on [L, k]: {sorted(shapes)}; every sample must come from one model"
+        )
     ((num_layers, top_k),) = shapes
     lengths = np.array([r.shape[0] for r in sample_routes], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -176,8 +192,14 @@ def routes_to_trace(
             if batch_offsets is None
             else np.asarray(batch_offsets, dtype=np.int64)
         ),
-        meta={"num_experts": num_experts, "top_k": top_k, "num_layers": num_layers, "model": model, "source": source,
-              **meta},
+        meta={
+            "num_experts": num_experts,
+            "top_k": top_k,
+            "num_layers": num_layers,
+            "model": model,
+            "source": source,
+            **meta,
+        },
     )
 
 

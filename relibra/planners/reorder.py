@@ -52,6 +52,7 @@ __all__ = [
     "link_routes",
     "lpt_placement",
     "placement_objective",
+    "solve_layer",
 ]
 
 MIGRATION_BYTES_PER_PARAM = 18
@@ -70,8 +71,8 @@ class AnnealConfig:
     iterations: int = 500
     """Swap proposals per seed and layer on ``objective`` (after the warm-up, if any)."""
     aggregate_warmup: int = 2000
-    """With ``objective="microbatch"``: swap proposals on the aggregate objective first (about ``Mb`` times
-    cheaper each); the main phase then starts from the better of the warm-up's best and the LPT start."""
+    """Swap proposals on the aggregate objective first (about ``Mb`` times cheaper each than per micro-batch);
+    the main phase then starts from the better of the warm-up's best and the start, at a lower temperature."""
     warm_temperature_start: float = 0.002
     """Initial temperature of the main phase after a warm-up (lower: refine rather than restart)."""
     seeds: tuple[int, ...] = (0, 1)
@@ -568,47 +569,82 @@ class _LayerTask:
     cost: CostModel = field(repr=False)
 
 
+def solve_layer(
+    load_l: np.ndarray,
+    cost: CostModel,
+    config: AnnealConfig,
+    *,
+    start: np.ndarray | None = None,
+    prev_home: np.ndarray | None = None,
+    layer: int = 0,
+    seeds: tuple[int, ...] | None = None,
+    routes: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, float, float]:
+    """One layer, every seed, as :class:`AnnealingReorderer` runs it.
+
+    Args:
+        load_l: [Mb, G, E] loads whose summed ``T_MoE`` is the objective (one row for the aggregate form).
+        start: [E] start placement (default: LPT on the experts' compute); prev_home: [E] or None.
+        layer: mixes into each seed's stream; seeds: default ``config.seeds``.
+    Returns:
+        (best home int32 [E], its true objective in seconds, the LPT / given start's objective in seconds).
+    """
+    cfg = config
+    routes = routes if routes is not None else link_routes(cost.cluster.nodes, cost.cluster.gpus_per_node)
+    g = cost.cluster.num_gpus
+    problem = layer_problem(load_l, cost, prev_home=prev_home, migration_weight=cfg.migration_weight)
+    if start is None:
+        start = lpt_placement(problem.w.sum(axis=0), g)
+    start_obj = placement_objective(problem, start, cost.cluster, routes)
+    lpt_obj = start_obj
+    if prev_home is not None and cfg.migration_weight > 0:
+        # NOTE: staying put costs no migration; start from whichever is better by the true objective.
+        prev_obj = placement_objective(problem, prev_home, cost.cluster, routes)
+        if prev_obj < start_obj:
+            start, start_obj = np.asarray(prev_home, dtype=np.int32), prev_obj
+    warm = cfg.aggregate_warmup > 0
+    main_cfg = cfg
+    if warm:
+        agg = layer_problem(
+            np.asarray(load_l).sum(axis=0, keepdims=True, dtype=np.int64),
+            cost,
+            prev_home=prev_home,
+            migration_weight=cfg.migration_weight,
+        )
+        agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
+        main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
+    best: tuple[np.ndarray, float] | None = None
+    for s in seeds if seeds is not None else cfg.seeds:
+        seed = int(np.random.SeedSequence([s, layer]).generate_state(1)[0] & 0x7FFFFFFF)
+        first = start
+        if warm:
+            # Step 1: the cheap aggregate objective; Step 2: refine on the per-micro-batch objective.
+            w_home, _, _ = anneal_layer(agg, start, cost.cluster, agg_cfg, seed + 1, routes)
+            if placement_objective(problem, w_home, cost.cluster, routes) < start_obj:
+                first = w_home
+        home, obj, _ = anneal_layer(problem, first, cost.cluster, main_cfg, seed, routes)
+        if best is None or obj < best[1]:
+            best = (home, obj)
+    assert best is not None
+    return best[0], best[1], lpt_obj
+
+
 def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
     """Every seed on every layer of the chunk -> per layer (best home [E], best s, LPT start s)."""
-    cfg, cost = task.config, task.cost
-    routes = link_routes(cost.cluster.nodes, cost.cluster.gpus_per_node)
-    out = []
-    for i, layer in enumerate(task.layers):
-        prev = None if task.prev_home is None else task.prev_home[i]
-        problem = layer_problem(task.loads[:, i], cost, prev_home=prev, migration_weight=cfg.migration_weight)
-        start = task.start_home[i]
-        lpt_obj = placement_objective(problem, start, cost.cluster, routes)
-        if prev is not None and cfg.migration_weight > 0:
-            # NOTE: staying put costs no migration; start from whichever is better by the true objective.
-            if placement_objective(problem, prev, cost.cluster, routes) < lpt_obj:
-                start = prev.astype(np.int32)
-        warm = cfg.objective == "microbatch" and cfg.aggregate_warmup > 0 and task.loads.shape[0] > 1
-        main_cfg = cfg
-        if warm:
-            agg = layer_problem(
-                task.loads[:, i].sum(axis=0, keepdims=True, dtype=np.int64),
-                cost,
-                prev_home=prev,
-                migration_weight=cfg.migration_weight,
-            )
-            agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
-            main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
-            start_obj = placement_objective(problem, start, cost.cluster, routes)
-        best: tuple[np.ndarray, float] | None = None
-        for s in task.seeds:
-            seed = int(np.random.SeedSequence([s, layer]).generate_state(1)[0] & 0x7FFFFFFF)
-            first = start
-            if warm:
-                # Step 1: the cheap aggregate objective; Step 2: refine on the per-micro-batch objective.
-                w_home, _, _ = anneal_layer(agg, start, cost.cluster, agg_cfg, seed + 1, routes)
-                if placement_objective(problem, w_home, cost.cluster, routes) < start_obj:
-                    first = w_home
-            home, obj, _ = anneal_layer(problem, first, cost.cluster, main_cfg, seed, routes)
-            if best is None or obj < best[1]:
-                best = (home, obj)
-        assert best is not None
-        out.append((best[0], best[1], lpt_obj))
-    return out
+    routes = link_routes(task.cost.cluster.nodes, task.cost.cluster.gpus_per_node)
+    return [
+        solve_layer(
+            task.loads[:, i],
+            task.cost,
+            task.config,
+            start=task.start_home[i],
+            prev_home=None if task.prev_home is None else task.prev_home[i],
+            layer=layer,
+            seeds=task.seeds,
+            routes=routes,
+        )
+        for i, layer in enumerate(task.layers)
+    ]
 
 
 class AnnealingReorderer:

@@ -202,6 +202,10 @@ def _round_split(a, has, tot_int):  # pragma: no cover - compiled
     return out
 
 
+LOOKAHEAD = 4
+"""Moves out of the busiest-link GPU tried after a communication-driven copy before it is given up."""
+
+
 @njit(cache=True)
 def _try_copy(
     x,
@@ -285,14 +289,17 @@ def _compute_step(
     obj_ref,
     traffic,
     comm,
+    source,
 ):  # pragma: no cover - compiled
     """One step of the paper's greedy: the bottleneck GPU's heaviest experts, each onto the least-loaded GPU
     of the node with a free slot; the first copy that brings the objective under ``obj_ref`` is kept.
 
+    ``source >= 0`` relieves that GPU instead, moving out whole first the experts it sends the fewest of its
+    own tokens to, and keeps the first copy that is possible (``obj_ref`` ignored): a lookahead move.
     Returns the new objective, or -1.0 when no copy helped (the state is then unchanged).
     """
     e_n = x.shape[1]
-    gstar = np.argmax(comp)
+    gstar = np.argmax(comp) if source < 0 else source
     base_gpu = (gstar // gpn) * gpn
     node = gstar // gpn
     kstar = gstar % gpn
@@ -302,7 +309,7 @@ def _compute_step(
     for e in range(e_n):
         if home[e] // gpn == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
             cand[nc] = e
-            weight[nc] = -a[e, kstar]
+            weight[nc] = -a[e, kstar] if source < 0 else x[gstar, e] / a[e, kstar]
             nc += 1
     order = np.argsort(weight[:nc])
     a_old = a.copy()
@@ -317,15 +324,18 @@ def _compute_step(
         if target < 0:
             continue
         pin_old = pinned[e]
-        new = _try_copy(
-            x, tot, home, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
-            sweeps, traffic, comm,
-        )  # fmt: skip
-        if new < obj_ref * (1.0 - rel_tol):
-            slots[target, nslot[target]] = e
-            nslot[target] += 1
-            return new
-        _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+        for pin in (False, True):  # water-filled, or (for T_MoE) moved out whole: frees a heavy sender
+            if pin and not use_comm:
+                break
+            new = _try_copy(
+                x, tot, home, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
+                sweeps, traffic, comm,
+            )  # fmt: skip
+            if new < obj_ref * (1.0 - rel_tol) or (source >= 0 and pin):
+                slots[target, nslot[target]] = e
+                nslot[target] += 1
+                return new
+            _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
     return -1.0
 
 
@@ -390,9 +400,19 @@ def _comm_step(
                 break
             trial = _compute_step(
                 x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
-                sweeps, max_tries, rel_tol, obj, traffic, comm,
+                sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
             )  # fmt: skip
             if trial >= 0.0:
+                new = trial
+                break
+            for _ in range(LOOKAHEAD):  # relieve gc: move out whole the experts it holds mostly for others
+                trial = _compute_step(
+                    x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
+                    sweeps, max_tries, rel_tol, obj, traffic, comm, gc,
+                )  # fmt: skip
+                if trial < obj * (1.0 - rel_tol):
+                    break
+            if 0.0 <= trial < obj * (1.0 - rel_tol):
                 new = trial
                 break
             a[:, :] = s_a
@@ -409,7 +429,7 @@ def _comm_step(
 
 @njit(cache=True)
 def _greedy_one(
-    x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, sweeps, max_tries, rel_tol
+    x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, comm_first, sweeps, max_tries, rel_tol
 ):  # pragma: no cover
     """Greedy replication of one problem. x [G, E] float64, home [E].
 
@@ -454,7 +474,7 @@ def _greedy_one(
         if new < 0.0:
             new = _compute_step(
                 x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, accept_comm,
-                sweeps, max_tries, rel_tol, obj, traffic, comm,
+                sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
             )  # fmt: skip
         if new < 0.0 and accept_comm and not comm_first:
             new = _comm_step(
