@@ -202,7 +202,7 @@ def _round_split(a, has, tot_int):  # pragma: no cover - compiled
     return out
 
 
-LOOKAHEAD = 4
+LOOKAHEAD = 2
 """Moves out of the busiest-link GPU tried after a communication-driven copy before it is given up."""
 
 
