@@ -213,7 +213,7 @@ def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     return paths
 
 
-FIGURES = {
+FIGURES: dict[str, list[tuple[str, Callable[[pd.DataFrame], Figure]]]] = {
     "overall": [("throughput", plot_throughput)],
     "ablation": [("ablation", plot_ablation)],
     "ep_scaling": [("skew_by_ep", plot_skew_by_ep)],
@@ -243,9 +243,9 @@ def all_figures(
             jobs.append((experiment, "layer_skew", plot_layer_skew, layers))
     written: list[Path] = []
     skipped: list[str] = []
-    for experiment, name, plot, frame in jobs:
+    for experiment, name, draw, frame in jobs:
         try:
-            fig = plot(frame)
+            fig = draw(frame)
         except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
             skipped.append(f"{experiment}: figure {name} skipped: {exc}")
             plt.close("all")

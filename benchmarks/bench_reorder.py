@@ -38,6 +38,7 @@ from relibra.planners.reorder import (
     layer_problem,
     link_routes,
     lpt_placement,
+    main_iterations,
     placement_objective,
     solve_layer,
 )
@@ -77,7 +78,12 @@ def quality_rows(
     cluster = cost.cluster
     routes = link_routes(cluster.nodes, cluster.gpus_per_node)
     long_cfg = replace(
-        cfg, iterations=20 * cfg.iterations, aggregate_warmup=10 * cfg.aggregate_warmup, seeds=tuple(range(8))
+        cfg,
+        work_per_layer=20 * cfg.work_per_layer,
+        min_iterations=20 * cfg.min_iterations,
+        max_iterations=20 * cfg.max_iterations,
+        aggregate_warmup=10 * cfg.aggregate_warmup,
+        seeds=tuple(range(8)),
     )
     gaps, lpt_gaps, bound_gaps, long_gaps, t_sa, t_ex = [], [], [], [], 0.0, 0.0
     for load in loads:
@@ -199,6 +205,7 @@ def section_speed(full: bool) -> None:
         routes = link_routes(nodes, 8)
         loads = [random_layer(rng, 16, g, 128, 4096, alpha=0.5) for _ in range(layers)]
         solve_layer(loads[0], cost, AnnealConfig(iterations=10, aggregate_warmup=10), routes=routes)  # JIT
+        rows_of = {"microbatch": 16, "aggregate": 1}
         for objective in ("microbatch", "aggregate"):
             cfg = AnnealConfig(objective=objective)
             t_total, c_total, gain = 0.0, 0.0, []
@@ -219,7 +226,7 @@ def section_speed(full: bool) -> None:
                 str(g),
                 str(nodes),
                 objective,
-                f"{cfg.aggregate_warmup} agg + {cfg.iterations}",
+                f"{cfg.aggregate_warmup} agg + {main_iterations(cfg, rows_of[objective], g)}",
                 str(len(cfg.seeds)),
                 f"{1e3 * t_total / layers:.1f}",
                 f"{1e3 * c_total / layers:.1f}",

@@ -172,13 +172,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
         write_outputs(out, results, per_layer, dump)
         return results, per_layer
 
+    reused = False
     if cfg.get("results_dir"):
         results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
             write_outputs(out, results, None, None)
     else:
         results, _ = cell()
-    if str(cfg.logger.name) == "wandb":
+    if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran
         from experiments.wandb_logger import log_run
 
         config = OmegaConf.to_container(cfg, resolve=True)

@@ -93,7 +93,8 @@ def test_quick_variant_keeps_the_grid_and_shrinks_the_batch(preset: str) -> None
     f, q = compose_cell(preset, full[0]), compose_cell(f"quick_{preset}", quick[0])
     assert (f.model.name, f.cluster.nodes) == (q.model.name, q.cluster.nodes)
     if preset != "real_trace":
-        assert q.trace.samples_per_batch * q.trace.num_batches < f.trace.samples_per_batch * f.trace.num_batches
+        rollouts = [c.trace.samples_per_batch * c.trace.num_batches for c in (q, f)]
+        assert rollouts[0] < rollouts[1]
 
 
 def test_overall_covers_models_datasets_planners_at_paper_ep_sizes() -> None:

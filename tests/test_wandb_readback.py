@@ -79,3 +79,13 @@ def test_reader_refuses_files_that_are_not_wandb_runs() -> None:
         _records(b"PAR1" + bytes(64))
     with pytest.raises(ValueError, match="corrupt"):
         _records(b":W&B\xe1\xbe\x00" + bytes([0, 0, 0, 0, 0xFF, 0x7F, 1]) + b"short")
+
+
+def test_rerun_of_a_finished_cell_logs_no_second_run(offline: Path) -> None:
+    cfg = compose_cell("quick_ep_scaling", [*TINY, f"results_dir={offline / 'store'}"])
+    first = run(cfg, run_dir=offline / "first")
+    again = run(cfg, run_dir=offline / "again")
+    pd.testing.assert_frame_equal(first.reset_index(drop=True), again.reset_index(drop=True))
+    assert len(find_offline_runs(offline / "first")) == 1
+    assert find_offline_runs(offline / "again") == []
+    assert (offline / "again" / "results.parquet").is_file()

@@ -51,6 +51,7 @@ __all__ = [
     "layer_problem",
     "link_routes",
     "lpt_placement",
+    "main_iterations",
     "placement_objective",
     "solve_layer",
 ]
@@ -68,8 +69,15 @@ receive, ``2`` NIC send, ``3`` NIC receive), then the same four for combine (the
 class AnnealConfig:
     """Parameters of :class:`AnnealingReorderer` (all have defaults; Hydra passes them as keyword args)."""
 
-    iterations: int = 500
-    """Swap proposals per seed and layer on ``objective`` (after the warm-up, if any)."""
+    iterations: int | None = None
+    """Swap proposals per seed and layer on ``objective`` after the warm-up; None: the same work for every
+    layer shape, ``work_per_layer / (rows * G)`` proposals (rows: ``Mb``, or 1 for the aggregate form),
+    clipped to ``[min_iterations, max_iterations]`` (so small problems get more proposals)."""
+    work_per_layer: int = 512_000
+    """Incremental-update work (rows x GPUs per proposal, summed) per seed and layer when ``iterations`` is
+    None: 500 proposals for 16 micro-batches on 64 GPUs."""
+    min_iterations: int = 500
+    max_iterations: int = 20_000
     aggregate_warmup: int = 2000
     """Swap proposals on the aggregate objective first (about ``Mb`` times cheaper each than per micro-batch);
     the main phase then starts from the better of the warm-up's best and the start, at a lower temperature."""
@@ -107,9 +115,14 @@ class AnnealConfig:
     def __post_init__(self) -> None:
         if self.objective not in ("microbatch", "aggregate"):
             raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
-        if self.iterations < 0 or self.aggregate_warmup < 0:
+        if (self.iterations is not None and self.iterations < 0) or self.aggregate_warmup < 0:
             raise ValueError(
                 f"iterations={self.iterations}, aggregate_warmup={self.aggregate_warmup}; expected >= 0"
+            )
+        if not (0 <= self.min_iterations <= self.max_iterations) or self.work_per_layer < 0:
+            raise ValueError(
+                f"min_iterations={self.min_iterations}, max_iterations={self.max_iterations}, work_per_layer="
+                f"{self.work_per_layer}; need 0 <= min <= max and work >= 0"
             )
         if not (self.temperature_end <= self.warm_temperature_start):
             raise ValueError(
@@ -523,7 +536,7 @@ def anneal_layer(
         problem.mig,
         problem.coef,
         cluster.gpus_per_node,
-        config.iterations,
+        main_iterations(config, problem.x.shape[0], problem.x.shape[2]),
         np.random.default_rng(seed),
         config.beta_start,
         config.beta_end,
@@ -567,6 +580,14 @@ class _LayerTask:
     seeds: tuple[int, ...]
     config: AnnealConfig = field(repr=False)
     cost: CostModel = field(repr=False)
+
+
+def main_iterations(config: AnnealConfig, rows: int, num_gpus: int) -> int:
+    """Swap proposals of the main phase for a layer with ``rows`` objective rows on ``num_gpus`` GPUs."""
+    if config.iterations is not None:
+        return config.iterations
+    auto = config.work_per_layer // max(1, rows * num_gpus)
+    return int(min(max(auto, config.min_iterations), config.max_iterations))
 
 
 def solve_layer(
@@ -613,6 +634,7 @@ def solve_layer(
         )
         agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
         main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
+    main_cfg = replace(main_cfg, iterations=main_iterations(cfg, problem.x.shape[0], g))
     best: tuple[np.ndarray, float] | None = None
     for s in seeds if seeds is not None else cfg.seeds:
         seed = int(np.random.SeedSequence([s, layer]).generate_state(1)[0] & 0x7FFFFFFF)
