@@ -24,12 +24,19 @@ def to_markdown(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _escape_latex(text: str) -> str:
+    """``text`` with LaTeX's special characters escaped (for the caption; cells go through the Styler)."""
+    for char in ("&", "%", "$", "#", "_", "{", "}"):
+        text = text.replace(char, "\\" + char)
+    return text
+
+
 def to_latex(table: Table) -> str:
     """A LaTeX ``table`` float (booktabs rules, cells and headers escaped) with the title as caption."""
     text = table.formatted().replace("–", "--")
     styler = text.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
     return styler.to_latex(
-        caption=table.title.replace("%", r"\%"),
+        caption=_escape_latex(table.title),
         label=f"tab:{table.name}",
         hrules=True,
         position="ht",

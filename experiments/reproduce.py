@@ -12,8 +12,9 @@ it is converted once to ``RESULTS/traces/olmoe-decode.npz`` and the preset is sk
 Examples::
 
     python -m experiments.reproduce                          # the quick presets (about 10 minutes)
-    python -m experiments.reproduce --presets quick_ablation # one preset
+    python -m experiments.reproduce --presets quick_ablation,quick_datasets
     python -m experiments.reproduce logger=wandb             # extra overrides go to every cell
+    python -m experiments.reproduce planner=megatron,relibra # ... and may replace a preset's sweep
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -90,17 +92,20 @@ def run_grid(
 
     A failing cell is recorded and the grid goes on; nothing else is retried.
     """
-    from experiments.run import run  # NOTE: imported late: it pulls in the planners and torch-free simulator
+    from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
     report = GridReport(preset)
     store_dir = results_root / preset
     store = ResultsStore(store_dir)
-    grid = cells(preset)
-    configs = compose_cells(preset, [[*cell, *overrides, f"results_dir={store_dir}"] for cell in grid])
+    grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
+    configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
     store.write_grid(cell_key(cfg) for cfg in configs)
-    task = progress.add_task(preset, total=len(grid), reused=0) if progress is not None else None
+    task = progress.add_task(preset, total=len(grid), reused=0, cell="") if progress is not None else None
     for cell, cfg in zip(grid, configs):
         key = cell_key(cfg)
+        if progress is not None and task is not None:
+            dataset = cfg.trace.get("dataset") or cfg.trace.preset
+            progress.update(task, cell=f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}")
         if store.has(key):
             report.reused += 1
         else:
@@ -113,7 +118,13 @@ def run_grid(
                     traceback.print_exc()
         if progress is not None and task is not None:
             progress.update(task, advance=1, reused=report.reused)
+    if progress is not None and task is not None:
+        progress.update(task, cell="")
     return report
+
+
+def _ep(cfg: DictConfig) -> int:
+    return int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
 
 
 def _progress(console: Console) -> Progress:
@@ -125,6 +136,7 @@ def _progress(console: Console) -> Progress:
         TimeElapsedColumn(),
         TextColumn("left"),
         TimeRemainingColumn(),
+        TextColumn("[dim]{task.fields[cell]}"),
         console=console,
     )
 
@@ -139,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results", type=Path, default=Path("results"), help="results root (default results/)"
     )
-    parser.add_argument("--presets", nargs="+", default=list(QUICK_PRESETS), help="presets to run, in order")
+    parser.add_argument(
+        "--presets",
+        default=",".join(QUICK_PRESETS),
+        help="comma-separated presets to run, in order (default: the six quick presets)",
+    )
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
     args = parser.parse_args(argv)
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
@@ -148,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     reports: list[GridReport] = []
     with _progress(console) as progress:
-        for preset in args.presets:
+        for preset in [p for p in args.presets.split(",") if p]:
             overrides = list(args.overrides)
             if preset.removeprefix("quick_") == "real_trace":
                 trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pandas as pd
 import pyarrow as pa
@@ -121,19 +121,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_parquet(
-    frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None
-) -> None:
-    """Write ``frame`` to ``path`` so that no reader ever sees a partial file (temp file, fsync, rename)."""
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object], suffix: str) -> None:
+    """Write ``path`` through ``write(file)`` so no reader ever sees a partial file (temp, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    if metadata:
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".parquet", dir=path.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=suffix, dir=path.parent)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -141,6 +136,16 @@ def atomic_write_parquet(
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_parquet(
+    frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None
+) -> None:
+    """Write ``frame`` to ``path`` atomically, with ``metadata`` added to the parquet schema metadata."""
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    _atomic_write(path, lambda fh: pq.write_table(table, fh), ".parquet")
 
 
 @dataclass(frozen=True)
@@ -225,15 +230,8 @@ class ResultsStore:
 
     def write_grid(self, keys: Iterable[str]) -> None:
         """Record the keys of the experiment's current grid (atomically), so loads skip stale cells."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".json", dir=self.root)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(sorted(set(keys)), fh)
-            os.replace(tmp, self.grid_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        text = json.dumps(sorted(set(keys))).encode()
+        _atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
 
     def current_keys(self, all_cells: bool = False) -> list[str]:
         """Finished cells of the current grid (``grid.json``), or every finished cell without one."""

@@ -10,12 +10,18 @@ Every planner's :class:`~relibra.types.BatchPlan` and every ``plans.npz`` must s
 * with redundant slots: each GPU computes at most ``E / G + redundant_slots + replica_slots`` distinct
   experts per (micro-batch, layer), and when the plan lists ``redundant`` its homes plus copies fit its
   ``E / G + redundant_slots`` physical slots;
-* optionally (ReLibra's layer-shared buffer): every non-home copy is in the node of the expert's home;
-* when the plan lists its slot contents (``replicas``, ``redundant``), every non-home expert a GPU computes
-  sits in one of that GPU's slots.
+* optionally (ReLibra's layer-shared buffer): every non-home copy outside a redundant slot, and every listed
+  replica, is in the node of the expert's home;
+* when the plan lists its slot contents (``replicas`` [Mb, L, G, r], ``redundant`` [L, G, R]): at most
+  ``replica_slots`` replica slots per GPU, expert ids in ``[-1, E)``, a GPU's replica slots name an expert
+  at most once and never one of its own home experts, and every non-home expert a GPU computes sits in one of
+  that GPU's slots.
 
-Each violation raises :class:`PlanInvariantError` naming the invariant, the first offending index and
-what would be right.
+Each violation raises :class:`PlanInvariantError` naming the invariant (its ``.invariant``, also the
+bracketed prefix of the message), the first offending index and what would be right. The checks are small
+public functions (:func:`check_shapes`, :func:`check_home`, :func:`check_counts`,
+:func:`check_replica_table`, :func:`check_redundant_table`) composed by :func:`check_assignment`; the torch
+executor's stricter refusal (:mod:`relibra.executors.plan_check`) is built on the same functions.
 """
 
 from __future__ import annotations
@@ -23,14 +29,26 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from os import PathLike
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from relibra.planner import BatchContext
 from relibra.types import BatchPlan
 
-__all__ = ["PlanInvariantError", "check_assignment", "check_plan", "check_plan_dump", "sample_loads"]
+__all__ = [
+    "PlanInvariantError",
+    "check_assignment",
+    "check_counts",
+    "check_home",
+    "check_plan",
+    "check_plan_dump",
+    "check_redundant_table",
+    "check_replica_table",
+    "check_shapes",
+    "first_index",
+    "sample_loads",
+]
 
 PLAN_DUMP_ARRAYS = ("home", "sample_gpu", "sample_mb", "mb_batch", "load", "assign", "meta")
 PLAN_DUMP_META_KEYS = (
@@ -47,11 +65,24 @@ PLAN_DUMP_META_KEYS = (
 
 
 class PlanInvariantError(ValueError):
-    """A plan breaks one of the invariants of DESIGN.md "Plan dump"; the message names which."""
+    """A plan breaks one of the invariants of DESIGN.md "Plan dump".
+
+    ``invariant`` is the violated invariant's name (the bracketed prefix of the message), ``detail`` the rest:
+    the first offending index and what would be right.
+    """
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"[{invariant}] {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: keeps the error picklable across processes (the default would call cls(message)).
+        return (type(self), (self.invariant, self.detail))
 
 
-def _fail(invariant: str, detail: str) -> None:
-    raise PlanInvariantError(f"[{invariant}] {detail}")
+def _fail(invariant: str, detail: str) -> NoReturn:
+    raise PlanInvariantError(invariant, detail)
 
 
 def _check_array(name: str, arr: Any, shape: tuple[int, ...] | None, ndim: int, where: str) -> np.ndarray:
@@ -65,8 +96,12 @@ def _check_array(name: str, arr: Any, shape: tuple[int, ...] | None, ndim: int, 
     return a
 
 
-def _first(mask: np.ndarray) -> tuple[int, ...]:
+def first_index(mask: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True entry of ``mask`` (row-major), as plain ints."""
     return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+_first = first_index
 
 
 def sample_loads(
@@ -91,6 +126,172 @@ def sample_loads(
     return out.reshape(num_microbatches, num_gpus, l, e).transpose(0, 2, 1, 3)
 
 
+# ------------------------------------------------------------------------------- shared invariants
+def check_shapes(
+    home: np.ndarray, assign: np.ndarray, load: np.ndarray, *, gpus_per_node: int, where: str = "plan"
+) -> tuple[int, int, int, int]:
+    """``[dtype]`` / ``[shape]``: int32 home [L, E], assign [Mb, L, E, G], load [Mb, L, G, E] that agree,
+    ``G`` a multiple of ``gpus_per_node`` and ``E`` divisible by ``G``. Returns ``(Mb, L, E, G)``."""
+    assign = np.asarray(assign)
+    if assign.ndim != 4:
+        _fail("shape", f"{where}: assign has shape {assign.shape}; expected [Mb, L, E, G]")
+    mb, num_layers, num_experts, num_gpus = assign.shape
+    _check_array("home", home, (num_layers, num_experts), 2, where)
+    _check_array("assign", assign, None, 4, where)
+    _check_array("load", load, (mb, num_layers, num_gpus, num_experts), 4, where)
+    if num_gpus % gpus_per_node != 0:
+        _fail("shape", f"{where}: G={num_gpus} GPUs is not a multiple of gpus_per_node={gpus_per_node}")
+    if num_experts % num_gpus != 0:
+        _fail("shape", f"{where}: E={num_experts} experts is not divisible by G={num_gpus} GPUs")
+    return mb, num_layers, num_experts, num_gpus
+
+
+def check_home(home: np.ndarray, num_gpus: int, *, balanced: bool, where: str = "plan") -> None:
+    """``[home range]``: home [L, E] GPU ids in ``[0, G)``; ``[home balance]`` (when ``balanced``): every GPU
+    is home to exactly ``E / G`` experts of every layer."""
+    home = np.asarray(home)
+    bad = (home < 0) | (home >= num_gpus)
+    if bad.any():
+        l, e = _first(bad)
+        _fail("home range", f"{where}: home[{l}, {e}]={home[l, e]} is outside [0, {num_gpus})")
+    if not balanced:
+        return
+    per_gpu = home.shape[1] // num_gpus
+    homes_per_gpu = (home[:, :, None] == np.arange(num_gpus)).sum(axis=1)  # [L, G]
+    bad = homes_per_gpu != per_gpu
+    if bad.any():
+        l, g = _first(bad)
+        _fail(
+            "home balance",
+            f"{where}: GPU {g} is home to {homes_per_gpu[l, g]} experts in layer {l}; "
+            f"expected exactly E/G = {per_gpu}",
+        )
+
+
+def check_counts(assign: np.ndarray, load: np.ndarray, where: str = "plan") -> None:
+    """``[load >= 0]``, ``[assign >= 0]`` and ``[token conservation]``:
+    ``sum_g assign[m, l, e, :] == sum_j load[m, l, :, e]``. assign [Mb, L, E, G], load [Mb, L, G, E]."""
+    assign = np.asarray(assign)
+    load = np.asarray(load)
+    if (load < 0).any():
+        idx = _first(load < 0)
+        _fail("load >= 0", f"{where}: load{idx}={load[idx]} is negative; token counts must be >= 0")
+    if (assign < 0).any():
+        idx = _first(assign < 0)
+        _fail("assign >= 0", f"{where}: assign{idx}={assign[idx]} is negative; token counts must be >= 0")
+    want = load.sum(axis=2, dtype=np.int64)  # [Mb, L, E]
+    got = assign.sum(axis=3, dtype=np.int64)  # [Mb, L, E]
+    if not np.array_equal(want, got):
+        m, l, e = _first(want != got)
+        _fail(
+            "token conservation",
+            f"{where}: sum_g assign[{m}, {l}, {e}, :]={got[m, l, e]} but sum_j load[{m}, {l}, :, {e}]="
+            f"{want[m, l, e]}; every routed token must be computed exactly once",
+        )
+
+
+def _check_slot_range(slots: np.ndarray, num_experts: int, name: str, where: str) -> None:
+    bad = (slots < -1) | (slots >= num_experts)
+    if bad.any():
+        idx = _first(bad)
+        _fail("slot range", f"{where}: {name}{idx}={slots[idx]} is outside [-1, {num_experts})")
+
+
+def check_replica_table(
+    replicas: np.ndarray,
+    home: np.ndarray,
+    num_microbatches: int,
+    num_gpus: int,
+    *,
+    replica_slots: int,
+    gpus_per_node: int,
+    in_home_node: bool,
+    where: str = "plan",
+) -> np.ndarray:
+    """Check the listed replica slots replicas [Mb, L, G, r] (expert per slot, -1 empty) against home [L, E].
+
+    ``[shape]``; ``[slot capacity]`` r <= ``replica_slots``; ``[slot range]`` ids in ``[-1, E)``;
+    ``[slot duplicate]`` a GPU's slots of one (micro-batch, layer) name an expert at most once and never one
+    of that GPU's own home experts; ``[replicas in home node]`` (when ``in_home_node``) every listed replica
+    sits in the node of its expert's home. Returns held bool [Mb, L, E, G]: expert e sits in a slot of g.
+    """
+    rep = np.asarray(replicas)
+    num_layers, num_experts = home.shape
+    if rep.ndim != 4 or rep.shape[:3] != (num_microbatches, num_layers, num_gpus):
+        _fail(
+            "shape",
+            f"{where}: replicas has shape {rep.shape}; "
+            f"expected [{num_microbatches}, {num_layers}, {num_gpus}, r]",
+        )
+    if rep.shape[3] > replica_slots:
+        _fail(
+            "slot capacity",
+            f"{where}: replicas has {rep.shape[3]} slots per GPU; at most replica_slots={replica_slots}",
+        )
+    _check_slot_range(rep, num_experts, "replicas", where)
+    if rep.shape[3] > 1:
+        srt = np.sort(rep, axis=-1)
+        dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+        if dup.any():
+            idx = _first(dup.any(axis=-1))
+            _fail("slot duplicate", f"{where}: replicas{idx} holds an expert twice: {rep[idx].tolist()}")
+    m, l, g, s = np.nonzero(rep >= 0)
+    e = rep[m, l, g, s]
+    own = home[l, e] == g
+    if own.any():
+        i = int(np.argmax(own))
+        _fail(
+            "slot duplicate",
+            f"{where}: replicas[{m[i]}, {l[i]}, {g[i]}, {s[i]}] = expert {e[i]} whose home is that same GPU; "
+            "a replica slot must hold a non-home expert",
+        )
+    if in_home_node:
+        far = home[l, e] // gpus_per_node != g // gpus_per_node
+        if far.any():
+            i = int(np.argmax(far))
+            _fail(
+                "replicas in home node",
+                f"{where}: replicas[{m[i]}, {l[i]}, {g[i]}, {s[i]}] = expert {e[i]} on node "
+                f"{g[i] // gpus_per_node}, but its home GPU {home[l[i], e[i]]} is on node "
+                f"{home[l[i], e[i]] // gpus_per_node}; replicas must stay in the home node",
+            )
+    held = np.zeros((num_microbatches, num_layers, num_experts, num_gpus), dtype=bool)
+    held[m, l, e, g] = True
+    return held
+
+
+def check_redundant_table(
+    redundant: np.ndarray, home: np.ndarray, num_gpus: int, *, redundant_slots: int, where: str = "plan"
+) -> np.ndarray:
+    """Check the permanent redundant slots redundant [L, G, R] (expert per slot, -1 empty).
+
+    ``[shape]``; ``[slot range]``; ``[redundant slots]``: homes plus listed copies of a GPU fit its
+    ``E / G + redundant_slots`` physical slots (the width R itself may exceed ``redundant_slots`` when a
+    GPU is home to fewer than ``E / G`` experts). A copy of a GPU's own home expert, or one listed twice, is
+    allowed (EPLB may pack two physical copies of one expert on one GPU; they compute as one).
+    Returns held bool [L, E, G].
+    """
+    red = np.asarray(redundant)
+    num_layers, num_experts = home.shape
+    if red.ndim != 3 or red.shape[:2] != (num_layers, num_gpus):
+        _fail("shape", f"{where}: redundant has shape {red.shape}; expected [{num_layers}, {num_gpus}, R]")
+    _check_slot_range(red, num_experts, "redundant", where)
+    per_gpu = num_experts // num_gpus
+    physical = (home[:, :, None] == np.arange(num_gpus)).sum(axis=1) + (red >= 0).sum(axis=-1)  # [L, G]
+    bad = physical > per_gpu + redundant_slots
+    if bad.any():
+        l, g = _first(bad)
+        _fail(
+            "redundant slots",
+            f"{where}: GPU {g} holds {physical[l, g]} experts (homes + redundant copies) in layer {l}; "
+            f"at most E/G + redundant_slots = {per_gpu + redundant_slots}",
+        )
+    held = np.zeros((num_layers, num_experts, num_gpus), dtype=bool)
+    l, g, s = np.nonzero(red >= 0)
+    held[l, red[l, g, s], g] = True
+    return held
+
+
 def check_assignment(
     home: np.ndarray,
     assign: np.ndarray,
@@ -102,67 +303,56 @@ def check_assignment(
     replicas_in_home_node: bool = True,
     replicas: np.ndarray | None = None,
     redundant: np.ndarray | None = None,
+    require_home_balance: bool | None = None,
+    require_slots: bool = False,
     where: str = "plan",
 ) -> None:
     """Check one batch's placement and assignments (every invariant that needs no per-sample counts).
 
     home [L, E], assign [Mb, L, E, G], load [Mb, L, G, E], replicas [Mb, L, G, r] or None,
-    redundant [L, G, R] or None. Raises :class:`PlanInvariantError`.
+    redundant [L, G, R] or None. ``require_home_balance``: None checks ``[home balance]`` only without
+    redundant slots (EPLB's ``home`` names one copy of each expert). ``require_slots``: every non-home
+    expert a GPU computes must sit in one of its listed slots even when the plan lists none (an executor
+    holds no other copies). Raises :class:`PlanInvariantError`.
     """
     home = np.asarray(home)
     assign = np.asarray(assign)
     load = np.asarray(load)
-    if assign.ndim != 4:
-        _fail("shape", f"{where}: assign has shape {assign.shape}; expected [Mb, L, E, G]")
-    mb, num_layers, num_experts, num_gpus = assign.shape
-    _check_array("home", home, (num_layers, num_experts), 2, where)
-    _check_array("assign", assign, None, 4, where)
-    _check_array("load", load, (mb, num_layers, num_gpus, num_experts), 4, where)
+    mb, num_layers, num_experts, num_gpus = check_shapes(
+        home, assign, load, gpus_per_node=gpus_per_node, where=where
+    )
     if replica_slots < 0 or redundant_slots < 0:
         _fail(
             "slots", f"{where}: replica_slots={replica_slots}, redundant_slots={redundant_slots}; need >= 0"
         )
-    if num_gpus % gpus_per_node != 0:
-        _fail("shape", f"{where}: G={num_gpus} GPUs is not a multiple of gpus_per_node={gpus_per_node}")
-    if num_experts % num_gpus != 0:
-        _fail("shape", f"{where}: E={num_experts} experts is not divisible by G={num_gpus} GPUs")
-    per_gpu = num_experts // num_gpus
+    balanced = redundant_slots == 0 if require_home_balance is None else require_home_balance
+    check_home(home, num_gpus, balanced=balanced, where=where)
+    check_counts(assign, load, where)
 
-    bad = (home < 0) | (home >= num_gpus)
-    if bad.any():
-        l, e = _first(bad)
-        _fail("home range", f"{where}: home[{l}, {e}]={home[l, e]} is outside [0, {num_gpus})")
-    if (load < 0).any():
-        _fail("load >= 0", f"{where}: load{_first(load < 0)} is negative")
-    if (assign < 0).any():
-        idx = _first(assign < 0)
-        _fail("assign >= 0", f"{where}: assign{idx}={assign[idx]} is negative; token counts must be >= 0")
-
-    want = load.sum(axis=2, dtype=np.int64)  # [Mb, L, E]
-    got = assign.sum(axis=3, dtype=np.int64)  # [Mb, L, E]
-    if not np.array_equal(want, got):
-        m, l, e = _first(want != got)
-        _fail(
-            "token conservation",
-            f"{where}: sum_g assign[{m}, {l}, {e}, :]={got[m, l, e]} but sum_j load[{m}, {l}, :, {e}]="
-            f"{want[m, l, e]}; every routed token must be computed exactly once",
+    held = np.zeros((mb, num_layers, num_experts, num_gpus), dtype=bool)
+    in_redundant = np.zeros((num_layers, num_experts, num_gpus), dtype=bool)
+    if replicas is not None:
+        held |= check_replica_table(
+            replicas,
+            home,
+            mb,
+            num_gpus,
+            replica_slots=replica_slots,
+            gpus_per_node=gpus_per_node,
+            in_home_node=replicas_in_home_node,
+            where=where,
         )
+    if redundant is not None:
+        in_redundant = check_redundant_table(
+            redundant, home, num_gpus, redundant_slots=redundant_slots, where=where
+        )
+        held |= in_redundant[None]
 
     gpus = np.arange(num_gpus)
     is_home = home[:, :, None] == gpus  # [L, E, G]
-    if redundant_slots == 0:
-        homes_per_gpu = is_home.sum(axis=1)  # [L, G]
-        bad = homes_per_gpu != per_gpu
-        if bad.any():
-            l, g = _first(bad)
-            _fail(
-                "home balance",
-                f"{where}: GPU {g} is home to {homes_per_gpu[l, g]} experts in layer {l}; "
-                f"expected exactly E/G = {per_gpu}",
-            )
-
     computed = assign > 0  # [Mb, L, E, G]
     non_home = computed & ~is_home[None]
+    per_gpu = num_experts // num_gpus
     if redundant_slots == 0:
         n_rep = non_home.sum(axis=2)  # [Mb, L, G]
         bad = n_rep > replica_slots
@@ -186,8 +376,9 @@ def check_assignment(
             )
 
     if replicas_in_home_node:
+        # Copies held in a permanent redundant slot may sit anywhere; the others are replicas.
         home_node = home // gpus_per_node  # [L, E]
-        off_node = non_home & (home_node[None, :, :, None] != (gpus // gpus_per_node))
+        off_node = non_home & ~in_redundant[None] & (home_node[None, :, :, None] != gpus // gpus_per_node)
         if off_node.any():
             m, l, e, g = _first(off_node)
             _fail(
@@ -196,55 +387,16 @@ def check_assignment(
                 f"micro-batch {m}, layer {l}; replicas must stay in the home node",
             )
 
-    held = np.zeros_like(non_home)  # [Mb, L, E, G]: non-home experts a GPU holds in some slot
-    listed = False
-    if replicas is not None:
-        rep = np.asarray(replicas)
-        if rep.ndim != 4 or rep.shape[:3] != (mb, num_layers, num_gpus) or rep.shape[3] > replica_slots:
-            _fail(
-                "shape",
-                f"{where}: replicas has shape {rep.shape}; expected [{mb}, {num_layers}, {num_gpus}, r] "
-                f"with r <= replica_slots={replica_slots}",
-            )
-        _mark_slots(held, rep, num_experts, "replicas", where)
-        listed = True
-    if redundant is not None:
-        red = np.asarray(redundant)
-        if red.ndim != 3 or red.shape[:2] != (num_layers, num_gpus):
-            _fail(
-                "shape", f"{where}: redundant has shape {red.shape}; expected [{num_layers}, {num_gpus}, R]"
-            )
-        # NOTE: the width may exceed redundant_slots (a GPU home to fewer than E/G experts holds more
-        # redundant copies); what is bounded is the physical slots: homes + copies <= E/G + redundant_slots.
-        physical = is_home.sum(axis=1) + (red >= 0).sum(axis=-1)  # [L, G]
-        bad = physical > per_gpu + redundant_slots
-        if bad.any():
-            l, g = _first(bad)
-            _fail(
-                "redundant slots",
-                f"{where}: GPU {g} holds {physical[l, g]} experts (homes + redundant copies) in layer {l}; "
-                f"at most E/G + redundant_slots = {per_gpu + redundant_slots}",
-            )
-        _mark_slots(held, np.broadcast_to(red, (mb, *red.shape)), num_experts, "redundant", where)
-        listed = True
-    if listed:
+    if replicas is not None or redundant is not None or require_slots:
         missing = non_home & ~held
         if missing.any():
             m, l, e, g = _first(missing)
             _fail(
                 "slot contents",
-                f"{where}: GPU {g} computes non-home expert {e} in micro-batch {m}, layer {l} but holds it "
-                "in none of its replica or redundant slots",
+                f"{where}: GPU {g} computes {assign[m, l, e, g]} tokens of non-home expert {e} (home GPU "
+                f"{home[l, e]}) in micro-batch {m}, layer {l} but holds it in none of its replica or "
+                "redundant slots",
             )
-
-
-def _mark_slots(held: np.ndarray, slots: np.ndarray, num_experts: int, name: str, where: str) -> None:
-    """Mark held[m, l, e, g] for every expert e in slots[m, l, g, :] (-1 = empty)."""
-    bad = (slots < -1) | (slots >= num_experts)
-    if bad.any():
-        _fail("slot range", f"{where}: {name}{_first(bad)} is outside [-1, {num_experts})")
-    m, l, g, _ = np.nonzero(slots >= 0)
-    held[m, l, slots[slots >= 0], g] = True
 
 
 def check_plan(

@@ -184,6 +184,12 @@ def test_cli_writes_tables_and_figures(results: Path, capsys: pytest.CaptureFixt
         "quick_overhead.overhead",
     ):
         assert {f"{stem}.md", f"{stem}.tex"} <= names
+    caption = next(
+        line
+        for line in (results / "out" / "quick_overall.overall.tex").read_text().splitlines()
+        if "caption" in line
+    )
+    assert "[quick\\_overall]" in caption  # LaTeX specials escaped in the caption too
     figs = {p.name for p in (results / "out" / "figures").iterdir()}
     for stem in (
         "quick_overall.throughput",
@@ -212,6 +218,12 @@ def test_partial_grid_skips_what_it_cannot_build_and_keeps_the_rest(tmp_path: Pa
         "quick_overall.throughput.png",
         "quick_ep_scaling.skew_by_ep.png",
     }
+
+
+def test_one_store_can_be_analysed_alone(results: Path) -> None:
+    out = analyse(results / "quick_ablation", results / "one")
+    assert {p.name for p in out.tables} == {"quick_ablation.ablation.md", "quick_ablation.ablation.tex"}
+    assert out.skipped == []
 
 
 def test_empty_results_dir_is_refused(tmp_path: Path) -> None:

@@ -258,3 +258,71 @@ def test_every_configured_planner_keeps_the_invariants(name):
     )
     assert res.metrics["step_time_s"] > 0
     assert len(res.plans) == (0 if isinstance(planner, Bound) else counts.num_batches)
+
+
+def _listed(ctx, plan, width: int = 2) -> tuple[BatchPlan, tuple[int, int, int, int]]:
+    """The hot expert moved to the other GPU of its node, listed in that GPU's first replica slot."""
+    m, l, e = _hot(plan)
+    peer = int(plan.home[l, e]) ^ 1
+    moved = _move_tokens(plan, m, l, e, peer)
+    mb, num_layers, _, g = plan.assign.shape
+    reps = np.full((mb, num_layers, g, width), -1, dtype=np.int32)
+    reps[m, l, peer, 0] = e
+    return replace(moved, replicas=reps), (m, l, peer, e)
+
+
+def test_listed_replicas_pass(ctx, plan):
+    listed, _ = _listed(ctx, plan)
+    check_plan(listed, ctx, replica_slots=2)
+
+
+def test_slot_capacity(ctx, plan):
+    listed, _ = _listed(ctx, plan, width=2)
+    _expect("slot capacity", listed, ctx, replica_slots=1)
+
+
+def test_slot_range(ctx, plan):
+    listed, (m, l, g, _) = _listed(ctx, plan)
+    reps = listed.replicas.copy()
+    reps[m, l, g, 1] = plan.home.shape[1]
+    _expect("slot range", replace(listed, replicas=reps), ctx, replica_slots=2)
+
+
+def test_slot_duplicate(ctx, plan):
+    listed, (m, l, g, e) = _listed(ctx, plan)
+    reps = listed.replicas.copy()
+    reps[m, l, g, 1] = e
+    _expect("slot duplicate", replace(listed, replicas=reps), ctx, replica_slots=2)
+    own = int(np.flatnonzero(plan.home[l] == g)[0])
+    reps[m, l, g, 1] = own  # a GPU's own home expert in its replica slot
+    _expect("slot duplicate", replace(listed, replicas=reps), ctx, replica_slots=2)
+
+
+def test_listed_replica_in_another_node(ctx, plan):
+    listed, (m, l, g, _) = _listed(ctx, plan)
+    reps = listed.replicas.copy()
+    reps[m, l, g, 1] = int(np.flatnonzero(plan.home[l] // 2 != g // 2)[0])  # listed, computes nothing
+    _expect("replicas in home node", replace(listed, replicas=reps), ctx, replica_slots=2)
+    check_plan(replace(listed, replicas=reps), ctx, replica_slots=2, replicas_in_home_node=False)
+
+
+def test_redundant_copy_may_sit_in_another_node(ctx, plan):
+    m, l, e = _hot(plan)
+    far = (int(plan.home[l, e]) + 2) % ctx.num_gpus
+    moved = _move_tokens(plan, m, l, e, far)
+    red = np.full((plan.home.shape[0], ctx.num_gpus, 1), -1, dtype=np.int32)
+    red[l, far, 0] = e
+    # a permanent redundant copy is not a replica: the in-node rule does not apply to it
+    check_plan(replace(moved, redundant=red), ctx, replica_slots=0, redundant_slots=1)
+    _expect("replicas in home node", moved, ctx, replica_slots=1)
+
+
+def test_negative_load():
+    from relibra.invariants import check_counts
+
+    assign = np.zeros((1, 1, 2, 2), dtype=np.int32)
+    load = np.zeros((1, 1, 2, 2), dtype=np.int32)
+    load[0, 0, 1, 0] = -1
+    with pytest.raises(PlanInvariantError, match=r"\[load >= 0\]") as err:
+        check_counts(assign, load)
+    assert err.value.invariant == "load >= 0" and "load(0, 0, 1, 0)" in err.value.detail

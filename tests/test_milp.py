@@ -69,11 +69,15 @@ def test_milp_equals_best_lp_over_every_replica_set() -> None:
     assert sol.bound_s <= sol.objective_s + 1e-12
 
 
-@pytest.mark.parametrize(("nodes", "gpn", "seed"), [(1, 4, 0), (1, 4, 1), (2, 2, 2), (2, 4, 3)])
-def test_greedy_close_to_milp_on_small_cases(nodes: int, gpn: int, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("nodes", "gpn", "seed", "heavy"), [(1, 4, 0, 1), (1, 4, 1, 1), (2, 2, 2, 1), (2, 4, 3, 1), (1, 8, 4, 6)]
+)
+def test_greedy_close_to_milp_on_small_cases(nodes: int, gpn: int, seed: int, heavy: int) -> None:
+    """``heavy``: GPU 0 holds that many times the others' tokens (a communication-bound problem)."""
     cost = _cost(nodes, gpn)
     g = nodes * gpn
     x = _loads(seed, g, 16)
+    x[0] *= heavy
     home = np.random.default_rng(seed).permutation(static_placement(1, 16, g)[0])
     sol = solve_replication(x, home, cost, 2, time_limit_s=20.0)
     rep = replicate_greedy(x, home, cost, 2)

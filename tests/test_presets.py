@@ -166,3 +166,24 @@ def test_every_quick_cell_runs_in_tiny_mode(preset: str, tmp_path: Path, olmoe_l
         )
         run_module.run(cfg, run_dir=tmp_path / "runs" / cell_key(cfg))
     assert len(ResultsStore(tmp_path).keys()) == len(cells(preset))
+
+
+def test_reproduce_runs_a_preset_then_reuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`make reproduce` on one preset in tiny mode: cells, tables, figures; a rerun computes nothing."""
+    from experiments import reproduce
+
+    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1,2", *tiny(2)]
+    assert reproduce.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "4 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
+    assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
+
+    def must_not_run(cfg):  # type: ignore[no-untyped-def]
+        raise AssertionError("a finished cell was computed again")
+
+    monkeypatch.setattr(run_module, "compute", must_not_run)
+    assert reproduce.main([*args, "--no-analysis"]) == 0
+    assert "0 cells run, 4 reused, 0 failed" in capsys.readouterr().out

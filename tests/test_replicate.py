@@ -219,3 +219,22 @@ def test_parameter_share_scales_with_layout() -> None:
         per_gpu_parameter_bytes(MODEL, ep=0)
     with pytest.raises(ValueError, match="replica_slots"):
         replica_buffer_bytes(MODEL, -1)
+
+
+def test_best_acceptance_is_no_worse_than_either_rule() -> None:
+    """``best`` keeps the lowest T_MoE of its runs, which include the ``comm`` and ``compute`` results."""
+    rng = np.random.default_rng(7)
+    cost = _cost(2, 4)
+    load = _skewed_loads(rng, 6, 8, 64, tokens=1024)
+    load[:, 0] *= 6  # one heavy sender (one long response): communication-bound
+    home = np.broadcast_to(static_placement(1, 64, 8)[0], (6, 64))
+    obj = {
+        mode: linear_objective(
+            load, replicate_greedy(load, home, cost, 2, acceptance=mode).assign, home, cost
+        )
+        for mode in ("best", "comm", "compute")
+    }
+    # NOTE: the rounding to whole tokens moves the objective by far less than 1e-4.
+    assert np.all(obj["best"] <= np.minimum(obj["comm"], obj["compute"]) * (1 + 1e-4))
+    with pytest.raises(ValueError, match="acceptance"):
+        replicate_greedy(load, home, cost, 2, acceptance="greedy")  # type: ignore[arg-type]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
+import re
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from relibra.executors.torch_moe import (
     reference_forward,
     split_counts,
 )
+from relibra.invariants import PlanInvariantError
 from relibra.planner import home_assign, static_placement
 from relibra.types import BatchPlan
 
@@ -483,26 +486,32 @@ def _mutate(invariant: str) -> tuple[BatchPlan, list]:
     e = int(reps[0, 0, 0, 0])
     if invariant == "shape":
         assign = assign[..., :3]
-    elif invariant == "gpu-range":
+    elif invariant == "dtype":
+        assign = assign.astype(np.int64)
+    elif invariant == "load >= 0":
+        load[0, 0, 0, 0] = -1
+    elif invariant == "slot range":
+        reps[0, 0, 0, 1] = 8
+    elif invariant == "home range":
         home[1, 0] = 9
-    elif invariant == "home-balance":
+    elif invariant == "home balance":
         a, b = np.flatnonzero(home[1] == 0)[0], np.flatnonzero(home[1] == 1)[0]
         home[1, b] = 0
         assert a != b
-    elif invariant == "non-negative":
+    elif invariant == "assign >= 0":
         assign[0, 0, 0, 0] = -1
-    elif invariant == "conservation":
+    elif invariant == "token conservation":
         assign[0, 1, e, 1] += 1
-    elif invariant == "slot-capacity":
+    elif invariant == "slot capacity":
         reps = np.concatenate([reps, reps[..., :1] * 0 - 1], axis=-1)
-    elif invariant == "slot-duplicate":
+    elif invariant == "slot duplicate":
         reps[0, 0, 0, 1] = e
-    elif invariant == "replica-node":
+    elif invariant == "replicas in home node":
         far = int(np.flatnonzero(home[0] == 2)[0])
         reps[0, 0, 0, 1] = far
-    elif invariant == "copy-present":
+    elif invariant == "slot contents":
         reps[0, 0, 0, 0] = -1
-    elif invariant == "routes-match-load":
+    elif invariant == "routes match load":
         load[0, 0, 0, e] += 1
         load[0, 0, 1, e] -= 1 if load[0, 0, 1, e] > 0 else -1
         assign[0, 0, e, 1] += load[0, 0, :, e].sum() - assign[0, 0, e, :].sum()
@@ -511,15 +520,18 @@ def _mutate(invariant: str) -> tuple[BatchPlan, list]:
 
 INVARIANTS = [
     "shape",
-    "gpu-range",
-    "home-balance",
-    "non-negative",
-    "conservation",
-    "slot-capacity",
-    "slot-duplicate",
-    "replica-node",
-    "copy-present",
-    "routes-match-load",
+    "dtype",
+    "load >= 0",
+    "slot range",
+    "home range",
+    "home balance",
+    "assign >= 0",
+    "token conservation",
+    "slot capacity",
+    "slot duplicate",
+    "replicas in home node",
+    "slot contents",
+    "routes match load",
 ]
 
 
@@ -531,9 +543,29 @@ def test_valid_plan_is_accepted() -> None:
 @pytest.mark.parametrize("invariant", INVARIANTS)
 def test_wrong_plan_is_refused_naming_the_invariant(invariant: str) -> None:
     plan, routes = _mutate(invariant)
-    with pytest.raises(PlanRefused, match=f"\\[{invariant}\\]") as err:
+    with pytest.raises(PlanRefused, match=re.escape(f"[{invariant}]")) as err:
         check_plan(plan, 4, 2, 2, routes=routes)
     assert err.value.invariant == invariant
+    assert isinstance(err.value, PlanInvariantError)  # one exception family with the shared checker
+    again = pickle.loads(pickle.dumps(err.value))  # ranks report refusals across processes
+    assert type(again) is PlanRefused and again.invariant == invariant and str(again) == str(err.value)
+
+
+def test_redundant_wider_than_the_executor_slots_is_refused() -> None:
+    plan, routes = _valid_plan()
+    num_layers, num_gpus = plan.home.shape[0], plan.assign.shape[-1]
+    red = np.full((num_layers, num_gpus, 2), -1, dtype=np.int32)
+    wide = dataclasses.replace(plan, redundant=red)
+    check_plan(wide, 4, 2, 2, redundant_slots=2, routes=routes)
+    with pytest.raises(PlanRefused, match=re.escape("[slot capacity]")) as err:
+        check_plan(wide, 4, 2, 2, redundant_slots=1, routes=routes)
+    assert "redundant" in str(err.value)
+
+
+def test_world_size_must_match_the_plan() -> None:
+    plan, _ = _valid_plan()
+    with pytest.raises(PlanRefused, match=re.escape("[shape]")):
+        check_plan(plan, 8, 2, 2)
 
 
 def test_executor_refuses_before_any_process_starts(monkeypatch) -> None:
@@ -543,8 +575,8 @@ def test_executor_refuses_before_any_process_starts(monkeypatch) -> None:
         raise AssertionError("processes were started for a plan that should have been refused")
 
     monkeypatch.setattr(tex, "launch", no_launch)
-    plan, _ = _mutate("replica-node")
-    with pytest.raises(PlanRefused, match="replica-node"):
+    plan, _ = _mutate("replicas in home node")
+    with pytest.raises(PlanRefused, match="replicas in home node"):
         TorchExecutor(replica_slots=2).execute([plan], _tiny_model(), _cluster(2, 2))
 
 

@@ -120,7 +120,9 @@ def reduce_slot_grads(
     for w in _run(ops):
         w.wait()
     if copies.send:
-        rows = torch.tensor([slot_of[e] for _, _, e in copies.send], dtype=torch.long)
+        rows = torch.tensor(
+            [slot_of[e] for _, _, e in copies.send], dtype=torch.long, device=local_grad.device
+        )
         local_grad.index_add_(0, rows, staging)
 
 
@@ -130,13 +132,19 @@ class ReplicaBuffer:
     Allocated once: :attr:`nbytes` depends on ``r`` and the expert shape only, never on the layer count.
     """
 
-    def __init__(self, slots: int, params_per_expert: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        slots: int,
+        params_per_expert: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if slots < 0:
             raise ValueError(f"replica_slots={slots}; expected >= 0")
         self.slots = slots
-        self.weights = torch.zeros((slots, params_per_expert), dtype=dtype)
+        self.weights = torch.zeros((slots, params_per_expert), dtype=dtype, device=device)
         """[r, P]: the experts of the layer currently being computed."""
-        self.grads = torch.zeros((slots, params_per_expert), dtype=dtype)
+        self.grads = torch.zeros((slots, params_per_expert), dtype=dtype, device=device)
         """[r, P]: their weight gradients during that layer's backward."""
         self.fills = 0
         """Number of fills so far (one per layer forward and one per layer backward)."""

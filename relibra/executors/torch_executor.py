@@ -44,7 +44,15 @@ from relibra.executors.reorder_ops import reorder_experts
 from relibra.executors.torch_moe import EPMoEModel, ExpertShape, MicroBatchPlan, StageTimer
 from relibra.types import BatchPlan
 
-__all__ = ["TorchExecutor", "launch", "microbatch_plan", "routes_from_load"]
+__all__ = [
+    "RunOptions",
+    "TorchExecutor",
+    "launch",
+    "microbatch_inputs",
+    "microbatch_plan",
+    "routes_from_load",
+    "run_batches",
+]
 
 
 def _free_port() -> int:
@@ -129,6 +137,144 @@ def routes_from_load(load: np.ndarray, top_k: int, rng: np.random.Generator) -> 
     return out
 
 
+def microbatch_inputs(
+    load: np.ndarray, top_k: int, hidden: int, seed: int, batch: int, microbatch: int, rank: int
+) -> tuple[np.ndarray, torch.Tensor]:
+    """Deterministic inputs of one source GPU for one micro-batch (``microbatch`` local to ``batch``).
+
+    load [L, E] (``plan.load[m, :, rank, :]``) -> (replayed routes int64 [T, L, k], hidden float32 [T, H]).
+    """
+    routes = routes_from_load(load, top_k, np.random.default_rng([seed, batch, microbatch, rank]))
+    gen = torch.Generator().manual_seed(
+        (((seed * 1_009 + batch) * 1_013 + microbatch) * 1_019 + rank) & 0x7FFF_FFFF
+    )
+    return routes, torch.randn(routes.shape[0], hidden, generator=gen)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every rank needs besides the plans to run them."""
+
+    top_k: int
+    shape: ExpertShape
+    replica_slots: int
+    redundant_slots: int = 0
+    seed: int = 0
+    warmup: bool = True
+    """Run the first micro-batch twice and time the second (first-call costs are not the plan's)."""
+    lr: float = 1e-4
+    """Adam learning rate of the step after every batch; 0 takes no step (weights stay as initialised)."""
+    record: bool = False
+    """Gather inputs, outputs and gradients to rank 0 (for equivalence checks against the reference)."""
+
+
+def _full_expert_grads(model: EPMoEModel) -> torch.Tensor:
+    """Every expert's weight gradient by expert id, summed over ranks: [L, E, P] (all ranks call it)."""
+    full = torch.zeros(model.num_layers, model.num_experts, model.shape.params, device=model.device)
+    for layer, p in enumerate(model.experts):
+        if p.grad is not None:
+            full[layer, torch.as_tensor(model.slot_expert[layer], device=model.device)] = p.grad
+    dist.all_reduce(full)
+    return full
+
+
+def run_batches(
+    rank: int, world: int, plans: Sequence[BatchPlan], opts: RunOptions, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Run ``plans`` on this rank (every rank of the group calls it together).
+
+    Per batch: reorder to the plan's placement (weights, gradients, Adam state), fill the redundant slots; per
+    micro-batch: :func:`microbatch_inputs`, forward, backward of ``sum(out ** 2)`` (gradients accumulate over
+    the batch's micro-batches); then an Adam step (``opts.lr > 0``). Returns, on every rank, ``moe_time_s``
+    float64 [M, L] (slowest rank), ``fill_wait_s``, ``reorder_s``, ``reorder_moved_experts``,
+    ``replica_buffer_bytes``; with ``opts.record`` also ``records`` (rank 0 only: per global micro-batch a
+    list over ranks of dicts ``routes``, ``hidden``, ``out``, ``grad_hidden``) and ``batch_grads`` (per
+    batch: ``experts`` [L, E, P], ``attn`` [L, H, H], ``router`` [L, E, H], summed over ranks).
+    """
+    num_layers, num_experts = plans[0].home.shape
+    shape = opts.shape
+    model = EPMoEModel(
+        num_layers,
+        num_experts,
+        shape,
+        rank,
+        world,
+        opts.replica_slots,
+        opts.redundant_slots,
+        opts.seed,
+        device=device,
+    )
+    model.place_initial(plans[0].home)
+    opt = torch.optim.Adam(model.parameters(), lr=opts.lr) if opts.lr > 0 else None
+    total_mb = sum(p.assign.shape[0] for p in plans)
+    times = torch.zeros(total_mb, num_layers, dtype=torch.float64, device=model.device)
+    fill_wait = torch.zeros(1, dtype=torch.float64, device=model.device)
+    reorder_s, moved = 0.0, 0
+    records: list[dict[str, np.ndarray]] = []
+    batch_grads: list[dict[str, np.ndarray]] = []
+    m_global = 0
+    for b, plan in enumerate(plans):
+        dist.barrier()
+        t0 = time.perf_counter()
+        moved += reorder_experts(model, plan.home, opt)
+        model.fill_redundant(plan.redundant)
+        reorder_s += time.perf_counter() - t0
+        for m in range(plan.assign.shape[0]):
+            routes, hidden = microbatch_inputs(
+                plan.load[m, :, rank, :], opts.top_k, shape.hidden, opts.seed, b, m, rank
+            )
+            mb_plan = microbatch_plan(plan, m)
+            warm = opts.warmup and m_global == 0
+            for rep in range(2 if warm else 1):
+                if rep == 1:
+                    model.zero_grad(set_to_none=False)
+                h = hidden.to(model.device, copy=True).requires_grad_(opts.record)
+                timer = StageTimer()
+                out = model(h, routes, mb_plan, timer, microbatch=m)
+                out.square().sum().backward()  # NOTE: also on a rank without tokens: backward is collective.
+            if opts.record:
+                grad_h = h.grad if h.grad is not None else torch.zeros_like(h)
+                records.append(
+                    {
+                        "routes": routes,
+                        "hidden": hidden.numpy(),
+                        "out": out.detach().cpu().numpy(),
+                        "grad_hidden": grad_h.detach().cpu().numpy(),
+                    }
+                )
+            for layer in range(num_layers):
+                times[m_global, layer] = timer.forward[(m, layer)] + timer.backward[(m, layer)]
+                fill_wait += timer.fill_wait[(m, layer)]
+            m_global += 1
+        if opts.record:
+            grads = {"experts": _full_expert_grads(model)}
+            for name, p in (("attn", model.attn), ("router", model.router)):
+                g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(g)
+                grads[name] = g
+            batch_grads.append({k: v.cpu().numpy() for k, v in grads.items()})
+        if opt is not None:
+            opt.step()
+        model.zero_grad(set_to_none=False)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(fill_wait, op=dist.ReduceOp.MAX)
+    res: dict[str, Any] = {
+        "moe_time_s": times.cpu().numpy(),
+        "fill_wait_s": float(fill_wait.item()),
+        "reorder_s": reorder_s,
+        "reorder_moved_experts": float(moved),
+        "replica_buffer_bytes": float(model.buffer.nbytes),
+    }
+    if opts.record:
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(records, gathered, dst=0)
+        if rank == 0:
+            assert gathered is not None
+            res["records"] = [[gathered[j][i] for j in range(world)] for i in range(total_mb)]
+        res["batch_grads"] = batch_grads
+    return res
+
+
 def _execute_rank(
     rank: int,
     world: int,
@@ -140,51 +286,9 @@ def _execute_rank(
     seed: int,
     warmup: bool,
 ) -> dict[str, Any] | None:
-    num_layers, num_experts = plans[0].home.shape
-    model = EPMoEModel(num_layers, num_experts, shape, rank, world, replica_slots, redundant_slots, seed)
-    model.place_initial(plans[0].home)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    total_mb = sum(p.assign.shape[0] for p in plans)
-    times = torch.zeros(total_mb, num_layers, dtype=torch.float64)
-    fill_wait = torch.zeros(1, dtype=torch.float64)
-    reorder_s, moved = 0.0, 0
-    m_global = 0
-    for b, plan in enumerate(plans):
-        dist.barrier()
-        t0 = time.perf_counter()
-        moved += reorder_experts(model, plan.home, opt)
-        model.fill_redundant(plan.redundant)
-        reorder_s += time.perf_counter() - t0
-        for m in range(plan.assign.shape[0]):
-            rng = np.random.default_rng([seed, b, m, rank])
-            routes = routes_from_load(plan.load[m, :, rank, :], top_k, rng)
-            hidden = torch.randn(
-                routes.shape[0], shape.hidden, generator=torch.Generator().manual_seed(m_global)
-            )
-            mb_plan = microbatch_plan(plan, m)
-            for rep in range(2 if warmup and m_global == 0 else 1):
-                timer = StageTimer()
-                out = model(hidden, routes, mb_plan, timer, microbatch=m)
-                out.square().sum().backward()  # NOTE: also on a rank without tokens: backward is collective.
-                if rep == 0 and warmup and m_global == 0:
-                    opt.zero_grad()
-            for layer in range(num_layers):
-                times[m_global, layer] = timer.forward[(m, layer)] + timer.backward[(m, layer)]
-                fill_wait += timer.fill_wait[(m, layer)]
-            m_global += 1
-        opt.step()
-        opt.zero_grad()
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(fill_wait, op=dist.ReduceOp.MAX)
-    if rank != 0:
-        return None
-    return {
-        "moe_time_s": times.numpy(),
-        "fill_wait_s": float(fill_wait.item()),
-        "reorder_s": reorder_s,
-        "reorder_moved_experts": float(moved),
-        "replica_buffer_bytes": float(model.buffer.nbytes),
-    }
+    opts = RunOptions(top_k, shape, replica_slots, redundant_slots, seed, warmup)
+    res = run_batches(rank, world, plans, opts)
+    return res if rank == 0 else None
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def attention_standin(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def router_probs(a: torch.Tensor, w_router: torch.Tensor, routes: np.ndarray) -> torch.Tensor:
     """Router softmax at the replayed experts. a [T, H], w_router [E, H], routes [T, k] -> [T, k]."""
     probs = torch.softmax(a @ w_router.T, dim=-1)
-    return probs.gather(1, torch.as_tensor(routes, dtype=torch.long))
+    return probs.gather(1, torch.as_tensor(routes, dtype=torch.long, device=a.device))
 
 
 def _combine(y_slots: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,7 @@ def reference_forward(
         probs = router_probs(a, router[layer], routes[:, layer])
         flat = routes[:, layer].reshape(-1)
         by_expert = np.argsort(flat, kind="stable")
-        tok = torch.as_tensor(by_expert // k, dtype=torch.long)
+        tok = torch.as_tensor(by_expert // k, dtype=torch.long, device=a.device)
         counts = np.bincount(flat, minlength=experts.shape[1])
         x = a.index_select(0, tok)
         outs, start = [], 0
@@ -174,7 +174,7 @@ def reference_forward(
             outs.append(expert_ffn(x[start : start + counts[e]], experts[layer, e], shape))
             start += int(counts[e])
         y = torch.cat(outs) if outs else a.new_zeros((0, shape.hidden))
-        y_slots = y.index_select(0, torch.as_tensor(np.argsort(by_expert), dtype=torch.long))
+        y_slots = y.index_select(0, torch.as_tensor(np.argsort(by_expert), dtype=torch.long, device=a.device))
         h = a + _combine(y_slots, probs)
     return h
 
@@ -200,8 +200,11 @@ class DispatchLayout:
     """(expert, rows) of each expert this rank computes, in grouped order (rows > 0)."""
 
 
-def dispatch_layout(routes: np.ndarray, split: np.ndarray, rank: int) -> DispatchLayout:
-    """routes [T, k] of this rank for one layer, split [G, E, G] (:func:`split_counts`) -> its layout."""
+def dispatch_layout(
+    routes: np.ndarray, split: np.ndarray, rank: int, device: torch.device | str = "cpu"
+) -> DispatchLayout:
+    """routes [T, k] of this rank for one layer, split [G, E, G] (:func:`split_counts`) -> its layout
+    (index tensors on ``device``)."""
     num_gpus, num_experts, _ = split.shape
     k = routes.shape[1]
     flat = routes.reshape(-1)
@@ -219,7 +222,7 @@ def dispatch_layout(routes: np.ndarray, split: np.ndarray, rank: int) -> Dispatc
     recv_expert = np.repeat(np.tile(np.arange(num_experts), num_gpus), from_src.reshape(-1))  # [N]
     group = np.argsort(recv_expert, kind="stable")
     rows = from_src.sum(axis=0)
-    as_long = lambda a: torch.as_tensor(a, dtype=torch.long)  # noqa: E731
+    as_long = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
     return DispatchLayout(
         send_token=as_long(send_slots // k),
         send_inverse=as_long(np.argsort(send_slots)),
@@ -342,23 +345,25 @@ class EPMoEModel(nn.Module):
         replica_slots: int,
         redundant_slots: int = 0,
         seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         if num_experts % num_gpus:
             raise ValueError(f"num_experts={num_experts} is not divisible by the EP size {num_gpus}")
         self.num_layers, self.num_experts, self.shape = num_layers, num_experts, shape
         self.rank, self.num_gpus, self.seed = rank, num_gpus, seed
+        self.device = torch.device(device)
         dense = [dense_init(layer, shape, num_experts, seed) for layer in range(num_layers)]
-        self.attn = nn.Parameter(torch.stack([d[0] for d in dense]))
-        self.router = nn.Parameter(torch.stack([d[1] for d in dense]))
+        self.attn = nn.Parameter(torch.stack([d[0] for d in dense]).to(self.device))
+        self.router = nn.Parameter(torch.stack([d[1] for d in dense]).to(self.device))
         per_gpu = num_experts // num_gpus
         self.experts = nn.ParameterList(
-            [nn.Parameter(torch.zeros(per_gpu, shape.params)) for _ in range(num_layers)]
+            [nn.Parameter(torch.zeros(per_gpu, shape.params, device=self.device)) for _ in range(num_layers)]
         )
         self.slot_expert = np.full((num_layers, per_gpu), -1, dtype=np.int64)
         """int [L, E / G]: expert held by each home row."""
-        self.buffer = ReplicaBuffer(replica_slots, shape.params)
-        self.redundant = torch.zeros(num_layers, redundant_slots, shape.params)
+        self.buffer = ReplicaBuffer(replica_slots, shape.params, device=self.device)
+        self.redundant = torch.zeros(num_layers, redundant_slots, shape.params, device=self.device)
         """[L, R, P]: permanent redundant copies (refreshed by :meth:`fill_redundant`)."""
         self.home: np.ndarray | None = None
         """int [L, E]: the placement the home rows currently follow."""
@@ -435,7 +440,7 @@ class EPMoEModel(nn.Module):
             waited = fill.wait()
             t0 = time.perf_counter()
             split = split_counts(plan.load[layer], plan.assign[layer])
-            layout = dispatch_layout(routes[:, layer], split, self.rank)
+            layout = dispatch_layout(routes[:, layer], split, self.rank, self.device)
             spec = _ComputeSpec(
                 shape=self.shape,
                 segments=self._segments(layer, layout, plan),

@@ -4,12 +4,17 @@ One problem is one (micro-batch, layer): loads ``x[j, e]`` (source GPU ``j``, ex
 placement ``home[e]`` are fixed; each GPU has ``r`` replica slots (the layer-shared buffer) that may hold
 copies of experts whose home is on the **same node**. The greedy (paper, "intra-batch replication"):
 
-1. find the bottleneck GPU (largest linearised compute);
-2. take its experts by decreasing tokens; for the first one whose replication helps, add a copy on the
-   least-loaded GPU of the node that has a free slot and no copy of it yet;
-3. re-solve the token split; accept the copy only if ``T_comp_max + T_comm_max`` (linearised, see
-   :meth:`relibra.cost.CostModel.linear`) drops; otherwise try the next expert;
-4. stop when no expert of the bottleneck GPU improves the objective or no slot is left.
+1. compute step: find the bottleneck GPU (largest linearised compute); take its experts by decreasing
+   tokens; for the first one whose copy helps, add a copy on the least-loaded GPU of the node that has a
+   free slot and no copy of it yet; re-solve the token split;
+2. communication step (``acceptance`` ``"comm"`` / ``"best"``, when no compute step helps): a copy on the
+   GPU with the busiest links of an expert it sends many tokens for, water-filled or holding all of that
+   expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that relieve that GPU;
+3. keep a move only if the objective drops: the compute max (``"compute"``) or the linearised
+   ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.CostModel.linear`); ``"best"`` runs
+   ``"comm"``, ``"comm"`` with the communication step first, and ``"compute"`` cut where its ``T_MoE``
+   was lowest, and keeps the lowest ``T_MoE``;
+4. stop when no move improves the objective or no slot is left.
 
 The split is solved two ways:
 
@@ -17,8 +22,8 @@ The split is solved two ways:
   expert's copies, its ``A`` tokens fill the copies up to one level ``lambda`` with
   ``sum_g max(0, lambda - b[g]) = A``. A few sweeps of this over the node's replicated experts converge to
   the split that minimises the sum of squared GPU loads, which for this splittable restricted-assignment
-  problem is also the min-max split (the lexicographically optimal base of a polymatroid, Fujishige). The
-  communication term still decides acceptance. Compiled with numba: microseconds per problem.
+  problem is also the min-max split (the lexicographically optimal base of a polymatroid, Fujishige).
+  Compiled with numba: 0.2-5 ms per problem at EP 8-64 (docs/benchmarks.md).
 * ``split="lp"``: the general case. Every candidate's split is the LP of the paper's eq. 7 with the replica
   set fixed (:func:`relibra.planners.milp.solve_split`), including the communication terms.
 
@@ -44,8 +49,10 @@ Acceptance = Literal["best", "comm", "compute"]
 _MODES = {"compute": 0, "comm": 1, "best": 2}
 
 __all__ = [
+    "Acceptance",
     "GreedyReplicator",
     "ReplicationCoefficients",
+    "SplitMethod",
     "linear_objective",
     "replicate_greedy",
     "round_assign",
