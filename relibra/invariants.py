@@ -287,8 +287,8 @@ def check_redundant_table(
             f"at most E/G + redundant_slots = {per_gpu + redundant_slots}",
         )
     held = np.zeros((num_layers, num_experts, num_gpus), dtype=bool)
-    l, g, s = np.nonzero(red >= 0)
-    held[l, red[l, g, s], g] = True
+    li, gi, si = np.nonzero(red >= 0)
+    held[li, red[li, gi, si], gi] = True
     return held
 
 

@@ -260,6 +260,11 @@ def test_every_configured_planner_keeps_the_invariants(name):
     assert len(res.plans) == (0 if isinstance(planner, Bound) else counts.num_batches)
 
 
+def _reps(plan: BatchPlan) -> np.ndarray:
+    assert plan.replicas is not None
+    return plan.replicas.copy()
+
+
 def _listed(ctx, plan, width: int = 2) -> tuple[BatchPlan, tuple[int, int, int, int]]:
     """The hot expert moved to the other GPU of its node, listed in that GPU's first replica slot."""
     m, l, e = _hot(plan)
@@ -283,14 +288,14 @@ def test_slot_capacity(ctx, plan):
 
 def test_slot_range(ctx, plan):
     listed, (m, l, g, _) = _listed(ctx, plan)
-    reps = listed.replicas.copy()
-    reps[m, l, g, 1] = plan.home.shape[1]
+    reps = _reps(listed)
+    reps[m, l, g, 1] = plan.home.shape[1]  # one past the last expert
     _expect("slot range", replace(listed, replicas=reps), ctx, replica_slots=2)
 
 
 def test_slot_duplicate(ctx, plan):
     listed, (m, l, g, e) = _listed(ctx, plan)
-    reps = listed.replicas.copy()
+    reps = _reps(listed)
     reps[m, l, g, 1] = e
     _expect("slot duplicate", replace(listed, replicas=reps), ctx, replica_slots=2)
     own = int(np.flatnonzero(plan.home[l] == g)[0])
@@ -300,7 +305,7 @@ def test_slot_duplicate(ctx, plan):
 
 def test_listed_replica_in_another_node(ctx, plan):
     listed, (m, l, g, _) = _listed(ctx, plan)
-    reps = listed.replicas.copy()
+    reps = _reps(listed)
     reps[m, l, g, 1] = int(np.flatnonzero(plan.home[l] // 2 != g // 2)[0])  # listed, computes nothing
     _expect("replicas in home node", replace(listed, replicas=reps), ctx, replica_slots=2)
     check_plan(replace(listed, replicas=reps), ctx, replica_slots=2, replicas_in_home_node=False)

@@ -78,7 +78,7 @@ def random_slot_plan(
                 for e in range(num_experts)
                 if home[layer, e] != g and home[layer, e] // gpus_per_node == node
             ]
-            pick = rng.permutation(cand)[: rng.integers(0, r + 1)] if cand and r else []
+            pick: list[int] = list(rng.permutation(cand)[: rng.integers(0, r + 1)]) if cand and r else []
             replicas[layer, g, : len(pick)] = pick
         for e in range(num_experts):
             copies = [int(home[layer, e])] + [g for g in range(num_gpus) if e in replicas[layer, g]]
@@ -176,16 +176,21 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             {
                 "out": y.detach(),
                 "grad_hidden": h.grad,
-                "grad_experts": [p.grad.clone() for p in model.experts],
+                "grad_experts": [_grad(p) for p in model.experts],
                 "slot_expert": model.slot_expert.copy(),
-                "grad_attn": model.attn.grad.clone(),
-                "grad_router": model.router.grad.clone(),
+                "grad_attn": _grad(model.attn),
+                "grad_router": _grad(model.router),
                 "moved": moved,
                 "misplaced": misplaced,
                 "buffer_bytes": model.buffer.nbytes,
             }
         )
     return out
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None, "a parameter has no gradient after backward"
+    return p.grad.clone()
 
 
 def reference(case: dict, num_layers: int, num_experts: int) -> dict:
@@ -299,7 +304,7 @@ def world4_cases() -> list[dict]:
 def _planners(gpus_per_node: int) -> list:
     """Every planner present in the project, with small slot counts (absent modules are skipped)."""
     found = []
-    candidates = [
+    candidates: list[tuple[str, str, dict[str, object]]] = [
         ("baselines.megatron", "MegatronPlanner", {}),
         ("baselines.eplb", "EplbPlanner", {"redundant_slots": 1}),
         ("baselines.lplb", "LplbPlanner", {"redundant_slots": 2, "topology": "ring"}),
@@ -399,7 +404,7 @@ def test_world4_reports_reordering(world4) -> None:
     cases, results = world4
     for case, ranks in zip(cases, results):
         home = case["plan"].home
-        expect = len(moved_experts(static_placement(*home.shape, 4), home))
+        expect = len(moved_experts(static_placement(home.shape[0], home.shape[1], 4), home))
         assert all(r["moved"] == expect for r in ranks), case["name"]
 
 
@@ -482,6 +487,7 @@ def _valid_plan() -> tuple[BatchPlan, list]:
 
 def _mutate(invariant: str) -> tuple[BatchPlan, list]:
     plan, routes = _valid_plan()
+    assert plan.replicas is not None
     home, assign, load, reps = plan.home.copy(), plan.assign.copy(), plan.load.copy(), plan.replicas.copy()
     e = int(reps[0, 0, 0, 0])
     if invariant == "shape":

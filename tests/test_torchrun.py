@@ -29,7 +29,7 @@ TINY = [
     "cluster.gpus_per_node=2",
     "trace.samples_per_batch=8",
     "trace.max_tokens=64",
-    "trace.num_batches=2",
+    "trace.num_batches=1",
     "logger=none",
 ]
 
@@ -52,7 +52,8 @@ def run_torchrun(plans: Path, out: Path, nproc: int = 4) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def close(actual: np.ndarray | torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def close(actual: np.ndarray | torch.Tensor, expected: torch.Tensor | None, what: str) -> None:
+    assert expected is not None, f"{what}: the reference has no gradient"
     actual = torch.as_tensor(actual)
     scale = float(expected.abs().max()) if expected.numel() else 1.0
     torch.testing.assert_close(
@@ -70,6 +71,17 @@ def assert_matches_reference(plans_path: Path, out: Path) -> int:
     res = dict(np.load(out / "executor.npz"))
     assert res["moe_time_s"].shape == (len(mb_batch), num_layers)
     assert np.isfinite(res["moe_time_s"]).all() and (res["moe_time_s"] > 0).all()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: tiny matmuls; more threads only add contention on a shared CPU
+    try:
+        return _check_batches(res, mb_batch, num_layers, num_experts, world)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_batches(
+    res: dict[str, np.ndarray], mb_batch: np.ndarray, num_layers: int, num_experts: int, world: int
+) -> int:
     checked = 0
     for b in np.unique(mb_batch):
         dense = [dense_init(layer, SHAPE, num_experts) for layer in range(num_layers)]
@@ -169,7 +181,7 @@ def entry_point_run(tmp_path_factory) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------------------ tests
 def test_entry_point_plans_under_torchrun_equal_the_reference(entry_point_run) -> None:
     plans, out = entry_point_run
-    assert assert_matches_reference(plans, out) == 2
+    assert assert_matches_reference(plans, out) == 1
     summary = json.loads((out / "executor.json").read_text())
     assert (
         summary["world"] == 4
@@ -194,10 +206,10 @@ def test_reordering_and_replicas_under_torchrun_equal_the_reference(tmp_path) ->
 def test_the_reference_check_can_fail(entry_point_run, tmp_path) -> None:
     plans, out = entry_point_run
     res = dict(np.load(out / "executor.npz"))
-    res["grad_experts/b0"] = res["grad_experts/b0"] * (1 + 1e-3)
+    res["out/m0/g1"] = res["out/m0/g1"] * (1 + 1e-3)
     (tmp_path / "bad").mkdir()
     np.savez(tmp_path / "bad" / "executor.npz", **res)
-    with pytest.raises(AssertionError, match="expert weight gradients of batch 0"):
+    with pytest.raises(AssertionError, match="output of micro-batch 0, rank 1"):
         assert_matches_reference(plans, tmp_path / "bad")
 
 

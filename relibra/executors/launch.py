@@ -130,7 +130,7 @@ class DistEnv:
         self.world = int(environ["WORLD_SIZE"])
 
 
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         rank=env.rank,
         world_size=env.world,
         timeout=timedelta(seconds=args.timeout_s),
-        **({"device_id": device} if backend == "nccl" else {}),
+        device_id=device if backend == "nccl" else None,
     )
     try:
         shape = ExpertShape(args.hidden, args.ffn)
@@ -252,7 +252,8 @@ def _write(
         "reorder_moved_experts": res["reorder_moved_experts"],
         "replica_buffer_bytes": res["replica_buffer_bytes"],
     }
-    _atomic_write(out / "executor.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
+    text = json.dumps(summary, indent=2).encode()
+    _atomic_write(out / "executor.json", lambda f: f.write(text))
 
 
 if __name__ == "__main__":
