@@ -187,3 +187,18 @@ def test_reproduce_runs_a_preset_then_reuses_it(
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
     assert "0 cells run, 4 reused, 0 failed" in capsys.readouterr().out
+
+
+def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
+    from experiments.reproduce import prepare_olmoe_trace
+    from relibra.trace import load_trace
+
+    path = prepare_olmoe_trace(shared_traces, tmp_path / "olmoe-decode.npz")
+    assert path is not None
+    trace = load_trace(path)
+    assert (trace.num_samples, trace.num_batches, trace.num_layers, trace.num_experts) == (200, 2, 16, 64)
+    for cfg in compose_cells(
+        "quick_real_trace", [[*c, f"trace.path={path}"] for c in cells("quick_real_trace")]
+    ):
+        validate(cfg)
+    assert prepare_olmoe_trace(tmp_path / "absent", tmp_path / "other.npz") is None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -678,14 +679,42 @@ class AnnealingReorderer:
     def __init__(self, **params: Any) -> None:
         self.config = AnnealConfig.from_params(**params)
 
+    @property
+    def moves_samples(self) -> bool:
+        """Whether :meth:`reorder` runs the locality round (which may move samples between GPUs)."""
+        return self.config.locality
+
     def reorder(self, ctx: BatchContext) -> Reordering:
         """Placement ``home`` [L, E] for the batch, and (with ``locality``) a new ``sample_gpu`` [Sb].
 
+        The two rounds are :meth:`place` (per layer) then :meth:`locality_step` (whole batch).
         Stats: ``reorder_objective_s`` and ``reorder_lpt_objective_s`` (true objective summed over layers, in
         seconds), ``reorder_moved_experts`` (experts whose home differs from ``ctx.prev_home``, or from the
         static Megatron placement on the first batch), ``reorder_time_s``, and the locality round's stats.
         """
         t0 = time.perf_counter()
+        placed = self.place(ctx)
+        stats = dict(placed.stats)
+        sample_gpu = np.asarray(placed.sample_gpu, dtype=np.int32)
+        if self.config.locality:
+            sample_gpu, loc_stats = self.locality_step(ctx, placed.home)
+            stats.update(loc_stats)
+        stats["reorder_time_s"] = time.perf_counter() - t0
+        return Reordering(home=placed.home, sample_gpu=sample_gpu, stats=stats)
+
+    def place(self, ctx: BatchContext, layers: Sequence[int] | None = None) -> Reordering:
+        """The first round alone: the annealed placement ``home`` [L, E] of ctx's layers; samples stay put.
+
+        Args:
+            ctx: the batch, or a slice of its layers (``counts`` [Sb, L', E], ``load`` [Mb, L', G, E],
+                ``prev_home`` [L', E]) with the batch's own ``batch`` and ``seed``.
+            layers: the batch-wide indices of ctx's ``L'`` layers (default ``0..L'-1``); each mixes into its
+                layer's seed streams, so a slice planned with its indices gets exactly the rows that the
+                whole batch's call gives (layers are independent in this round).
+        Returns:
+            A :class:`Reordering` with ``sample_gpu = ctx.sample_gpu`` and the stats of :meth:`reorder`
+            except the locality round's and ``reorder_time_s``.
+        """
         cfg = self.config
         load = np.asarray(ctx.load)
         if load.ndim != 4:
@@ -695,6 +724,11 @@ class AnnealingReorderer:
             raise ValueError(f"ctx.load has G={g} GPUs but ctx.cluster has {ctx.num_gpus}")
         if num_experts % g != 0:
             raise ValueError(f"E={num_experts} experts is not divisible by G={g} GPUs")
+        layer_ids = np.arange(num_layers) if layers is None else np.asarray(layers, dtype=np.int64)
+        if layer_ids.shape != (num_layers,):
+            raise ValueError(
+                f"layers has {layer_ids.size} entries; expected one per layer of ctx.load ({num_layers})"
+            )
         if cfg.objective == "aggregate":
             load = load.sum(axis=0, keepdims=True, dtype=np.int64)
         prev = None if ctx.prev_home is None else np.asarray(ctx.prev_home, dtype=np.int32)
@@ -714,7 +748,7 @@ class AnnealingReorderer:
         chunks = [c for c in np.array_split(np.arange(num_layers), min(cfg.workers, num_layers)) if c.size]
         tasks = [
             _LayerTask(
-                layers=tuple(int(v) for v in c),
+                layers=tuple(int(v) for v in layer_ids[c]),
                 loads=load[:, c],
                 prev_home=None if prev is None else prev[c],
                 start_home=start[c],
@@ -736,18 +770,25 @@ class AnnealingReorderer:
         }
         ref = prev if prev is not None else static_placement(num_layers, num_experts, g)
         stats["reorder_moved_experts"] = float(np.count_nonzero(home != ref))
-        sample_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
-        if cfg.locality:
-            # NOTE: imported here because the locality round reuses this module's link routing kernels.
-            from relibra.planners.locality import locality_round
+        return Reordering(home=home, sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32), stats=stats)
 
-            sample_gpu, loc_stats = locality_round(
-                ctx,
-                home,
-                tolerance=cfg.locality_tolerance,
-                iterations_per_sample=cfg.locality_iterations,
-                seed=cfg.seeds[0],
-            )
-            stats.update(loc_stats)
-        stats["reorder_time_s"] = time.perf_counter() - t0
-        return Reordering(home=home, sample_gpu=sample_gpu, stats=stats)
+    def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        """The second round alone: re-assign the whole batch's samples under placement ``home`` [L, E].
+
+        Needs every layer (``ctx`` is the whole batch). Returns (``sample_gpu`` int32 [Sb], the
+        ``locality_*`` stats of :func:`relibra.planners.locality.locality_round`); the input assignment
+        and no stats when ``locality`` is off.
+        """
+        cfg = self.config
+        if not cfg.locality:
+            return np.asarray(ctx.sample_gpu, dtype=np.int32), {}
+        # NOTE: imported here because the locality round reuses this module's link routing kernels.
+        from relibra.planners.locality import locality_round
+
+        return locality_round(
+            ctx,
+            np.asarray(home, dtype=np.int32),
+            tolerance=cfg.locality_tolerance,
+            iterations_per_sample=cfg.locality_iterations,
+            seed=cfg.seeds[0],
+        )
