@@ -19,23 +19,34 @@ Stages of one batch, after :meth:`ControlPlane.seal`:
 1. **Workload assembly** (coordinator thread): samples sorted by their id (so arrival order never changes a
    plan), laid out over GPUs and micro-batches (:func:`relibra.workload.layout_samples`), loads
    ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`).
-2. **Reordering per layer**: one task per MoE layer runs the planner's :class:`~relibra.planner.Reorderer`
-   on a one-layer :class:`~relibra.planner.BatchContext` (layers are independent in reordering).
-3. **Replication per micro-batch and layer**: as soon as layer ``l`` is reordered, one task runs the
-   :class:`~relibra.planner.Replicator` on every micro-batch of that layer.
+2. **Placement per layer**: one task per MoE layer runs the planner's reorderer on a one-layer
+   :class:`~relibra.planner.BatchContext` (layers are independent in this round). A
+   :class:`StagedReorderer` (ReLibra's :class:`~relibra.planners.reorder.AnnealingReorderer`) runs only
+   its per-layer round there (``place``), seeded by the batch and the layer's batch-wide index, so each
+   layer gets exactly the row that the serial planner computes.
+3. **Locality round** (only when the reorderer ``moves_samples``; ReLibra's second round): once every
+   layer's placement is in (or fell back), one whole-batch task re-assigns samples to GPUs under that
+   placement (``locality_step``) and returns the loads regrouped under the new ``sample_gpu``.
+4. **Replication per layer**: one task per layer runs the :class:`~relibra.planner.Replicator` on every
+   micro-batch of that layer, on the (regrouped) loads. Without a locality round a layer's replication
+   starts as soon as its placement is in.
 
 Tasks run in a pool of ``workers`` single-process executors (``concurrent.futures.ProcessPoolExecutor``),
 lower layers first, each layer's replication before the next layer's reordering, so plans become ready
 layer by layer. A planner that is not a reorderer/replicator composition (the baselines) runs as one
-whole-batch task.
+whole-batch task. With the same seeds the delivered plan equals the serial planner's
+(:class:`~relibra.planners.relibra.ComposedPlanner`) exactly, for any worker count.
 
 **Deadline and fallbacks.** :meth:`ControlPlane.plans` waits at most ``deadline_s``; then a layer whose
 reordering is not ready keeps the *previous placement* (the last delivered batch's, Megatron's static one
 at first), a layer whose replication is not ready gets *no replication* (every expert computed at home).
-Each fallback is recorded per layer in :class:`PlanReport`. A task that raises falls back at once (it would
-raise again); a task whose worker process dies is re-run on a fresh worker up to ``max_retries`` times,
-then falls back. Since every worker runs one task at a time, a crash is blamed on exactly one task; no
-layer is ever lost: every delivered plan covers every layer.
+Each fallback is recorded per layer in :class:`PlanReport`. The locality round has its own limit,
+``locality_deadline_s`` from its start (its worker is replaced when it runs over); a locality round that
+runs over, fails, or is not ready at the deadline leaves every sample on its input GPU
+(:attr:`PlanReport.locality`), and replication runs on the input loads. A task that raises falls back at
+once (it would raise again); a task whose worker process dies is re-run on a fresh worker up to
+``max_retries`` times, then falls back. Since every worker runs one task at a time, a crash is blamed on
+exactly one task; no layer is ever lost: every delivered plan covers every layer.
 
 Timing (seconds, in :class:`PlanReport` and ``BatchPlan.stats``): measured from the last sample's
 arrival (the last :meth:`submit` before :meth:`seal`): ``time_to_first_plan_s`` (one layer fully
@@ -57,23 +68,33 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
-from enum import IntFlag
-from typing import Any
+from enum import IntFlag, StrEnum
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel
-from relibra.planner import BatchContext, Planner, Reorderer, Replicator, home_assign, static_placement
+from relibra.planner import (
+    BatchContext,
+    Planner,
+    Reorderer,
+    Reordering,
+    Replicator,
+    home_assign,
+    static_placement,
+)
 from relibra.trace import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import SampleLayout, layout_samples, microbatch_loads
+from relibra.workload import SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
 
 __all__ = [
     "ControlPlane",
     "ControlPlaneConfig",
     "Fallback",
+    "LocalityStatus",
     "PlanReport",
+    "StagedReorderer",
 ]
 
 
@@ -85,6 +106,45 @@ class Fallback(IntFlag):
     """Reordering not ready or failed: the layer keeps the previous batch's placement."""
     NO_REPLICATION = 2
     """Replication not ready or failed: every expert of the layer is computed at home."""
+
+
+class LocalityStatus(StrEnum):
+    """What became of a batch's locality round (the sample re-assignment after placement)."""
+
+    OFF = "off"
+    """The reorderer has no locality round: samples stay on their input GPUs by design."""
+    DONE = "done"
+    """The round ran: samples are on the GPUs it chose, loads regrouped accordingly."""
+    TIMED_OUT = "timed_out"
+    """Fallback: the round ran past ``locality_deadline_s``; samples keep their input GPUs."""
+    FAILED = "failed"
+    """Fallback: the round raised, or its worker died ``max_retries + 1`` times; input GPUs kept."""
+    NOT_READY = "not_ready"
+    """Fallback: :meth:`ControlPlane.plans`'s deadline came first; input GPUs kept."""
+
+
+@runtime_checkable
+class StagedReorderer(Protocol):
+    """A reorderer whose per-layer round and whole-batch locality round can run as separate tasks.
+
+    ``reorder(ctx)`` must equal ``place(ctx)`` followed, when ``moves_samples``, by
+    ``locality_step(ctx, home)`` (:class:`~relibra.planners.reorder.AnnealingReorderer` is one).
+    """
+
+    @property
+    def moves_samples(self) -> bool:
+        """Whether the locality round runs (it may move samples between GPUs)."""
+        ...
+
+    def reorder(self, ctx: BatchContext) -> Reordering: ...
+
+    def place(self, ctx: BatchContext, layers: Any = None) -> Reordering:
+        """Placement of ctx's layers (``layers``: their batch-wide indices); samples stay put."""
+        ...
+
+    def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        """Whole batch, placement ``home`` [L, E] -> (``sample_gpu`` int32 [Sb], stats)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -105,8 +165,15 @@ class ControlPlaneConfig:
     """Start method of worker processes. NOTE: ``spawn`` because a trainer process holds CUDA state and
     threads, which ``fork`` does not copy safely."""
     seed: int = 0
+    """Base seed of batches given through :meth:`ControlPlane.seal`: batch ``b`` plans with seed
+    ``seed + b`` (as :func:`relibra.simulator.batch_context` does); :meth:`ControlPlane.plan` uses the
+    context's own seed."""
+    locality_deadline_s: float | None = None
+    """Seconds the locality round may run once a worker started it (None: no own limit); past it, samples
+    keep their input GPUs (:attr:`LocalityStatus.TIMED_OUT`)."""
     warm_up: bool = True
-    """Plan one small random layer in each worker at start-up (process start, imports, JIT compilation)."""
+    """Plan one small random layer in each worker at start-up (process start, imports, loading the numba
+    kernels from their on-disk cache, or compiling them when it is cold)."""
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -117,6 +184,8 @@ class ControlPlaneConfig:
             raise ValueError("give samples_per_microbatch or tokens_per_microbatch, not both")
         if self.deadline_s is not None and self.deadline_s < 0:
             raise ValueError(f"deadline_s={self.deadline_s}; expected >= 0 or None")
+        if self.locality_deadline_s is not None and self.locality_deadline_s < 0:
+            raise ValueError(f"locality_deadline_s={self.locality_deadline_s}; expected >= 0 or None")
 
 
 @dataclass(frozen=True)
@@ -143,7 +212,16 @@ class PlanReport:
     worker_crashes: int
     """Worker processes that died while running one of this batch's tasks."""
     errors: tuple[str, ...] = ()
-    """One line per failed task: ``layer L reorder: ...``."""
+    """One line per failed task: ``layer L reorder: ...`` (``batch locality: ...`` for the locality round)."""
+    locality: LocalityStatus = LocalityStatus.OFF
+    """What became of the locality round (its fallback: every sample on its input GPU)."""
+    locality_s: float = math.nan
+    """Seconds the locality round ran in its worker (NaN: it did not finish)."""
+
+    @property
+    def locality_fallback(self) -> bool:
+        """The plan keeps the input sample assignment although a locality round was due."""
+        return self.locality in (LocalityStatus.TIMED_OUT, LocalityStatus.FAILED, LocalityStatus.NOT_READY)
 
     @property
     def previous_placement_layers(self) -> int:
@@ -167,6 +245,16 @@ class _Kit:
     planner: Planner | None
     replica_slots: int
 
+    @property
+    def staged(self) -> bool:
+        """The reorderer's per-layer round runs alone in the layer tasks (:class:`StagedReorderer`)."""
+        return isinstance(self.reorderer, StagedReorderer)
+
+    @property
+    def locality(self) -> bool:
+        """A whole-batch locality round runs between placement and replication."""
+        return isinstance(self.reorderer, StagedReorderer) and bool(self.reorderer.moves_samples)
+
 
 _WORKER_KIT: _Kit | None = None
 """The worker process's kit. NOTE: process-global by necessity (a ProcessPoolExecutor initializer's only
@@ -179,8 +267,9 @@ def _init_worker(kit: _Kit) -> None:
 
 
 def _warm(kit: _Kit | None = None) -> float:
-    """Plan one small random layer once per worker at start-up, so that process start, imports and JIT
-    compilation (numba) are off the critical path. Returns its seconds."""
+    """Plan one small random layer (and its locality round) once per worker at start-up, so that process
+    start, imports and loading (or compiling) the numba kernels are off the critical path. Returns its
+    seconds. Compilation itself is cached on disk: see :mod:`relibra.planners.warmup`."""
     t0 = time.perf_counter()
     kit = kit or _kit()
     g, num_experts = kit.cluster.num_gpus, kit.model.num_experts
@@ -199,7 +288,10 @@ def _warm(kit: _Kit | None = None) -> float:
     )
     if kit.reorderer is not None:
         home, _, _ = _reorder_task(part, kit)
-        _replicate_task(replace(part, home=home[None]), kit)
+        part = replace(part, home=home[None])
+        if kit.locality:
+            _locality_task(part, kit)
+        _replicate_task(part, kit)
     return time.perf_counter() - t0
 
 
@@ -221,8 +313,11 @@ class _Slice:
     prev_home: np.ndarray | None
     """int32 [L', E] or None."""
     seed: int
+    layer: int = 0
+    """Batch-wide index of the slice's first layer."""
     home: np.ndarray | None = None
-    """int32 [L', E]: the placement to replicate on (replication tasks only)."""
+    """int32 [L', E]: the placement to replicate on (replication tasks), or to re-assign samples under (the
+    locality round)."""
     history: tuple[np.ndarray, ...] = ()
     """Loads [Mb', L, G, E] of earlier batches (whole-batch planners that use history)."""
 
@@ -231,12 +326,17 @@ def _context(kit: _Kit, part: _Slice) -> BatchContext:
     num_mb, g = part.load.shape[0], kit.cluster.num_gpus
     counts, tokens, local_mb = part.counts, part.sample_tokens, part.sample_mb
 
-    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        from relibra.workload import gpu_token_stats
+    memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
 
-        load = microbatch_loads(counts, sample_gpu, local_mb, num_mb, g)
-        tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
-        return load, tok
+    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # NOTE: remembers its last answer, so the locality task hands back the loads its round regrouped.
+        key = np.asarray(sample_gpu, dtype=np.int32).tobytes()
+        if key not in memo:
+            memo.clear()
+            load = microbatch_loads(counts, sample_gpu, local_mb, num_mb, g)
+            tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
+            memo[key] = (load, tok)
+        return memo[key]
 
     return BatchContext(
         batch=part.batch,
@@ -264,18 +364,45 @@ def _kit() -> _Kit:
 
 
 def _reorder_task(part: _Slice, kit: _Kit | None = None) -> tuple[np.ndarray, dict[str, float], float]:
-    """One layer's reordering -> (home int32 [E], stats, seconds)."""
+    """One layer's placement -> (home int32 [E], stats, seconds)."""
     t0 = time.perf_counter()
     kit = kit or _kit()
-    assert kit.reorderer is not None
+    reorderer = kit.reorderer
+    assert reorderer is not None
     ctx = _context(kit, part)
-    reo = kit.reorderer.reorder(ctx)
+    if isinstance(reorderer, StagedReorderer):
+        reo = reorderer.place(ctx, layers=(part.layer,))
+    else:
+        reo = reorderer.reorder(ctx)
     if not np.array_equal(np.asarray(reo.sample_gpu), part.sample_gpu):
         raise ValueError(
-            "the reorderer moved samples (a locality round); it needs the whole batch, which the control "
-            "plane's per-layer split does not give it: disable locality for control-plane planning"
+            f"the reorderer {type(reorderer).__name__} moved samples in a one-layer task; a locality round "
+            "needs the whole batch: give the reorderer place() and locality_step() (StagedReorderer, as "
+            "AnnealingReorderer has) so that the control plane runs it once every layer is placed"
         )
     return np.asarray(reo.home, dtype=np.int32)[0], dict(reo.stats), time.perf_counter() - t0
+
+
+def _locality_task(
+    part: _Slice, kit: _Kit | None = None
+) -> tuple[np.ndarray, np.ndarray, dict[str, float], float]:
+    """The whole batch's locality round under ``part.home`` [L, E] -> (sample_gpu int32 [Sb], load int32
+    [Mb, L, G, E] regrouped under it, stats, seconds)."""
+    t0 = time.perf_counter()
+    kit = kit or _kit()
+    reorderer = kit.reorderer
+    assert isinstance(reorderer, StagedReorderer) and part.home is not None
+    ctx = _context(kit, part)
+    sample_gpu, stats = reorderer.locality_step(ctx, part.home)
+    sample_gpu = np.asarray(sample_gpu, dtype=np.int32)
+    if sample_gpu.shape != part.sample_gpu.shape:
+        raise ValueError(
+            f"locality_step returned sample_gpu of shape {sample_gpu.shape}; expected "
+            f"[Sb]={part.sample_gpu.shape}"
+        )
+    moved = not np.array_equal(sample_gpu, part.sample_gpu)
+    load = np.asarray(ctx.regroup(sample_gpu)[0] if moved and ctx.regroup else part.load, dtype=np.int32)
+    return sample_gpu, load, dict(stats), time.perf_counter() - t0
 
 
 def _replicate_task(
@@ -304,14 +431,16 @@ def _plan_task(part: _Slice, kit: _Kit | None = None) -> tuple[BatchPlan, float]
 
 
 # ------------------------------------------------------------------------------- coordinator side
-_PHASE_ORDER = {"reorder": 1, "replicate": 0, "batch": 0}
-"""Within one layer's priority, replication (finishing a layer) goes before the next layer's reordering."""
+_PHASE_ORDER = {"locality": 0, "reorder": 1, "replicate": 0, "batch": 0}
+"""Within one layer's priority, replication (finishing a layer) goes before the next layer's reordering;
+the locality round (layer -1) goes before the batch's replications, which wait for it."""
 
 
 @dataclass
 class _Task:
     job: int
     layer: int
+    """Batch-wide layer index (-1 for the locality round, 0 for a whole-batch plan)."""
     phase: str
     fn: Callable[..., Any]
     part: _Slice
@@ -338,6 +467,7 @@ class _Job:
     """Mutable planning state of one batch (guarded by the control plane's lock)."""
 
     batch: int
+    """The control plane's batch index (the key of :meth:`ControlPlane.plans`)."""
     counts: np.ndarray
     """int32 [Sb, L, E] in planning (sample id) order."""
     sample_tokens: np.ndarray
@@ -345,10 +475,20 @@ class _Job:
     prev_home: np.ndarray
     """int32 [L, E]: the placement in effect before this batch (the fallback)."""
     t_arrival: float
+    seed: int
+    """The batch's planning seed (``BatchContext.seed``)."""
+    ctx_batch: int
+    """``BatchContext.batch`` of the batch's tasks (the simulator's index for :meth:`ControlPlane.plan`)."""
+    reorder_prev: np.ndarray | None
+    """int32 [L, E] or None: ``BatchContext.prev_home`` seen by the reorderer."""
     given: _Assembled | None = None
     """A layout and loads handed in with the batch (:meth:`ControlPlane.plan`)."""
     history: tuple[np.ndarray, ...] = ()
     asm: _Assembled | None = None
+    load: np.ndarray | None = None
+    """int32 [Mb, L, G, E]: the loads replication runs on (regrouped once the locality round is done)."""
+    sample_gpu: np.ndarray | None = None
+    """int32 [Sb]: the sample assignment of ``load``."""
     home: np.ndarray | None = None
     """int32 [L, E]: reordered layers' placement (the previous one elsewhere)."""
     assign: np.ndarray | None = None
@@ -357,11 +497,18 @@ class _Job:
     """int32 [Mb, L, G, r]."""
     whole: BatchPlan | None = None
     reordered: np.ndarray | None = None
+    placed: np.ndarray | None = None
+    """bool [L]: the layer's placement is in (reordered, or its reordering failed)."""
     done: np.ndarray | None = None
     failed_reorder: np.ndarray | None = None
     failed_replicate: np.ndarray | None = None
     layer_ready: np.ndarray | None = None
+    locality: LocalityStatus = LocalityStatus.OFF
+    locality_pending: bool = False
+    """The locality round is due and has not ended (ran, failed or timed out) yet."""
+    locality_s: float = math.nan
     reorder_stats: dict[str, float] = field(default_factory=dict)
+    locality_stats: dict[str, float] = field(default_factory=dict)
     replicate_stats: list[dict[str, float]] = field(default_factory=list)
     cpu_s: float = 0.0
     retries: int = 0
@@ -375,26 +522,34 @@ class _Job:
     def finished(self) -> bool:
         return self.done is not None and bool(self.done.all())
 
-    def start(self, asm: _Assembled, replica_slots: int, num_gpus: int) -> None:
+    def start(self, asm: _Assembled, replica_slots: int, num_gpus: int, locality: bool) -> None:
         """Initial state after assembly: every layer on the previous placement, home only."""
         num_mb, num_layers, _, num_experts = asm.load.shape
         self.asm = asm
+        self.load = asm.load
+        self.sample_gpu = asm.layout.sample_gpu
         self.home = self.prev_home.copy()
         self.assign = home_assign(
             asm.load, np.broadcast_to(self.home, (num_mb, num_layers, num_experts)), num_gpus
         )
         self.replicas = np.full((num_mb, num_layers, num_gpus, replica_slots), -1, dtype=np.int32)
         self.reordered = np.zeros(num_layers, dtype=bool)
+        self.placed = np.zeros(num_layers, dtype=bool)
         self.done = np.zeros(num_layers, dtype=bool)
         self.failed_reorder = np.zeros(num_layers, dtype=bool)
         self.failed_replicate = np.zeros(num_layers, dtype=bool)
         self.layer_ready = np.full(num_layers, math.nan)
+        self.locality_pending = locality
 
 
 @dataclass
 class _Slot:
     pool: ProcessPoolExecutor | None
     task: _Task | None = None
+    started: float = math.nan
+    """When ``task`` was handed to the worker."""
+    generation: int = 0
+    """Bumped whenever the worker is replaced, so a replaced worker's late answer is ignored."""
 
 
 class ControlPlane:
@@ -436,6 +591,7 @@ class ControlPlane:
         self._cond = threading.Condition(self._lock)
         self._events: queue.Queue[Any] = queue.Queue()
         self._ready: list[tuple[tuple[int, int, int], int, _Task]] = []
+        self._warm_futures: list[Future[Any]] = []
         self._tiebreak = itertools.count()
         self._jobs: dict[int, _Job] = {}
         self._open: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
@@ -540,6 +696,9 @@ class ControlPlane:
                 sample_tokens=tokens[perm],
                 prev_home=self._placement.copy(),
                 t_arrival=t_arrival,
+                seed=self.config.seed + self._next_batch,
+                ctx_batch=self._next_batch,
+                reorder_prev=self._placement.copy(),
             )
             return self._start(job)
 
@@ -570,7 +729,8 @@ class ControlPlane:
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """:class:`~relibra.planner.Planner` protocol: plan a ready context through the workers.
 
-        Uses the context's layout, loads, ``prev_home`` and ``history`` (the simulator's) and waits
+        Uses the context's layout, loads, ``prev_home``, ``history``, ``batch`` and ``seed`` (the
+        simulator's), so the plan equals the wrapped planner's ``plan(ctx)``, and waits
         ``config.deadline_s``. Timing starts at this call (the context is the last arrival).
         """
         t0 = time.perf_counter()
@@ -598,6 +758,9 @@ class ControlPlane:
                 sample_tokens=np.asarray(ctx.sample_tokens, dtype=np.int64),
                 prev_home=prev,
                 t_arrival=t0,
+                seed=int(ctx.seed),
+                ctx_batch=int(ctx.batch),
+                reorder_prev=None if ctx.prev_home is None else prev,
                 given=given,
                 history=tuple(ctx.history),
             )
@@ -638,6 +801,17 @@ class ControlPlane:
             initargs=(self._kit,),
         )
 
+    def _replace_worker(self, slot: _Slot) -> None:
+        """Kill ``slot``'s worker and start a fresh one (warmed in the background when configured)."""
+        self._kill(slot.pool)
+        slot.pool = self._new_pool()
+        slot.generation += 1
+        slot.task = None
+        if self.config.warm_up:
+            # NOTE: queued ahead of the worker's next task; a failure there fails that task, not this call.
+            self._warm_futures = [f for f in self._warm_futures if not f.done()]
+            self._warm_futures.append(slot.pool.submit(_warm))
+
     @staticmethod
     def _kill(pool: ProcessPoolExecutor | None) -> None:
         if pool is None:
@@ -660,7 +834,12 @@ class ControlPlane:
 
     def _loop(self) -> None:
         while True:
-            event = self._events.get()
+            with self._lock:
+                wake = self._next_expiry()
+            try:
+                event = self._events.get(timeout=wake)
+            except queue.Empty:
+                event = ("tick",)
             if event is None:
                 return
             kind, *payload = event
@@ -670,10 +849,37 @@ class ControlPlane:
             with self._cond:
                 if kind == "seal":
                     self._enqueue_first(job, asm)
-                else:
+                elif kind == "done":
                     self._finish(*payload)
+                self._expire()
                 self._dispatch()
                 self._cond.notify_all()
+
+    def _next_expiry(self) -> float | None:
+        """Seconds until the earliest running locality round passes its own deadline (lock held)."""
+        limit = self.config.locality_deadline_s
+        if limit is None:
+            return None
+        ends = [s.started + limit for s in self._slots if s.task is not None and s.task.phase == "locality"]
+        return max(0.0, min(ends) - time.perf_counter()) if ends else None
+
+    def _expire(self) -> None:
+        """Stop locality rounds past their deadline (lock held): replace the worker, keep the input
+        samples, release the batch's replications."""
+        limit = self.config.locality_deadline_s
+        if limit is None:
+            return
+        now = time.perf_counter()
+        for slot in self._slots:
+            task = slot.task
+            if task is None or task.phase != "locality" or now - slot.started < limit:
+                continue
+            self._replace_worker(slot)
+            job = self._jobs[task.job]
+            if not job.delivered:
+                self._locality_fallback(
+                    job, LocalityStatus.TIMED_OUT, f"ran past locality_deadline_s={limit}"
+                )
 
     def _assemble(self, job: _Job) -> _Assembled:
         """Stage 1: layout and loads of ``job`` (or the ones it was given)."""
@@ -692,23 +898,27 @@ class ControlPlane:
         load = microbatch_loads(job.counts, layout.sample_gpu, local_mb, layout.num_microbatches, g)
         return _Assembled(layout, local_mb, load, time.perf_counter() - t0)
 
-    def _part(self, job: _Job, layers: slice, home: np.ndarray | None = None) -> _Slice:
-        asm = job.asm
-        assert asm is not None
+    def _part(self, job: _Job, layers: slice, phase: str, home: np.ndarray | None = None) -> _Slice:
+        asm, load, sample_gpu = job.asm, job.load, job.sample_gpu
+        assert asm is not None and load is not None and sample_gpu is not None
+        first = layers.start or 0
+        seed = job.seed
+        if phase == "reorder" and not self._kit.staged:
+            # NOTE: a plain reorderer sees a one-layer context without its index: one seed per (batch, layer)
+            # keeps layers apart, and a plan independent of how layers meet workers.
+            seed = int(np.random.SeedSequence([job.seed, job.ctx_batch, first]).generate_state(1)[0])
         return _Slice(
-            batch=job.batch,
+            batch=job.ctx_batch,
             counts=np.ascontiguousarray(job.counts[:, layers]),
             sample_tokens=job.sample_tokens,
-            sample_gpu=asm.layout.sample_gpu,
+            sample_gpu=sample_gpu,
             sample_mb=asm.local_mb,
-            load=np.ascontiguousarray(asm.load[:, layers]),
-            prev_home=job.prev_home[layers],
-            # NOTE: one seed per (batch, layer), so a plan does not depend on how layers meet workers.
-            seed=int(
-                np.random.SeedSequence([self.config.seed, job.batch, layers.start or 0]).generate_state(1)[0]
-            ),
+            load=np.ascontiguousarray(load[:, layers]),
+            prev_home=None if job.reorder_prev is None else job.reorder_prev[layers],
+            seed=seed,
+            layer=first,
             home=home,
-            history=job.history if layers == slice(None) else (),
+            history=job.history if phase == "batch" else (),
         )
 
     def _push(self, task: _Task) -> None:
@@ -717,17 +927,16 @@ class ControlPlane:
     def _enqueue_first(self, job: _Job, asm: _Assembled) -> None:
         if job.delivered:
             return
-        job.start(asm, self.replica_slots, self.cluster.num_gpus)
+        job.start(asm, self.replica_slots, self.cluster.num_gpus, self.per_layer and self._kit.locality)
+        if job.locality_pending:
+            job.locality = LocalityStatus.NOT_READY
         num_layers = job.prev_home.shape[0]
         if self.per_layer:
             for layer in range(num_layers):
-                self._push(
-                    _Task(
-                        job.batch, layer, "reorder", _reorder_task, self._part(job, slice(layer, layer + 1))
-                    )
-                )
+                part = self._part(job, slice(layer, layer + 1), "reorder")
+                self._push(_Task(job.batch, layer, "reorder", _reorder_task, part))
         else:
-            self._push(_Task(job.batch, 0, "batch", _plan_task, self._part(job, slice(None))))
+            self._push(_Task(job.batch, 0, "batch", _plan_task, self._part(job, slice(None), "batch")))
 
     def _dispatch(self) -> None:
         """Give ready tasks to idle workers (lock held)."""
@@ -743,6 +952,7 @@ class ControlPlane:
             if task is None:
                 return
             slot.task = task
+            slot.started = time.perf_counter()
             task.attempts += 1
             if slot.pool is None:
                 fut: Future[Any] = Future()
@@ -750,27 +960,28 @@ class ControlPlane:
                     fut.set_result(task.fn(task.part, self._kit))
                 except Exception as err:  # NOTE: reported as the task's failure, like a worker's.
                     fut.set_exception(err)
-                self._events.put(("done", index, task, fut))
+                self._events.put(("done", index, slot.generation, task, fut))
             else:
                 fut = slot.pool.submit(task.fn, task.part)
-                fut.add_done_callback(self._on_done(index, task))
+                fut.add_done_callback(self._on_done(index, slot.generation, task))
 
-    def _on_done(self, index: int, task: _Task) -> Callable[[Future[Any]], None]:
+    def _on_done(self, index: int, generation: int, task: _Task) -> Callable[[Future[Any]], None]:
         def callback(fut: Future[Any]) -> None:
-            self._events.put(("done", index, task, fut))
+            self._events.put(("done", index, generation, task, fut))
 
         return callback
 
-    def _finish(self, index: int, task: _Task, fut: Future[Any]) -> None:
+    def _finish(self, index: int, generation: int, task: _Task, fut: Future[Any]) -> None:
         """A task ended (lock held): store its result, re-run it, or fall back."""
         slot = self._slots[index]
+        if generation != slot.generation or slot.task is not task:
+            return  # NOTE: the answer of a worker replaced since (a locality round past its deadline).
         slot.task = None
         job = self._jobs[task.job]
         err = fut.exception()
         if isinstance(err, BrokenProcessPool):
             job.crashes += 1
-            self._kill(slot.pool)
-            slot.pool = self._new_pool()
+            self._replace_worker(slot)
             if task.attempts <= self.config.max_retries and not job.delivered:
                 job.retries += 1
                 self._push(task)
@@ -791,7 +1002,20 @@ class ControlPlane:
                 job.reorder_stats[key] = job.reorder_stats.get(key, 0.0) + float(value)
             job.home[layer] = home
             job.reordered[layer] = True
-            self._push_replicate(job, layer)
+            self._placed(job, layer)
+        elif task.phase == "locality":
+            sample_gpu, load, stats, secs = result
+            job.cpu_s += secs
+            limit = self.config.locality_deadline_s
+            if limit is not None and secs > limit:  # NOTE: inline runs cannot be stopped, only discarded.
+                self._locality_fallback(
+                    job, LocalityStatus.TIMED_OUT, f"took {secs:.3f}s > locality_deadline_s={limit}"
+                )
+                return
+            job.sample_gpu, job.load = sample_gpu, load
+            job.locality_stats = dict(stats)
+            job.locality_s = secs
+            self._locality_end(job, LocalityStatus.DONE)
         elif task.phase == "replicate":
             assign, replicas, stats, secs = result
             assert job.assign is not None and job.replicas is not None and job.layer_ready is not None
@@ -811,19 +1035,45 @@ class ControlPlane:
         if job.finished:
             job.t_all = now
 
+    def _placed(self, job: _Job, layer: int) -> None:
+        """Layer ``layer``'s placement is in (lock held): replicate it, or, when a locality round is due,
+        start that round once every layer is placed."""
+        assert job.placed is not None and job.home is not None
+        job.placed[layer] = True
+        if not job.locality_pending:
+            self._push_replicate(job, layer)
+        elif job.placed.all():
+            part = self._part(job, slice(None), "locality", home=job.home.copy())
+            self._push(_Task(job.batch, -1, "locality", _locality_task, part))
+
+    def _locality_end(self, job: _Job, status: LocalityStatus) -> None:
+        """The locality round ended with ``status`` (lock held): replicate every layer on ``job.load``."""
+        job.locality = status
+        job.locality_pending = False
+        for layer in range(job.prev_home.shape[0]):
+            self._push_replicate(job, layer)
+
+    def _locality_fallback(self, job: _Job, status: LocalityStatus, why: str) -> None:
+        """Keep the input sample assignment (lock held); ``job.load`` is still the input loads."""
+        job.errors.append(f"batch locality: {why}")
+        self._locality_end(job, status)
+
     def _push_replicate(self, job: _Job, layer: int) -> None:
         assert job.home is not None
-        part = self._part(job, slice(layer, layer + 1), home=job.home[layer : layer + 1].copy())
+        part = self._part(job, slice(layer, layer + 1), "replicate", home=job.home[layer : layer + 1].copy())
         self._push(_Task(job.batch, layer, "replicate", _replicate_task, part))
 
     def _fail(self, job: _Job, task: _Task, why: str) -> None:
-        """Record a failed task (lock held); its layer falls back, or a failed reordering replicates on the
-        previous placement."""
+        """Record a failed task (lock held); its layer falls back, a failed reordering is placed on the
+        previous placement, a failed locality round keeps the input samples."""
         assert job.done is not None and job.failed_reorder is not None and job.failed_replicate is not None
+        if task.phase == "locality":
+            self._locality_fallback(job, LocalityStatus.FAILED, why)
+            return
         job.errors.append(f"layer {task.layer} {task.phase}: {why}")
         if task.phase == "reorder":
             job.failed_reorder[task.layer] = True
-            self._push_replicate(job, task.layer)  # job.home[layer] is still the previous placement
+            self._placed(job, task.layer)  # job.home[layer] is still the previous placement
             return
         if task.phase == "replicate":
             job.failed_replicate[task.layer] = True
@@ -841,11 +1091,14 @@ class ControlPlane:
         g = self.cluster.num_gpus
         if job.asm is None:
             # NOTE: the deadline came before assembly ended: assemble here (the plan needs the loads).
-            job.start(self._assemble(job), self.replica_slots, g)
+            job.start(self._assemble(job), self.replica_slots, g, self.per_layer and self._kit.locality)
+            if job.locality_pending:
+                job.locality = LocalityStatus.NOT_READY
         asm = job.asm
         assert asm is not None and job.done is not None and job.reordered is not None and job.home is not None
         assert job.assign is not None and job.replicas is not None and job.layer_ready is not None
         assert job.failed_reorder is not None and job.failed_replicate is not None
+        assert job.load is not None and job.sample_gpu is not None
         fallback = np.zeros(job.done.shape[0], dtype=np.int8)
         fallback[~job.reordered | job.failed_reorder] |= Fallback.PREVIOUS_PLACEMENT
         fallback[~job.done | job.failed_replicate] |= Fallback.NO_REPLICATION
@@ -857,8 +1110,8 @@ class ControlPlane:
             assign, replicas, load = plan.assign, plan.replicas, plan.load
             sample_gpu, redundant, stats = plan.sample_gpu, plan.redundant, dict(plan.stats)
         else:
-            assign, replicas, load = job.assign.copy(), job.replicas.copy(), asm.load
-            sample_gpu, redundant = asm.layout.sample_gpu, None
+            assign, replicas, load = job.assign.copy(), job.replicas.copy(), job.load
+            sample_gpu, redundant = job.sample_gpu, None
             late = fallback.astype(bool)
             if late.any():
                 assign[:, late] = home_assign(
@@ -866,6 +1119,7 @@ class ControlPlane:
                 )
                 replicas[:, late] = -1
             stats = dict(job.reorder_stats)
+            stats.update(job.locality_stats)
             for key in sorted({k for s in job.replicate_stats for k in s}):
                 stats[key] = float(np.mean([s[key] for s in job.replicate_stats if key in s]))
             stats["replicas_mean"] = float((replicas >= 0).sum(axis=-1).mean()) if replicas.size else 0.0
@@ -885,6 +1139,8 @@ class ControlPlane:
             retries=job.retries,
             worker_crashes=job.crashes,
             errors=tuple(job.errors),
+            locality=job.locality,
+            locality_s=job.locality_s,
         )
         job.report = report
         stats.update(
@@ -896,6 +1152,8 @@ class ControlPlane:
                 "cp_wait_s": waited,
                 "cp_previous_placement_layers": float(report.previous_placement_layers),
                 "cp_no_replication_layers": float(report.no_replication_layers),
+                "cp_locality_fallback": float(report.locality_fallback),
+                "cp_locality_s": job.locality_s,
                 "cp_retries": float(job.retries),
                 "cp_worker_crashes": float(job.crashes),
             }
