@@ -1,4 +1,5 @@
-"""The control plane: same plans as the serial planner, arrival order, deadline fallbacks, worker failure."""
+"""The control plane: same plans as the serial planner (locality round included), arrival order, deadline
+fallbacks (per layer and for the locality round), worker failure."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec
-from relibra.control_plane import ControlPlane, ControlPlaneConfig, Fallback
+from relibra.control_plane import ControlPlane, ControlPlaneConfig, Fallback, LocalityStatus, StagedReorderer
 from relibra.cost import CostModel
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Reordering, Replication, static_placement
 from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
+from relibra.planners.reorder import AnnealingReorderer
 from relibra.planners.replicate import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
@@ -88,36 +90,96 @@ class FailingReplicator:
         return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx)
 
 
+@dataclass(frozen=True)
+class StuckLocality:
+    """Static placement; its locality round sleeps ``seconds`` (``mode="sleep"``), raises (``"raise"``), or
+    kills its worker (``"crash"``) before it would move every sample one GPU up."""
+
+    mode: str
+    seconds: float = 30.0
+
+    @property
+    def moves_samples(self) -> bool:
+        return True
+
+    def place(self, ctx: BatchContext, layers=None) -> Reordering:
+        return StaticReorderer().reorder(ctx)
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        home = self.place(ctx).home
+        return Reordering(home=home, sample_gpu=self.locality_step(ctx, home)[0])
+
+    def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        if self.mode == "sleep":
+            time.sleep(self.seconds)
+        elif self.mode == "raise":
+            raise RuntimeError("locality failed on purpose")
+        elif self.mode == "crash":
+            os._exit(13)
+        return (np.asarray(ctx.sample_gpu) + 1) % ctx.num_gpus, {}
+
+
 def _layer_key(counts, layer: int) -> int:
     keys = [int(counts.counts[:, l, 0].sum()) for l in range(LAYERS)]
     assert len(set(keys)) == LAYERS, "test fixture: layers must differ in expert-0 totals"
     return keys[layer]
 
 
-def test_matches_serial_planner_and_is_independent_of_workers():
+RELIBRA = {"iterations": 50, "aggregate_warmup": 50, "locality": True}
+"""ReLibra's reordering with its locality round (short annealing: the test is about equality, not quality)."""
+
+
+def test_relibra_with_locality_equals_the_serial_planner_for_any_worker_count():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    serial = relibra_replicate_only(replica_slots=SLOTS).plan(ctx)
-    plans = {}
+    serial = relibra(replica_slots=SLOTS, reorder=RELIBRA).plan(ctx)
+    assert np.count_nonzero(serial.sample_gpu != ctx.sample_gpu) > 0, "fixture: the locality round must move"
     for workers in (0, 2):
         with ControlPlane.from_planner(
-            relibra(replica_slots=SLOTS, reorder={"iterations": 50, "aggregate_warmup": 50}),
+            relibra(replica_slots=SLOTS, reorder=RELIBRA),
             cluster,
             model,
             cost,
             ControlPlaneConfig(workers=workers),
         ) as cp:
-            plans[workers] = cp.plan(ctx)
+            assert isinstance(cp._kit.reorderer, StagedReorderer) and cp._kit.locality
+            plan = cp.plan(ctx)
             report = cp.report(0)
-        _check(plans[workers], ctx)
-        assert not report.fallback.any() and report.time_to_all_plans_s >= report.time_to_first_plan_s > 0
-    for field in ("home", "assign", "replicas", "sample_gpu"):
-        np.testing.assert_array_equal(getattr(plans[0], field), getattr(plans[2], field))
-    # Replicate-only through the control plane equals the serial composed planner exactly.
+        _check(plan, ctx)
+        assert not report.fallback.any() and report.locality is LocalityStatus.DONE
+        assert report.time_to_all_plans_s >= report.time_to_first_plan_s > 0 and report.locality_s > 0
+        for field in ("home", "sample_gpu", "load", "assign", "replicas"):
+            np.testing.assert_array_equal(getattr(plan, field), getattr(serial, field), err_msg=field)
+        for key in ("locality_moved_samples", "locality_comm_after_s", "reorder_objective_s"):
+            assert plan.stats[key] == pytest.approx(serial.stats[key]), key
+
+
+def test_place_then_locality_step_is_reorder():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    reorderer = AnnealingReorderer(**RELIBRA)
+    whole = reorderer.reorder(ctx)
+    rows = [
+        reorderer.place(
+            BatchContext(**{**ctx.__dict__, "counts": ctx.counts[:, [l]], "load": ctx.load[:, [l]]}),
+            layers=(l,),
+        ).home[0]
+        for l in range(LAYERS)
+    ]
+    np.testing.assert_array_equal(np.stack(rows), whole.home)
+    sample_gpu, _ = reorderer.locality_step(ctx, whole.home)
+    np.testing.assert_array_equal(sample_gpu, whole.sample_gpu)
+
+
+def test_replicate_only_through_the_control_plane_equals_the_serial_planner():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    serial = relibra_replicate_only(replica_slots=SLOTS).plan(ctx)
     with ControlPlane.from_planner(
         relibra_replicate_only(replica_slots=SLOTS), cluster, model, cost, ControlPlaneConfig(workers=0)
     ) as cp:
         through = cp.plan(ctx)
+        assert cp.report(0).locality is LocalityStatus.OFF
     for field in ("home", "assign", "replicas", "load"):
         np.testing.assert_array_equal(getattr(through, field), getattr(serial, field))
 
@@ -242,6 +304,72 @@ def test_always_crashing_layer_falls_back_and_nothing_is_lost():
     assert report.worker_crashes == 2 and report.retries == 1 and len(report.errors) == 2
     assert "replicator failed on purpose" in " ".join(report.errors)
     assert np.isfinite(report.time_to_all_plans_s)
+
+
+def _locality_plane(cluster, model, cost, mode: str, **config) -> ControlPlane:
+    # NOTE: no warm-up, which would run the stuck locality round in every new worker.
+    config.setdefault("warm_up", False)
+    return ControlPlane(
+        cluster,
+        model,
+        cost,
+        reorderer=StuckLocality(mode),
+        replicator=GreedyReplicator(replica_slots=SLOTS),
+        replica_slots=SLOTS,
+        config=ControlPlaneConfig(**config),
+    )
+
+
+def _assert_input_samples_replicated(plan, report, ctx, status: LocalityStatus) -> None:
+    _check(plan, ctx)
+    assert report.locality is status and report.locality_fallback
+    assert plan.stats["cp_locality_fallback"] == 1.0
+    np.testing.assert_array_equal(plan.sample_gpu, ctx.sample_gpu)
+    np.testing.assert_array_equal(plan.load, ctx.load)
+    # Every layer is placed and replicated, on the input loads.
+    assert not report.fallback.any() and np.isfinite(report.time_to_all_plans_s)
+    assert any("locality" in e for e in report.errors)
+
+
+def test_locality_round_past_its_deadline_keeps_the_input_samples():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    cp = _locality_plane(cluster, model, cost, "sleep", workers=2, locality_deadline_s=1.0)
+    try:
+        t0 = time.perf_counter()
+        plan = cp.plan(ctx)  # no plans() deadline: only the locality round's own limit ends the wait
+        waited = time.perf_counter() - t0
+        report = cp.report(0)
+    finally:
+        cp.close()
+    assert waited < 10.0  # not the 30 s the round would take: its worker was replaced
+    _assert_input_samples_replicated(plan, report, ctx, LocalityStatus.TIMED_OUT)
+
+
+def test_failed_or_crashing_locality_round_keeps_the_input_samples():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    with _locality_plane(cluster, model, cost, "raise", workers=0) as cp:
+        plan = cp.plan(ctx)
+        _assert_input_samples_replicated(plan, cp.report(0), ctx, LocalityStatus.FAILED)
+        assert "locality failed on purpose" in " ".join(cp.report(0).errors)
+    with _locality_plane(cluster, model, cost, "crash", workers=1, max_retries=1) as cp:
+        plan = cp.plan(ctx)
+        report = cp.report(0)
+    _assert_input_samples_replicated(plan, report, ctx, LocalityStatus.FAILED)
+    assert report.worker_crashes == 2 and report.retries == 1
+
+
+def test_plans_deadline_before_the_locality_round_delivers_input_samples():
+    counts, cluster, model, cost = _setup()
+    ctx = _ctx(counts, cluster, model, cost)
+    with _locality_plane(cluster, model, cost, "sleep", workers=0, samples_per_microbatch=2) as cp:
+        cp.submit(counts.counts, counts.tokens)
+        plan = cp.plans(cp.seal(), deadline_s=0.0)
+        report = cp.report(0)
+    _check(plan, ctx)
+    assert report.locality is LocalityStatus.NOT_READY and report.locality_fallback
+    np.testing.assert_array_equal(plan.sample_gpu, ctx.sample_gpu)
 
 
 def test_whole_batch_planner_runs_as_one_task():

@@ -143,8 +143,19 @@ def test_grid_results_match_local_runs(cluster: SlurmCluster, tmp_path: Path) ->
 
     # Every cell ran as one task of a single Slurm array job.
     job = _array_job_id(sweep_dir)
-    states = dict(cluster.states(job))
-    assert sorted(states) == [f"{job}_{i}" for i in range(4)], states
+    expected = [f"{job}_{i}" for i in range(4)]
+
+    # NOTE: slurmctld sends job records to slurmdbd asynchronously; right after the sweep returns, sacct
+    # may still show the array as one record ('<job>') before the per-task records ('<job>_<i>') arrive.
+    def per_task() -> dict[str, str] | None:
+        states = dict(cluster.states(job))
+        return states if sorted(states) == expected else None
+
+    try:
+        states = wait_until(per_task, 30, f"per-task accounting records of array job {job}")
+    except TimeoutError:
+        states = dict(cluster.states(job))
+    assert sorted(states) == expected, states
     assert set(states.values()) == {"COMPLETED"}, states
 
     seen = set()
