@@ -1,16 +1,20 @@
 """Control plane: time from the last sample's arrival to all plans ready, against a post-rollout window.
 
-Usage: ``python benchmarks/bench_control_plane.py [--full] [--layers N] [--workers 1,2] [--samples 512]``.
+Usage: ``python benchmarks/bench_control_plane.py [--full] [--layers N] [--workers 1,2] [--samples 512]
+[--no-locality]``.
 
 Qwen3-235B-A22B at EP 64 (8 nodes x 8 GPUs), one batch of the synthetic ``reasoning`` preset, ReLibra's
-planner (annealing reordering + greedy replication, default parameters, ``replica_slots=2``). Samples
-arrive in 16 chunks (``submit``), then ``seal``; the table reports, per worker count: time to first plan,
-time to all plans, the summed task time (``plan_cpu_s``), workload assembly, and the all-plans time
-extrapolated to ``C`` cores (``assembly + cpu / C``, which assumes layers keep every core busy: 94 tasks
-per phase).
+planner as the ``relibra`` preset runs it (annealing reordering with the locality round, then greedy
+replication, ``replica_slots=2``; ``--no-locality`` drops the round). Samples arrive in 16 chunks
+(``submit``), then ``seal``; the table reports, per worker count: time to first plan, time to all plans,
+the summed task time (``plan_cpu_s``), the locality round's own seconds (one whole-batch task between
+placement and replication), workload assembly, and the all-plans time extrapolated to ``C`` cores
+(``assembly + locality + (cpu - locality) / C``: the per-layer tasks spread over the cores, 94 per phase,
+while the locality round is one serial task).
 
 By default only the first ``--layers`` (8) MoE layers are planned and times are scaled by ``94 / layers``
-(layers are independent: per-layer work is the same); ``--full`` plans all 94.
+(layers are independent in placement and replication, and a move of the locality round costs O(L * G));
+``--full`` plans all 94.
 
 Post-rollout window (the assumption the target is held against): between rollout and the first training
 micro-batch, the trainer runs a reference-model and an old-policy log-probability forward over the batch
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--samples-per-microbatch", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-locality", action="store_true", help="reordering without the locality round")
     args = parser.parse_args()
 
     hardware = HardwareSpec(
@@ -94,6 +99,7 @@ def main() -> None:
         "first plan",
         "all plans",
         "task cpu",
+        "locality",
         "per-core extrapolation: 2 / 8 / 32 cores",
         "fallbacks",
         "window",
@@ -102,7 +108,8 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(args.samples)
     for workers in (int(w) for w in args.workers.split(",")):
         cfg = ControlPlaneConfig(workers=workers, samples_per_microbatch=args.samples_per_microbatch)
-        with ControlPlane.from_planner(relibra(replica_slots=2), cluster, model, cost, cfg) as cp:
+        planner = relibra(replica_slots=2, reorder={"locality": not args.no_locality})
+        with ControlPlane.from_planner(planner, cluster, model, cost, cfg) as cp:
             for chunk in np.array_split(order, 16):
                 cp.submit(counts.counts[chunk], counts.tokens[chunk], sample_ids=chunk)
             batch = cp.seal()
@@ -111,7 +118,8 @@ def main() -> None:
             startup = cp.startup_s
         cpu = rep.plan_cpu_s * scale
         asm = rep.assemble_s * scale
-        per_core = " / ".join(f"{asm + cpu / c:.1f}" for c in (2, 8, 32))
+        loc = 0.0 if np.isnan(rep.locality_s) else rep.locality_s * scale
+        per_core = " / ".join(f"{asm + loc + (cpu - loc) / c:.1f}" for c in (2, 8, 32))
         table.add_row(
             str(workers),
             str(plan.assign.shape[0]),
@@ -120,8 +128,9 @@ def main() -> None:
             f"{rep.time_to_first_plan_s:.2f}",
             f"{rep.time_to_all_plans_s * scale:.1f}",
             f"{cpu:.1f}",
+            f"{loc:.2f} ({rep.locality})",
             per_core,
-            str(int(rep.fallback.astype(bool).sum())),
+            str(int(rep.fallback.astype(bool).sum()) + int(rep.locality_fallback)),
             f"{window:.1f}",
         )
     console.print(table)

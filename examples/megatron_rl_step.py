@@ -12,7 +12,8 @@ The template for plugging ReLibra into a Megatron-based RL trainer (verl, slime,
    steps. With ``--check`` the plain Megatron model trains the same step and the script reports the
    largest difference of losses and expert weights (float summation order only).
 
-Run: ``python examples/megatron_rl_step.py`` (4 ranks, gloo, about a minute on 2 CPU cores);
+Run: ``python examples/megatron_rl_step.py`` (4 ranks, gloo, about 15 s on 2 CPU cores once numba's on-disk
+cache holds the planner's kernels, plus about a minute to compile them once);
 ``--planner relibra_replicate_only`` or ``megatron`` to compare, ``--samples 32`` for a larger batch.
 """
 
@@ -60,39 +61,27 @@ def make_planner(name: str, replica_slots: int) -> Any:
     raise ValueError(f"--planner {name!r}; expected relibra, relibra_replicate_only or megatron")
 
 
-def plan_batch(trace: Any, args: argparse.Namespace, world: int) -> tuple[Any, Any]:
-    """Trace -> counts -> workload -> batch context -> plan (the control plane, on one rank)."""
-    from omegaconf import OmegaConf
+def plan_batch(sample_routes: list[np.ndarray], args: argparse.Namespace, world: int) -> tuple[Any, Any]:
+    """Routes -> trace -> counts -> workload -> batch context -> plan (the control plane, on one rank)."""
+    from relibra.megatron.planning import load_hardware, plan_routes, planning_specs
 
-    from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-    from relibra.cost import CostModel
-    from relibra.simulator import batch_context
-    from relibra.workload import build_workload
-
-    conf: Any = OmegaConf.to_container(OmegaConf.load(REPO / "experiments/conf/cluster/hopper.yaml"))
-    cluster = ClusterSpec(1, world, HardwareSpec(**conf["hardware"]))
-    # NOTE: the cost model sees OLMoE-sized experts (hidden 2048, FFN 1024) so that compute, not latency,
-    # dominates as on real hardware; the loads are the tiny model's recorded ones.
-    model = ModelSpec(
-        "tiny-olmoe-shaped", args.layers, args.layers, 2048, 1024, args.experts, args.top_k, 16, 16, 128
+    cluster, model = planning_specs(
+        load_hardware(REPO / "experiments/conf/cluster/hopper.yaml"),
+        world,
+        args.layers,
+        args.experts,
+        args.top_k,
     )
-    counts = trace.to_counts()
-    workload = build_workload(counts, world, samples_per_microbatch=args.samples_per_microbatch)
-    ctx = batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
-    return make_planner(args.planner, args.replica_slots).plan(ctx), ctx
-
-
-def skew(assign: np.ndarray) -> np.ndarray:
-    """max / mean compute tokens per GPU of assign [..., E, G] -> [...]."""
-    per_gpu = assign.sum(axis=-2).astype(np.float64)
-    return per_gpu.max(axis=-1) / np.maximum(per_gpu.mean(axis=-1), 1e-9)
+    planner = make_planner(args.planner, args.replica_slots)
+    return plan_routes(sample_routes, planner, cluster, model, args.samples_per_microbatch)
 
 
 def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from relibra.megatron.model import TinyMoEModel, init_expert_parallel
-    from relibra.megatron.replay import recorded_routes, recording, replaying, routes_to_trace
+    from relibra.megatron.planning import gpu_skew, microbatch_samples
+    from relibra.megatron.replay import recorded_routes, recording, replaying
     from relibra.planner import home_assign, static_placement
 
     init_expert_parallel(world)
@@ -121,11 +110,10 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     # Step 2: plan on rank 0 (a trainer would overlap this with post-rollout processing), broadcast.
     box: list[Any] = [None]
     if rank == 0:
-        trace = routes_to_trace([routes[s] for s in range(args.samples)], args.experts, model="tiny-megatron")
         t0 = time.perf_counter()
-        plan, ctx = plan_batch(trace, args, world)
+        plan, ctx = plan_batch([routes[s] for s in range(args.samples)], args, world)
         static = home_assign(ctx.load, static_placement(args.layers, args.experts, world), world)
-        box[0] = (plan, ctx.sample_mb, time.perf_counter() - t0, skew(static))
+        box[0] = (plan, ctx.sample_mb, time.perf_counter() - t0, gpu_skew(static))
     dist.broadcast_object_list(box, src=0)
     plan, sample_mb, plan_s, static_skew = box[0]
 
@@ -135,7 +123,7 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "plan_s": plan_s,
         "replicas": filled,
         "static_skew": static_skew,
-        "plan_skew": skew(plan.assign),
+        "plan_skew": gpu_skew(plan.assign),
     }
     for name, model in models.items():
         opt = torch.optim.Adam(model.trainable_parameters(), lr=1e-3)
@@ -144,10 +132,10 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             out["moved"] = model.adapter.apply_placement(plan.home, opt)
         losses = []
         for m in range(int(sample_mb.max()) + 1):
-            samples = [s for s in range(args.samples) if plan.sample_gpu[s] == rank and sample_mb[s] == m]
+            samples = microbatch_samples(plan.sample_gpu, sample_mb, rank, m)
             if model.adapter is not None:
                 model.adapter.set_microbatch(plan, m)
-            parts = [sample_input(s, int(lengths[s]), args.hidden, args.seed) for s in samples]
+            parts = [sample_input(int(s), int(lengths[s]), args.hidden, args.seed) for s in samples]
             x = torch.cat([torch.zeros(0, args.hidden), *parts]).requires_grad_()
             mb_routes = np.concatenate(
                 [np.zeros((0, args.layers, args.top_k), np.int64)] + [routes[s] for s in samples]
@@ -158,7 +146,7 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             weight = torch.as_tensor(np.repeat(advantage[samples], lengths[samples]), dtype=y.dtype)
             loss = (weight * y.mean(dim=1)).sum() / max(1, int(lengths.sum()))
             loss.backward()
-            losses.append(float(loss))
+            losses.append(loss.item())
         opt.step()
         out[f"{name}_loss"] = losses
         out[f"{name}_train_s"] = time.perf_counter() - t0
@@ -168,7 +156,7 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--planner", default="relibra")
@@ -184,9 +172,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the step on ``--world`` ranks, print a summary and return it (with ``--check``: the differences
+    ``max_loss_diff`` and ``max_weight_diff`` against the plain Megatron model)."""
+    args = parse_args(argv)
     ranks = launch(rl_step, args.world, args)
     r0 = ranks[0]
+    summary: dict[str, Any] = {
+        key: r0[key] for key in ("plan_s", "moved", "replicas", "buffer_bytes", "static_skew", "plan_skew")
+    }
+    summary["train_s"] = max(r["relibra_train_s"] for r in ranks)
     print(
         f"planner {args.planner}: plan {r0['plan_s']:.2f} s, moved experts {r0['moved']}, "
         f"filled replica slots {r0['replicas']}, replica buffer {r0['buffer_bytes']} B per rank"
@@ -196,10 +194,12 @@ def main() -> None:
         f"mean {r0['static_skew'].mean():.3f}, plan mean {r0['plan_skew'].mean():.3f} "
         f"max {r0['plan_skew'].max():.3f}"
     )
-    print(f"train step: relibra {max(r['relibra_train_s'] for r in ranks):.2f} s")
+    print(f"train step: relibra {summary['train_s']:.2f} s")
     if args.check:
-        dloss = max(abs(a - b) for r in ranks for a, b in zip(r["relibra_loss"], r["plain_loss"]))
-        dw = max(
+        summary["max_loss_diff"] = max(
+            abs(a - b) for r in ranks for a, b in zip(r["relibra_loss"], r["plain_loss"], strict=True)
+        )
+        summary["max_weight_diff"] = max(
             float(np.abs(r["relibra_weights"][layer][e] - q["plain_weights"][layer][e]).max())
             for layer in range(args.layers)
             for r in ranks
@@ -207,7 +207,11 @@ def main() -> None:
             for q in ranks
             if e in q["plain_weights"][layer]
         )
-        print(f"check against plain Megatron: max |loss diff| {dloss:.2e}, max |expert weight diff| {dw:.2e}")
+        print(
+            f"check against plain Megatron: max |loss diff| {summary['max_loss_diff']:.2e}, "
+            f"max |expert weight diff| {summary['max_weight_diff']:.2e}"
+        )
+    return summary
 
 
 if __name__ == "__main__":

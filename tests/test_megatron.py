@@ -1,9 +1,13 @@
 """Megatron-core integration: routing replay, ReLibra placement and replication inside ``MoELayer``.
 
 The distributed checks run once, in one spawned gloo group of 4 ranks (EP 4): every rank builds the plain
-Megatron model and the ReLibra one (same weights per logical expert), trains two batches of two
-micro-batches each with replayed routes (the second batch after a reordering, with Adam), and returns
-what the tests compare; the same run records routes, writes them as a trace file and replays them.
+Megatron model and the ReLibra one (same weights per logical expert) and trains four batches of two
+micro-batches each with replayed routes and Adam, each batch after moving experts to its plan's placement.
+Batches 0 and 1 carry hand-made plans (random placement, random replicas and splits); batches 2 and 3 carry
+plans of the real planners (``relibra`` and ``relibra_replicate_only``), made in this process from skewed
+per-sample routes through the control plane of :mod:`relibra.megatron.planning` (routes -> trace -> counts
+-> workload -> batch context -> plan), each rank training the samples the plan gives it. The same run
+records routes, writes them as a trace file and replays them. A smoke test runs the RL-step example.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from relibra.megatron.adapter import (
     slot_table,
 )
 from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
-from relibra.planner import BatchContext
+from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
+from relibra.planner import BatchContext, static_placement
+from relibra.planners.relibra import relibra, relibra_replicate_only
 from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
@@ -41,6 +47,12 @@ R = 2
 NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K = 2, 16, 8, 8, 2
 NUM_MB = 2
 ATOL = 2e-5
+REPO = Path(__file__).resolve().parents[1]
+PLANNED = {"relibra": relibra, "relibra_replicate_only": relibra_replicate_only}
+"""The planners of the planned batches (2, 3), in batch order."""
+BATCHES = ("handmade-0", "handmade-1", *PLANNED)
+SAMPLES = 16
+"""Samples per planned batch: 4 per rank, 2 per micro-batch."""
 
 
 # ------------------------------------------------------------------------------------ case builders
@@ -114,6 +126,29 @@ def handmade_plan(rng: np.random.Generator, ctx: BatchContext) -> BatchPlan:
     )
 
 
+def planned_batch(
+    rng: np.random.Generator, planner: str, batch: int
+) -> tuple[BatchContext, BatchPlan, list[list[np.ndarray]], list[list[torch.Tensor]]]:
+    """Skewed routes of ``SAMPLES`` samples, planned by ``planner`` (``replica_slots=R``); returns the
+    context, the plan, and the routes [m][rank] and inputs [m][rank] of the samples each rank trains."""
+    sample_routes = [skewed_routes(rng, int(rng.integers(3, 9))) for _ in range(SAMPLES)]
+    sample_inputs = [
+        torch.randn(len(r), HIDDEN, generator=torch.Generator().manual_seed(1_000 * batch + s))
+        for s, r in enumerate(sample_routes)
+    ]
+    cluster, model = planning_specs(
+        load_hardware(REPO / "experiments/conf/cluster/hopper.yaml"), WORLD, NUM_LAYERS, NUM_EXPERTS, TOP_K
+    )
+    plan, ctx = plan_routes(sample_routes, PLANNED[planner](replica_slots=R), cluster, model, 2)
+    assert ctx.num_microbatches == NUM_MB
+    routes, inputs = [], []
+    for m in range(NUM_MB):
+        mine = [microbatch_samples(plan.sample_gpu, ctx.sample_mb, rank, m) for rank in range(WORLD)]
+        routes.append([np.concatenate([sample_routes[s] for s in ids]) for ids in mine])
+        inputs.append([torch.cat([sample_inputs[s] for s in ids]) for ids in mine])
+    return ctx, plan, routes, inputs
+
+
 # ----------------------------------------------------------------------------------------- per rank
 def _train_batch(model, optimizer, batch, inputs, plan, rank):  # type: ignore[no-untyped-def]
     """Forward and backward every micro-batch with replayed routes; returns outputs, input grads, grads."""
@@ -148,24 +183,27 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
     spec = TinyMoESpec(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, seed=3)
     plain = TinyMoEModel(spec, world)
     relib = TinyMoEModel(spec, world, replica_slots=R)
-    out: dict = {"plain": [], "relibra": [], "moved_grads": None}
+    out: dict = {"plain": [], "relibra": [], "moved": [], "moved_grads": [], "weights": []}
     opts = [torch.optim.Adam(m.trainable_parameters(), lr=1e-2) for m in (plain, relib)]
     assert relib.adapter is not None
-    for b, (batch, plan) in enumerate(zip(batches, plans)):
-        moved = relib.adapter.apply_placement(plan.home, opts[1])
-        if b > 0:  # the grads of the last batch travelled with their experts
-            out["moved_grads"] = [relib.expert_grad_state(layer) for layer in range(NUM_LAYERS)]
-            out["moved"] = moved
+    for b, (batch, plan) in enumerate(zip(batches, plans, strict=True)):
+        out["moved"].append(relib.adapter.apply_placement(plan.home, opts[1]))
+        # The grads of the last batch travel with their experts.
+        out["moved_grads"].append(
+            [relib.expert_grad_state(layer) for layer in range(NUM_LAYERS)] if b > 0 else None
+        )
         for opt in opts:
             opt.zero_grad()
         out["plain"].append(_train_batch(plain, opts[0], batch, inputs[b], None, rank))
         out["relibra"].append(_train_batch(relib, opts[1], batch, inputs[b], plan, rank))
         for opt in opts:
             opt.step()
-    out["weights"] = {
-        name: [m.expert_state(layer) for layer in range(NUM_LAYERS)]
-        for name, m in (("plain", plain), ("relibra", relib))
-    }
+        out["weights"].append(
+            {
+                name: [m.expert_state(layer) for layer in range(NUM_LAYERS)]
+                for name, m in (("plain", plain), ("relibra", relib))
+            }
+        )
     out["buffer_fills"] = relib.adapter.buffer.fills
     # RECORD -> trace file -> REPLAY_FORWARD, on the plain model (the rollout side).
     x = inputs[0][0][rank]
@@ -197,6 +235,8 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
 
 @functools.cache
 def world_run() -> tuple[list, list, list[dict]]:
+    """Plans every batch in this process (the planners' numba kernels compile once, cached on disk), then
+    trains them all in one spawned group."""
     rng = np.random.default_rng(7)
     batches = [batch_routes(rng) for _ in range(2)]
     inputs = [
@@ -215,6 +255,12 @@ def world_run() -> tuple[list, list, list[dict]]:
     ]
     ctxs = [context(bt) for bt in batches]
     plans = [handmade_plan(rng, ctx) for ctx in ctxs]
+    for planner in PLANNED:
+        ctx, plan, routes, xs = planned_batch(rng, planner, len(batches))
+        ctxs.append(ctx)
+        plans.append(plan)
+        batches.append(routes)
+        inputs.append(xs)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = launch(run_rank, WORLD, batches, inputs, plans, str(Path(tmp) / "recorded.npz"))
     return ctxs, plans, ranks
@@ -237,25 +283,49 @@ def _merged(per_rank: list[dict[int, np.ndarray]]) -> dict[int, np.ndarray]:
 # ------------------------------------------------------------------------------- distributed checks
 def test_plans_are_valid_and_exercise_the_adapter(run) -> None:  # type: ignore[no-untyped-def]
     ctxs, plans, ranks = run
-    for ctx, plan in zip(ctxs, plans):
+    for ctx, plan in zip(ctxs, plans, strict=True):
         check_plan(plan, ctx, replica_slots=R)
     static = np.arange(NUM_EXPERTS) // (NUM_EXPERTS // WORLD)
     assert (plans[0].home != static).any(), "the first plan must move experts away from the static placement"
-    assert (plans[0].replicas >= 0).sum() > 0 and (plans[1].replicas >= 0).sum() > 0, "plans must replicate"
+    assert all((plan.replicas >= 0).sum() > 0 for plan in plans), "every plan must replicate"
     assert sum(r["buffer_fills"] for r in ranks) > 0
 
 
-@pytest.mark.parametrize("batch", [0, 1])
+def test_planner_plans_replicate_hot_experts_and_reorder(run) -> None:  # type: ignore[no-untyped-def]
+    """The planned batches exercise what the hand-made ones do: ``relibra`` re-homes experts (hot experts 0
+    and 1 share rank 0 under the static placement) and both planners fill replica slots, hot experts among
+    the replicas; every rank trains samples of every micro-batch."""
+    ctxs, plans, _ = run
+    static = static_placement(NUM_LAYERS, NUM_EXPERTS, WORLD)
+    by_name = dict(zip(BATCHES, zip(ctxs, plans, strict=True), strict=True))
+    ctx, plan = by_name["relibra"]
+    assert (plan.home != static).any(), "relibra must move experts away from the static placement"
+    assert (plan.home[:, 0] != plan.home[:, 1]).all(), "relibra must separate the two hot experts"
+    ctx, plan = by_name["relibra_replicate_only"]
+    np.testing.assert_array_equal(plan.home, static)
+    for name in PLANNED:
+        ctx, plan = by_name[name]
+        replicated = plan.replicas[plan.replicas >= 0]
+        assert replicated.size > 0, f"{name} filled no replica slot"
+        assert np.isin(replicated, [0, 1]).any(), f"{name} replicated no hot expert: {np.unique(replicated)}"
+        per_rank_mb = np.zeros((WORLD, NUM_MB), dtype=np.int64)
+        np.add.at(per_rank_mb, (plan.sample_gpu, ctx.sample_mb), 1)
+        assert (per_rank_mb > 0).all(), f"{name}: a rank trains no sample in some micro-batch"
+
+
+@pytest.mark.parametrize("batch", range(len(BATCHES)), ids=BATCHES)
 def test_outputs_and_input_grads_match_plain_layer(run, batch: int) -> None:  # type: ignore[no-untyped-def]
     _, _, ranks = run
     for rank, r in enumerate(ranks):
         (p_out, p_xg, _), (q_out, q_xg, _) = r["plain"][batch], r["relibra"][batch]
+        assert len(q_out) == len(p_out) == NUM_MB
         for m in range(NUM_MB):
+            assert p_out[m].shape[0] > 0
             np.testing.assert_allclose(q_out[m], p_out[m], atol=ATOL, err_msg=f"rank {rank} mb {m} output")
             np.testing.assert_allclose(q_xg[m], p_xg[m], atol=ATOL, err_msg=f"rank {rank} mb {m} input grad")
 
 
-@pytest.mark.parametrize("batch", [0, 1])
+@pytest.mark.parametrize("batch", range(len(BATCHES)), ids=BATCHES)
 def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignore[no-untyped-def]
     _, _, ranks = run
     for layer in range(NUM_LAYERS):
@@ -276,24 +346,37 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
             )
 
 
-def test_placement_moves_grads_and_optimizer_state(run) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("batch", range(len(BATCHES)), ids=BATCHES)
+def test_weights_after_adam_step_match_plain_layer(run, batch: int) -> None:  # type: ignore[no-untyped-def]
+    """After the batch's Adam step (Adam state moved with its experts), every expert's weights equal the
+    plain model's, and every rank holds exactly the experts the plan homes on it."""
     _, plans, ranks = run
-    assert ranks[0]["moved"] == int((plans[0].home != plans[1].home).sum()) > 0
     for layer in range(NUM_LAYERS):
-        moved = _merged([r["moved_grads"][layer] for r in ranks])
-        before = _merged([r["plain"][0][2]["experts"][layer] for r in ranks])
-        for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(moved[e], before[e], atol=ATOL, err_msg=f"layer {layer} expert {e}")
-        # After two Adam steps around the move, every expert's weights equal the plain model's.
-        plain = _merged([r["weights"]["plain"][layer] for r in ranks])
-        relib = _merged([r["weights"]["relibra"][layer] for r in ranks])
+        plain = _merged([r["weights"][batch]["plain"][layer] for r in ranks])
+        relib = _merged([r["weights"][batch]["relibra"][layer] for r in ranks])
         for e in range(NUM_EXPERTS):
             np.testing.assert_allclose(
                 relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} weights"
             )
-    homes = [{e for d in [r["weights"]["relibra"][layer]] for e in d} for r in ranks for layer in [0]]
-    for rank, held in enumerate(homes):
-        assert held == set(np.flatnonzero(plans[1].home[0] == rank))
+        for rank, r in enumerate(ranks):
+            held = set(r["weights"][batch]["relibra"][layer])
+            assert held == set(np.flatnonzero(plans[batch].home[layer] == rank)), f"rank {rank} layer {layer}"
+    if batch > 0:  # Adam moved the weights: the step is not a no-op
+        before = _merged([r["weights"][batch - 1]["plain"][0] for r in ranks])
+        after = _merged([r["weights"][batch]["plain"][0] for r in ranks])
+        assert any(not np.array_equal(before[e], after[e]) for e in range(NUM_EXPERTS))
+
+
+@pytest.mark.parametrize("batch", range(1, len(BATCHES)), ids=BATCHES[1:])
+def test_placement_moves_grads(run, batch: int) -> None:  # type: ignore[no-untyped-def]
+    """Moving to batch ``batch``'s placement carries the last batch's gradients with the experts."""
+    _, plans, ranks = run
+    assert ranks[0]["moved"][batch] == int((plans[batch - 1].home != plans[batch].home).sum()) > 0
+    for layer in range(NUM_LAYERS):
+        moved = _merged([r["moved_grads"][batch][layer] for r in ranks])
+        before = _merged([r["plain"][batch - 1][2]["experts"][layer] for r in ranks])
+        for e in range(NUM_EXPERTS):
+            np.testing.assert_allclose(moved[e], before[e], atol=ATOL, err_msg=f"layer {layer} expert {e}")
 
 
 def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ second run only loads the cache.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -63,16 +64,16 @@ def compile_kernels(seed: int = 0) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     num_samples = 16
     tokens = rng.integers(8, 64, size=num_samples).astype(np.int64)
-    counts = np.stack(
-        [rng.multinomial(2 * int(t), np.full(8, 1 / 8), size=2) for t in tokens]
-    ).astype(np.int32)  # [S, L, E]
+    counts = np.stack([rng.multinomial(2 * int(t), np.full(8, 1 / 8), size=2) for t in tokens]).astype(
+        np.int32
+    )  # [S, L, E]
     sample_counts = SampleCounts(
         counts=counts, tokens=tokens, batch_offsets=np.array([0, num_samples], dtype=np.int64), top_k=2
     )
     cost = CostModel(cluster, model)
     workload = build_workload(sample_counts, cluster.num_gpus, samples_per_microbatch=2)
     ctx = batch_context(sample_counts, workload, 0, cluster, model, cost)
-    reorder = {"iterations": 20, "aggregate_warmup": 20, "locality": True, "seeds": [0]}
+    reorder: dict[str, Any] = {"iterations": 20, "aggregate_warmup": 20, "locality": True, "seeds": [0]}
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     relibra(replica_slots=2, reorder=reorder).plan(ctx)
