@@ -12,8 +12,8 @@ The template for plugging ReLibra into a Megatron-based RL trainer (verl, slime,
    steps. With ``--check`` the plain Megatron model trains the same step and the script reports the
    largest difference of losses and expert weights (float summation order only).
 
-Run: ``python examples/megatron_rl_step.py`` (4 ranks, gloo, about 15 s on 2 CPU cores once numba's on-disk
-cache holds the planner's kernels, plus about a minute to compile them once);
+Run: ``python examples/megatron_rl_step.py`` (4 ranks, gloo, about 13 s on 2 CPU cores once numba's on-disk
+cache holds the planner's kernels, plus about 25 s to compile them once);
 ``--planner relibra_replicate_only`` or ``megatron`` to compare, ``--samples 32`` for a larger batch.
 """
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,31 @@ def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostM
 def build_planner(cfg: DictConfig) -> Any:
     """``hydra.utils.instantiate(cfg.planner)``: a Planner or a Bound."""
     return instantiate(cfg.planner, _convert_="all")
+
+
+@contextmanager
+def planning(
+    cfg: DictConfig, planner: Any, cluster: ClusterSpec, model: ModelSpec, cost: CostModel
+) -> Iterator[Any]:
+    """The planner the simulator calls: ``planner`` behind the control plane, so that planning time in the
+    results is the control plane's own (staged per layer, worker processes, deadline fallbacks), or the bare
+    planner when ``control_plane.enabled=false``. A Bound (Balanced) is no plan and is never wrapped."""
+    cp_cfg = cfg.get("control_plane") or {}
+    if not bool(cp_cfg.get("enabled", True)) or not callable(getattr(planner, "plan", None)):
+        yield planner
+        return
+    from relibra.control_plane import ControlPlane, ControlPlaneConfig
+
+    deadline = cp_cfg.get("deadline_s")
+    locality_deadline = cp_cfg.get("locality_deadline_s")
+    config = ControlPlaneConfig(
+        workers=int(cp_cfg.get("workers", 0)),
+        deadline_s=None if deadline is None else float(deadline),
+        locality_deadline_s=None if locality_deadline is None else float(locality_deadline),
+        seed=int(cfg.seed),
+    )
+    with ControlPlane.from_planner(planner, cluster, model, cost, config) as cp:
+        yield cp
 
 
 def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:

@@ -37,6 +37,7 @@ from experiments.config import (
     build_planner,
     dataset_name,
     load_counts,
+    planning,
     sim_options,
     validate,
 )
@@ -96,7 +97,8 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
     )
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
-    result: SimResult = simulate(planner, counts, workload, cluster, model, cost, sim_options(cfg, keep))
+    with planning(cfg, planner, cluster, model, cost) as planned:
+        result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))
     row: dict[str, Any] = {
         "model": model.name,
         "dataset": dataset_name(cfg, counts),

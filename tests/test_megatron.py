@@ -13,7 +13,9 @@ records routes, writes them as a trace file and replays them. A smoke test runs 
 from __future__ import annotations
 
 import functools
+import importlib
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ from relibra.megatron.adapter import (
 from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
 from relibra.planner import BatchContext, static_placement
-from relibra.planners.relibra import relibra, relibra_replicate_only
+from relibra.planners.relibra import ComposedPlanner, relibra, relibra_replicate_only
 from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
@@ -47,8 +49,13 @@ R = 2
 NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K = 2, 16, 8, 8, 2
 NUM_MB = 2
 ATOL = 2e-5
+RTOL = 1e-5
+"""Float32 summation order differs between the layouts (grads of hot experts sum hundreds of tokens)."""
 REPO = Path(__file__).resolve().parents[1]
-PLANNED = {"relibra": relibra, "relibra_replicate_only": relibra_replicate_only}
+PLANNED: dict[str, Callable[..., ComposedPlanner]] = {
+    "relibra": relibra,
+    "relibra_replicate_only": relibra_replicate_only,
+}
 """The planners of the planned batches (2, 3), in batch order."""
 BATCHES = ("handmade-0", "handmade-1", *PLANNED)
 SAMPLES = 16
@@ -127,11 +134,16 @@ def handmade_plan(rng: np.random.Generator, ctx: BatchContext) -> BatchPlan:
 
 
 def planned_batch(
-    rng: np.random.Generator, planner: str, batch: int
+    planner: str, batch: int
 ) -> tuple[BatchContext, BatchPlan, list[list[np.ndarray]], list[list[torch.Tensor]]]:
     """Skewed routes of ``SAMPLES`` samples, planned by ``planner`` (``replica_slots=R``); returns the
-    context, the plan, and the routes [m][rank] and inputs [m][rank] of the samples each rank trains."""
-    sample_routes = [skewed_routes(rng, int(rng.integers(3, 9))) for _ in range(SAMPLES)]
+    context, the plan, and the routes [m][rank] and inputs [m][rank] of the samples each rank trains.
+
+    Samples hold 24 to 63 tokens: with fewer, the cost model (OLMoE-sized experts on Hopper) finds that
+    copying an expert costs more than the compute it saves, and the planners replicate nothing.
+    """
+    rng = np.random.default_rng(batch)
+    sample_routes = [skewed_routes(rng, int(rng.integers(24, 64))) for _ in range(SAMPLES)]
     sample_inputs = [
         torch.randn(len(r), HIDDEN, generator=torch.Generator().manual_seed(1_000 * batch + s))
         for s, r in enumerate(sample_routes)
@@ -256,7 +268,7 @@ def world_run() -> tuple[list, list, list[dict]]:
     ctxs = [context(bt) for bt in batches]
     plans = [handmade_plan(rng, ctx) for ctx in ctxs]
     for planner in PLANNED:
-        ctx, plan, routes, xs = planned_batch(rng, planner, len(batches))
+        ctx, plan, routes, xs = planned_batch(planner, len(batches))
         ctxs.append(ctx)
         plans.append(plan)
         batches.append(routes)
@@ -308,6 +320,8 @@ def test_planner_plans_replicate_hot_experts_and_reorder(run) -> None:  # type: 
         replicated = plan.replicas[plan.replicas >= 0]
         assert replicated.size > 0, f"{name} filled no replica slot"
         assert np.isin(replicated, [0, 1]).any(), f"{name} replicated no hot expert: {np.unique(replicated)}"
+        at_home = np.take_along_axis(plan.assign, plan.home[None, :, :, None].astype(np.int64), axis=-1)
+        assert plan.assign.sum() > at_home.sum(), f"{name} sends no token to a replica"
         per_rank_mb = np.zeros((WORLD, NUM_MB), dtype=np.int64)
         np.add.at(per_rank_mb, (plan.sample_gpu, ctx.sample_mb), 1)
         assert (per_rank_mb > 0).all(), f"{name}: a rank trains no sample in some micro-batch"
@@ -321,8 +335,12 @@ def test_outputs_and_input_grads_match_plain_layer(run, batch: int) -> None:  # 
         assert len(q_out) == len(p_out) == NUM_MB
         for m in range(NUM_MB):
             assert p_out[m].shape[0] > 0
-            np.testing.assert_allclose(q_out[m], p_out[m], atol=ATOL, err_msg=f"rank {rank} mb {m} output")
-            np.testing.assert_allclose(q_xg[m], p_xg[m], atol=ATOL, err_msg=f"rank {rank} mb {m} input grad")
+            np.testing.assert_allclose(
+                q_out[m], p_out[m], atol=ATOL, rtol=RTOL, err_msg=f"rank {rank} mb {m} output"
+            )
+            np.testing.assert_allclose(
+                q_xg[m], p_xg[m], atol=ATOL, rtol=RTOL, err_msg=f"rank {rank} mb {m} input grad"
+            )
 
 
 @pytest.mark.parametrize("batch", range(len(BATCHES)), ids=BATCHES)
@@ -334,7 +352,7 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
         assert sum(np.abs(g).sum() > 0 for g in plain.values()) >= NUM_EXPERTS // 2
         for e in range(NUM_EXPERTS):
             np.testing.assert_allclose(
-                relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} grad"
+                relib[e], plain[e], atol=ATOL, rtol=RTOL, err_msg=f"layer {layer} expert {e} grad"
             )
     for rank, r in enumerate(ranks):
         for name in ("routers", "mix"):
@@ -342,6 +360,7 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
                 np.asarray(r["relibra"][batch][2][name]),
                 np.asarray(r["plain"][batch][2][name]),
                 atol=ATOL,
+                rtol=RTOL,
                 err_msg=f"rank {rank} {name} grad",
             )
 
@@ -356,7 +375,7 @@ def test_weights_after_adam_step_match_plain_layer(run, batch: int) -> None:  # 
         relib = _merged([r["weights"][batch]["relibra"][layer] for r in ranks])
         for e in range(NUM_EXPERTS):
             np.testing.assert_allclose(
-                relib[e], plain[e], atol=ATOL, err_msg=f"layer {layer} expert {e} weights"
+                relib[e], plain[e], atol=ATOL, rtol=RTOL, err_msg=f"layer {layer} expert {e} weights"
             )
         for rank, r in enumerate(ranks):
             held = set(r["weights"][batch]["relibra"][layer])
@@ -376,7 +395,9 @@ def test_placement_moves_grads(run, batch: int) -> None:  # type: ignore[no-unty
         moved = _merged([r["moved_grads"][batch][layer] for r in ranks])
         before = _merged([r["plain"][batch - 1][2]["experts"][layer] for r in ranks])
         for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(moved[e], before[e], atol=ATOL, err_msg=f"layer {layer} expert {e}")
+            np.testing.assert_allclose(
+                moved[e], before[e], atol=ATOL, rtol=RTOL, err_msg=f"layer {layer} expert {e}"
+            )
 
 
 def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped-def]
@@ -474,3 +495,16 @@ def test_cpu_patches_apply_and_restore() -> None:
         with pytest.raises((AssertionError, RuntimeError)):
             torch.cuda.current_device()
     assert all(p.reason for p in CPU_PATCHES)
+
+
+# ------------------------------------------------------------------------------------------ example
+def test_rl_step_example_matches_plain_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``examples/megatron_rl_step.py`` end to end (4 ranks, default sizes): it records, plans with
+    ``relibra``, re-homes experts, fills replica slots and trains the same step as plain Megatron."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # spawned ranks inherit sys.path
+    example = importlib.import_module("megatron_rl_step")
+    summary = example.main(["--planner", "relibra", "--seed", "0"])
+    assert summary["moved"] > 0 and summary["replicas"] > 0
+    assert summary["plan_skew"].mean() < summary["static_skew"].mean()
+    assert summary["max_loss_diff"] < 1e-6
+    assert summary["max_weight_diff"] < 1e-6

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ def load_hardware(path: str | PathLike[str]) -> HardwareSpec:
     """The ``hardware`` block of a cluster config (``experiments/conf/cluster/*.yaml``)."""
     from omegaconf import OmegaConf
 
-    conf: Any = OmegaConf.to_container(OmegaConf.load(path))
+    conf: Any = OmegaConf.to_container(OmegaConf.load(Path(path)))
     if not isinstance(conf, dict) or "hardware" not in conf:
         raise ValueError(f"{path}: expected a cluster config with a 'hardware' block")
     return HardwareSpec(**conf["hardware"])
