@@ -257,3 +257,22 @@ def test_results_dir_reuses_finished_cell(trace_file, tmp_path, monkeypatch):
     again = run(c, run_dir=tmp_path / "b")
     pd.testing.assert_frame_equal(again.reset_index(drop=True), first.reset_index(drop=True))
     assert (tmp_path / "b" / "results.parquet").exists()
+
+
+@pytest.mark.parametrize("planner", ["relibra", "eplb"])
+def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planner):
+    """The entry point plans through the control plane (staged per layer for ReLibra, one whole-batch task
+    for the baselines); its plans, and so every simulated metric, equal the planner called directly."""
+    rows = {}
+    for enabled in ("true", "false"):
+        out = run(
+            file_cfg(trace_file, f"planner={planner}", f"control_plane.enabled={enabled}", "dump_plans=true"),
+            run_dir=tmp_path / enabled,
+        )
+        rows[enabled] = out.iloc[0]
+    via_cp, bare = rows["true"], rows["false"]
+    for col in ("step_time_s", "skew_mean", "skew_max", "t_comm_s", "reorder_moved_experts"):
+        assert via_cp[col] == pytest.approx(bare[col], rel=1e-12), col
+    with np.load(tmp_path / "true" / "plans.npz") as a, np.load(tmp_path / "false" / "plans.npz") as b:
+        for key in ("home", "sample_gpu", "assign", "load"):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
