@@ -138,6 +138,18 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], object], suffix: str) 
     _fsync_dir(path.parent)
 
 
+def _read_table(path: Path) -> pa.Table:
+    """Read a parquet file from ONE open of ``path``.
+
+    NOTE: ``pd.read_parquet(path)`` may open the path more than once (footer, then row groups); if a
+    concurrent writer renames a new version into place in between, the reader mixes two files ("Page was
+    smaller than expected"). Reading the bytes through one file handle pins one inode, so a reader sees
+    exactly one whole version.
+    """
+    with open(path, "rb") as fh:
+        return pq.read_table(pa.BufferReader(fh.read()))
+
+
 def atomic_write_parquet(
     frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None
 ) -> None:
@@ -212,16 +224,16 @@ class ResultsStore:
         path = self.cell_path(key)
         if not path.is_file():
             raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})")
-        return pd.read_parquet(path)
+        return _read_table(path).to_pandas()
 
     def read_per_layer(self, key: str) -> pd.DataFrame | None:
         """Per-layer table of cell ``key``, or None when the cell stored none."""
         path = self.per_layer_path(key)
-        return pd.read_parquet(path) if path.is_file() else None
+        return _read_table(path).to_pandas() if path.is_file() else None
 
     def config(self, key: str) -> dict[str, Any]:
         """The resolved config cell ``key`` was run with."""
-        meta = pq.read_schema(self.cell_path(key)).metadata or {}
+        meta = _read_table(self.cell_path(key)).schema.metadata or {}
         return json.loads(meta[_CONFIG_META])
 
     @property

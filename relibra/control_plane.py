@@ -1143,21 +1143,21 @@ class ControlPlane:
             locality_s=job.locality_s,
         )
         job.report = report
-        stats.update(
-            {
-                "cp_time_to_first_plan_s": first,
-                "cp_time_to_all_plans_s": t_all,
-                "cp_plan_cpu_s": job.cpu_s,
-                "cp_assemble_s": asm.seconds,
-                "cp_wait_s": waited,
-                "cp_previous_placement_layers": float(report.previous_placement_layers),
-                "cp_no_replication_layers": float(report.no_replication_layers),
-                "cp_locality_fallback": float(report.locality_fallback),
-                "cp_locality_s": job.locality_s,
-                "cp_retries": float(job.retries),
-                "cp_worker_crashes": float(job.crashes),
-            }
-        )
+        # NOTE: only measured timings go into the stats (a stage that did not run has no time, not NaN).
+        cp_stats = {
+            "cp_time_to_first_plan_s": first,
+            "cp_time_to_all_plans_s": t_all,
+            "cp_plan_cpu_s": job.cpu_s,
+            "cp_assemble_s": asm.seconds,
+            "cp_wait_s": waited,
+            "cp_previous_placement_layers": float(report.previous_placement_layers),
+            "cp_no_replication_layers": float(report.no_replication_layers),
+            "cp_locality_fallback": float(report.locality_fallback),
+            "cp_locality_s": job.locality_s,
+            "cp_retries": float(job.retries),
+            "cp_worker_crashes": float(job.crashes),
+        }
+        stats.update({k: v for k, v in cp_stats.items() if math.isfinite(v)})
         return BatchPlan(
             home=home,
             assign=np.asarray(assign, dtype=np.int32),

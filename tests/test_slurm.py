@@ -63,8 +63,11 @@ LAUNCHER = [
 
 
 def _wall_clock(column: str) -> bool:
-    """Columns measured with a wall clock (planner solve times), which differ between any two runs."""
-    return column.endswith("_time_s") and column != "step_time_s"
+    """Columns measured with a wall clock (planner solve times, the control plane's timings), which differ
+    between any two runs."""
+    return (column.endswith("_time_s") and column != "step_time_s") or (
+        column.startswith("cp_") and column.endswith("_s")
+    )
 
 
 @pytest.fixture(scope="module")
