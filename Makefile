@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# pytest exits 5 when no test ran: that must fail, never pass.
-test: venv
+# Lint and types first (cheap), then the suite. pytest exits 5 when no test ran: that must fail, never pass.
+test: venv lint typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 

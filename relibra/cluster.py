@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -48,14 +46,6 @@ class ClusterSpec:
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
-
-    def node_of(self, gpu: np.ndarray | int) -> np.ndarray | int:
-        """Node of GPU ``g`` (``g // gpus_per_node``)."""
-        return np.asarray(gpu) // self.gpus_per_node if isinstance(gpu, np.ndarray) else gpu // self.gpus_per_node
-
-    def rail_of(self, gpu: np.ndarray | int) -> np.ndarray | int:
-        """Rail of GPU ``g`` (``g % gpus_per_node``)."""
-        return np.asarray(gpu) % self.gpus_per_node if isinstance(gpu, np.ndarray) else gpu % self.gpus_per_node
 
 
 @dataclass(frozen=True)

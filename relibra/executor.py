@@ -24,4 +24,6 @@ class ExecutionReport:
 class Executor(Protocol):
     name: str
 
-    def execute(self, plans: Sequence[BatchPlan], model: ModelSpec, cluster: ClusterSpec) -> ExecutionReport: ...
+    def execute(
+        self, plans: Sequence[BatchPlan], model: ModelSpec, cluster: ClusterSpec
+    ) -> ExecutionReport: ...

@@ -92,9 +92,7 @@ class Reorderer(Protocol):
 
 
 class Replicator(Protocol):
-    def replicate(
-        self, load: np.ndarray, home: np.ndarray, ctx: BatchContext
-    ) -> Replication:
+    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E] of one micro-batch, home [L, E] -> Replication with assign [L, E, G]."""
         ...
 

@@ -21,7 +21,7 @@ class SampleCounts:
     """
 
     counts: np.ndarray
-    """int32 [S, L, E]: tokens of sample ``s`` that layer ``l`` routes to expert ``e`` (each top-k slot once)."""
+    """int32 [S, L, E]: tokens of sample ``s`` routed to expert ``e`` at layer ``l``."""
     tokens: np.ndarray
     """int64 [S]: tokens of each sample."""
     batch_offsets: np.ndarray
