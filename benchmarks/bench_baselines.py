@@ -12,19 +12,17 @@ Planners: Megatron-LM, Balanced, EPLB+ (hierarchical / global, oracle / history)
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
+from _common import timed_simulation
 from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-from experiments.config import build_cluster, build_cost, build_model, build_planner, load_counts, sim_options
+from experiments.config import build_model
 from relibra.importers import load_olmoe_prefill_counts
-from relibra.simulator import simulate
 from relibra.types import SampleCounts
-from relibra.workload import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "experiments" / "conf"
@@ -111,18 +109,10 @@ def main() -> None:
                 if conf not in have:
                     continue
                 cfg = compose(config_name="config", overrides=[*scale, *overrides, f"planner={conf}", *extra])
-                cluster, model = build_cluster(cfg), build_model(cfg)
-                cost = build_cost(cfg, cluster, model)
+                counts = None
                 if dataset.startswith("olmoe"):
-                    counts = _rebatch(load_olmoe_prefill_counts(TRACE, top_k=model.top_k), 50)
-                else:
-                    counts = load_counts(cfg)
-                workload = build_workload(counts, cluster.num_gpus, cfg.workload.samples_per_microbatch)
-                start = time.perf_counter()
-                res = simulate(
-                    build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False)
-                )
-                wall = time.perf_counter() - start
+                    counts = _rebatch(load_olmoe_prefill_counts(TRACE, top_k=build_model(cfg).top_k), 50)
+                res, wall = timed_simulation(cfg, counts)
                 m = res.metrics
                 thr = m["throughput_tokens_per_s"]
                 base_thr = thr if label == "megatron" else base_thr

@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
+from _common import hardware
+from _common import model as model_spec
 from rich.console import Console
 from rich.table import Table
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.control_plane import ControlPlane, ControlPlaneConfig
 from relibra.cost import CostModel
 from relibra.planners.relibra import relibra
 from relibra.synthetic import generate_counts
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "experiments" / "conf"
 ACTIVE_PARAMS = 22e9
 """Qwen3-235B-A22B's active parameters per token (model card)."""
 MFU = 0.4
@@ -67,11 +65,8 @@ def main() -> None:
     parser.add_argument("--no-locality", action="store_true", help="reordering without the locality round")
     args = parser.parse_args()
 
-    hardware = HardwareSpec(
-        **OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware)
-    )  # type: ignore[arg-type]
-    spec = ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / "qwen3-235b-a22b.yaml")))  # type: ignore[arg-type]
-    cluster = ClusterSpec(nodes=8, gpus_per_node=8, hardware=hardware)
+    spec = model_spec("qwen3-235b-a22b")
+    cluster = ClusterSpec(nodes=8, gpus_per_node=8, hardware=hardware())
     total_layers = spec.num_moe_layers
     layers = total_layers if args.full else min(args.layers, total_layers)
     model = ModelSpec(**{**spec.__dict__, "num_layers": layers, "num_moe_layers": layers})

@@ -23,11 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
+from _common import hardware, model
 from rich.console import Console
 from rich.table import Table
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec
 from relibra.cost import CostModel
 from relibra.importers import load_olmoe_prefill_counts
 from relibra.planner import BatchContext, home_assign, static_placement
@@ -48,17 +48,8 @@ from relibra.types import SampleCounts
 from relibra.workload import build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "experiments" / "conf"
 TRACES = ROOT.parent / "shared" / "traces"
 console = Console(width=160)
-
-
-def hardware() -> HardwareSpec:
-    return HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware))  # type: ignore[arg-type]
-
-
-def model(name: str) -> ModelSpec:
-    return ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
 
 
 def cost_for(name: str, nodes: int, gpus_per_node: int) -> CostModel:

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec  # noqa: E402
+from _common import hardware, model  # noqa: E402
+
+from relibra.cluster import ClusterSpec, ModelSpec  # noqa: E402
 from relibra.cost import CostModel  # noqa: E402
 from relibra.planner import BatchContext, Reordering, home_assign, static_placement  # noqa: E402
 from relibra.planners.milp import dispatch_routing, solve_replication  # noqa: E402
@@ -43,17 +44,8 @@ from relibra.simulator import batch_context, skewness  # noqa: E402
 from relibra.synthetic import generate_counts  # noqa: E402
 from relibra.workload import build_workload  # noqa: E402
 
-CONF = REPO / "experiments" / "conf"
 TRACES = REPO.parent / "shared" / "traces"
 console = Console(width=150)
-
-
-def hardware() -> HardwareSpec:
-    return HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware))  # type: ignore[arg-type]
-
-
-def model(name: str) -> ModelSpec:
-    return ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
 
 
 def cost_model(nodes: int, mdl: ModelSpec) -> CostModel:

@@ -9,15 +9,11 @@ skewness, Balanced / Megatron throughput ratio, and the wall-clock seconds of ``
 from __future__ import annotations
 
 import argparse
-import time
 
+from _common import timed_simulation
 from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
-
-from experiments.config import build_cluster, build_cost, build_model, build_planner, load_counts, sim_options
-from relibra.simulator import simulate
-from relibra.workload import build_workload
 
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b")
 CONF = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "experiments" / "conf")
@@ -60,15 +56,7 @@ def main() -> None:
                             *scale,
                         ],
                     )
-                    cluster, model = build_cluster(cfg), build_model(cfg)
-                    cost = build_cost(cfg, cluster, model)
-                    counts = load_counts(cfg)
-                    workload = build_workload(counts, cluster.num_gpus, cfg.workload.samples_per_microbatch)
-                    start = time.perf_counter()
-                    res = simulate(
-                        build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False)
-                    )
-                    wall = time.perf_counter() - start
+                    res, wall = timed_simulation(cfg)
                     m = res.metrics
                     thr[planner_name] = m["throughput_tokens_per_s"]
                     ratio = f"{thr['balanced'] / thr['megatron']:.3f}" if len(thr) == 2 else ""

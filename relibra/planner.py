@@ -108,3 +108,17 @@ def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.nda
     """Megatron-LM's contiguous placement: expert ``e`` on GPU ``e // (E / G)``. -> int32 [L, E]."""
     per_gpu = num_experts // num_gpus
     return np.broadcast_to(np.arange(num_experts) // per_gpu, (num_layers, num_experts)).astype(np.int32)
+
+
+def reordered_load(ctx: BatchContext, sample_gpu: np.ndarray, planner: str) -> np.ndarray:
+    """The loads [Mb, L, G, E] under a reordering's sample_gpu [Sb]: ``ctx.load`` when no sample moved,
+    else ``ctx.regroup(sample_gpu)``'s load. ``planner`` names the caller in the error raised when samples
+    moved but ``ctx.regroup`` is None."""
+    if np.array_equal(sample_gpu, ctx.sample_gpu):
+        return np.asarray(ctx.load)
+    if ctx.regroup is None:
+        raise ValueError(
+            f"planner {planner!r}: the reorderer moved samples but ctx.regroup is None; the "
+            "control plane must provide regroup(sample_gpu) -> (load, tokens)"
+        )
+    return np.asarray(ctx.regroup(sample_gpu)[0])

@@ -15,11 +15,12 @@ from baselines.eplb import (
     rebalance_experts,
     replicate_experts,
 )
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel
 from relibra.invariants import check_plan, sample_loads
 from relibra.planner import BatchContext
 from relibra.types import BatchPlan
+from tests.spine_helpers import HOPPER
 
 # deepseek-ai/EPLB README: two layers of twelve experts, 16 physical experts, 4 groups, 2 nodes x 4 GPUs.
 README_WEIGHT = np.array(
@@ -60,14 +61,7 @@ def make_ctx(
     sample_gpu = (np.arange(samples) % g).astype(np.int32)
     sample_mb = ((np.arange(samples) // g) % microbatches).astype(np.int32)
     load = sample_loads(counts, sample_gpu, sample_mb, microbatches, g).astype(np.int32)
-    hw = HardwareSpec(
-        name="test",
-        bf16_flops=989e12,
-        hbm_bytes_per_s=3.35e12,
-        nvlink_bytes_per_s=450e9,
-        nic_bytes_per_s=50e9,
-    )
-    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=hw)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER)
     model = ModelSpec(
         name="tiny",
         num_layers=num_layers,

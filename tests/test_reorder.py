@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel
 from relibra.planner import BatchContext, home_assign
 from relibra.planners.exact_reorder import brute_force_reorder, milp_reorder
@@ -23,14 +23,7 @@ from relibra.planners.reorder import (
 )
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
-
-HOPPER = HardwareSpec(
-    name="test-hopper",
-    bf16_flops=989e12,
-    hbm_bytes_per_s=3.35e12,
-    nvlink_bytes_per_s=450e9,
-    nic_bytes_per_s=50e9,
-)
+from tests.spine_helpers import HOPPER
 
 
 def make_cost(nodes: int, gpus_per_node: int, num_experts: int, num_layers: int = 2) -> CostModel:

@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from experiments.config import ConfigError, build_cluster, build_model
 from experiments.run import run
 from relibra.invariants import check_plan_dump
+from relibra.simulator import METRIC_COLUMNS
 from relibra.trace import RoutingTrace, load_trace, save_trace
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
@@ -28,20 +29,7 @@ REQUIRED = [
     "gpus_per_node",
     "replica_slots",
     "tokens",
-    "step_time_s",
-    "throughput_tokens_per_s",
-    "skew_mean",
-    "skew_p50",
-    "skew_p90",
-    "skew_max",
-    "plan_time_s",
-    "replica_buffer_bytes",
-    "reorder_moved_experts",
-    "t_compute_s",
-    "t_comm_s",
-    "t_sync_exposed_s",
-    "t_reorder_s",
-    "t_attention_s",
+    *METRIC_COLUMNS,
 ]
 
 

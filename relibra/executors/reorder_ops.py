@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from relibra.executors.torch_moe import EPMoEModel
 
-__all__ = ["moved_experts", "reorder_experts"]
+__all__ = ["moved_experts", "param_state_tensors", "reorder_experts"]
 
 
 def moved_experts(old_home: np.ndarray, new_home: np.ndarray) -> np.ndarray:
@@ -30,10 +30,11 @@ def moved_experts(old_home: np.ndarray, new_home: np.ndarray) -> np.ndarray:
     return np.argwhere(np.asarray(old_home) != np.asarray(new_home)).astype(np.int64)
 
 
-def _per_expert_tensors(
+def param_state_tensors(
     param: torch.nn.Parameter, optimizer: torch.optim.Optimizer | None
 ) -> list[torch.Tensor]:
-    """Everything stored per row of ``param``: the weights, the gradient, same-shaped optimizer state."""
+    """What moves with ``param``: its weights, its gradient (when set) and the optimizer state of the same
+    shape (in sorted key order). Row ``i`` of each tensor belongs to row ``i`` of ``param``."""
     out = [param.data]
     if param.grad is not None:
         out.append(param.grad)
@@ -66,7 +67,7 @@ def reorder_experts(
     staging: tuple[torch.Tensor, ...] | None = None  # the one-layer buffer, reused by every layer
     for layer in np.unique(moves[:, 0]):
         param = model.experts[int(layer)]
-        tensors = _per_expert_tensors(param, optimizer)
+        tensors = param_state_tensors(param, optimizer)
         width = param.shape[1]
         if staging is None or staging[0].shape[1] != width * len(tensors):
             staging = tuple(param.new_empty((per_gpu, width * len(tensors))) for _ in range(2))

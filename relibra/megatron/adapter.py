@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from relibra.executors.reorder_ops import param_state_tensors
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
 from relibra.executors.torch_moe import split_counts
 from relibra.types import BatchPlan
@@ -530,15 +531,7 @@ class MegatronPlanAdapter:
 
     @staticmethod
     def _row_tensors(mlp: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for p in _expert_params(mlp):
-            out.append(p.data)
-            if p.grad is not None:
-                out.append(p.grad)
-            if optimizer is not None:
-                state = optimizer.state.get(p, {})
-                out += [v for _, v in sorted(state.items()) if torch.is_tensor(v) and v.shape == p.shape]
-        return out
+        return [t for p in _expert_params(mlp) for t in param_state_tensors(p, optimizer)]
 
     def _move_layer(
         self,

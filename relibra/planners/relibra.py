@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from relibra.planner import BatchContext, Reorderer, Reordering, Replicator, static_placement
+from relibra.planner import (
+    BatchContext,
+    Reorderer,
+    Reordering,
+    Replicator,
+    reordered_load,
+    static_placement,
+)
 from relibra.planners.milp import MilpReplicator
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.types import BatchPlan
@@ -59,14 +66,7 @@ class ComposedPlanner:
         t0 = time.perf_counter()
         reo = self.reorderer.reorder(ctx)
         sample_gpu = np.asarray(reo.sample_gpu, dtype=np.int32)
-        load = np.asarray(ctx.load)
-        if not np.array_equal(sample_gpu, ctx.sample_gpu):
-            if ctx.regroup is None:
-                raise ValueError(
-                    f"planner {self.name!r}: the reorderer moved samples but ctx.regroup is None; the "
-                    "control plane must provide regroup(sample_gpu) -> (load, tokens)"
-                )
-            load, _ = ctx.regroup(sample_gpu)
+        load = reordered_load(ctx, sample_gpu, self.name)
         home = np.asarray(reo.home, dtype=np.int32)
         t1 = time.perf_counter()
         reps = [self.replicator.replicate(load[m], home, ctx) for m in range(load.shape[0])]

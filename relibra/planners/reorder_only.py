@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.planner import BatchContext, home_assign
+from relibra.planner import BatchContext, home_assign, reordered_load
 from relibra.planners.reorder import AnnealingReorderer
 from relibra.types import BatchPlan
 
@@ -41,13 +41,7 @@ class ReorderOnlyPlanner:
         t0 = time.perf_counter()
         reordering = self.reorderer.reorder(ctx)
         sample_gpu = np.asarray(reordering.sample_gpu, dtype=np.int32)
-        load = np.asarray(ctx.load)
-        if not np.array_equal(sample_gpu, ctx.sample_gpu):
-            if ctx.regroup is None:
-                raise ValueError(
-                    "the locality round moved samples but ctx.regroup is None; the simulator must provide it"
-                )
-            load = np.asarray(ctx.regroup(sample_gpu)[0])
+        load = reordered_load(ctx, sample_gpu, self.name)
         return BatchPlan(
             home=reordering.home,
             assign=home_assign(load, reordering.home, ctx.num_gpus),

@@ -1,0 +1,38 @@
+"""What several benchmark scripts share: specs of ``experiments/conf`` and a timed simulation of a config."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import build_cluster, build_cost, build_model, build_planner, load_counts, sim_options
+from relibra.cluster import HardwareSpec, ModelSpec
+from relibra.simulator import SimResult, simulate
+from relibra.types import SampleCounts
+from relibra.workload import build_workload
+
+CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+
+
+def hardware() -> HardwareSpec:
+    """The Hopper GPU of ``conf/cluster/hopper.yaml``."""
+    return HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware))  # type: ignore[arg-type]
+
+
+def model(name: str) -> ModelSpec:
+    """The model of ``conf/model/<name>.yaml``."""
+    return ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
+
+
+def timed_simulation(cfg: DictConfig, counts: SampleCounts | None = None) -> tuple[SimResult, float]:
+    """Simulate ``cfg``'s planner on ``counts`` (default: ``cfg``'s trace) -> (result, simulate's wall s)."""
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    cost = build_cost(cfg, cluster, model)
+    if counts is None:
+        counts = load_counts(cfg)
+    workload = build_workload(counts, cluster.num_gpus, cfg.workload.samples_per_microbatch)
+    start = time.perf_counter()
+    res = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
+    return res, time.perf_counter() - start
