@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -89,13 +91,20 @@ def make_ctx(
     )
 
 
-def reference_objective(load_l: np.ndarray, home: np.ndarray, cost: CostModel) -> float:
-    """Sum over micro-batches of linearised max compute + the cost model's max comm (home-only)."""
+def reference_objective(
+    load_l: np.ndarray, home: np.ndarray, cost: CostModel, compute_level: str = "gpu"
+) -> float:
+    """Sum over micro-batches of linearised max compute + the cost model's max comm (home-only).
+
+    ``compute_level="node"``: the compute term is the max over nodes of the node's mean per-GPU compute.
+    """
     g = cost.cluster.num_gpus
     lin = cost.linear()
     tokens = load_l.sum(axis=1).astype(np.float64)  # [Mb, E]
     w = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
     comp = np.stack([np.bincount(home, weights=w[m], minlength=g) for m in range(load_l.shape[0])])
+    if compute_level == "node":
+        comp = comp.reshape(comp.shape[0], cost.cluster.nodes, cost.cluster.gpus_per_node).mean(axis=2)
     t_comm = cost.moe(load_l, home_assign(load_l, home, g)).t_comm
     return float(comp.max(axis=1).sum() + t_comm.sum())
 
@@ -133,17 +142,45 @@ def test_lpt_refuses_bad_sizes() -> None:
 
 
 # ---------------------------------------------------------------------------- objective and state
+@pytest.mark.parametrize("level", ["gpu", "node"])
 @pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4), (4, 2)])
-def test_objective_matches_cost_model(nodes: int, gpn: int) -> None:
+def test_objective_matches_cost_model(nodes: int, gpn: int, level: str) -> None:
     ctx = make_ctx(nodes, gpn, 16, seed=nodes * 10 + gpn)
     rng = np.random.default_rng(1)
     g = nodes * gpn
     for l in range(2):
         load_l = ctx.load[:, l]
-        problem = layer_problem(load_l, ctx.cost)
+        problem = layer_problem(load_l, ctx.cost, compute_level=level)
         home = rng.permutation(np.repeat(np.arange(g), 16 // g)).astype(np.int32)
         ours = placement_objective(problem, home, ctx.cluster)
-        assert ours == pytest.approx(reference_objective(load_l, home, ctx.cost), rel=1e-12)
+        assert ours == pytest.approx(reference_objective(load_l, home, ctx.cost, level), rel=1e-12)
+
+
+def test_node_level_ignores_intra_node_placement() -> None:
+    # Swapping two experts within a node leaves the node-level compute term unchanged, but (on a skewed
+    # instance) changes the per-GPU one; communication is excluded by comparing compute-only problems.
+    ctx = make_ctx(2, 4, 32, seed=3, alpha=0.1)
+    rng = np.random.default_rng(2)
+    gpu_changed = 0
+    for l in range(2):
+        gpu_p = layer_problem(ctx.load[:, l], ctx.cost)
+        node_p = layer_problem(ctx.load[:, l], ctx.cost, compute_level="node")
+        assert node_p.compute_group == 4 and gpu_p.compute_group == 1
+        no_comm = np.zeros(3)
+        home = rng.permutation(np.repeat(np.arange(8), 4)).astype(np.int32)
+        a = int(np.flatnonzero(home == 0)[0])
+        b = int(np.flatnonzero(home == 1)[0])  # GPUs 0 and 1 share node 0
+        swapped = home.copy()
+        swapped[a], swapped[b] = home[b], home[a]
+        for prob, diff in ((node_p, False), (gpu_p, True)):
+            p = replace(prob, coef=no_comm)
+            before = placement_objective(p, home, ctx.cluster)
+            after = placement_objective(p, swapped, ctx.cluster)
+            if diff:
+                gpu_changed += before != pytest.approx(after, rel=1e-12)
+            else:
+                assert before == pytest.approx(after, rel=1e-12)
+    assert gpu_changed > 0
 
 
 def test_link_routes_counts() -> None:
@@ -173,9 +210,17 @@ def test_incremental_state_equals_recomputation() -> None:
     np.testing.assert_allclose(comp, comp_f, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(link, link_f)  # integer token sums: exact
     np.testing.assert_allclose(migr, migr_f, rtol=1e-12, atol=1e-12)
+    # Both compute levels evaluate the incremental state as they evaluate the recomputed one.
+    for group in (1, 4):
+        arg, arg_f = np.zeros((4, 2), dtype=np.int64), np.zeros((4, 2), dtype=np.int64)
+        inc = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group)
+        ful = _evaluate(comp_f, link_f, migr_f, problem.coef, 50.0, arg_f, group)
+        np.testing.assert_allclose(inc, ful, rtol=1e-12)
+        np.testing.assert_array_equal(arg, arg_f)
 
 
-def test_lse_bounds_the_hard_max() -> None:
+@pytest.mark.parametrize("group", [1, 2])
+def test_lse_bounds_the_hard_max(group: int) -> None:
     ctx = make_ctx(2, 2, 16, seed=5)
     problem = layer_problem(ctx.load[:, 1], ctx.cost)
     idx, cnt = link_routes(2, 2)
@@ -183,21 +228,33 @@ def test_lse_bounds_the_hard_max() -> None:
     comp, link, migr = full_state(home, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
     for beta in (1.0, 10.0, 1000.0):
-        true, smooth = _evaluate(comp, link, migr, problem.coef, beta, arg)
+        true, smooth = _evaluate(comp, link, migr, problem.coef, beta, arg, group)
         mb = comp.shape[0]
         assert true <= smooth <= true + 2 * mb * np.log(4) / beta + 1e-12
 
 
 # ------------------------------------------------------------------------------------- annealer
 @pytest.mark.parametrize(
-    ("nodes", "gpn", "objective", "warmup"),
-    [(2, 4, "microbatch", 2000), (4, 2, "aggregate", 0), (1, 8, "microbatch", 0), (2, 2, "aggregate", 500)],
+    ("nodes", "gpn", "objective", "warmup", "level"),
+    [
+        (2, 4, "microbatch", 2000, "gpu"),
+        (4, 2, "aggregate", 0, "gpu"),
+        (1, 8, "microbatch", 0, "gpu"),
+        (2, 2, "aggregate", 500, "gpu"),
+        (2, 4, "microbatch", 2000, "node"),
+        (4, 2, "microbatch", 0, "node"),
+        (2, 2, "aggregate", 500, "node"),
+    ],
 )
-def test_never_worse_than_lpt_and_invariants(nodes: int, gpn: int, objective: str, warmup: int) -> None:
+def test_never_worse_than_lpt_and_invariants(
+    nodes: int, gpn: int, objective: str, warmup: int, level: str
+) -> None:
     from relibra.invariants import check_plan
 
     ctx = make_ctx(nodes, gpn, 32, seed=nodes + gpn)
-    planner = ReorderOnlyPlanner(iterations=800, seeds=[0, 1], objective=objective, aggregate_warmup=warmup)
+    planner = ReorderOnlyPlanner(
+        iterations=800, seeds=[0, 1], objective=objective, aggregate_warmup=warmup, compute_level=level
+    )
     plan = planner.plan(ctx)
     check_plan(plan, ctx, replica_slots=0)
     assert per_gpu_counts_ok(plan.home, nodes * gpn)
@@ -207,7 +264,7 @@ def test_never_worse_than_lpt_and_invariants(nodes: int, gpn: int, objective: st
     tok = load.sum(axis=(0, 2)).astype(np.float64)
     lpt = lpt_placement(lin.compute_s_per_token * tok + lin.compute_s_per_expert * (tok > 0), nodes * gpn)
     for l in range(2):
-        problem = layer_problem(load[:, l], ctx.cost)
+        problem = layer_problem(load[:, l], ctx.cost, compute_level=level)
         assert placement_objective(problem, plan.home[l], ctx.cluster) <= placement_objective(
             problem, lpt[l], ctx.cluster
         ) * (1 + 1e-12)
@@ -259,6 +316,8 @@ def test_config_errors_name_the_parameter() -> None:
         AnnealingReorderer(iteratons=10)
     with pytest.raises(ValueError, match="objective"):
         AnnealConfig(objective="median")
+    with pytest.raises(ValueError, match="compute_level"):
+        AnnealConfig(compute_level="rack")
     with pytest.raises(ValueError, match="replica_slots"):
         ReorderOnlyPlanner(replica_slots=2)
     assert AnnealConfig.from_params(seeds=7).seeds == (7,)
@@ -299,3 +358,16 @@ def test_planner_config_instantiates() -> None:
     assert planner.name == "relibra_reorder_only" and planner.replica_slots == 0
     c = planner.reorderer.config
     assert c.iterations == cfg.iterations and c.seeds == tuple(cfg.seeds) and c.objective == cfg.objective
+    assert c.compute_level == "gpu"  # nothing replicates after the reorder-only planner
+
+
+def test_relibra_config_reorder_block_is_valid() -> None:
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    path = Path(__file__).resolve().parents[1] / "experiments/conf/planner/relibra.yaml"
+    block = OmegaConf.to_container(OmegaConf.load(path).reorder)
+    assert isinstance(block, dict)
+    config = AnnealConfig.from_params(**{str(k): v for k, v in block.items()})
+    assert config.compute_level in ("gpu", "node")

@@ -21,6 +21,14 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
 4. **Migration awareness** (beyond the paper): ``migration_weight > 0`` charges each GPU for the experts it
    receives from the previous batch's placement (weights, gradients and optimizer state; NVLink within a
    node, the rail NIC across nodes; the busiest GPU bounds the transfer), so a change must pay for itself.
+5. **Node-level compute** (``compute_level="node"``, beyond the paper's objective): the compute term of each
+   micro-batch becomes the max over nodes of ``node compute / gpus_per_node``, the per-GPU compute after
+   perfect intra-node balancing. The assumption follows the paper's own division of labour: reordering
+   should "prefer different nodes, since replication fixes intra-node imbalance later"; so when intra-node
+   replication follows (the ``relibra`` planner), effort spent on intra-node balance is wasted, and
+   node-level imbalance, which replication cannot fix, is what the placement must remove. The
+   incremental state stays per GPU; the node sums are formed in the O(G) evaluation. The communication
+   term is unchanged. Keep ``gpu`` when nothing replicates afterwards (``relibra_reorder_only``).
 
 All times inside the search are normalised by the mean per-GPU compute time of a micro-batch, so ``beta``
 and the temperatures are dimensionless. The hot loop is compiled with numba.
@@ -112,6 +120,10 @@ class AnnealConfig:
     """Move / swap proposals of the locality round per sample."""
     workers: int = 1
     """Processes for the per-layer problems (layers are split over workers; each runs every seed)."""
+    compute_level: str = "gpu"
+    """Compute term of the objective. ``gpu``: the per-GPU max (what the placement alone runs). ``node``: the
+    per-node max of ``node compute / gpus_per_node``, the per-GPU compute after perfect intra-node balancing
+    by replicas; for a reordering that intra-node replication follows (see the module docstring, 5.)."""
 
     def __post_init__(self) -> None:
         if self.objective not in ("microbatch", "aggregate"):
@@ -154,6 +166,8 @@ class AnnealConfig:
             )
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}; expected >= 1")
+        if self.compute_level not in ("gpu", "node"):
+            raise ValueError(f"compute_level={self.compute_level!r}; expected 'gpu' or 'node'")
 
     @classmethod
     def from_params(cls, **params: Any) -> AnnealConfig:
@@ -256,6 +270,8 @@ class LayerProblem:
     """float64 [E, G]: weighted normalised migration time if expert ``e`` is homed on ``g`` (0: no charge)."""
     scale: float
     """Seconds per normalised unit (the mean per-GPU compute time of a micro-batch)."""
+    compute_group: int = 1
+    """GPUs pooled in the compute term: 1 (per-GPU max) or ``gpus_per_node`` (per-node mean, then max)."""
 
 
 def layer_problem(
@@ -264,14 +280,18 @@ def layer_problem(
     *,
     prev_home: np.ndarray | None = None,
     migration_weight: float = 0.0,
+    compute_level: str = "gpu",
 ) -> LayerProblem:
     """Normalise one layer's loads ``load_l`` [Mb, G, E] (one row per micro-batch) into a problem.
 
-    ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge.
+    ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge;
+    ``compute_level`` (``gpu`` or ``node``, see :class:`AnnealConfig`) the compute term.
     """
     load_l = np.asarray(load_l)
     if load_l.ndim != 3:
         raise ValueError(f"load_l has shape {load_l.shape}; expected [Mb, G, E]")
+    if compute_level not in ("gpu", "node"):
+        raise ValueError(f"compute_level={compute_level!r}; expected 'gpu' or 'node'")
     mb, g, e = load_l.shape
     lin = cost.linear()
     tokens = load_l.sum(axis=1, dtype=np.float64)  # [Mb, E]
@@ -295,7 +315,10 @@ def layer_problem(
         mig[prev[:, None] == gpus[None, :]] = 0.0
         mig = migration_weight * mig / scale
     x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
-    return LayerProblem(x=x, w=w_s / scale, coef=coef, mig=np.ascontiguousarray(mig), scale=scale)
+    group = cost.cluster.gpus_per_node if compute_level == "node" else 1
+    return LayerProblem(
+        x=x, w=w_s / scale, coef=coef, mig=np.ascontiguousarray(mig), scale=scale, compute_group=group
+    )
 
 
 # ------------------------------------------------------------------------------------ numba kernels
@@ -338,20 +361,43 @@ def _comm_gpu(link_m: np.ndarray, g: int, g_total: int, coef: np.ndarray) -> flo
 
 @njit(cache=True)
 def _evaluate(
-    comp: np.ndarray, link: np.ndarray, migr: np.ndarray, coef: np.ndarray, beta: float, arg: np.ndarray
+    comp: np.ndarray,
+    link: np.ndarray,
+    migr: np.ndarray,
+    coef: np.ndarray,
+    beta: float,
+    arg: np.ndarray,
+    group: int,
 ) -> tuple[float, float]:
-    """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2]."""
+    """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2].
+
+    The compute term is the max over groups of ``group`` consecutive GPUs of their mean compute (``group=1``:
+    the per-GPU max; ``group=gpus_per_node``: the per-node mean); its bottleneck GPU is the busiest GPU of
+    the bottleneck group. O(G) per micro-batch.
+    """
     mb, g_total = comp.shape
+    n_groups = g_total // group
     comm = np.empty(g_total)
+    cgrp = np.empty(n_groups)
     true = 0.0
     smooth = 0.0
     for m in range(mb):
         cmax = -1.0
         ca = 0
-        for g in range(g_total):
-            if comp[m, g] > cmax:
-                cmax = comp[m, g]
-                ca = g
+        for n in range(n_groups):
+            s = 0.0
+            top = -1.0
+            tg = n * group
+            for g in range(n * group, (n + 1) * group):
+                s += comp[m, g]
+                if comp[m, g] > top:
+                    top = comp[m, g]
+                    tg = g
+            s /= group
+            cgrp[n] = s
+            if s > cmax:
+                cmax = s
+                ca = tg
         kmax = -1.0
         ka = 0
         for g in range(g_total):
@@ -362,11 +408,12 @@ def _evaluate(
                 ka = g
         sc = 0.0
         sk = 0.0
-        for g in range(g_total):
-            # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
-            u = beta * (comp[m, g] - cmax)
+        # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
+        for n in range(n_groups):
+            u = beta * (cgrp[n] - cmax)
             if u > -40.0:
                 sc += math.exp(u)
+        for g in range(g_total):
             u = beta * (comm[g] - kmax)
             if u > -40.0:
                 sk += math.exp(u)
@@ -432,6 +479,7 @@ def _anneal_kernel(
     t_end: float,
     cross_node_prob: float,
     guided_prob: float,
+    group: int,
 ) -> tuple[np.ndarray, float, float, int]:
     """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
     mb, e_total, g_total = x.shape
@@ -453,7 +501,7 @@ def _anneal_kernel(
     arg = np.zeros((mb, 2), dtype=np.int64)
     arg_new = np.zeros((mb, 2), dtype=np.int64)
     beta = beta_start
-    true0, cur = _evaluate(comp, link, migr, coef, beta, arg)
+    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group)
     best = true0
     best_home = home.copy()
     if g_total < 2 or iterations == 0:
@@ -465,7 +513,7 @@ def _anneal_kernel(
         frac = it / iterations
         if it % stage_len == 0 and it > 0:
             beta = beta_start * (beta_end / beta_start) ** frac
-            _, cur = _evaluate(comp, link, migr, coef, beta, arg)
+            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group)
         temp = t_scale * t_start * (t_end / t_start) ** frac
         # Step 1: the first expert, from a bottleneck GPU (guided) or uniformly.
         if rng.random() < guided_prob:
@@ -492,7 +540,7 @@ def _anneal_kernel(
         link2[:, :] = link
         migr2[:] = migr
         _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
-        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new)
+        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new, group)
         delta = new - cur
         if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
             comp, comp2 = comp2, comp
@@ -546,6 +594,7 @@ def anneal_layer(
         config.temperature_end,
         config.cross_node_prob,
         config.guided_prob,
+        problem.compute_group,
     )
     return best_home.astype(np.int32), best * problem.scale, start * problem.scale
 
@@ -562,7 +611,7 @@ def placement_objective(
         np.asarray(home, dtype=np.int64), problem.x, problem.w, idx, cnt, problem.mig
     )
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
-    true, _ = _evaluate(comp, link, migr, problem.coef, 1.0, arg)
+    true, _ = _evaluate(comp, link, migr, problem.coef, 1.0, arg, problem.compute_group)
     return float(true * problem.scale)
 
 
@@ -614,7 +663,13 @@ def solve_layer(
     cfg = config
     routes = routes if routes is not None else link_routes(cost.cluster.nodes, cost.cluster.gpus_per_node)
     g = cost.cluster.num_gpus
-    problem = layer_problem(load_l, cost, prev_home=prev_home, migration_weight=cfg.migration_weight)
+    problem = layer_problem(
+        load_l,
+        cost,
+        prev_home=prev_home,
+        migration_weight=cfg.migration_weight,
+        compute_level=cfg.compute_level,
+    )
     if start is None:
         start = lpt_placement(problem.w.sum(axis=0), g)
     start_obj = placement_objective(problem, start, cost.cluster, routes)
@@ -632,6 +687,7 @@ def solve_layer(
             cost,
             prev_home=prev_home,
             migration_weight=cfg.migration_weight,
+            compute_level=cfg.compute_level,
         )
         agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
         main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
