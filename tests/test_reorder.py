@@ -339,6 +339,15 @@ def test_milp_matches_brute_force_and_bounds_annealer() -> None:
     assert placement_objective(problem, home, ctx.cluster) == pytest.approx(obj, rel=1e-12)
 
 
+def test_milp_refuses_node_level_problem_brute_force_handles_it() -> None:
+    ctx = make_ctx(2, 2, 8, microbatches=2, seed=12)
+    node = layer_problem(ctx.load[:, 0], ctx.cost, compute_level="node")
+    with pytest.raises(ValueError, match="compute_group"):
+        milp_reorder(node, ctx.cluster, time_limit_s=5)
+    brute = brute_force_reorder(node, ctx.cluster)
+    assert placement_objective(node, brute.home, ctx.cluster) == pytest.approx(brute.objective_s, rel=1e-12)
+
+
 def test_brute_force_refuses_large() -> None:
     ctx = make_ctx(2, 4, 32, seed=0)
     with pytest.raises(ValueError, match="milp_reorder"):

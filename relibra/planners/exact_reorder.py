@@ -54,6 +54,12 @@ def milp_reorder(
     mb, e_total, g_total = problem.x.shape
     if e_total % g_total != 0:
         raise ValueError(f"E={e_total} experts is not divisible by G={g_total} GPUs")
+    if problem.compute_group != 1:
+        raise ValueError(
+            f"milp_reorder models the per-GPU compute term; this problem uses compute_group="
+            f"{problem.compute_group} (compute_level='node'): build it with compute_level='gpu' or use "
+            "brute_force_reorder, which evaluates either objective"
+        )
     per_gpu = e_total // g_total
     solver = pywraplp.Solver.CreateSolver("SCIP")
     if solver is None:  # pragma: no cover - SCIP ships with OR-Tools wheels
