@@ -14,15 +14,19 @@ Prints four tables:
 Default sizes are small (a shared 2-core machine); ``--full`` runs the issue's sizes.
 
     .venv/bin/python benchmarks/bench_replicate.py [--part all|optimality|balance|speed|buffer] [--full]
+        [--reference FROZEN_COPY_OF_replicate.py]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 from rich.console import Console
@@ -35,7 +39,7 @@ from _common import hardware, model  # noqa: E402
 
 from relibra.cluster import ClusterSpec, ModelSpec  # noqa: E402
 from relibra.cost import CostModel  # noqa: E402
-from relibra.planner import BatchContext, Reordering, home_assign, static_placement  # noqa: E402
+from relibra.planner import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
 from relibra.planners.milp import dispatch_routing, solve_replication  # noqa: E402
 from relibra.planners.relibra import ComposedPlanner, StaticReorderer  # noqa: E402
 from relibra.planners.replicate import GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
@@ -180,38 +184,69 @@ def balance(full: bool, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- speed
-def speed(full: bool, seed: int) -> None:
+def load_reference(path: Path) -> ModuleType:
+    """Import a frozen copy of replicate.py (e.g. ``git show REV:relibra/planners/replicate.py``)."""
+    spec = importlib.util.spec_from_file_location("replicate_reference", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--reference {path} is not an importable Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # numba's on-disk cache finds compiled kernels by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_problems(
+    fn: Callable[..., Replication], x: np.ndarray, home: np.ndarray, cost: CostModel, mode: str
+):
+    """Times of ``fn`` on each problem of x [P, G, E] (s), and the plans' assign [P, E, G]."""
+    fn(x[0], home, cost, 2, acceptance=mode)  # warm up (compiles on a cold cache)
+    times, assigns = [], []
+    for p in range(x.shape[0]):
+        t0 = time.perf_counter()
+        rep = fn(x[p], home, cost, 2, acceptance=mode)
+        times.append(time.perf_counter() - t0)
+        assigns.append(rep.assign)
+    return np.array(times), np.stack(assigns)
+
+
+def speed(full: bool, seed: int, reference: Path | None = None) -> None:
     qwen = model("qwen3-30b-a3b")
     per_ep = 400 if full else 100
-    modes = ("best", "comm", "compute")
+    ref = load_reference(reference) if reference is not None else None
     table = Table(
         title="greedy time per (micro-batch, layer) problem, r = 2, 8 GPUs per node, 128 experts (ms)"
+        + (f"; reference: {reference}" if ref is not None else "")
     )
-    table.add_column("EP", justify="right")
-    table.add_column("problems", justify="right")
-    for mode in modes:
-        table.add_column(f"{mode} median", justify="right")
-        table.add_column(f"{mode} p99", justify="right")
-    table.add_column("replicas / GPU (best)", justify="right")
+    for col in ("EP", "acceptance", "problems", "median", "p99"):
+        table.add_column(col, justify="right")
+    if ref is not None:
+        for col in ("ref median", "ref p99", "speed-up (median)", "same plans"):
+            table.add_column(col, justify="right")
+    table.add_column("replicas / GPU", justify="right")
     for nodes in (1, 2, 4, 8):
         ctx = synthetic_context(qwen, nodes, 8, max(per_ep // 8, 1), seed)
         g = ctx.num_gpus
         x = ctx.load.reshape(-1, g, 128)[:per_ep]
         home = static_placement(1, 128, g)[0]
-        row = [str(g), str(x.shape[0])]
-        reps = []
-        for mode in modes:
-            replicate_greedy(x[0], home, ctx.cost, 2, acceptance=mode)  # type: ignore[arg-type]  # warm up
-            times = []
-            for p in range(x.shape[0]):
-                t0 = time.perf_counter()
-                rep = replicate_greedy(x[p], home, ctx.cost, 2, acceptance=mode)  # type: ignore[arg-type]
-                times.append(time.perf_counter() - t0)
-                if mode == "best":
-                    reps.append((rep.replicas >= 0).sum() / g)
-            t = np.array(times) * 1e3
-            row += [f"{np.median(t):.3f}", f"{np.percentile(t, 99):.3f}"]
-        table.add_row(*row, f"{np.mean(reps):.2f}")
+        for mode in ("best", "comm", "compute"):
+            t, assign = time_problems(replicate_greedy, x, home, ctx.cost, mode)
+            t = t * 1e3
+            row = [str(g), mode, str(x.shape[0]), f"{np.median(t):.3f}", f"{np.percentile(t, 99):.3f}"]
+            if ref is not None:
+                t_ref, assign_ref = time_problems(ref.replicate_greedy, x, home, ctx.cost, mode)
+                t_ref = t_ref * 1e3
+                same = int((assign == assign_ref).all(axis=(-2, -1)).sum())
+                row += [
+                    f"{np.median(t_ref):.3f}",
+                    f"{np.percentile(t_ref, 99):.3f}",
+                    f"{np.median(t_ref) / np.median(t):.2f}x",
+                    f"{same}/{x.shape[0]}",
+                ]
+            reps = replicate_greedy(
+                x, np.broadcast_to(home, x.shape[:1] + home.shape), ctx.cost, 2, acceptance=mode
+            )  # type: ignore[arg-type]
+            row.append(f"{(reps.replicas >= 0).sum() / (g * x.shape[0]):.2f}")
+            table.add_row(*row)
     console.print(table)
 
     mbs = 16 if full else 4
@@ -260,11 +295,22 @@ def main() -> None:
     ap.add_argument("--part", choices=[*PARTS, "all"], default="all")
     ap.add_argument("--full", action="store_true", help="the issue's sizes (long on a small machine)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help="speed: also time this frozen copy of replicate.py on the same problems (side by side, with "
+        "a check that both give the same plans), e.g. one written by "
+        "`git show HEAD:relibra/planners/replicate.py > /tmp/replicate_ref.py`",
+    )
     args = ap.parse_args()
     for name, fn in PARTS.items():
         if args.part in (name, "all"):
             t0 = time.perf_counter()
-            fn(args.full, args.seed)
+            if name == "speed":
+                speed(args.full, args.seed, args.reference)
+            else:
+                fn(args.full, args.seed)
             console.print(f"[dim]{name}: {time.perf_counter() - t0:.1f} s")
 
 

@@ -12,8 +12,13 @@ from relibra.cost import CostModel
 from relibra.invariants import check_assignment
 from relibra.planner import home_assign, static_placement
 from relibra.planners.replicate import (
+    ALL_NODES,
     ReplicationCoefficients,
+    _comm_lower_bound,
     _comm_per_gpu,
+    _node_traffic,
+    _objective,
+    _waterfill,
     linear_objective,
     replicate_greedy,
     round_assign,
@@ -136,17 +141,104 @@ def test_round_assign_keeps_totals_and_zeros(rows: list[list[float]], seed: int)
     )
 
 
-@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 4), (4, 2), (2, 8), (8, 8)])
 def test_compiled_comm_matches_cost_model(nodes: int, gpn: int) -> None:
     rng = np.random.default_rng(nodes)
     cost = _cost(nodes, gpn)
     g = nodes * gpn
     traffic = rng.integers(0, 1000, size=(g, g)).astype(np.float64)
+    traffic[rng.random((g, g)) < 0.3] = 0.0  # some pairs exchange nothing
     coef = ReplicationCoefficients.from_cost(cost)
     out = np.zeros(g)
     _comm_per_gpu(traffic, gpn, coef.nvlink_per_token, coef.nic_per_token, out)
     expected = cost.comm_time(traffic) - 4 * HOPPER.alltoall_latency_s
     np.testing.assert_allclose(out * coef.seconds_per_token, expected, rtol=1e-9)
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 8), (2, 4), (4, 2), (8, 8)])
+def test_comm_lower_bound_is_each_gpus_comm(nodes: int, gpn: int) -> None:
+    """The O(G) bound used to reject candidates is the same per-GPU time, never above the full sum's."""
+    rng = np.random.default_rng(nodes * gpn)
+    g = nodes * gpn
+    traffic = rng.random((g, g)) * rng.integers(0, 2000, size=(g, g))
+    out = np.zeros(g)
+    _comm_per_gpu(traffic, gpn, 0.7, 1.9, out)
+    bound = np.array([_comm_lower_bound(traffic, gpn, 0.7, 1.9, k) for k in range(g)])
+    assert np.all(bound <= out)
+    np.testing.assert_allclose(bound, out, rtol=1e-8)
+
+
+def _random_split(rng: np.random.Generator, g: int, gpn: int, e: int):
+    """A split with copies inside each expert's home node: x [G, E], tot, hnode [E], a [E, gpn], has."""
+    x = rng.integers(0, 50, size=(g, e)).astype(np.float64)
+    x[:, 0] = 0.0  # an expert with no tokens
+    tot = x.sum(axis=0)
+    home = rng.integers(0, g, size=e)
+    has = rng.random((e, gpn)) < 0.3
+    has[np.arange(e), home % gpn] = True
+    a = rng.random((e, gpn)) * has
+    a *= tot[:, None] / a.sum(axis=1, keepdims=True)
+    return x, tot, home // gpn, a, has
+
+
+def test_node_traffic_is_the_proportional_split_and_updates_in_place() -> None:
+    """Rebuilding one node's columns after a change gives the very floats of a whole rebuild."""
+    rng = np.random.default_rng(11)
+    nodes, gpn, e = 4, 4, 32
+    g = nodes * gpn
+    x, tot, hnode, a, has = _random_split(rng, g, gpn, e)
+    traffic = np.zeros((g, g))
+    for n in range(nodes):
+        _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
+    dense = np.zeros((e, g))  # the split as assign [E, G]
+    for k in range(gpn):
+        dense[np.arange(e), hnode * gpn + k] = a[:, k]
+    expected = x @ np.divide(dense, tot[:, None], out=np.zeros_like(dense), where=tot[:, None] > 0)
+    np.testing.assert_allclose(traffic, expected, rtol=1e-12, atol=1e-9)
+    changed = np.flatnonzero(hnode == 2)  # re-split node 2's experts only
+    a[changed] = rng.random((len(changed), gpn)) * has[changed]
+    a[changed] *= tot[changed, None] / a[changed].sum(axis=1, keepdims=True)
+    _node_traffic(x, tot, hnode, a, has, gpn, 2, traffic)
+    whole = np.full((g, g), np.nan)
+    comp, comm, comm_whole = np.zeros(g), np.zeros(g), np.zeros(g)
+    inc = _objective(x, tot, hnode, a, has, comp, gpn, 0.7, 1.9, True, traffic, comm, 2, np.inf)
+    full = _objective(x, tot, hnode, a, has, comp, gpn, 0.7, 1.9, True, whole, comm_whole, ALL_NODES, np.inf)
+    np.testing.assert_array_equal(traffic, whole)
+    assert inc == full
+
+
+def _waterfill_sorted(tot_e: float, lv: np.ndarray) -> np.ndarray:
+    """The water-filling level by a sort: new shares of copies with other loads lv (reference)."""
+    srt = np.sort(lv)
+    prefix, level = 0.0, 0.0
+    for i in range(len(srt)):
+        prefix += srt[i]
+        level = (tot_e + prefix) / (i + 1)
+        if i + 1 == len(srt) or level <= srt[i + 1]:
+            break
+    return np.where(level > lv, level - lv, 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 6), min_size=8, max_size=8),
+    mask=st.lists(st.booleans(), min_size=8, max_size=8),
+    tokens=st.integers(0, 40),
+)
+def test_waterfill_matches_a_sort(loads: list[int], mask: list[bool], tokens: int) -> None:
+    """Small integer loads make ties common: the sort-free walk gives the sorted algorithm's floats."""
+    gpn = 8
+    has = np.array([mask], dtype=np.bool_)
+    has[0, 0] = True
+    a = np.zeros((1, gpn))
+    a[0, 0] = float(tokens)
+    comp = np.array(loads, dtype=np.float64) + a[0]
+    lv = comp - a[0]
+    expected = _waterfill_sorted(float(tokens), lv[has[0]])
+    _waterfill(0, float(tokens), 0, a, has, comp, gpn)
+    np.testing.assert_array_equal(a[0, has[0]], expected)
+    assert np.all(a[0, ~has[0]] == 0)
+    np.testing.assert_allclose(a.sum(), tokens)
 
 
 def test_linear_objective_is_the_cost_model_when_compute_bound() -> None:

@@ -23,7 +23,10 @@ The split is solved two ways:
   ``sum_g max(0, lambda - b[g]) = A``. A few sweeps of this over the node's replicated experts converge to
   the split that minimises the sum of squared GPU loads, which for this splittable restricted-assignment
   problem is also the min-max split (the lexicographically optimal base of a polymatroid, Fujishige).
-  Compiled with numba: 0.2-5 ms per problem at EP 8-64 (docs/benchmarks.md).
+  Compiled with numba: 0.08-1.4 ms per problem at EP 8-64 (docs/benchmarks.md). A candidate's
+  communication term is evaluated incrementally: only the traffic columns of the node whose split changed
+  are rebuilt, and a candidate whose compute max plus an O(G) lower bound on one GPU's communication
+  already misses the threshold is rejected without the O(G^2) pass (docs/replicate.md).
 * ``split="lp"``: the general case. Every candidate's split is the LP of the paper's eq. 7 with the replica
   set fixed (:func:`relibra.planners.milp.solve_split`), including the communication terms.
 
@@ -95,39 +98,49 @@ def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
 
     Same routing as :meth:`CostModel.link_bytes`: cross-rail traffic hops over NVLink to the source node's
     GPU on the destination rail, then over that rail's NIC. Combine is the transpose of dispatch.
+    Row ``j`` is walked node block by node block (no integer division in the inner loop); every link
+    total receives its terms in the order of ``(j, g)``, so the sums are the same floats whatever the
+    loop's shape. Zero entries are added too: ``+0.0`` leaves a non-negative sum unchanged.
     """
     g_n = traffic.shape[0]
     acc = np.zeros((8, g_n))  # dispatch nvl send/recv, nic send/recv; then the same for combine
     for j in range(g_n):
         nj = j // gpn
-        rj = j % gpn
-        for g in range(g_n):
-            t = traffic[j, g]
-            if j == g or t == 0.0:
+        rj = j - nj * gpn
+        own = nj * gpn
+        s0, s2, s5, s7 = acc[0, j], acc[2, j], acc[5, j], acc[7, j]  # totals only row j adds to now
+        for b in range(0, g_n, gpn):
+            if b == own:
+                for k in range(gpn):
+                    if k == rj:
+                        continue
+                    g = b + k
+                    t = traffic[j, g]
+                    s0 += t
+                    acc[1, g] += t
+                    acc[4, g] += t
+                    s5 += t
                 continue
-            ng = g // gpn
-            rg = g % gpn
-            if nj == ng:
-                acc[0, j] += t
-                acc[1, g] += t
-                acc[4, g] += t
-                acc[5, j] += t
-            elif rj == rg:
-                acc[2, j] += t
-                acc[3, g] += t
-                acc[6, g] += t
-                acc[7, j] += t
-            else:
-                p = nj * gpn + rg
-                acc[0, j] += t
-                acc[1, p] += t
-                acc[2, p] += t
-                acc[3, g] += t
-                q = ng * gpn + rj
-                acc[4, g] += t
-                acc[5, q] += t
-                acc[6, q] += t
-                acc[7, j] += t
+            q = b + rj
+            for k in range(gpn):
+                g = b + k
+                t = traffic[j, g]
+                if k == rj:
+                    s2 += t
+                    acc[3, g] += t
+                    acc[6, g] += t
+                    s7 += t
+                else:
+                    p = own + k
+                    s0 += t
+                    acc[1, p] += t
+                    acc[2, p] += t
+                    acc[3, g] += t
+                    acc[4, g] += t
+                    acc[5, q] += t
+                    acc[6, q] += t
+                    s7 += t
+        acc[0, j], acc[2, j], acc[5, j], acc[7, j] = s0, s2, s5, s7
     for g in range(g_n):
         d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
         c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
@@ -135,51 +148,158 @@ def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm):  # pragma: no cover
-    """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant)."""
-    t_comp = comp.max()
-    if not use_comm:
-        return t_comp
+def _node_traffic(x, tot, hnode, a, has, gpn, node, traffic):  # pragma: no cover - compiled
+    """Rebuild the columns of ``node``'s GPUs in traffic [G(j), G(g)] from the split ``a`` [E, gpn].
+
+    Only experts homed on ``node`` have copies there, and each entry receives its terms by increasing
+    expert id from zero, so the block equals the one a rebuild of the whole matrix gives, bit for bit.
+    """
     g_n, e_n = x.shape
-    traffic[:, :] = 0.0
+    base = node * gpn
+    traffic[:, base : base + gpn] = 0.0
     for e in range(e_n):
-        if tot[e] <= 0.0:
+        if tot[e] <= 0.0 or hnode[e] != node:
             continue
-        base = (home[e] // gpn) * gpn
         for k in range(gpn):
             if has[e, k] and a[e, k] > 0.0:
                 s = a[e, k] / tot[e]
                 g = base + k
                 for j in range(g_n):
                     traffic[j, g] += x[j, e] * s
+
+
+@njit(cache=True)
+def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
+    """A lower bound on what :func:`_comm_per_gpu` gives for GPU ``g`` alone, in O(G).
+
+    The eight link totals of ``g`` are summed from the same terms in another order, then shrunk by
+    :data:`BOUND_SLACK`, far more than the rounding of either order (n terms: n * 1.1e-16 relative).
+    """
+    g_n = traffic.shape[0]
+    b = (g // gpn) * gpn
+    rg = g - b
+    s = np.zeros(8)
+    for j in range(g_n):
+        in_node = b <= j < b + gpn
+        for c in range(0, g_n, gpn):
+            if c == b:
+                if in_node:  # intra-node: sends and receives of g
+                    if j == g:
+                        for k in range(gpn):
+                            if k != rg:
+                                s[0] += traffic[g, c + k]
+                                s[5] += traffic[g, c + k]
+                    else:
+                        s[1] += traffic[j, g]
+                        s[4] += traffic[j, g]
+                else:  # from another node into g's node
+                    s[3] += traffic[j, g]
+                    if j % gpn == rg:  # arrives over g's rail: g relays all of it
+                        for k in range(gpn):
+                            s[6] += traffic[j, c + k]
+                            if k != rg:
+                                s[5] += traffic[j, c + k]
+                    else:
+                        s[4] += traffic[j, g]
+            elif in_node:  # from g's node to another node: rail rg leaves through g
+                t = traffic[j, c + rg]
+                s[2] += t
+                if j == g:
+                    for k in range(gpn):
+                        s[7] += traffic[g, c + k]
+                        if k != rg:
+                            s[0] += traffic[g, c + k]
+                else:
+                    s[1] += t
+    for i in range(8):
+        s[i] *= 1.0 - BOUND_SLACK
+    d = max(max(s[0], s[1]) * nvl, max(s[2], s[3]) * nic)
+    c2 = max(max(s[4], s[5]) * nvl, max(s[6], s[7]) * nic)
+    return 2.0 * (d + c2)
+
+
+BOUND_SLACK = 1e-9
+"""Relative slack of :func:`_comm_lower_bound` against the rounding of a different summation order."""
+ALL_NODES = -1
+"""``node`` argument of :func:`_objective`: rebuild the whole traffic matrix."""
+NO_NODE = -2
+"""``node`` argument of :func:`_objective`: the traffic matrix already matches ``a``."""
+
+
+@njit(cache=True)
+def _objective(
+    x, tot, hnode, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm, node, thr
+):  # pragma: no cover
+    """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant).
+
+    ``thr``: the caller only needs to know whether the objective is under ``thr``. When a lower bound on
+    the busiest GPU of the last full evaluation (``argmax comm``) already reaches it, that bound is
+    returned instead and ``comm`` is left as it was: a rejected candidate costs O(G), not O(G^2).
+
+    The traffic [G, G] is kept in step with ``a`` incrementally: a candidate copy changes the split of
+    one node's experts only, so only that node's ``gpn`` columns are rebuilt (``node >= 0``);
+    :data:`ALL_NODES` rebuilds all, :data:`NO_NODE` none. Unused (left as is) when ``use_comm`` is False.
+    """
+    t_comp = comp.max()
+    if not use_comm:
+        return t_comp
+    if node == ALL_NODES:
+        for n in range(x.shape[0] // gpn):
+            _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
+    elif node >= 0:
+        _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+    if thr < np.inf:
+        bound = t_comp + _comm_lower_bound(traffic, gpn, nvl, nic, np.argmax(comm))
+        if bound >= thr:
+            return bound
     _comm_per_gpu(traffic, gpn, nvl, nic, comm)
     return t_comp + comm.max()
 
 
 @njit(cache=True)
-def _waterfill(e, tot_e, base_gpu, a, has, comp, gpn):  # pragma: no cover - compiled
-    """Closed-form split of expert ``e``'s ``tot_e`` tokens over its copies (min of the max copy load)."""
-    m = 0
-    ks = np.empty(gpn, np.int64)
-    lv = np.empty(gpn)
+def _next_copy(e, base_gpu, a, has, comp, gpn, pv, pk):  # pragma: no cover - compiled
+    """The copy ``k`` of ``e`` next after ``(pv, pk)`` by (level without ``e``, ``k``); (inf, -1) if none."""
+    best_v = np.inf
+    best_k = -1
     for k in range(gpn):
         if has[e, k]:
-            ks[m] = k
-            lv[m] = comp[base_gpu + k] - a[e, k]
+            v = comp[base_gpu + k] - a[e, k]
+            if (v > pv or (v == pv and k > pk)) and (best_k < 0 or v < best_v):
+                best_v = v
+                best_k = k
+    return best_v, best_k
+
+
+@njit(cache=True)
+def _waterfill(e, tot_e, base_gpu, a, has, comp, gpn):  # pragma: no cover - compiled
+    """Closed-form split of expert ``e``'s ``tot_e`` tokens over its copies (min of the max copy load).
+
+    The copies are walked by increasing level without an array or a sort (an expert has at most ``gpn``
+    copies), so that this allocation-free inner step stays cheap; ties take the lower ``k``, and the level
+    does not depend on how ties are ordered.
+    """
+    m = 0
+    for k in range(gpn):
+        if has[e, k]:
             m += 1
-    order = np.argsort(lv[:m])
-    prefix = 0.0
+    pv = -np.inf
+    pk = -1
     level = 0.0
+    prefix = 0.0
     for i in range(m):
-        prefix += lv[order[i]]
+        v, k = _next_copy(e, base_gpu, a, has, comp, gpn, pv, pk)
+        prefix += v
         level = (tot_e + prefix) / (i + 1)
-        if i + 1 == m or level <= lv[order[i + 1]]:
+        if i + 1 == m or level <= _next_copy(e, base_gpu, a, has, comp, gpn, v, k)[0]:
             break
-    for i in range(m):
-        k = ks[i]
-        new = level - lv[i] if level > lv[i] else 0.0
-        comp[base_gpu + k] += new - a[e, k]
-        a[e, k] = new
+        pv = v
+        pk = k
+    for k in range(gpn):  # copy k's level reads only comp[base_gpu + k], not yet changed here
+        if has[e, k]:
+            lv = comp[base_gpu + k] - a[e, k]
+            new = level - lv if level > lv else 0.0
+            comp[base_gpu + k] += new - a[e, k]
+            a[e, k] = new
 
 
 @njit(cache=True)
@@ -217,7 +337,7 @@ LOOKAHEAD = 2
 def _try_copy(
     x,
     tot,
-    home,
+    hnode,
     e,
     target,
     pin,
@@ -234,12 +354,14 @@ def _try_copy(
     sweeps,
     traffic,
     comm,
+    thr,
 ):  # pragma: no cover - compiled
     """Add a copy of ``e`` on ``target`` (same node) and return the objective.
 
     ``pin=False``: water-fill ``e`` over its copies; ``pin=True``: move all of ``e``'s tokens to the new copy
     (the move that keeps a heavy sender's tokens local) and keep them there. Then the node's other
     replicated, unpinned experts are re-split. The caller saves ``a``, ``comp`` and ``pinned[e]`` first.
+    ``thr``: see :func:`_objective` (``np.inf`` for the exact objective).
     """
     base_gpu = (target // gpn) * gpn
     kt = target - base_gpu
@@ -258,9 +380,9 @@ def _try_copy(
     node = target // gpn
     for _ in range(sweeps):
         for f in range(a.shape[0]):
-            if ncopy[f] > 1 and not pinned[f] and home[f] // gpn == node:
+            if ncopy[f] > 1 and not pinned[f] and hnode[f] == node:
                 _waterfill(f, tot[f], base_gpu, a, has, comp, gpn)
-    return _objective(x, tot, home, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm)
+    return _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm, node, thr)
 
 
 @njit(cache=True)
@@ -276,7 +398,7 @@ def _undo_copy(e, target, a, has, ncopy, pinned, pinned_old, comp, gpn, a_old, c
 def _compute_step(
     x,
     tot,
-    home,
+    hnode,
     a,
     has,
     ncopy,
@@ -314,7 +436,7 @@ def _compute_step(
     weight = np.empty(e_n)
     nc = 0
     for e in range(e_n):
-        if home[e] // gpn == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
+        if hnode[e] == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
             cand[nc] = e
             weight[nc] = -a[e, kstar] if source < 0 else x[gstar, e] / a[e, kstar]
             nc += 1
@@ -334,15 +456,20 @@ def _compute_step(
         for pin in (False, True):  # water-filled, or (for T_MoE) moved out whole: frees a heavy sender
             if pin and not use_comm:
                 break
+            # a lookahead move (source >= 0, pin) is kept even when not under thr, but its caller then
+            # compares it with the same thr: a lower bound at or over thr decides it as the exact value does
+            thr = obj_ref * (1.0 - rel_tol)
             new = _try_copy(
-                x, tot, home, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
-                sweeps, traffic, comm,
+                x, tot, hnode, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
+                sweeps, traffic, comm, thr,
             )  # fmt: skip
             if new < obj_ref * (1.0 - rel_tol) or (source >= 0 and pin):
                 slots[target, nslot[target]] = e
                 nslot[target] += 1
                 return new
             _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+            if use_comm:  # the trial's columns back in step with the restored split
+                _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
     return -1.0
 
 
@@ -350,7 +477,7 @@ def _compute_step(
 def _comm_step(
     x,
     tot,
-    home,
+    hnode,
     a,
     has,
     ncopy,
@@ -379,26 +506,26 @@ def _comm_step(
     # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
     # side that compute balancing cannot reach). It often pays only together with the compute step
     # that relieves that GPU next, so that step is tried as a one-move lookahead.
-    _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+    _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, NO_NODE, np.inf)
     gc = np.argmax(comm)
     node = gc // gpn
     kc = gc % gpn
     nc = 0
     if nslot[gc] < r:
         for e in range(e_n):
-            if home[e] // gpn == node and not has[e, kc] and x[gc, e] > 0.0:
+            if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
                 cand[nc] = e
                 weight[nc] = -x[gc, e]
                 nc += 1
     order = np.argsort(weight[:nc])
     s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
-    s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
+    s_comp, s_slots, s_nslot, s_traffic = comp.copy(), slots.copy(), nslot.copy(), traffic.copy()
     for t in range(min(nc, max_tries)):
         e = cand[order[t]]
         for pin in (False, True):
             trial = _try_copy(
-                x, tot, home, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
-                sweeps, traffic, comm,
+                x, tot, hnode, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
+                sweeps, traffic, comm, obj * (1.0 - rel_tol),
             )  # fmt: skip
             slots[gc, nslot[gc]] = e
             nslot[gc] += 1
@@ -406,7 +533,7 @@ def _comm_step(
                 new = trial
                 break
             trial = _compute_step(
-                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
+                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
                 sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
             )  # fmt: skip
             if trial >= 0.0:
@@ -414,7 +541,7 @@ def _comm_step(
                 break
             for _ in range(LOOKAHEAD):  # relieve gc: move out whole the experts it holds mostly for others
                 trial = _compute_step(
-                    x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
+                    x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
                     sweeps, max_tries, rel_tol, obj, traffic, comm, gc,
                 )  # fmt: skip
                 if trial < obj * (1.0 - rel_tol):
@@ -429,6 +556,7 @@ def _comm_step(
             comp[:] = s_comp
             slots[:, :] = s_slots
             nslot[:] = s_nslot
+            traffic[:, :] = s_traffic
         if new >= 0.0:
             break
     return new
@@ -461,31 +589,34 @@ def _greedy_one(
         a[e, k] = tot[e]
         has[e, k] = True
         comp[home[e]] += tot[e] + fixed
+    hnode = home // gpn  # node of each expert's home
     slots = -np.ones((g_n, r), np.int64)
     nslot = np.zeros(g_n, np.int64)
     traffic = np.zeros((g_n, g_n))
     comm = np.zeros(g_n)
-    obj = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, accept_comm, traffic, comm)
-    best = _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+    obj = _objective(
+        x, tot, hnode, a, has, comp, gpn, nvl, nic, accept_comm, traffic, comm, ALL_NODES, np.inf
+    )
+    best = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
     best_a = a.copy()
     best_has = has.copy()
     best_slots = slots.copy()
     while True:
         if comm_first:
             new = _comm_step(
-                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
+                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
                 max_tries, rel_tol, obj, traffic, comm,
             )  # fmt: skip
         else:
             new = -1.0
         if new < 0.0:
             new = _compute_step(
-                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, accept_comm,
-                sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
+                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic,
+                accept_comm, sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
             )  # fmt: skip
         if new < 0.0 and accept_comm and not comm_first:
             new = _comm_step(
-                x, tot, home, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
+                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
                 max_tries, rel_tol, obj, traffic, comm,
             )  # fmt: skip
         if new < 0.0:
@@ -495,7 +626,9 @@ def _greedy_one(
             full = (
                 obj
                 if accept_comm
-                else _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+                else _objective(
+                    x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf
+                )
             )
             if full < best * (1.0 - rel_tol):
                 best = full
@@ -504,7 +637,12 @@ def _greedy_one(
                 best_slots[:, :] = slots
     if track_comm:
         return best_a, best_has, best_slots, best
-    return a, has, slots, _objective(x, tot, home, a, has, comp, gpn, nvl, nic, True, traffic, comm)
+    return (
+        a,
+        has,
+        slots,
+        _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf),
+    )
 
 
 @njit(cache=True)
