@@ -179,6 +179,15 @@ def balance(full: bool, seed: int) -> None:
                     skews.append(f"{mean_skew(plan.assign):.3f}")
                     times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")
                 table.add_row(str(g), label, acceptance, *skews, *times)
+        # planner=relibra_balance: both stages optimise compute balance instead of T_MoE
+        bal = AnnealingReorderer(workers=1, compute_level="node", comm_weight=0.0).reorder(ctx)
+        skews, times = [], []
+        for r in slots:
+            rep = GreedyReplicator(r, acceptance="compute")
+            plan = ComposedPlanner("relibra_balance", FixedReorderer(bal), rep, r).plan(ctx)
+            skews.append(f"{mean_skew(plan.assign):.3f}")
+            times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")
+        table.add_row(str(g), "relibra_balance", "compute", *skews, *times)
         console.print(f"EP {g} done", style="dim")
     console.print(table)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +11,17 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
+from relibra.cluster import ClusterSpec
+from relibra.cost import CostModel
+from relibra.simulator import batch_context
+from relibra.synthetic import generate_counts
+from relibra.workload import build_workload
 from relibra.invariants import check_plan
 from relibra.planner import Planner
 from relibra.planners.relibra import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
 from relibra.planners.replicate import linear_objective
 from relibra.simulator import skewness
-from tests.spine_helpers import tiny_context
+from tests.spine_helpers import HOPPER, tiny_context, tiny_model
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
 FAST_REORDER = {"iterations": 200, "seeds": [0], "workers": 1}
@@ -66,7 +72,7 @@ def test_milp_planner_no_worse_than_greedy() -> None:
     assert np.all(t_exact <= t_greedy * (1 + 1e-3))
 
 
-@pytest.mark.parametrize("name", ["relibra", "relibra_replicate_only", "relibra_milp"])
+@pytest.mark.parametrize("name", ["relibra", "relibra_balance", "relibra_replicate_only", "relibra_milp"])
 def test_configs_instantiate(name: str) -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"planner={name}", "planner.replica_slots=3"])
@@ -74,3 +80,30 @@ def test_configs_instantiate(name: str) -> None:
     assert isinstance(planner, ComposedPlanner) and isinstance(planner, Planner)
     assert planner.name == name and planner.replica_slots == 3
     assert planner.replicator.replica_slots == 3  # type: ignore[attr-defined]
+
+
+def test_balance_config_is_relibra_with_balance_objectives() -> None:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["planner=relibra_balance"])
+    planner = instantiate(cfg.planner, _convert_="all")
+    assert planner.name == "relibra_balance" and planner.replica_slots == 2
+    assert planner.replicator.acceptance == "compute"
+    reo = planner.reorderer.config
+    assert (reo.comm_weight, reo.compute_level, reo.locality) == (0.0, "node", True)
+
+
+def test_balance_planner_plan_is_valid_and_more_even() -> None:
+    # Two nodes of 4 GPUs, a 32-expert top-4 model, the synthetic `mixed` preset: cross-node traffic
+    # dominates T_MoE, so the T_MoE planner keeps some imbalance that the balance-first one removes.
+    cluster = ClusterSpec(nodes=2, gpus_per_node=4, hardware=HOPPER)
+    model = replace(tiny_model(num_experts=32, top_k=4), hidden=2048, moe_ffn=768)
+    counts = generate_counts("mixed", 32, 2, 4, 1, 24, seed=4)
+    workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch=8)
+    big = batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
+    reorder = {**FAST_REORDER, "iterations": 1000, "comm_weight": 0.0, "compute_level": "node"}
+    balance = relibra(replica_slots=2, reorder=reorder, acceptance="compute", name="relibra_balance")
+    plan = balance.plan(big)
+    check_plan(plan, big, replica_slots=2, replicas_in_home_node=True)
+    default = relibra(replica_slots=2, reorder={**FAST_REORDER, "iterations": 1000}).plan(big)
+    assert _skew(plan) < _skew(default)
+    assert _skew(plan) < 1.05

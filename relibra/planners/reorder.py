@@ -120,6 +120,10 @@ class AnnealConfig:
     """Move / swap proposals of the locality round per sample."""
     workers: int = 1
     """Processes for the per-layer problems (layers are split over workers; each runs every seed)."""
+    comm_weight: float = 1.0
+    """Weight of the communication term in the objective (1: the cost model's ``T_MoE``). ``0`` turns the
+    search into pure compute balancing, the load-balancing view of the paper's skewness figures: it trades
+    ``T_MoE`` for balance wherever the all-to-all dominates (docs/benchmarks.md, "Balance-first")."""
     compute_level: str = "gpu"
     """Compute term of the objective. ``gpu``: the per-GPU max (what the placement alone runs). ``node``: the
     per-node max of ``node compute / gpus_per_node``, the per-GPU compute after perfect intra-node balancing
@@ -168,6 +172,8 @@ class AnnealConfig:
             raise ValueError(f"workers={self.workers}; expected >= 1")
         if self.compute_level not in ("gpu", "node"):
             raise ValueError(f"compute_level={self.compute_level!r}; expected 'gpu' or 'node'")
+        if not (math.isfinite(self.comm_weight) and self.comm_weight >= 0):
+            raise ValueError(f"comm_weight={self.comm_weight}; expected a finite number >= 0")
 
     @classmethod
     def from_params(cls, **params: Any) -> AnnealConfig:
@@ -281,11 +287,13 @@ def layer_problem(
     prev_home: np.ndarray | None = None,
     migration_weight: float = 0.0,
     compute_level: str = "gpu",
+    comm_weight: float = 1.0,
 ) -> LayerProblem:
     """Normalise one layer's loads ``load_l`` [Mb, G, E] (one row per micro-batch) into a problem.
 
     ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge;
-    ``compute_level`` (``gpu`` or ``node``, see :class:`AnnealConfig`) the compute term.
+    ``compute_level`` (``gpu`` or ``node``, see :class:`AnnealConfig`) the compute term, ``comm_weight``
+    the weight of the communication term (its latency constant included).
     """
     load_l = np.asarray(load_l)
     if load_l.ndim != 3:
@@ -298,7 +306,9 @@ def layer_problem(
     w_s = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
     scale = float(w_s.sum() / (mb * g)) if w_s.sum() > 0 else 1.0
     lat = 4.0 * cost.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
-    coef = np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat]) / scale
+    if not (math.isfinite(comm_weight) and comm_weight >= 0):
+        raise ValueError(f"comm_weight={comm_weight}; expected a finite number >= 0")
+    coef = comm_weight * np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat]) / scale
     mig = np.zeros((e, g))
     if prev_home is not None and migration_weight > 0:
         prev = np.asarray(prev_home, dtype=np.int64)
@@ -669,6 +679,7 @@ def solve_layer(
         prev_home=prev_home,
         migration_weight=cfg.migration_weight,
         compute_level=cfg.compute_level,
+        comm_weight=cfg.comm_weight,
     )
     if start is None:
         start = lpt_placement(problem.w.sum(axis=0), g)
@@ -688,6 +699,7 @@ def solve_layer(
             prev_home=prev_home,
             migration_weight=cfg.migration_weight,
             compute_level=cfg.compute_level,
+            comm_weight=cfg.comm_weight,
         )
         agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
         main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
