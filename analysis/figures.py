@@ -45,6 +45,7 @@ PLANNER_ORDER = [
     "relibra_reorder_only",
     "relibra_replicate_only",
     "relibra",
+    "relibra_balance",
     "balanced",
 ]
 

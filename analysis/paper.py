@@ -15,6 +15,7 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "lplb": "LPLB+",
     "balanced": "Balanced",
     "relibra": "ReLibra",
+    "relibra_balance": "ReLibra (balance-first)",
     "relibra_reorder_only": "+ inter-batch reordering",
     "relibra_replicate_only": "+ intra-batch replication only",
 }

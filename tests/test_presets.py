@@ -174,10 +174,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
     """`make reproduce` on one preset in tiny mode: cells, tables, figures; a rerun computes nothing."""
     from experiments import reproduce
 
-    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1,2", *tiny(2)]
+    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1,2", *tiny(2)]  # x 3 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "4 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "6 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -186,7 +186,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 4 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 6 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
