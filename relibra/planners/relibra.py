@@ -100,14 +100,18 @@ def relibra(
     split: SplitMethod = "waterfill",
     acceptance: Acceptance = "best",
     name: str = "relibra",
+    polish_moves: int = 0,
 ) -> ComposedPlanner:
-    """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication."""
+    """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication
+    (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`)."""
     from relibra.planners.reorder import AnnealingReorderer
 
     return ComposedPlanner(
         name=name,
         reorderer=AnnealingReorderer(**dict(reorder or {})),
-        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, acceptance=acceptance),
+        replicator=GreedyReplicator(
+            replica_slots=replica_slots, split=split, acceptance=acceptance, polish_moves=polish_moves
+        ),
         replica_slots=replica_slots,
     )
 
@@ -117,12 +121,15 @@ def relibra_replicate_only(
     split: SplitMethod = "waterfill",
     acceptance: Acceptance = "best",
     name: str = "relibra_replicate_only",
+    polish_moves: int = 0,
 ) -> ComposedPlanner:
     """Ablation: static Megatron placement, then greedy replication."""
     return ComposedPlanner(
         name=name,
         reorderer=StaticReorderer(),
-        replicator=GreedyReplicator(replica_slots=replica_slots, split=split, acceptance=acceptance),
+        replicator=GreedyReplicator(
+            replica_slots=replica_slots, split=split, acceptance=acceptance, polish_moves=polish_moves
+        ),
         replica_slots=replica_slots,
     )
 

@@ -520,6 +520,7 @@ def _comm_step(
     order = np.argsort(weight[:nc])
     s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
     s_comp, s_slots, s_nslot, s_traffic = comp.copy(), slots.copy(), nslot.copy(), traffic.copy()
+    s_comm = comm.copy()
     for t in range(min(nc, max_tries)):
         e = cand[order[t]]
         for pin in (False, True):
@@ -557,9 +558,67 @@ def _comm_step(
             slots[:, :] = s_slots
             nslot[:] = s_nslot
             traffic[:, :] = s_traffic
+            comm[:] = s_comm
         if new >= 0.0:
             break
+    if new < 0.0 and RECEIVE_SIDE:
+        new = _receive_step(
+            x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
+            max_tries, rel_tol, obj, traffic, comm, gc,
+        )  # fmt: skip
     return new
+
+
+RECEIVE_SIDE = True
+"""Try the receive-side communication move (:func:`_receive_step`) when the send-side one fails."""
+
+
+@njit(cache=True)
+def _receive_step(
+    x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps, max_tries,
+    rel_tol, obj, traffic, comm, gc,
+):  # pragma: no cover - compiled
+    """Receive-side communication move: spread the experts that the busiest-link GPU ``gc`` computes for
+    other GPUs' tokens over a second copy in its node (water-filled), on the GPU with the least busy links
+    among those with a free slot. Under the proportional split, every source then sends that copy its
+    share, so ``gc`` receives (and returns) fewer tokens. ``comm`` must be that of the current state (the
+    caller's last full evaluation). Returns the new objective, or -1.0 with the state unchanged."""
+    e_n = x.shape[1]
+    node = gc // gpn
+    base = node * gpn
+    kc = gc - base
+    cand = np.empty(e_n, np.int64)
+    weight = np.empty(e_n)
+    nc = 0
+    for e in range(e_n):
+        if hnode[e] == node and has[e, kc] and a[e, kc] > 0.0 and ncopy[e] < gpn and not pinned[e]:
+            cand[nc] = e
+            weight[nc] = -a[e, kc] / tot[e] * (tot[e] - x[gc, e])  # remote tokens gc receives for e
+            nc += 1
+    order = np.argsort(weight[:nc])
+    a_old = a.copy()
+    comp_old = comp.copy()
+    thr = obj * (1.0 - rel_tol)
+    for t in range(min(nc, max_tries)):
+        e = cand[order[t]]
+        target = -1
+        for k in range(gpn):
+            g = base + k
+            if not has[e, k] and nslot[g] < r and (target < 0 or comm[g] < comm[target]):
+                target = g
+        if target < 0:
+            continue
+        new = _try_copy(
+            x, tot, hnode, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True, sweeps,
+            traffic, comm, thr,
+        )  # fmt: skip
+        if new < thr:
+            slots[target, nslot[target]] = e
+            nslot[target] += 1
+            return new
+        _undo_copy(e, target, a, has, ncopy, pinned, False, comp, gpn, a_old, comp_old)
+        _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+    return -1.0
 
 
 @njit(cache=True)
@@ -572,7 +631,8 @@ def _greedy_one(
     when no compute-driven copy helps, a communication-driven one is tried (see below).
     ``track_comm``: return the state, along the greedy's path, with the lowest compute-plus-comm objective.
     ``comm_first``: try the communication-driven move before the compute-driven one (needs accept_comm).
-    Returns (a [E, gpn], has [E, gpn], slots [G, r], objective in token equivalents without latency).
+    Returns (a [E, gpn], has [E, gpn], slots [G, r], pinned [E], objective in token equivalents without
+    latency).
     """
     g_n, e_n = x.shape
     tot = np.zeros(e_n)
@@ -601,6 +661,8 @@ def _greedy_one(
     best_a = a.copy()
     best_has = has.copy()
     best_slots = slots.copy()
+    best_pinned = pinned.copy()
+    a_sync = a.copy()  # the split that ``traffic`` was last built from (track_comm without accept_comm)
     while True:
         if comm_first:
             new = _comm_step(
@@ -623,51 +685,240 @@ def _greedy_one(
             break
         obj = new
         if track_comm:
-            full = (
-                obj
-                if accept_comm
-                else _objective(
-                    x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf
-                )
-            )
+            if accept_comm:
+                full = obj
+            else:
+                # A step re-splits one node's experts: rebuild the traffic columns of the nodes whose split
+                # changed, and let a lower bound reject a state that cannot beat the best one.
+                changed = np.zeros(g_n // gpn, np.bool_)
+                for e in range(e_n):
+                    for k in range(gpn):
+                        if a[e, k] != a_sync[e, k]:
+                            changed[hnode[e]] = True
+                for n in range(g_n // gpn):
+                    if changed[n]:
+                        _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
+                a_sync[:, :] = a
+                full = _objective(
+                    x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, NO_NODE,
+                    best * (1.0 - rel_tol),
+                )  # fmt: skip
             if full < best * (1.0 - rel_tol):
                 best = full
                 best_a[:, :] = a
                 best_has[:, :] = has
                 best_slots[:, :] = slots
+                best_pinned[:] = pinned
     if track_comm:
-        return best_a, best_has, best_slots, best
+        return best_a, best_has, best_slots, best_pinned, best
     return (
         a,
         has,
         slots,
+        pinned,
         _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf),
     )
 
 
 @njit(cache=True)
-def _greedy_batch(x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol):  # pragma: no cover
+def _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps):  # pragma: no cover
+    """Drop the copy of ``e`` on ``g`` (not its home): ``e``'s tokens go back home and are water-filled over
+    the copies left, then the node's other replicated, unpinned experts are re-split; the slot is freed."""
+    base = (g // gpn) * gpn
+    for k in range(gpn):
+        comp[base + k] -= a[e, k]
+        a[e, k] = 0.0
+    has[e, g - base] = False
+    comp[g] -= fixed
+    ncopy[e] -= 1
+    pinned[e] = False
+    kh = home[e] - base
+    a[e, kh] = tot[e]
+    comp[home[e]] += tot[e]
+    if ncopy[e] > 1:
+        _waterfill(e, tot[e], base, a, has, comp, gpn)
+    node = g // gpn
+    for _ in range(sweeps):
+        for f in range(a.shape[0]):
+            if ncopy[f] > 1 and not pinned[f] and hnode[f] == node:
+                _waterfill(f, tot[f], base, a, has, comp, gpn)
+    n = 0
+    for s in range(nslot[g]):
+        if slots[g, s] != e:
+            slots[g, n] = slots[g, s]
+            n += 1
+    for s in range(n, slots.shape[1]):
+        slots[g, s] = -1
+    nslot[g] = n
+
+
+@njit(cache=True)
+def _ranked(key, mask, k):  # pragma: no cover - compiled
+    """Indices of the ``k`` largest ``key`` where ``mask`` holds, largest first (fewer if fewer hold)."""
+    idx = np.flatnonzero(mask)
+    order = np.argsort(-key[idx], kind="mergesort")
+    return idx[order[: min(k, idx.size)]]
+
+
+@njit(cache=True)
+def _polish(
+    x, home, gpn, r, fixed, nvl, nic, sweeps, rel_tol, a, has, slots, pinned, moves, cands
+):  # pragma: no cover
+    """Exchange local search on a finished greedy state, in place; returns the objective.
+
+    A move drops one copy and either stops there or adds one copy in the same node: on the GPU with the
+    busiest links (an expert it sends many of its tokens for, by ``x[gc, e] / (tokens + fixed)``), on the
+    GPU whose slot was freed (the same rule), or off the compute bottleneck (its heaviest experts onto the
+    node's GPUs with a free slot), each water-filled or holding all of the expert's tokens. The first move
+    that lowers the objective is kept (at most ``moves`` of them); ``cands`` experts are tried per rule.
+    """
+    g_n, e_n = x.shape
+    tot = np.zeros(e_n)
+    for j in range(g_n):
+        for e in range(e_n):
+            tot[e] += x[j, e]
+    hnode = home // gpn
+    ncopy = np.zeros(e_n, np.int64)
+    comp = np.zeros(g_n)
+    for e in range(e_n):
+        base = hnode[e] * gpn
+        for k in range(gpn):
+            if has[e, k]:
+                ncopy[e] += 1
+                comp[base + k] += a[e, k] + fixed
+    nslot = np.zeros(g_n, np.int64)
+    for g in range(g_n):
+        for s in range(r):
+            if slots[g, s] >= 0:
+                nslot[g] += 1
+    traffic = np.zeros((g_n, g_n))
+    comm = np.zeros(g_n)
+    obj = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
+    ratio = np.empty(e_n)
+    for e in range(e_n):
+        ratio[e] = 1.0 / (tot[e] + fixed)
+    for _ in range(moves):
+        improved = False
+        for g in range(g_n):
+            if improved:
+                break
+            s = 0
+            while s < nslot[g] and not improved:
+                e = slots[g, s]
+                s += 1
+                node = g // gpn
+                base = node * gpn
+                s0 = (a.copy(), has.copy(), ncopy.copy(), pinned.copy(), comp.copy(), slots.copy(), nslot.copy())
+                _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps)
+                thr = obj * (1.0 - rel_tol)
+                new = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, node, np.inf)
+                if new < thr:
+                    obj = new
+                    improved = True
+                    break
+                gc = np.argmax(comm)
+                gb = np.argmax(comp)
+                a1, comp1 = a.copy(), comp.copy()
+                for rule in range(3):
+                    if improved:
+                        break
+                    if rule == 0 or rule == 1:  # keep a sender's tokens local: on gc, or on the freed g
+                        t = gc if rule == 0 else g
+                        if t // gpn != node or nslot[t] >= r:
+                            continue
+                        kt = t - base
+                        mask = (hnode == node) & ~has[:, kt] & (x[t] > 0.0)
+                        for e2 in _ranked(x[t] * ratio, mask, cands):
+                            if e2 == e and t == g:
+                                continue
+                            for pin in (True, False):
+                                p_old = pinned[e2]
+                                v = _try_copy(
+                                    x, tot, hnode, e2, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic,
+                                    True, sweeps, traffic, comm, thr,
+                                )  # fmt: skip
+                                if v < thr:
+                                    slots[t, nslot[t]] = e2
+                                    nslot[t] += 1
+                                    obj = v
+                                    improved = True
+                                    break
+                                _undo_copy(e2, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
+                                _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+                            if improved:
+                                break
+                    else:  # relieve the compute bottleneck
+                        if gb // gpn != node:
+                            continue
+                        kb = gb - base
+                        mask = (hnode == node) & has[:, kb] & (a[:, kb] > 0.0) & (ncopy < gpn)
+                        for e2 in _ranked(a[:, kb], mask, cands):
+                            for kt in range(gpn):
+                                t = base + kt
+                                if has[e2, kt] or nslot[t] >= r or (e2 == e and t == g):
+                                    continue
+                                for pin in (False, True):
+                                    p_old = pinned[e2]
+                                    v = _try_copy(
+                                        x, tot, hnode, e2, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl,
+                                        nic, True, sweeps, traffic, comm, thr,
+                                    )  # fmt: skip
+                                    if v < thr:
+                                        slots[t, nslot[t]] = e2
+                                        nslot[t] += 1
+                                        obj = v
+                                        improved = True
+                                        break
+                                    _undo_copy(e2, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
+                                    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+                                if improved:
+                                    break
+                            if improved:
+                                break
+                if not improved:
+                    a[:, :] = s0[0]
+                    has[:, :] = s0[1]
+                    ncopy[:] = s0[2]
+                    pinned[:] = s0[3]
+                    comp[:] = s0[4]
+                    slots[:, :] = s0[5]
+                    nslot[:] = s0[6]
+                    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+        if not improved:
+            break
+    return _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
+
+
+@njit(cache=True)
+def _greedy_batch(
+    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands
+):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
 
     ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 three runs, the best kept
     (mode 1, mode 1 with the communication-driven move tried first, and the compute-driven run returning its
-    best state along the way).
+    best state along the way). ``polish_moves > 0``: then :func:`_polish` on the kept state.
     """
     p_n, g_n, e_n = x.shape
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for p in range(p_n):
-        a, has, slots, obj = _greedy_one(
+        a, has, slots, pinned, obj = _greedy_one(
             x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, False, sweeps, max_tries, rel_tol
         )
         if mode == 2:
             for variant in range(2):  # comm-first; compute-driven path cut at its best T_MoE
-                a2, has2, slots2, obj2 = _greedy_one(
+                a2, has2, slots2, pinned2, obj2 = _greedy_one(
                     x[p], home[p], gpn, r, fixed, nvl, nic, variant == 0, variant == 1, variant == 0, sweeps,
                     max_tries, rel_tol,
                 )  # fmt: skip
                 if obj2 < obj:
-                    a, has, slots, obj = a2, has2, slots2, obj2
+                    a, has, slots, pinned, obj = a2, has2, slots2, pinned2, obj2
+        if polish_moves > 0:
+            _polish(
+                x[p], home[p], gpn, r, fixed, nvl, nic, sweeps, rel_tol, a, has, slots, pinned, polish_moves,
+                polish_cands,
+            )  # fmt: skip
         tot_int = np.zeros(e_n, np.int64)
         for j in range(g_n):
             for e in range(e_n):
@@ -714,6 +965,8 @@ def replicate_greedy(
     sweeps: int = 3,
     max_tries: int = 4,
     rel_tol: float = 1e-9,
+    polish_moves: int = 0,
+    polish_candidates: int = 3,
 ) -> Replication:
     """Greedy replication of every problem in a stack.
 
@@ -731,6 +984,9 @@ def replicate_greedy(
         sweeps: water-filling sweeps over the node's replicated experts after each new copy.
         max_tries: experts of the bottleneck GPU tried (by decreasing tokens) before the greedy stops.
         rel_tol: minimal relative objective drop for a replica to be kept.
+        polish_moves: after the greedy, at most this many improving exchange moves (drop one copy, add
+            another in the same node); 0 disables the polish (``"waterfill"`` only).
+        polish_candidates: experts tried per rule and dropped copy by the polish.
 
     Returns:
         :class:`Replication` with ``assign`` int32 [..., E, G] and ``replicas`` int32 [..., G, r].
@@ -745,6 +1001,10 @@ def replicate_greedy(
     x = np.ascontiguousarray(load.reshape(-1, g_n, e_n), dtype=np.float64)
     h = np.ascontiguousarray(home.reshape(-1, e_n), dtype=np.int64)
     coef = ReplicationCoefficients.from_cost(cost)
+    if polish_moves < 0 or polish_candidates < 1:
+        raise ValueError(
+            f"polish_moves={polish_moves} must be >= 0 and polish_candidates={polish_candidates} >= 1"
+        )
     if split == "lp":
         from relibra.planners.milp import greedy_with_lp_split
 
@@ -766,6 +1026,8 @@ def replicate_greedy(
             sweeps,
             max_tries if replica_slots > 0 else 0,
             rel_tol,
+            polish_moves if replica_slots > 0 else 0,
+            polish_candidates,
         )
         replicas = replicas[..., :replica_slots]
     else:
@@ -821,6 +1083,8 @@ class GreedyReplicator:
     acceptance: Acceptance = "best"
     sweeps: int = 3
     max_tries: int = 4
+    polish_moves: int = 0
+    polish_candidates: int = 3
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
@@ -833,4 +1097,6 @@ class GreedyReplicator:
             acceptance=self.acceptance,
             sweeps=self.sweeps,
             max_tries=self.max_tries,
+            polish_moves=self.polish_moves,
+            polish_candidates=self.polish_candidates,
         )
