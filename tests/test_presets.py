@@ -174,7 +174,14 @@ def test_reproduce_runs_a_preset_then_reuses_it(
     """`make reproduce` on one preset in tiny mode: cells, tables, figures; a rerun computes nothing."""
     from experiments import reproduce
 
-    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1,2", *tiny(2)]  # x 3 planners
+    args = [
+        "--results",
+        str(tmp_path),
+        "--presets",
+        "quick_ep_scaling",
+        "cluster.nodes=1,2",
+        *tiny(2),
+    ]  # x 3 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
     assert "6 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed

@@ -13,14 +13,13 @@ from hydra.utils import instantiate
 from baselines.megatron import MegatronPlanner
 from relibra.cluster import ClusterSpec
 from relibra.cost import CostModel
-from relibra.simulator import batch_context
-from relibra.synthetic import generate_counts
-from relibra.workload import build_workload
 from relibra.invariants import check_plan
 from relibra.planner import Planner
 from relibra.planners.relibra import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
 from relibra.planners.replicate import linear_objective
-from relibra.simulator import skewness
+from relibra.simulator import batch_context, skewness
+from relibra.synthetic import generate_counts
+from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, tiny_context, tiny_model
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")

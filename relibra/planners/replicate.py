@@ -575,8 +575,28 @@ RECEIVE_SIDE = True
 
 @njit(cache=True)
 def _receive_step(
-    x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps, max_tries,
-    rel_tol, obj, traffic, comm, gc,
+    x,
+    tot,
+    hnode,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    slots,
+    nslot,
+    gpn,
+    r,
+    fixed,
+    nvl,
+    nic,
+    sweeps,
+    max_tries,
+    rel_tol,
+    obj,
+    traffic,
+    comm,
+    gc,
 ):  # pragma: no cover - compiled
     """Receive-side communication move: spread the experts that the busiest-link GPU ``gc`` computes for
     other GPUs' tokens over a second copy in its node (water-filled), on the GPU with the least busy links
@@ -721,7 +741,9 @@ def _greedy_one(
 
 
 @njit(cache=True)
-def _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps):  # pragma: no cover
+def _remove_copy(
+    e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps
+):  # pragma: no cover
     """Drop the copy of ``e`` on ``g`` (not its home): ``e``'s tokens go back home and are water-filled over
     the copies left, then the node's other replicated, unpinned experts are re-split; the slot is freed."""
     base = (g // gpn) * gpn
@@ -761,6 +783,123 @@ def _ranked(key, mask, k):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _add_kept(
+    x,
+    tot,
+    hnode,
+    e,
+    t,
+    pin_first,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    slots,
+    nslot,
+    gpn,
+    fixed,
+    nvl,
+    nic,
+    sweeps,
+    traffic,
+    comm,
+    thr,
+    a1,
+    comp1,
+):  # pragma: no cover - compiled
+    """Try a copy of ``e`` on ``t``, pinned and water-filled (``pin_first`` first); keep the first that brings
+    the objective under ``thr`` and return it, else restore the state (``a1``, ``comp1``) and return -1.0."""
+    for i in range(2):
+        pin = pin_first if i == 0 else not pin_first
+        p_old = pinned[e]
+        v = _try_copy(
+            x, tot, hnode, e, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True, sweeps,
+            traffic, comm, thr,
+        )  # fmt: skip
+        if v < thr:
+            slots[t, nslot[t]] = e
+            nslot[t] += 1
+            return v
+        _undo_copy(e, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
+        _node_traffic(x, tot, hnode, a, has, gpn, t // gpn, traffic)
+    return -1.0
+
+
+@njit(cache=True)
+def _exchange(
+    x,
+    home,
+    tot,
+    hnode,
+    ratio,
+    e,
+    g,
+    a,
+    has,
+    ncopy,
+    pinned,
+    comp,
+    slots,
+    nslot,
+    gpn,
+    r,
+    fixed,
+    nvl,
+    nic,
+    sweeps,
+    traffic,
+    comm,
+    thr,
+    cands,
+):  # pragma: no cover - compiled
+    """One exchange move of :func:`_polish`: drop the copy of ``e`` on ``g``, then add the first copy that
+    brings the objective under ``thr`` (or none, if dropping alone does). Returns the new objective, or -1.0
+    with the state unchanged."""
+    node = g // gpn
+    base = node * gpn
+    s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
+    s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
+    _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps)
+    new = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, node, np.inf)
+    if new < thr:
+        return new
+    gc = np.argmax(comm)
+    gb = np.argmax(comp)
+    a1, comp1 = a.copy(), comp.copy()
+    adds = []  # (expert, target, pinned first), in the order of the three rules
+    for t in (gc, g):  # keep a sender's tokens local: on gc, or on the freed g
+        if t // gpn == node and nslot[t] < r:
+            mask = (hnode == node) & ~has[:, t - base] & (x[t] > 0.0)
+            for e2 in _ranked(x[t] * ratio, mask, cands):
+                adds.append((e2, t, True))
+    if gb // gpn == node:  # relieve the compute bottleneck
+        kb = gb - base
+        mask = (hnode == node) & has[:, kb] & (a[:, kb] > 0.0) & (ncopy < gpn)
+        for e2 in _ranked(a[:, kb], mask, cands):
+            for t in range(base, base + gpn):
+                adds.append((e2, t, False))
+    for e2, t, pin_first in adds:
+        if (e2 == e and t == g) or has[e2, t - base] or nslot[t] >= r:
+            continue
+        new = _add_kept(
+            x, tot, hnode, e2, t, pin_first, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, nvl, nic,
+            sweeps, traffic, comm, thr, a1, comp1,
+        )  # fmt: skip
+        if new >= 0.0:
+            return new
+    a[:, :] = s_a
+    has[:, :] = s_has
+    ncopy[:] = s_ncopy
+    pinned[:] = s_pinned
+    comp[:] = s_comp
+    slots[:, :] = s_slots
+    nslot[:] = s_nslot
+    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+    return -1.0
+
+
+@njit(cache=True)
 def _polish(
     x, home, gpn, r, fixed, nvl, nic, sweeps, rel_tol, a, has, slots, pinned, moves, cands
 ):  # pragma: no cover
@@ -781,11 +920,10 @@ def _polish(
     ncopy = np.zeros(e_n, np.int64)
     comp = np.zeros(g_n)
     for e in range(e_n):
-        base = hnode[e] * gpn
         for k in range(gpn):
             if has[e, k]:
                 ncopy[e] += 1
-                comp[base + k] += a[e, k] + fixed
+                comp[hnode[e] * gpn + k] += a[e, k] + fixed
     nslot = np.zeros(g_n, np.int64)
     for g in range(g_n):
         for s in range(r):
@@ -794,98 +932,22 @@ def _polish(
     traffic = np.zeros((g_n, g_n))
     comm = np.zeros(g_n)
     obj = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
-    ratio = np.empty(e_n)
-    for e in range(e_n):
-        ratio[e] = 1.0 / (tot[e] + fixed)
+    ratio = 1.0 / (tot + fixed)
     for _ in range(moves):
-        improved = False
+        new = -1.0
         for g in range(g_n):
-            if improved:
-                break
-            s = 0
-            while s < nslot[g] and not improved:
-                e = slots[g, s]
-                s += 1
-                node = g // gpn
-                base = node * gpn
-                s0 = (a.copy(), has.copy(), ncopy.copy(), pinned.copy(), comp.copy(), slots.copy(), nslot.copy())
-                _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps)
-                thr = obj * (1.0 - rel_tol)
-                new = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, node, np.inf)
-                if new < thr:
-                    obj = new
-                    improved = True
+            for s in range(nslot[g]):
+                new = _exchange(
+                    x, home, tot, hnode, ratio, slots[g, s], g, a, has, ncopy, pinned, comp, slots, nslot,
+                    gpn, r, fixed, nvl, nic, sweeps, traffic, comm, obj * (1.0 - rel_tol), cands,
+                )  # fmt: skip
+                if new >= 0.0:
                     break
-                gc = np.argmax(comm)
-                gb = np.argmax(comp)
-                a1, comp1 = a.copy(), comp.copy()
-                for rule in range(3):
-                    if improved:
-                        break
-                    if rule == 0 or rule == 1:  # keep a sender's tokens local: on gc, or on the freed g
-                        t = gc if rule == 0 else g
-                        if t // gpn != node or nslot[t] >= r:
-                            continue
-                        kt = t - base
-                        mask = (hnode == node) & ~has[:, kt] & (x[t] > 0.0)
-                        for e2 in _ranked(x[t] * ratio, mask, cands):
-                            if e2 == e and t == g:
-                                continue
-                            for pin in (True, False):
-                                p_old = pinned[e2]
-                                v = _try_copy(
-                                    x, tot, hnode, e2, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic,
-                                    True, sweeps, traffic, comm, thr,
-                                )  # fmt: skip
-                                if v < thr:
-                                    slots[t, nslot[t]] = e2
-                                    nslot[t] += 1
-                                    obj = v
-                                    improved = True
-                                    break
-                                _undo_copy(e2, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
-                                _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
-                            if improved:
-                                break
-                    else:  # relieve the compute bottleneck
-                        if gb // gpn != node:
-                            continue
-                        kb = gb - base
-                        mask = (hnode == node) & has[:, kb] & (a[:, kb] > 0.0) & (ncopy < gpn)
-                        for e2 in _ranked(a[:, kb], mask, cands):
-                            for kt in range(gpn):
-                                t = base + kt
-                                if has[e2, kt] or nslot[t] >= r or (e2 == e and t == g):
-                                    continue
-                                for pin in (False, True):
-                                    p_old = pinned[e2]
-                                    v = _try_copy(
-                                        x, tot, hnode, e2, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl,
-                                        nic, True, sweeps, traffic, comm, thr,
-                                    )  # fmt: skip
-                                    if v < thr:
-                                        slots[t, nslot[t]] = e2
-                                        nslot[t] += 1
-                                        obj = v
-                                        improved = True
-                                        break
-                                    _undo_copy(e2, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
-                                    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
-                                if improved:
-                                    break
-                            if improved:
-                                break
-                if not improved:
-                    a[:, :] = s0[0]
-                    has[:, :] = s0[1]
-                    ncopy[:] = s0[2]
-                    pinned[:] = s0[3]
-                    comp[:] = s0[4]
-                    slots[:, :] = s0[5]
-                    nslot[:] = s0[6]
-                    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
-        if not improved:
+            if new >= 0.0:
+                break
+        if new < 0.0:
             break
+        obj = new
     return _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
 
 
