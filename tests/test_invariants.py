@@ -242,16 +242,16 @@ PLANNER_CONF = sorted(
 @pytest.mark.parametrize("name", PLANNER_CONF)
 def test_every_configured_planner_keeps_the_invariants(name):
     """Every planner in experiments/conf/planner, run by the simulator with check_plans on a tiny case."""
+    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     from relibra.simulator import Bound, SimOptions, simulate
     from tests.spine_helpers import tiny_setup
 
-    conf = OmegaConf.load(
-        Path(__file__).resolve().parents[1] / "experiments" / "conf" / "planner" / f"{name}.yaml"
-    )
-    planner = instantiate(conf, _convert_="all")
+    conf_dir = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        conf = compose(config_name="config", overrides=[f"planner={name}"])  # as the entry point sees it
+    planner = instantiate(conf.planner, _convert_="all")
     counts, workload, cluster, model, cost = tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
     res = simulate(
         planner, counts, workload, cluster, model, cost, SimOptions(check_plans=True, keep_plans=True)
