@@ -9,12 +9,15 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
    free slot and no copy of it yet; re-solve the token split;
 2. communication step (``acceptance`` ``"comm"`` / ``"best"``, when no compute step helps): a copy on the
    GPU with the busiest links of an expert it sends many tokens for, water-filled or holding all of that
-   expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that relieve that GPU;
+   expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that relieve that GPU; failing that, a
+   second copy of an expert that GPU receives many remote tokens for (the receive side);
 3. keep a move only if the objective drops: the compute max (``"compute"``) or the linearised
    ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.CostModel.linear`); ``"best"`` runs
    ``"comm"``, ``"comm"`` with the communication step first, and ``"compute"`` cut where its ``T_MoE``
    was lowest, and keeps the lowest ``T_MoE``;
-4. stop when no move improves the objective or no slot is left.
+4. stop when no move improves the objective or no slot is left;
+5. optionally (``polish_moves > 0``) polish the result with exchange moves: drop one copy, add another in
+   the same node, keep the first exchange that lowers the objective (:func:`_polish`).
 
 The split is solved two ways:
 
@@ -561,16 +564,12 @@ def _comm_step(
             comm[:] = s_comm
         if new >= 0.0:
             break
-    if new < 0.0 and RECEIVE_SIDE:
+    if new < 0.0:  # the receive side of the same GPU
         new = _receive_step(
             x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
             max_tries, rel_tol, obj, traffic, comm, gc,
         )  # fmt: skip
     return new
-
-
-RECEIVE_SIDE = True
-"""Try the receive-side communication move (:func:`_receive_step`) when the send-side one fails."""
 
 
 @njit(cache=True)
