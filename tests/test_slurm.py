@@ -150,9 +150,11 @@ def test_grid_results_match_local_runs(cluster: SlurmCluster, tmp_path: Path) ->
 
     # NOTE: slurmctld sends job records to slurmdbd asynchronously; right after the sweep returns, sacct
     # may still show the array as one record ('<job>') before the per-task records ('<job>_<i>') arrive.
+    # Their end states may also arrive a moment after the sweep has read every result.
     def per_task() -> dict[str, str] | None:
         states = dict(cluster.states(job))
-        return states if sorted(states) == expected else None
+        ended = not {"PENDING", "RUNNING"} & set(states.values())
+        return states if sorted(states) == expected and ended else None
 
     try:
         states = wait_until(per_task, 30, f"per-task accounting records of array job {job}")
@@ -203,7 +205,13 @@ def test_killed_task_fails_the_sweep_and_rerun_completes_only_missing_cells(
             proc.kill()
     assert proc.returncode != 0, "a sweep with a cancelled task must fail"
     assert "CANCELLED" in output, output[-3000:]
-    assert dict(cluster.states(paused["slurm_job_id"])) == {paused["slurm_job_id"]: "CANCELLED"}
+    cancelled = paused["slurm_job_id"]
+
+    def accounted() -> bool:  # the cancellation reaches slurmdbd asynchronously
+        return dict(cluster.states(cancelled)).get(cancelled) not in {None, "PENDING", "RUNNING"}
+
+    wait_until(accounted, 60, f"the accounting of job {cancelled} to record its end")
+    assert dict(cluster.states(cancelled)) == {cancelled: "CANCELLED"}
 
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in finished()}
     rerun = _sweep(cluster, command)
@@ -253,6 +261,10 @@ def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster,
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
 
+    def accounted() -> bool:  # slurmdbd records the end a moment after submitit has read the result
+        return [state for _, state in cluster.states(job, duplicates=True)][-1:] != ["RUNNING"]
+
+    wait_until(accounted, 60, f"the accounting of job {job} to record its end")
     assert [state for _, state in cluster.states(job, duplicates=True)] == ["REQUEUED", "COMPLETED"]
     logs = "\n".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.*"))
     assert "Calling checkpoint method" in logs, logs[-3000:]
