@@ -172,11 +172,10 @@ def _node_traffic(x, tot, hnode, a, has, gpn, node, traffic):  # pragma: no cove
 
 
 @njit(cache=True)
-def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
-    """A lower bound on what :func:`_comm_per_gpu` gives for GPU ``g`` alone, in O(G).
+def _gpu_link_totals(traffic, gpn, g):  # pragma: no cover - compiled
+    """The eight link totals of GPU ``g`` (tokens; the order of :func:`_comm_per_gpu`'s ``acc``), in O(G).
 
-    The eight link totals of ``g`` are summed from the same terms in another order, then shrunk by
-    :data:`BOUND_SLACK`, far more than the rounding of either order (n terms: n * 1.1e-16 relative).
+    Summed from the same terms as :func:`_comm_per_gpu` in another order, so equal up to rounding.
     """
     g_n = traffic.shape[0]
     b = (g // gpn) * gpn
@@ -214,11 +213,45 @@ def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
                             s[0] += traffic[g, c + k]
                 else:
                     s[1] += t
-    for i in range(8):
-        s[i] *= 1.0 - BOUND_SLACK
+    return s
+
+
+@njit(cache=True)
+def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
+    """A lower bound on what :func:`_comm_per_gpu` gives for GPU ``g`` alone, in O(G).
+
+    :func:`_gpu_link_totals` shrunk by :data:`BOUND_SLACK`, far more than the rounding of either summation
+    order (n terms: n * 1.1e-16 relative).
+    """
+    s = _gpu_link_totals(traffic, gpn, g) * (1.0 - BOUND_SLACK)
     d = max(max(s[0], s[1]) * nvl, max(s[2], s[3]) * nic)
     c2 = max(max(s[4], s[5]) * nvl, max(s[6], s[7]) * nic)
     return 2.0 * (d + c2)
+
+
+@njit(cache=True)
+def _nvlink_bound(x, home, gpn, nvl, nic):  # pragma: no cover - compiled
+    """Whether the busiest GPU of the home-only plan is bound by NVLink rather than its NIC (in either
+    exchange): the case where keeping a heavy sender's tokens local pays, so ``best`` runs the
+    communication-first greedy (:func:`_greedy_batch`)."""
+    g_n, e_n = x.shape
+    tot = np.zeros(e_n)
+    for j in range(g_n):
+        for e in range(e_n):
+            tot[e] += x[j, e]
+    a = np.zeros((e_n, gpn))
+    has = np.zeros((e_n, gpn), np.bool_)
+    for e in range(e_n):
+        a[e, home[e] % gpn] = tot[e]
+        has[e, home[e] % gpn] = True
+    hnode = home // gpn
+    traffic = np.zeros((g_n, g_n))
+    for n in range(g_n // gpn):
+        _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
+    comm = np.zeros(g_n)
+    _comm_per_gpu(traffic, gpn, nvl, nic, comm)
+    s = _gpu_link_totals(traffic, gpn, np.argmax(comm))
+    return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
 
 
 BOUND_SLACK = 1e-9
@@ -968,7 +1001,10 @@ def _greedy_batch(
             x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, False, sweeps, max_tries, rel_tol
         )
         if mode == 2:
-            for variant in range(2):  # comm-first; compute-driven path cut at its best T_MoE
+            # comm-first (only where NVLink binds: keeping a sender's tokens local saves no NIC time);
+            # compute-driven, its path cut at its best T_MoE
+            first = 0 if _nvlink_bound(x[p], home[p], gpn, nvl, nic) else 1
+            for variant in range(first, 2):
                 a2, has2, slots2, pinned2, obj2 = _greedy_one(
                     x[p], home[p], gpn, r, fixed, nvl, nic, variant == 0, variant == 1, variant == 0, sweeps,
                     max_tries, rel_tol,
