@@ -547,7 +547,12 @@ def _comm_step(
     node = gc // gpn
     kc = gc % gpn
     nc = 0
-    if nslot[gc] < r:
+    lk = _gpu_link_totals(traffic, gpn, gc)
+    nvl_binds = (
+        max(lk[0], lk[1]) * nvl >= max(lk[2], lk[3]) * nic
+        or max(lk[4], lk[5]) * nvl >= max(lk[6], lk[7]) * nic
+    )
+    if nslot[gc] < r and nvl_binds:
         for e in range(e_n):
             if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
                 cand[nc] = e
@@ -660,16 +665,17 @@ def _receive_step(
                 target = g
         if target < 0:
             continue
-        new = _try_copy(
-            x, tot, hnode, e, target, False, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True, sweeps,
-            traffic, comm, thr,
-        )  # fmt: skip
-        if new < thr:
-            slots[target, nslot[target]] = e
-            nslot[target] += 1
-            return new
-        _undo_copy(e, target, a, has, ncopy, pinned, False, comp, gpn, a_old, comp_old)
-        _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+        for pin in (False, True):  # a second copy water-filled, or the expert moved there whole
+            new = _try_copy(
+                x, tot, hnode, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
+                sweeps, traffic, comm, thr,
+            )  # fmt: skip
+            if new < thr:
+                slots[target, nslot[target]] = e
+                nslot[target] += 1
+                return new
+            _undo_copy(e, target, a, has, ncopy, pinned, False, comp, gpn, a_old, comp_old)
+            _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
     return -1.0
 
 
