@@ -7,14 +7,16 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
 1. compute step: find the bottleneck GPU (largest linearised compute); take its experts by decreasing
    tokens; for the first one whose copy helps, add a copy on the least-loaded GPU of the node that has a
    free slot and no copy of it yet; re-solve the token split;
-2. communication step (``acceptance`` ``"comm"`` / ``"best"``, when no compute step helps): a copy on the
-   GPU with the busiest links of an expert it sends many tokens for, water-filled or holding all of that
-   expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that relieve that GPU; failing that, a
-   second copy of an expert that GPU receives many remote tokens for (the receive side);
+2. communication step (``acceptance`` ``"comm"`` / ``"best"``, when no compute step helps), at the GPU with
+   the busiest links: where NVLink binds it, a copy on it of an expert it sends many tokens for,
+   water-filled or holding all of that expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that
+   relieve that GPU (the send side); failing that, a second copy, water-filled or holding all tokens, of
+   an expert that GPU receives many remote tokens for, on the node's GPU with the least busy links (the
+   receive side);
 3. keep a move only if the objective drops: the compute max (``"compute"``) or the linearised
    ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.CostModel.linear`); ``"best"`` runs
-   ``"comm"``, ``"comm"`` with the communication step first, and ``"compute"`` cut where its ``T_MoE``
-   was lowest, and keeps the lowest ``T_MoE``;
+   ``"comm"``, ``"comm"`` with the communication step first (where NVLink binds the busiest GPU), and
+   ``"compute"`` cut where its ``T_MoE`` was lowest, and keeps the lowest ``T_MoE``;
 4. stop when no move improves the objective or no slot is left;
 5. optionally (``polish_moves > 0``) polish the result with exchange moves: drop one copy, add another in
    the same node, keep the first exchange that lowers the objective (:func:`_polish`).
@@ -541,7 +543,8 @@ def _comm_step(
     # Communication-driven move: a copy on the GPU with the busiest links, of an expert it sends many
     # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
     # side that compute balancing cannot reach). It often pays only together with the compute step
-    # that relieves that GPU next, so that step is tried as a one-move lookahead.
+    # that relieves that GPU next, so that step is tried as a one-move lookahead. Keeping tokens local
+    # saves NVLink time only, so this side is tried only where NVLink binds that GPU.
     _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, NO_NODE, np.inf)
     gc = np.argmax(comm)
     node = gc // gpn
@@ -636,10 +639,11 @@ def _receive_step(
     gc,
 ):  # pragma: no cover - compiled
     """Receive-side communication move: spread the experts that the busiest-link GPU ``gc`` computes for
-    other GPUs' tokens over a second copy in its node (water-filled), on the GPU with the least busy links
-    among those with a free slot. Under the proportional split, every source then sends that copy its
-    share, so ``gc`` receives (and returns) fewer tokens. ``comm`` must be that of the current state (the
-    caller's last full evaluation). Returns the new objective, or -1.0 with the state unchanged."""
+    other GPUs' tokens over a second copy in its node (water-filled, or holding all of the expert's
+    tokens), on the GPU with the least busy links among those with a free slot. Under the proportional
+    split, every source then sends that copy its share, so ``gc`` receives (and returns) fewer tokens.
+    ``comm`` must be that of the current state (the caller's last full evaluation). Returns the new
+    objective, or -1.0 with the state unchanged."""
     e_n = x.shape[1]
     node = gc // gpn
     base = node * gpn
