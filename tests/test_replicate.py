@@ -17,6 +17,7 @@ from relibra.planners.replicate import (
     _comm_lower_bound,
     _comm_per_gpu,
     _node_traffic,
+    _nvlink_bound,
     _objective,
     _receive_step,
     _waterfill,
@@ -414,3 +415,17 @@ def test_receive_step_spreads_the_busiest_receivers_expert() -> None:
     target = int(np.flatnonzero(nslot)[0])
     assert slots[target, 0] == 0 and has[0, target]
     assert a[0].sum() == pytest.approx(tot[0]) and a[0, 0] < tot[0]
+
+
+def test_nvlink_bound_separates_one_node_from_many() -> None:
+    # One node: every byte moves over NVLink. Four nodes with uniform routing: three quarters of every
+    # GPU's tokens cross a 50 GB/s NIC, which binds long before the NVLink share does.
+    rng = np.random.default_rng(5)
+    for nodes, gpn, expected in ((1, 8, True), (4, 2, False), (2, 8, False)):
+        cost = _cost(nodes, gpn)
+        coef = ReplicationCoefficients.from_cost(cost)
+        g = nodes * gpn
+        x = rng.integers(50, 60, size=(g, 64)).astype(np.float64)
+        home = static_placement(1, 64, g)[0].astype(np.int64)
+        got = _nvlink_bound(x, home, gpn, coef.nvlink_per_token, coef.nic_per_token)
+        assert got == expected, (nodes, gpn)
