@@ -3,7 +3,9 @@
 Runs every cell of the ``quick_*`` presets in this process, one after another (Hydra's local, in-process
 flow: each cell is composed from its preset and handed to ``experiments.run.run``), showing cells done,
 cells left, cells reused and elapsed time. Finished cells are kept in ``RESULTS/<preset>/`` by the
-results store, so a rerun only redoes what is missing. Then ``analysis`` prints the tables beside the
+results store, so a rerun only redoes what is missing; finished cells that other code computed (their
+``code_version``, see :mod:`relibra.provenance`) are reported, and recomputed with ``--recompute-stale``.
+Then ``analysis`` prints the tables beside the
 paper's numbers and writes them with the figures under ``RESULTS/analysis``.
 
 ``real_trace`` needs the OLMoE decode trace (``../shared/traces/olmoe-decode`` or ``RELIBRA_SHARED_TRACES``);
@@ -39,7 +41,8 @@ from rich.progress import (
 )
 
 from experiments.grid import cells, compose_cells
-from experiments.store import ResultsStore, cell_key
+from experiments.store import ResultsStore, cell_key, stored_code_version
+from relibra.provenance import code_version
 
 __all__ = ["QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
 
@@ -64,6 +67,8 @@ class GridReport:
     preset: str
     ran: int = 0
     reused: int = 0
+    stale: dict[str, int] = field(default_factory=dict)
+    """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
     failed: list[tuple[list[str], str]] = field(default_factory=list)
     skipped: str = ""
 
@@ -87,12 +92,16 @@ def run_grid(
     results_root: Path,
     overrides: list[str],
     progress: Progress | None = None,
+    recompute_stale: bool = False,
 ) -> GridReport:
     """Run every unfinished cell of ``preset`` into ``results_root/<preset>`` (the store skips finished ones).
 
-    A failing cell is recorded and the grid goes on; nothing else is retried.
+    A finished cell computed by other code than the current one (its ``code_version``) is counted in
+    ``stale`` and reused, or with ``recompute_stale`` computed again (its stored rows are replaced only when
+    the new ones are written). A failing cell is recorded and the grid goes on; nothing else is retried.
     """
-    from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
+    # NOTE: imported late so that `--help` does not import every planner
+    from experiments.run import compute, run, write_outputs
 
     report = GridReport(preset)
     store_dir = results_root / preset
@@ -106,11 +115,19 @@ def run_grid(
         if progress is not None and task is not None:
             dataset = cfg.trace.get("dataset") or cfg.trace.preset
             progress.update(task, cell=f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}")
-        if store.has(key):
+        stored = stored_code_version(store.read(key)) if store.has(key) else None
+        if stored is not None and stored != code_version():
+            report.stale[stored] = report.stale.get(stored, 0) + 1
+        if stored is not None and not (recompute_stale and stored != code_version()):
             report.reused += 1
         else:
             try:
-                run(cfg, run_dir=store_dir / "runs" / key)
+                if stored is not None:  # a stale cell: computed again, then stored in place of the old rows
+                    results, per_layer, _ = compute(cfg)
+                    write_outputs(store_dir / "runs" / key, results, per_layer, None)
+                    store.write(key, results, cfg, per_layer)
+                else:
+                    run(cfg, run_dir=store_dir / "runs" / key)
                 report.ran += 1
             except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
                 report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
@@ -157,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated presets to run, in order (default: the six quick presets)",
     )
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
+    parser.add_argument(
+        "--recompute-stale",
+        action="store_true",
+        help="recompute finished cells whose results came from other code (their code_version)",
+    )
     args = parser.parse_args(argv)
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -172,12 +194,19 @@ def main(argv: list[str] | None = None) -> int:
                     reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
                     continue
                 overrides.append(f"trace.path={trace}")
-            reports.append(run_grid(preset, root, overrides, progress))
+            reports.append(run_grid(preset, root, overrides, progress, args.recompute_stale))
     for rep in reports:
         if rep.skipped:
             console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
             continue
         console.print(f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed")
+        if rep.stale:
+            versions = ", ".join(f"{n} by {v}" for v, n in sorted(rep.stale.items()))
+            what = "recomputed" if args.recompute_stale else "reused; --recompute-stale recomputes them"
+            console.print(
+                f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
+                f"{code_version()} ({versions}): {what}"
+            )
         for cell, why in rep.failed:
             console.print(f"  [red]failed[/red] {' '.join(cell)}: {why.splitlines()[0]}")
     console.print(f"grid time {time.perf_counter() - start:.0f} s; results in {root}")

@@ -16,6 +16,7 @@ no finished cell of the same config (:func:`experiments.store.run_cell`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -41,12 +42,16 @@ from experiments.config import (
     sim_options,
     validate,
 )
-from experiments.store import ResultsStore, run_cell
+from experiments.store import ResultsStore, cell_key, run_cell, stored_code_version
+from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import build_workload
 
 __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
+
+
+log = logging.getLogger(__name__)
 
 
 def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
@@ -111,6 +116,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
         "num_batches": counts.num_batches,
         "seed": int(cfg.seed),
+        "code_version": code_version(),
         **result.metrics,
     }
     if result.plans and not isinstance(executor, CostModelExecutor):
@@ -178,6 +184,13 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
     if cfg.get("results_dir"):
         results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
+            stored = stored_code_version(results)
+            if stored != code_version():
+                log.warning(
+                    "cell %s of %s was computed by code %s, not the current %s; delete it or use "
+                    "`python -m experiments.reproduce --recompute-stale` to recompute it",
+                    cell_key(cfg), cfg.results_dir, stored, code_version(),
+                )  # fmt: skip
             write_outputs(out, results, None, None)
     else:
         results, _ = cell()

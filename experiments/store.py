@@ -41,11 +41,13 @@ import pyarrow.parquet as pq
 
 __all__ = [
     "IGNORED_KEYS",
+    "UNKNOWN_CODE",
     "ResultsStore",
     "cell_key",
     "load_experiment",
     "load_per_layer",
     "run_cell",
+    "stored_code_version",
 ]
 
 IGNORED_KEYS: frozenset[str] = frozenset(
@@ -285,6 +287,18 @@ class ResultsStore:
                 except FileNotFoundError:
                     continue
         return removed
+
+
+UNKNOWN_CODE = "unknown"
+"""``code_version`` of a cell stored without one (by code older than the column)."""
+
+
+def stored_code_version(results: pd.DataFrame) -> str:
+    """The ``code_version`` a cell's result rows were computed by (:data:`UNKNOWN_CODE` if not recorded)."""
+    if "code_version" not in results.columns or results.empty:
+        return UNKNOWN_CODE
+    versions = sorted(set(results["code_version"].astype(str)))
+    return versions[0] if len(versions) == 1 else ",".join(versions)
 
 
 def run_cell(

@@ -209,3 +209,30 @@ def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp
     ):
         validate(cfg)
     assert prepare_olmoe_trace(tmp_path / "absent", tmp_path / "other.npz") is None
+
+
+def test_reproduce_reports_and_recomputes_cells_of_other_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Cells stored by other code are reused with a warning, or recomputed with --recompute-stale."""
+    from experiments import reproduce
+    from experiments.store import ResultsStore, stored_code_version
+    from relibra.provenance import code_version
+
+    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1", *tiny(1)]
+    assert reproduce.main([*args, "--no-analysis"]) == 0
+    store = ResultsStore(tmp_path / "quick_ep_scaling")
+    assert {stored_code_version(store.read(k)) for k in store.keys()} == {code_version()}
+    capsys.readouterr()
+
+    monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
+    assert reproduce.main([*args, "--no-analysis"]) == 0
+    out = capsys.readouterr().out
+    assert "0 cells run, 3 reused, 0 failed" in out
+    assert f"3 finished cells came from other code than 9.9.9+gnewer (3 by {code_version()})" in out
+
+    before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
+    assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
+    out = capsys.readouterr().out
+    assert "3 cells run, 0 reused, 0 failed" in out and "recomputed" in out
+    assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())

@@ -247,6 +247,40 @@ def test_results_dir_reuses_finished_cell(trace_file, tmp_path, monkeypatch):
     assert (tmp_path / "b" / "results.parquet").exists()
 
 
+def test_reused_cell_of_other_code_is_reported(trace_file, tmp_path, monkeypatch, caplog):
+    import experiments.run as run_module
+    from relibra.provenance import code_version
+
+    c = file_cfg(trace_file, f"+results_dir={tmp_path / 'store'}")
+    first = run(c, run_dir=tmp_path / "a")
+    assert first.iloc[0]["code_version"] == code_version()
+    with caplog.at_level("WARNING", logger="experiments.run"):
+        run(c, run_dir=tmp_path / "b")
+    assert not caplog.records  # same code: silent
+    monkeypatch.setattr(run_module, "code_version", lambda: "9.9.9+gnewer")
+    with caplog.at_level("WARNING", logger="experiments.run"):
+        again = run(c, run_dir=tmp_path / "c")
+    assert again.iloc[0]["code_version"] == code_version()  # the stored rows, as they were
+    assert any(
+        "was computed by code" in r.getMessage() and "9.9.9+gnewer" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_code_version_names_the_commit_or_the_version(monkeypatch):
+    import re
+
+    from relibra import __version__, provenance
+
+    got = provenance.code_version()
+    assert re.fullmatch(re.escape(__version__) + r"(\+g[0-9a-f]{12}(\.dirty)?)?", got), got
+    provenance.code_version.cache_clear()
+    monkeypatch.setattr(provenance, "_git", lambda *args: None)  # not a git checkout, or no git
+    try:
+        assert provenance.code_version() == __version__
+    finally:
+        provenance.code_version.cache_clear()
+
+
 @pytest.mark.parametrize("planner", ["relibra", "eplb"])
 def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planner):
     """The entry point plans through the control plane (staged per layer for ReLibra, one whole-batch task

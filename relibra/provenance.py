@@ -1,0 +1,42 @@
+"""Which code produced a result: the package version and, in a git checkout, the commit it ran from.
+
+The results store keys a cell by its resolved config alone (:func:`experiments.store.cell_key`), so a cell
+finished by older code is read back after the code changes. Every result row carries ``code_version`` so
+that such cells can be found (``python -m experiments.reproduce`` reports them and ``--recompute-stale``
+runs them again).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+from relibra import __version__
+
+__all__ = ["code_version"]
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """``<version>+g<commit>`` (``.dirty`` when tracked files differ from it), or ``<version>`` outside git.
+
+    Examples: ``0.1.0+g1a2b3c4d5e6f``, ``0.1.0+g1a2b3c4d5e6f.dirty``, ``0.1.0``.
+    """
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return __version__
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return f"{__version__}+g{commit}" + (".dirty" if dirty else "")
