@@ -50,6 +50,20 @@ def _compute(assign: np.ndarray) -> np.ndarray:
     return assign.sum(axis=-2).astype(np.float64)
 
 
+def _check_problems(rep, home: np.ndarray, load: np.ndarray, gpn: int, r: int) -> None:
+    """The shared plan invariants, the problems taken as layers of one micro-batch, and exact token totals."""
+    check_assignment(
+        home,
+        rep.assign[None],
+        load[None],
+        gpus_per_node=gpn,
+        replica_slots=r,
+        replicas_in_home_node=True,
+        replicas=rep.replicas[None],
+    )
+    np.testing.assert_array_equal(rep.assign.sum(axis=-1), load.sum(axis=1))
+
+
 @pytest.mark.parametrize(("nodes", "gpn", "r"), [(1, 8, 1), (1, 8, 2), (2, 4, 2), (4, 2, 4)])
 def test_greedy_plans_satisfy_invariants(nodes: int, gpn: int, r: int) -> None:
     rng = np.random.default_rng(nodes * 10 + r)
@@ -60,18 +74,8 @@ def test_greedy_plans_satisfy_invariants(nodes: int, gpn: int, r: int) -> None:
     rep = replicate_greedy(load, home, cost, r)
     assert rep.assign.dtype == np.int32 and rep.replicas.dtype == np.int32
     assert rep.assign.shape == (6, e, g) and rep.replicas.shape == (6, g, r)
-    # the six problems as six layers of one micro-batch
-    check_assignment(
-        home,
-        rep.assign[None],
-        load[None],
-        gpus_per_node=gpn,
-        replica_slots=r,
-        replicas_in_home_node=True,
-        replicas=rep.replicas[None],
-    )
+    _check_problems(rep, home, load, gpn, r)
     tot = load.sum(axis=1)
-    np.testing.assert_array_equal(rep.assign.sum(axis=-1), tot)
     share = rep.assign / np.maximum(tot, 1)[..., None]
     assert share.min() >= 0.0 and share.max() <= 1.0
     # every listed replica holds tokens and is not at home; every non-home copy is listed
@@ -345,16 +349,7 @@ def test_polish_keeps_invariants_and_never_loses(nodes: int, gpn: int, r: int) -
     home = np.stack([rng.permutation(static_placement(1, e, g)[0]) for _ in range(5)])
     plain = replicate_greedy(load, home, cost, r)
     polished = replicate_greedy(load, home, cost, r, polish_moves=16)
-    check_assignment(
-        home,
-        polished.assign[None],
-        load[None],
-        gpus_per_node=gpn,
-        replica_slots=r,
-        replicas_in_home_node=True,
-        replicas=polished.replicas[None],
-    )
-    np.testing.assert_array_equal(polished.assign.sum(axis=-1), load.sum(axis=1))
+    _check_problems(polished, home, load, gpn, r)
     before = linear_objective(load, plain.assign, home, cost)
     after = linear_objective(load, polished.assign, home, cost)
     assert np.all(after <= before * (1 + 1e-4))  # NOTE: rounding to whole tokens only
