@@ -232,6 +232,13 @@ def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
+def _nvlink_binds(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
+    """Whether NVLink, not the NIC, binds GPU ``g`` in the dispatch or the combine exchange."""
+    s = _gpu_link_totals(traffic, gpn, g)
+    return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
+
+
+@njit(cache=True)
 def _nvlink_bound(x, home, gpn, nvl, nic):  # pragma: no cover - compiled
     """Whether the busiest GPU of the home-only plan is bound by NVLink rather than its NIC (in either
     exchange): the case where keeping a heavy sender's tokens local pays, so ``best`` runs the
@@ -252,8 +259,7 @@ def _nvlink_bound(x, home, gpn, nvl, nic):  # pragma: no cover - compiled
         _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
     comm = np.zeros(g_n)
     _comm_per_gpu(traffic, gpn, nvl, nic, comm)
-    s = _gpu_link_totals(traffic, gpn, np.argmax(comm))
-    return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
+    return _nvlink_binds(traffic, gpn, nvl, nic, np.argmax(comm))
 
 
 BOUND_SLACK = 1e-9
@@ -550,12 +556,7 @@ def _comm_step(
     node = gc // gpn
     kc = gc % gpn
     nc = 0
-    lk = _gpu_link_totals(traffic, gpn, gc)
-    nvl_binds = (
-        max(lk[0], lk[1]) * nvl >= max(lk[2], lk[3]) * nic
-        or max(lk[4], lk[5]) * nvl >= max(lk[6], lk[7]) * nic
-    )
-    if nslot[gc] < r and nvl_binds:
+    if nslot[gc] < r and _nvlink_binds(traffic, gpn, nvl, nic, gc):
         for e in range(e_n):
             if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
                 cand[nc] = e
