@@ -76,9 +76,9 @@ POLISH_MOVES = 32
 """``polish_moves`` of the optimality table's polished column (the greedy alone is the default)."""
 
 
-def optimality(full: bool, seed: int) -> None:
+def optimality_problems(full: bool, seed: int) -> list[tuple[str, np.ndarray, CostModel]]:
+    """EP-8 problems of the optimality tables: synthetic `mixed` layers, then real OLMoE prefill layers."""
     per_source = 12 if full else 3
-    limit = 30.0 if full else 5.0
     problems: list[tuple[str, np.ndarray, CostModel]] = []
     qwen = model("qwen3-30b-a3b")
     ctx = synthetic_context(qwen, 1, per_source, 1, seed)
@@ -95,6 +95,12 @@ def optimality(full: bool, seed: int) -> None:
                 problems.append((f"olmoe {domain} L{l}", load[l].astype(np.int32), olmoe_cost))
     else:
         console.print(f"[yellow]{olmoe_dir} absent: OLMoE instances skipped")
+    return problems
+
+
+def optimality(full: bool, seed: int) -> None:
+    limit = 30.0 if full else 5.0
+    problems = optimality_problems(full, seed)
     table = Table(title=f"greedy vs MILP (EP 8, r = 2, SCIP {limit:.0f} s per problem, linearised T_MoE)")
     for col in (
         "instance",
@@ -314,7 +320,45 @@ def buffer(full: bool, seed: int) -> None:
     console.print(table)
 
 
-PARTS = {"optimality": optimality, "balance": balance, "speed": speed, "buffer": buffer}
+POLISH_BUDGETS = ((0, 3), (1, 2), (2, 2), (4, 2), (4, 3), (8, 2), (32, 3))
+"""(polish_moves, polish_candidates) pairs of the polish table; (0, 3) is the greedy alone."""
+
+
+def polish(full: bool, seed: int) -> None:
+    """Mean / max gap to the MILP incumbent and time per problem for a range of polish budgets."""
+    limit = 30.0 if full else 5.0
+    problems = optimality_problems(full, seed)
+    best = []
+    for _, x, cost in problems:
+        home = static_placement(1, x.shape[1], 8)[0]
+        best.append(solve_replication(x, home, cost, 2, time_limit_s=limit, routing=dispatch_routing(cost)))
+    title = f"polish budget (EP 8, r = 2, {len(problems)} problems, SCIP {limit:.0f} s reference)"
+    table = Table(title=title)
+    for col in ("polish_moves", "polish_candidates", "mean gap", "max gap", "median ms", "p90 ms"):
+        table.add_column(col, justify="right")
+    for moves, cands in POLISH_BUDGETS:
+        gaps, times = [], []
+        for (_, x, cost), sol in zip(problems, best):
+            home = static_placement(1, x.shape[1], 8)[0]
+            replicate_greedy(x, home, cost, 2, polish_moves=moves, polish_candidates=cands)  # compile
+            t0 = time.perf_counter()
+            rep = replicate_greedy(x, home, cost, 2, polish_moves=moves, polish_candidates=cands)
+            times.append(time.perf_counter() - t0)
+            gaps.append(float(linear_objective(x, rep.assign, home, cost)) / sol.objective_s - 1)
+        table.add_row(
+            str(moves), str(cands), f"{np.mean(gaps):+.3%}", f"{np.max(gaps):+.3%}",
+            f"{np.median(times) * 1e3:.2f}", f"{np.percentile(times, 90) * 1e3:.2f}",
+        )  # fmt: skip
+    console.print(table)
+
+
+PARTS = {
+    "optimality": optimality,
+    "polish": polish,
+    "balance": balance,
+    "speed": speed,
+    "buffer": buffer,
+}
 
 
 def main() -> None:
