@@ -100,8 +100,7 @@ def run_grid(
     ``stale`` and reused, or with ``recompute_stale`` computed again (its stored rows are replaced only when
     the new ones are written). A failing cell is recorded and the grid goes on; nothing else is retried.
     """
-    # NOTE: imported late so that `--help` does not import every planner
-    from experiments.run import compute, run, write_outputs
+    from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
     report = GridReport(preset)
     store_dir = results_root / preset
@@ -122,12 +121,8 @@ def run_grid(
             report.reused += 1
         else:
             try:
-                if stored is not None:  # a stale cell: computed again, then stored in place of the old rows
-                    results, per_layer, _ = compute(cfg)
-                    write_outputs(store_dir / "runs" / key, results, per_layer, None)
-                    store.write(key, results, cfg, per_layer)
-                else:
-                    run(cfg, run_dir=store_dir / "runs" / key)
+                # a stale cell (stored is not None) is computed again and replaces its old rows
+                run(cfg, run_dir=store_dir / "runs" / key, recompute=stored is not None)
                 report.ran += 1
             except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
                 report.failed.append((cell, f"{type(exc).__name__}: {exc}"))

@@ -158,13 +158,14 @@ def write_outputs(
     _atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
 
 
-def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
+def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:
     """Run one config end to end and return its results (one row per planner run).
 
     ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
     the current directory. With ``results_dir`` set, the run is one cell of an experiment's
     :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
-    computed again. Raises :class:`~experiments.config.ConfigError` before any work on a bad config.
+    computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
+    :class:`~experiments.config.ConfigError` before any work on a bad config.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
@@ -182,7 +183,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> pd.DataFrame:
 
     reused = False
     if cfg.get("results_dir"):
-        results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell)
+        results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell, recompute)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
             stored = stored_code_version(results)
             if stored != code_version():

@@ -305,14 +305,16 @@ def run_cell(
     store: ResultsStore,
     config: Any,
     compute: Callable[[], tuple[pd.DataFrame, pd.DataFrame | None]],
+    recompute: bool = False,
 ) -> tuple[pd.DataFrame, bool]:
     """Results of the cell ``config``: read back when finished, else ``compute()``-d and stored.
 
     ``compute`` returns ``(results, per_layer or None)``. Returns ``(results, reused)`` where ``reused`` says
-    the cell was already finished and nothing ran.
+    the cell was already finished and nothing ran. ``recompute``: compute even a finished cell; its stored
+    rows are replaced only once the new ones are written (atomically).
     """
     key = cell_key(config)
-    if store.has(key):
+    if store.has(key) and not recompute:
         return store.read(key), True
     results, per_layer = compute()
     store.write(key, results, config, per_layer)
