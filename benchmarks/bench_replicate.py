@@ -253,7 +253,7 @@ def speed(full: bool, seed: int, reference: Path | None = None) -> None:
     for col in ("EP", "acceptance", "problems", "median", "p99"):
         table.add_column(col, justify="right")
     if ref is not None:
-        for col in ("ref median", "ref p99", "speed-up (median)", "same plans"):
+        for col in ("ref median", "ref p99", "speed-up (median)", "same plans", "T_MoE vs ref"):
             table.add_column(col, justify="right")
     table.add_column("replicas / GPU", justify="right")
     for nodes in (1, 2, 4, 8):
@@ -269,11 +269,16 @@ def speed(full: bool, seed: int, reference: Path | None = None) -> None:
                 t_ref, assign_ref = time_problems(ref.replicate_greedy, x, home, ctx.cost, mode)
                 t_ref = t_ref * 1e3
                 same = int((assign == assign_ref).all(axis=(-2, -1)).sum())
+                homes = np.broadcast_to(home, x.shape[:1] + home.shape)
+                ratio = linear_objective(x, assign, homes, ctx.cost) / linear_objective(
+                    x, assign_ref, homes, ctx.cost
+                )
                 row += [
                     f"{np.median(t_ref):.3f}",
                     f"{np.percentile(t_ref, 99):.3f}",
                     f"{np.median(t_ref) / np.median(t):.2f}x",
                     f"{same}/{x.shape[0]}",
+                    f"{ratio.mean() - 1:+.3%}",
                 ]
             reps = replicate_greedy(
                 x, np.broadcast_to(home, x.shape[:1] + home.shape), ctx.cost, 2, acceptance=mode

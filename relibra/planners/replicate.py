@@ -8,9 +8,10 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
    tokens; for the first one whose copy helps, add a copy on the least-loaded GPU of the node that has a
    free slot and no copy of it yet; re-solve the token split;
 2. communication step (``acceptance`` ``"comm"`` / ``"best"``, when no compute step helps), at the GPU with
-   the busiest links: where NVLink binds it, a copy on it of an expert it sends many tokens for,
-   water-filled or holding all of that expert's tokens, with up to :data:`LOOKAHEAD` follow-up moves that
-   relieve that GPU (the send side); failing that, a second copy, water-filled or holding all tokens, of
+   the busiest links: where NVLink binds it, a copy on it of an expert whose demand is mostly its own
+   (by ``x[gc, e] / (tokens + fixed)``), holding all of that expert's tokens or else water-filled, with up
+   to :data:`LOOKAHEAD` follow-up moves that relieve that GPU (the send side); failing that, a second
+   copy, water-filled or holding all tokens, of
    an expert that GPU receives many remote tokens for, on the node's GPU with the least busy links (the
    receive side);
 3. keep a move only if the objective drops: the compute max (``"compute"``) or the linearised
@@ -560,7 +561,9 @@ def _comm_step(
         for e in range(e_n):
             if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
                 cand[nc] = e
-                weight[nc] = -x[gc, e]
+                # tokens gc stops sending per token equivalent of compute it takes on: a whole (pinned)
+                # copy of an expert whose demand is mostly gc's own pays most
+                weight[nc] = -x[gc, e] / (tot[e] + fixed)
                 nc += 1
     order = np.argsort(weight[:nc])
     s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
@@ -568,7 +571,8 @@ def _comm_step(
     s_comm = comm.copy()
     for t in range(min(nc, max_tries)):
         e = cand[order[t]]
-        for pin in (False, True):
+        # pinned first: a water-filled copy on a loaded gc takes few tokens, saves little, yet holds the slot
+        for pin in (True, False):
             trial = _try_copy(
                 x, tot, hnode, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
                 sweeps, traffic, comm, obj * (1.0 - rel_tol),
