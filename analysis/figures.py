@@ -46,6 +46,7 @@ PLANNER_ORDER = [
     "relibra_replicate_only",
     "relibra",
     "relibra_balance",
+    "relibra_portfolio",
     "balanced",
 ]
 

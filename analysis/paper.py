@@ -16,6 +16,7 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "balanced": "Balanced",
     "relibra": "ReLibra",
     "relibra_balance": "ReLibra (balance-first)",
+    "relibra_portfolio": "ReLibra (portfolio)",
     "relibra_reorder_only": "+ inter-batch reordering",
     "relibra_replicate_only": "+ intra-batch replication only",
 }

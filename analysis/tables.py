@@ -32,6 +32,8 @@ __all__ = [
     "range_ratio",
     "skew_by_dataset",
     "skew_by_ep",
+    "step_by_dataset",
+    "step_by_ep",
 ]
 
 CELL = ["model", "dataset", "nodes", "gpus_per_node"]
@@ -156,6 +158,27 @@ def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Map
     return Table(name, title, out, dict.fromkeys(out.columns, ".3f"))
 
 
+def _step_table(frame: pd.DataFrame, by: str, name: str, title: str) -> Table:
+    data = frame.assign(EP=ep_size(frame))
+    wide = data.groupby([by, "planner"])["step_time_s"].mean().unstack("planner").sort_index()
+    if "relibra" not in wide.columns:
+        raise ValueError("no relibra rows: the step table is relative to ReLibra")
+    out = pd.DataFrame({by: wide.index, "ReLibra step s": wide["relibra"].to_numpy()})
+    for planner in wide.columns.drop("relibra"):
+        out[f"{paper.label(planner)} / ReLibra"] = (wide[planner] / wide["relibra"]).to_numpy()
+    return Table(name, title, out, {"ReLibra step s": ".3f"} | {c: ".3f" for c in out.columns[2:]})
+
+
+def step_by_ep(frame: pd.DataFrame) -> Table:
+    """Mean step time of ReLibra per EP size, and every other planner's relative to it (< 1: faster)."""
+    return _step_table(frame, "EP", "step_by_ep", "Step time by EP size, relative to ReLibra")
+
+
+def step_by_dataset(frame: pd.DataFrame) -> Table:
+    """Mean step time of ReLibra per dataset, and every other planner's relative to it (< 1: faster)."""
+    return _step_table(frame, "dataset", "step_by_dataset", "Step time by dataset, relative to ReLibra")
+
+
 def skew_by_ep(frame: pd.DataFrame) -> Table:
     """Mean skewness per EP size and planner (the paper: Qwen3-30B-A3B, EP 8-64)."""
     return _skew_table(
@@ -231,8 +254,8 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
     builders = {
         "overall": [overall_summary, overall_cells],
         "ablation": [ablation],
-        "ep_scaling": [skew_by_ep],
-        "datasets": [skew_by_dataset],
+        "ep_scaling": [skew_by_ep, step_by_ep],
+        "datasets": [skew_by_dataset, step_by_dataset],
         "overhead": [overhead],
         "real_trace": [overall_summary, overall_cells],
     }

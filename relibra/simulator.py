@@ -42,6 +42,7 @@ __all__ = [
     "SimOptions",
     "SimResult",
     "batch_context",
+    "predict_batch_time",
     "simulate",
     "skewness",
 ]
@@ -296,6 +297,46 @@ def _price_plan(
     )
 
 
+@dataclass(frozen=True)
+class _BatchTimes:
+    attn: np.ndarray
+    """float64 [Mb, 1]: attention seconds per micro-batch and layer (the busiest GPU's)."""
+    sync: np.ndarray
+    """float64 [Mb, L]: exposed replica-buffer refill and gradient reduction."""
+    dense: float
+    """Seconds of the dense (non-MoE) layers."""
+    total: float
+    """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
+
+
+def _batch_times(priced: _Priced, cost: CostModel, dense_layers: int) -> _BatchTimes:
+    attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
+    attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
+    # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
+    sync = np.maximum(priced.refill - attn / 3, 0) + np.maximum(priced.refill - 2 * attn / 3, 0)
+    dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
+    per_layer = priced.br.t_compute + priced.br.t_comm + attn + sync
+    total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant
+    return _BatchTimes(attn=attn, sync=sync, dense=dense, total=total)
+
+
+def predict_batch_time(
+    plan: BatchPlan, ctx: BatchContext, bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+) -> float:
+    """Seconds of one batch under ``plan``, priced by ``ctx.cost`` exactly as :func:`simulate` prices it.
+
+    The migration is charged from ``ctx.prev_home`` (Megatron's static placement when None, the first
+    batch), as the simulator does. A planner may call this to compare candidate plans of one batch
+    (:class:`relibra.planners.portfolio.PortfolioPlanner`).
+    """
+    prev = ctx.prev_home
+    if prev is None:
+        _, num_layers, _, num_experts = np.shape(ctx.load)
+        prev = static_placement(num_layers, num_experts, ctx.num_gpus)
+    priced = _price_plan(plan, ctx, ctx.cost, np.asarray(prev), bytes_per_param)
+    return _batch_times(priced, ctx.cost, ctx.model.num_layers - ctx.model.num_moe_layers).total
+
+
 def simulate(
     planner: Planner | Bound,
     counts: SampleCounts,
@@ -363,15 +404,10 @@ def simulate(
             history.append(plan.load)
         history = history[-max(opt.history_window, 1) :]
 
-        attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
-        attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
+        times = _batch_times(priced, cost, dense_layers)
         skew[rows], t_comp[rows], t_comm[rows] = priced.skew, priced.br.t_compute, priced.br.t_comm
-        t_attn[rows] = attn
-        # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
-        t_sync[rows] = np.maximum(priced.refill - attn / 3, 0) + np.maximum(priced.refill - 2 * attn / 3, 0)
-        dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
-        per_layer = t_comp[rows] + t_comm[rows] + t_attn[rows] + t_sync[rows]
-        batch_time[b] = per_layer.sum() + dense + priced.t_migration + priced.t_redundant
+        t_attn[rows], t_sync[rows], dense = times.attn, times.sync, times.dense
+        batch_time[b] = times.total
         slots["buffer"] = max(slots["buffer"], priced.buffer_slots)
         totals["reorder"] += priced.t_migration
         totals["redundant"] += priced.t_redundant

@@ -11,7 +11,15 @@ import pytest
 from analysis import paper
 from analysis.__main__ import analyse, main
 from analysis.render import to_latex, to_markdown
-from analysis.tables import ablation, overall_cells, overall_summary, overhead, range_ratio, skew_by_ep
+from analysis.tables import (
+    ablation,
+    overall_cells,
+    overall_summary,
+    overhead,
+    range_ratio,
+    skew_by_ep,
+    step_by_ep,
+)
 from experiments.store import ResultsStore
 
 # throughput factor of each planner over Megatron-LM, and its mean skewness, in the synthetic results
@@ -149,6 +157,15 @@ def test_skew_by_ep_and_range_ratio(results: Path) -> None:
     assert range_ratio(0.5, 1.0, 1.08) == pytest.approx(0.5)
 
 
+def test_step_by_ep_is_relative_to_relibra(results: Path) -> None:
+    table = step_by_ep(_frame(results, "quick_ep_scaling")).frame
+    assert list(table["EP"]) == [8, 16, 32, 64]
+    np.testing.assert_allclose(table["ReLibra step s"], 10.0 / FACTOR["relibra"])
+    np.testing.assert_allclose(table["Megatron-LM / ReLibra"], FACTOR["relibra"] / FACTOR["megatron"])
+    with pytest.raises(ValueError, match="relibra"):
+        step_by_ep(_frame(results, "quick_ep_scaling").query("planner != 'relibra'"))
+
+
 def test_overhead_uses_buffer_params_and_batches(results: Path) -> None:
     table = overhead(_frame(results, "quick_overhead")).frame.set_index("model")
     assert table.loc["qwen3-30b-a3b", "buffer MiB"] == pytest.approx(18.0)
@@ -180,7 +197,9 @@ def test_cli_writes_tables_and_figures(results: Path, capsys: pytest.CaptureFixt
         "quick_overall.overall_cells",
         "quick_ablation.ablation",
         "quick_ep_scaling.skew_by_ep",
+        "quick_ep_scaling.step_by_ep",
         "quick_datasets.skew_by_dataset",
+        "quick_datasets.step_by_dataset",
         "quick_overhead.overhead",
     ):
         assert {f"{stem}.md", f"{stem}.tex"} <= names
@@ -213,6 +232,8 @@ def test_partial_grid_skips_what_it_cannot_build_and_keeps_the_rest(tmp_path: Pa
     assert {p.name for p in out.tables} == {
         "quick_ep_scaling.skew_by_ep.md",
         "quick_ep_scaling.skew_by_ep.tex",
+        "quick_ep_scaling.step_by_ep.md",
+        "quick_ep_scaling.step_by_ep.tex",
     }
     assert {p.name for p in out.figures} >= {
         "quick_overall.throughput.png",

@@ -181,10 +181,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "quick_ep_scaling",
         "cluster.nodes=1,2",
         *tiny(2),
-    ]  # x 3 planners
+    ]  # x 4 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "6 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "8 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -193,7 +193,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 6 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 8 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
@@ -228,11 +228,11 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
     assert reproduce.main([*args, "--no-analysis"]) == 0
     out = capsys.readouterr().out
-    assert "0 cells run, 3 reused, 0 failed" in out
-    assert f"3 finished cells came from other code than 9.9.9+gnewer (3 by {code_version()})" in out
+    assert "0 cells run, 4 reused, 0 failed" in out
+    assert f"4 finished cells came from other code than 9.9.9+gnewer (4 by {code_version()})" in out
 
     before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
     assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
     out = capsys.readouterr().out
-    assert "3 cells run, 0 reused, 0 failed" in out and "recomputed" in out
+    assert "4 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())

@@ -1,0 +1,63 @@
+"""A portfolio planner: plan each batch with several candidate planners, keep the fastest predicted plan.
+
+Every candidate plans the batch; each plan is priced by the cost model the planner receives, exactly as
+the simulated executor prices it (:func:`relibra.simulator.predict_batch_time`: per-layer ``T_MoE``,
+attention, exposed replica refill, dense layers and the migration from the previous placement), and the
+plan with the lowest predicted batch time is returned. With ReLibra's ``T_MoE`` configuration and its
+balance-first configuration as candidates (``planner=relibra_portfolio``) this takes, batch by batch, the
+better of two objectives that win at different EP sizes (docs/reorder.md, "Step time against skewness"),
+for the planning work of both.
+
+Stats: those of the chosen plan, plus ``portfolio_choice`` (index of the chosen candidate) and
+``portfolio_<name>_s`` (each candidate's predicted batch seconds); the simulator averages stats over
+batches, so with two candidates ``portfolio_choice`` is the share of batches that took the second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from relibra.planner import BatchContext, Planner
+from relibra.simulator import predict_batch_time
+from relibra.types import BatchPlan
+
+__all__ = ["PortfolioPlanner", "portfolio"]
+
+
+@dataclass(frozen=True)
+class PortfolioPlanner:
+    """Plans with every candidate and keeps the plan with the lowest predicted batch time (ties: first)."""
+
+    name: str
+    candidates: tuple[Planner, ...]
+    replica_slots: int
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError(f"{self.name}: a portfolio needs at least one candidate planner")
+        names = [c.name for c in self.candidates]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: candidate names must be distinct, got {names}")
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        t0 = time.perf_counter()
+        plans = [c.plan(ctx) for c in self.candidates]
+        predicted = [predict_batch_time(p, ctx) for p in plans]
+        best = min(range(len(plans)), key=predicted.__getitem__)
+        stats = dict(plans[best].stats)
+        stats["portfolio_choice"] = float(best)
+        for c, t in zip(self.candidates, predicted, strict=True):
+            stats[f"portfolio_{c.name}_s"] = t
+        return replace(plans[best], plan_time_s=time.perf_counter() - t0, stats=stats)
+
+
+def portfolio(
+    candidates: Mapping[str, Planner], replica_slots: int = 2, name: str = "relibra_portfolio"
+) -> PortfolioPlanner:
+    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept)."""
+    for label, planner in candidates.items():
+        if not isinstance(planner, Planner):
+            raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")
+    return PortfolioPlanner(name=name, candidates=tuple(candidates.values()), replica_slots=replica_slots)

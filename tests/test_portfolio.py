@@ -1,0 +1,118 @@
+"""The portfolio planner and the batch-time prediction it chooses by (relibra.planners.portfolio)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from baselines.megatron import MegatronPlanner
+from relibra.invariants import check_plan
+from relibra.planner import BatchContext, Planner
+from relibra.planners.portfolio import PortfolioPlanner, portfolio
+from relibra.planners.relibra import relibra, relibra_replicate_only
+from relibra.simulator import batch_context, predict_batch_time, simulate
+from relibra.types import BatchPlan
+from tests.spine_helpers import tiny_setup
+
+CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
+FAST_REORDER = {"iterations": 200, "seeds": [0], "workers": 1}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return tiny_setup(nodes=2, gpus_per_node=4, num_experts=16, samples_per_microbatch=2)
+
+
+def _candidates() -> list[Planner]:
+    return [
+        MegatronPlanner(),
+        relibra_replicate_only(replica_slots=2),
+        relibra(replica_slots=2, reorder=FAST_REORDER),
+        relibra(
+            replica_slots=2,
+            reorder={**FAST_REORDER, "comm_weight": 0.0, "compute_level": "node"},
+            acceptance="compute",
+            name="relibra_balance",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_prediction_is_the_simulated_batch_time(setup, index: int) -> None:
+    """Batch by batch, the prediction equals what the simulator charges (same previous placement)."""
+    counts, workload, cluster, model, cost = setup
+    planner = _candidates()[index]
+    predicted, prev = [], None
+    for b in range(counts.num_batches):
+        ctx = batch_context(counts, workload, b, cluster, model, cost, prev_home=prev)
+        plan = planner.plan(ctx)
+        predicted.append(predict_batch_time(plan, ctx))
+        prev = plan.home
+    sim = simulate(planner, counts, workload, cluster, model, cost)
+    assert np.mean(predicted) == pytest.approx(sim.metrics["step_time_s"], rel=1e-12)
+
+
+def test_portfolio_keeps_the_fastest_candidate(setup) -> None:
+    counts, workload, cluster, model, cost = setup
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    candidates = _candidates()
+    times = [predict_batch_time(c.plan(ctx), ctx) for c in candidates]
+    assert len(set(times)) == len(times)  # NOTE: distinct, so the choice below is unambiguous
+    chosen = PortfolioPlanner("portfolio", tuple(candidates), replica_slots=2).plan(ctx)
+    best = int(np.argmin(times))
+    assert chosen.stats["portfolio_choice"] == best
+    assert predict_batch_time(chosen, ctx) == pytest.approx(min(times), rel=1e-12)
+    np.testing.assert_array_equal(chosen.assign, candidates[best].plan(ctx).assign)
+    for c, t in zip(candidates, times, strict=True):
+        assert chosen.stats[f"portfolio_{c.name}_s"] == pytest.approx(t, rel=1e-12)
+    check_plan(chosen, ctx, replica_slots=2, replicas_in_home_node=True)
+    assert chosen.plan_time_s > 0
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A planner that hands back one plan whatever the batch (to force the portfolio's choice)."""
+
+    name: str
+    plan_: BatchPlan
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        return self.plan_
+
+
+def test_portfolio_ties_take_the_first_and_order_matters(setup) -> None:
+    counts, workload, cluster, model, cost = setup
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    plan = MegatronPlanner().plan(ctx)
+    chosen = PortfolioPlanner("p", (_Fixed("a", plan), _Fixed("b", plan)), replica_slots=0).plan(ctx)
+    assert chosen.stats["portfolio_choice"] == 0
+
+
+def test_portfolio_refuses_bad_candidates() -> None:
+    with pytest.raises(ValueError, match="at least one candidate"):
+        PortfolioPlanner("p", (), replica_slots=2)
+    with pytest.raises(ValueError, match="distinct"):
+        PortfolioPlanner("p", (MegatronPlanner(), MegatronPlanner()), replica_slots=2)
+    with pytest.raises(ValueError, match=r"candidates\.x is not a planner"):
+        portfolio({"x": 3})  # type: ignore[dict-item]
+
+
+def test_portfolio_config_composes_both_relibra_configs() -> None:
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=["planner=relibra_portfolio", "planner.replica_slots=3"]
+        )
+    planner = instantiate(cfg.planner, _convert_="all")
+    assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
+    assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
+    t_moe, balance = planner.candidates
+    assert (t_moe.name, balance.name) == ("relibra", "relibra_balance")
+    assert t_moe.replica_slots == balance.replica_slots == 3  # type: ignore[attr-defined]
+    assert balance.replicator.acceptance == "compute"  # type: ignore[attr-defined]
+    assert balance.reorderer.config.comm_weight == 0.0  # type: ignore[attr-defined]
+    assert t_moe.reorderer.config.comm_weight == 1.0  # type: ignore[attr-defined]
