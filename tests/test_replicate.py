@@ -16,10 +16,14 @@ from relibra.planners.replicate import (
     ReplicationCoefficients,
     _comm_lower_bound,
     _comm_per_gpu,
+    _home_state,
     _node_traffic,
     _nvlink_bound,
     _objective,
+    _Problem,
+    _problem,
     _receive_step,
+    _State,
     _waterfill,
     linear_objective,
     replicate_greedy,
@@ -206,9 +210,15 @@ def test_node_traffic_is_the_proportional_split_and_updates_in_place() -> None:
     a[changed] *= tot[changed, None] / a[changed].sum(axis=1, keepdims=True)
     _node_traffic(x, tot, hnode, a, has, gpn, 2, traffic)
     whole = np.full((g, g), np.nan)
-    comp, comm, comm_whole = np.zeros(g), np.zeros(g), np.zeros(g)
-    inc = _objective(x, tot, hnode, a, has, comp, gpn, 0.7, 1.9, True, traffic, comm, 2, np.inf)
-    full = _objective(x, tot, hnode, a, has, comp, gpn, 0.7, 1.9, True, whole, comm_whole, ALL_NODES, np.inf)
+    p = _Problem(x, tot, hnode * gpn, hnode, gpn, 2, 1.0, 0.7, 1.9, 3, 4, 1e-9)
+
+    def state(traffic_: np.ndarray) -> _State:
+        ints, bools = np.zeros(e, dtype=np.int64), np.zeros(e, dtype=np.bool_)
+        slots = -np.ones((g, 2), dtype=np.int64)
+        return _State(a, has, ints, bools, np.zeros(g), slots, np.zeros(g, np.int64), traffic_, np.zeros(g))
+
+    inc = _objective(p, state(traffic), True, 2, np.inf)
+    full = _objective(p, state(whole), True, ALL_NODES, np.inf)
     np.testing.assert_array_equal(traffic, whole)
     assert inc == full
 
@@ -395,28 +405,17 @@ def test_receive_step_spreads_the_busiest_receivers_expert() -> None:
     x = np.full((g, e), 1.0)
     x[:, 0] = 400.0
     home = np.arange(e)
-    tot = x.sum(axis=0)
-    a = np.zeros((e, gpn))
-    has = np.zeros((e, gpn), dtype=np.bool_)
-    a[np.arange(e), home] = tot
-    has[np.arange(e), home] = True
-    comp = np.array([tot[k] + 1.0 for k in range(g)])
-    traffic, comm = np.zeros((g, g)), np.zeros(g)
-    hnode = home // gpn
-    obj = _objective(x, tot, hnode, a, has, comp, gpn, 0.5, 0.0, True, traffic, comm, ALL_NODES, np.inf)
-    gc = int(np.argmax(comm))
+    p = _problem(x, home, gpn, 2, 1.0, 0.5, 0.0, 3, 4, 1e-9)
+    s = _home_state(p)
+    obj = _objective(p, s, True, ALL_NODES, np.inf)
+    gc = int(np.argmax(s.comm))
     assert gc == 0
-    slots, nslot = -np.ones((g, 2), dtype=np.int64), np.zeros(g, dtype=np.int64)
-    ncopy, pinned = np.ones(e, dtype=np.int64), np.zeros(e, dtype=np.bool_)
-    new = _receive_step(
-        x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, 2, 1.0, 0.5, 0.0, 3, 4, 1e-9, obj,
-        traffic, comm, gc,
-    )  # fmt: skip
+    new = _receive_step(p, s, obj, gc)
     assert 0 <= new < obj
-    assert ncopy[0] == 2 and nslot.sum() == 1
-    target = int(np.flatnonzero(nslot)[0])
-    assert slots[target, 0] == 0 and has[0, target]
-    assert a[0].sum() == pytest.approx(tot[0]) and a[0, 0] < tot[0]
+    assert s.ncopy[0] == 2 and s.nslot.sum() == 1
+    target = int(np.flatnonzero(s.nslot)[0])
+    assert s.slots[target, 0] == 0 and s.has[0, target]
+    assert s.a[0].sum() == pytest.approx(p.tot[0]) and s.a[0, 0] < p.tot[0]
 
 
 def test_nvlink_bound_separates_one_node_from_many() -> None:
@@ -429,5 +428,8 @@ def test_nvlink_bound_separates_one_node_from_many() -> None:
         g = nodes * gpn
         x = rng.integers(50, 60, size=(g, 64)).astype(np.float64)
         home = static_placement(1, 64, g)[0].astype(np.int64)
-        got = _nvlink_bound(x, home, gpn, coef.nvlink_per_token, coef.nic_per_token)
+        p = _problem(
+            x, home, gpn, 2, coef.fixed_tokens, coef.nvlink_per_token, coef.nic_per_token, 3, 4, 1e-9
+        )
+        got = _nvlink_bound(p)
         assert got == expected, (nodes, gpn)

@@ -45,7 +45,7 @@ costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 from numba import njit
@@ -239,30 +239,6 @@ def _nvlink_binds(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
     return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
 
 
-@njit(cache=True)
-def _nvlink_bound(x, home, gpn, nvl, nic):  # pragma: no cover - compiled
-    """Whether the busiest GPU of the home-only plan is bound by NVLink rather than its NIC (in either
-    exchange): the case where keeping a heavy sender's tokens local pays, so ``best`` runs the
-    communication-first greedy (:func:`_greedy_batch`)."""
-    g_n, e_n = x.shape
-    tot = np.zeros(e_n)
-    for j in range(g_n):
-        for e in range(e_n):
-            tot[e] += x[j, e]
-    a = np.zeros((e_n, gpn))
-    has = np.zeros((e_n, gpn), np.bool_)
-    for e in range(e_n):
-        a[e, home[e] % gpn] = tot[e]
-        has[e, home[e] % gpn] = True
-    hnode = home // gpn
-    traffic = np.zeros((g_n, g_n))
-    for n in range(g_n // gpn):
-        _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
-    comm = np.zeros(g_n)
-    _comm_per_gpu(traffic, gpn, nvl, nic, comm)
-    return _nvlink_binds(traffic, gpn, nvl, nic, np.argmax(comm))
-
-
 BOUND_SLACK = 1e-9
 """Relative slack of :func:`_comm_lower_bound` against the rounding of a different summation order."""
 ALL_NODES = -1
@@ -271,10 +247,123 @@ NO_NODE = -2
 """``node`` argument of :func:`_objective`: the traffic matrix already matches ``a``."""
 
 
+class _Problem(NamedTuple):
+    """One (micro-batch, layer) problem and the greedy's constants; read-only in the kernels."""
+
+    x: np.ndarray
+    """float64 [G, E]: tokens of source GPU ``j`` for expert ``e``."""
+    tot: np.ndarray
+    """float64 [E]: ``sum_j x[j, e]``."""
+    home: np.ndarray
+    """int64 [E]: home GPU of each expert."""
+    hnode: np.ndarray
+    """int64 [E]: node of each expert's home."""
+    gpn: int
+    r: int
+    fixed: float
+    """Token equivalents charged per expert copy (the grouped GEMM's small-count loss)."""
+    nvl: float
+    """Token equivalents per token on one NVLink direction in one all-to-all phase."""
+    nic: float
+    """The same on one rail NIC direction."""
+    sweeps: int
+    max_tries: int
+    rel_tol: float
+
+
+class _State(NamedTuple):
+    """The greedy's mutable state; the kernels change its arrays in place."""
+
+    a: np.ndarray
+    """float64 [E, gpn]: tokens of ``e`` computed on GPU ``k`` of its home node."""
+    has: np.ndarray
+    """bool [E, gpn]: copies of ``e`` (home or replica slot)."""
+    ncopy: np.ndarray
+    """int64 [E]: copies of ``e``."""
+    pinned: np.ndarray
+    """bool [E]: ``e``'s tokens are held by one copy and kept out of the water-filling."""
+    comp: np.ndarray
+    """float64 [G]: linearised compute per GPU (token equivalents)."""
+    slots: np.ndarray
+    """int64 [G, r]: expert in each replica slot, -1 if free (filled from the front)."""
+    nslot: np.ndarray
+    """int64 [G]: filled slots per GPU."""
+    traffic: np.ndarray
+    """float64 [G, G]: dispatch tokens ``j -> g`` (kept in step with ``a`` where the caller says so)."""
+    comm: np.ndarray
+    """float64 [G]: linearised ``T_comm(g)`` of the last full evaluation."""
+
+
 @njit(cache=True)
-def _objective(
-    x, tot, hnode, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm, node, thr
-):  # pragma: no cover
+def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol):  # pragma: no cover - compiled
+    g_n, e_n = x.shape
+    tot = np.zeros(e_n)
+    for j in range(g_n):
+        for e in range(e_n):
+            tot[e] += x[j, e]
+    return _Problem(x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol)
+
+
+@njit(cache=True)
+def _home_state(p):  # pragma: no cover - compiled
+    """Every expert at home with all its tokens, no replica; traffic and comm zero (not yet built)."""
+    g_n, e_n = p.x.shape
+    a = np.zeros((e_n, p.gpn))
+    has = np.zeros((e_n, p.gpn), np.bool_)
+    comp = np.zeros(g_n)
+    for e in range(e_n):
+        k = p.home[e] % p.gpn
+        a[e, k] = p.tot[e]
+        has[e, k] = True
+        comp[p.home[e]] += p.tot[e] + p.fixed
+    return _State(
+        a, has, np.ones(e_n, np.int64), np.zeros(e_n, np.bool_), comp, -np.ones((g_n, p.r), np.int64),
+        np.zeros(g_n, np.int64), np.zeros((g_n, g_n)), np.zeros(g_n),
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def _copy_state(s):  # pragma: no cover - compiled
+    return _State(
+        s.a.copy(), s.has.copy(), s.ncopy.copy(), s.pinned.copy(), s.comp.copy(), s.slots.copy(),
+        s.nslot.copy(), s.traffic.copy(), s.comm.copy(),
+    )  # fmt: skip
+
+
+@njit(cache=True)
+def _restore(s, saved):  # pragma: no cover - compiled
+    """Copy ``saved`` into ``s`` in place."""
+    s.a[:, :] = saved.a
+    s.has[:, :] = saved.has
+    s.ncopy[:] = saved.ncopy
+    s.pinned[:] = saved.pinned
+    s.comp[:] = saved.comp
+    s.slots[:, :] = saved.slots
+    s.nslot[:] = saved.nslot
+    s.traffic[:, :] = saved.traffic
+    s.comm[:] = saved.comm
+
+
+@njit(cache=True, inline="always")
+def _sync_node(p, s, node):  # pragma: no cover - compiled
+    """Rebuild ``node``'s traffic columns from the split (:func:`_node_traffic`)."""
+    _node_traffic(p.x, p.tot, p.hnode, s.a, s.has, p.gpn, node, s.traffic)
+
+
+@njit(cache=True)
+def _nvlink_bound(p):  # pragma: no cover - compiled
+    """Whether the busiest GPU of the home-only plan is bound by NVLink rather than its NIC (in either
+    exchange): the case where keeping a heavy sender's tokens local pays, so ``best`` runs the
+    communication-first greedy (:func:`_greedy_batch`)."""
+    s = _home_state(p)
+    for n in range(p.x.shape[0] // p.gpn):
+        _sync_node(p, s, n)
+    _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
+    return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm))
+
+
+@njit(cache=True, inline="always")
+def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
     """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant).
 
     ``thr``: the caller only needs to know whether the objective is under ``thr``. When a lower bound on
@@ -285,20 +374,20 @@ def _objective(
     one node's experts only, so only that node's ``gpn`` columns are rebuilt (``node >= 0``);
     :data:`ALL_NODES` rebuilds all, :data:`NO_NODE` none. Unused (left as is) when ``use_comm`` is False.
     """
-    t_comp = comp.max()
+    t_comp = s.comp.max()
     if not use_comm:
         return t_comp
     if node == ALL_NODES:
-        for n in range(x.shape[0] // gpn):
-            _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
+        for n in range(p.x.shape[0] // p.gpn):
+            _sync_node(p, s, n)
     elif node >= 0:
-        _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+        _sync_node(p, s, node)
     if thr < np.inf:
-        bound = t_comp + _comm_lower_bound(traffic, gpn, nvl, nic, np.argmax(comm))
+        bound = t_comp + _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm))
         if bound >= thr:
             return bound
-    _comm_per_gpu(traffic, gpn, nvl, nic, comm)
-    return t_comp + comm.max()
+    _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
+    return t_comp + s.comm.max()
 
 
 @njit(cache=True)
@@ -378,93 +467,61 @@ LOOKAHEAD = 2
 """Moves out of the busiest-link GPU tried after a communication-driven copy before it is given up."""
 
 
-@njit(cache=True)
-def _try_copy(
-    x,
-    tot,
-    hnode,
-    e,
-    target,
-    pin,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    gpn,
-    fixed,
-    nvl,
-    nic,
-    use_comm,
-    sweeps,
-    traffic,
-    comm,
-    thr,
-):  # pragma: no cover - compiled
+@njit(cache=True, inline="always")
+def _resplit(p, s, node):  # pragma: no cover - compiled
+    """``sweeps`` water-filling sweeps over ``node``'s replicated, unpinned experts."""
+    base = node * p.gpn
+    for _ in range(p.sweeps):
+        for f in range(s.a.shape[0]):
+            if s.ncopy[f] > 1 and not s.pinned[f] and p.hnode[f] == node:
+                _waterfill(f, p.tot[f], base, s.a, s.has, s.comp, p.gpn)
+
+
+@njit(cache=True, inline="always")
+def _try_copy(p, s, e, target, pin, use_comm, thr):  # pragma: no cover - compiled
     """Add a copy of ``e`` on ``target`` (same node) and return the objective.
 
     ``pin=False``: water-fill ``e`` over its copies; ``pin=True``: move all of ``e``'s tokens to the new copy
     (the move that keeps a heavy sender's tokens local) and keep them there. Then the node's other
     replicated, unpinned experts are re-split. The caller saves ``a``, ``comp`` and ``pinned[e]`` first.
-    ``thr``: see :func:`_objective` (``np.inf`` for the exact objective).
+    ``thr``: see :func:`_objective` (``np.inf`` for the exact objective). The slot is not recorded.
     """
-    base_gpu = (target // gpn) * gpn
+    base_gpu = (target // p.gpn) * p.gpn
     kt = target - base_gpu
-    has[e, kt] = True
-    comp[target] += fixed
-    ncopy[e] += 1
-    pinned[e] = pin
+    s.has[e, kt] = True
+    s.comp[target] += p.fixed
+    s.ncopy[e] += 1
+    s.pinned[e] = pin
     if pin:
-        for k in range(gpn):
-            comp[base_gpu + k] -= a[e, k]
-            a[e, k] = 0.0
-        a[e, kt] = tot[e]
-        comp[target] += tot[e]
+        for k in range(p.gpn):
+            s.comp[base_gpu + k] -= s.a[e, k]
+            s.a[e, k] = 0.0
+        s.a[e, kt] = p.tot[e]
+        s.comp[target] += p.tot[e]
     else:
-        _waterfill(e, tot[e], base_gpu, a, has, comp, gpn)
-    node = target // gpn
-    for _ in range(sweeps):
-        for f in range(a.shape[0]):
-            if ncopy[f] > 1 and not pinned[f] and hnode[f] == node:
-                _waterfill(f, tot[f], base_gpu, a, has, comp, gpn)
-    return _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, use_comm, traffic, comm, node, thr)
+        _waterfill(e, p.tot[e], base_gpu, s.a, s.has, s.comp, p.gpn)
+    node = target // p.gpn
+    _resplit(p, s, node)
+    return _objective(p, s, use_comm, node, thr)
+
+
+@njit(cache=True, inline="always")
+def _undo_copy(p, s, e, target, pinned_old, a_old, comp_old):  # pragma: no cover - compiled
+    s.a[:, :] = a_old
+    s.comp[:] = comp_old
+    s.has[e, target % p.gpn] = False
+    s.ncopy[e] -= 1
+    s.pinned[e] = pinned_old
+
+
+@njit(cache=True, inline="always")
+def _take_slot(s, g, e):  # pragma: no cover - compiled
+    s.slots[g, s.nslot[g]] = e
+    s.nslot[g] += 1
 
 
 @njit(cache=True)
-def _undo_copy(e, target, a, has, ncopy, pinned, pinned_old, comp, gpn, a_old, comp_old):  # pragma: no cover
-    a[:, :] = a_old
-    comp[:] = comp_old
-    has[e, target % gpn] = False
-    ncopy[e] -= 1
-    pinned[e] = pinned_old
-
-
-@njit(cache=True)
-def _compute_step(
-    x,
-    tot,
-    hnode,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    slots,
-    nslot,
-    gpn,
-    r,
-    fixed,
-    nvl,
-    nic,
-    use_comm,
-    sweeps,
-    max_tries,
-    rel_tol,
-    obj_ref,
-    traffic,
-    comm,
-    source,
-):  # pragma: no cover - compiled
+def _compute_step(p, s, use_comm, obj_ref, source):  # pragma: no cover - compiled
     """One step of the paper's greedy: the bottleneck GPU's heaviest experts, each onto the least-loaded GPU
     of the node with a free slot; the first copy that brings the objective under ``obj_ref`` is kept.
 
@@ -472,282 +529,170 @@ def _compute_step(
     own tokens to, and keeps the first copy that is possible (``obj_ref`` ignored): a lookahead move.
     Returns the new objective, or -1.0 when no copy helped (the state is then unchanged).
     """
-    e_n = x.shape[1]
-    gstar = np.argmax(comp) if source < 0 else source
-    base_gpu = (gstar // gpn) * gpn
-    node = gstar // gpn
-    kstar = gstar % gpn
+    e_n = p.x.shape[1]
+    gstar = np.argmax(s.comp) if source < 0 else source
+    base_gpu = (gstar // p.gpn) * p.gpn
+    node = gstar // p.gpn
+    kstar = gstar % p.gpn
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
     nc = 0
     for e in range(e_n):
-        if hnode[e] == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < gpn:
+        if p.hnode[e] == node and s.has[e, kstar] and s.a[e, kstar] > 0.0 and s.ncopy[e] < p.gpn:
             cand[nc] = e
-            weight[nc] = -a[e, kstar] if source < 0 else x[gstar, e] / a[e, kstar]
+            weight[nc] = -s.a[e, kstar] if source < 0 else p.x[gstar, e] / s.a[e, kstar]
             nc += 1
     order = np.argsort(weight[:nc])
-    a_old = a.copy()
-    comp_old = comp.copy()
-    for t in range(min(nc, max_tries)):
+    a_old = s.a.copy()
+    comp_old = s.comp.copy()
+    thr = obj_ref * (1.0 - p.rel_tol)
+    for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
         target = -1
-        for k in range(gpn):
+        for k in range(p.gpn):
             g = base_gpu + k
-            if not has[e, k] and nslot[g] < r and (target < 0 or comp[g] < comp[target]):
+            if not s.has[e, k] and s.nslot[g] < p.r and (target < 0 or s.comp[g] < s.comp[target]):
                 target = g
         if target < 0:
             continue
-        pin_old = pinned[e]
+        pin_old = s.pinned[e]
         for pin in (False, True):  # water-filled, or (for T_MoE) moved out whole: frees a heavy sender
             if pin and not use_comm:
                 break
             # a lookahead move (source >= 0, pin) is kept even when not under thr, but its caller then
             # compares it with the same thr: a lower bound at or over thr decides it as the exact value does
-            thr = obj_ref * (1.0 - rel_tol)
-            new = _try_copy(
-                x, tot, hnode, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, use_comm,
-                sweeps, traffic, comm, thr,
-            )  # fmt: skip
-            if new < obj_ref * (1.0 - rel_tol) or (source >= 0 and pin):
-                slots[target, nslot[target]] = e
-                nslot[target] += 1
+            new = _try_copy(p, s, e, target, pin, use_comm, thr)
+            if new < thr or (source >= 0 and pin):
+                _take_slot(s, target, e)
                 return new
-            _undo_copy(e, target, a, has, ncopy, pinned, pin_old, comp, gpn, a_old, comp_old)
+            _undo_copy(p, s, e, target, pin_old, a_old, comp_old)
             if use_comm:  # the trial's columns back in step with the restored split
-                _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+                _sync_node(p, s, node)
     return -1.0
 
 
 @njit(cache=True)
-def _comm_step(
-    x,
-    tot,
-    hnode,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    slots,
-    nslot,
-    gpn,
-    r,
-    fixed,
-    nvl,
-    nic,
-    sweeps,
-    max_tries,
-    rel_tol,
-    obj,
-    traffic,
-    comm,
-):  # pragma: no cover - compiled
+def _comm_step(p, s, obj):  # pragma: no cover - compiled
     """Communication-driven step; returns the new objective, or -1.0 with the state unchanged."""
-    e_n = x.shape[1]
+    e_n = p.x.shape[1]
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
     new = -1.0
+    thr = obj * (1.0 - p.rel_tol)
     # Communication-driven move: a copy on the GPU with the busiest links, of an expert it sends many
     # tokens for, either water-filled or holding all of that expert's tokens (kept local: the send
     # side that compute balancing cannot reach). It often pays only together with the compute step
     # that relieves that GPU next, so that step is tried as a one-move lookahead. Keeping tokens local
     # saves NVLink time only, so this side is tried only where NVLink binds that GPU.
-    _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, NO_NODE, np.inf)
-    gc = np.argmax(comm)
-    node = gc // gpn
-    kc = gc % gpn
+    _objective(p, s, True, NO_NODE, np.inf)
+    gc = np.argmax(s.comm)
+    node = gc // p.gpn
+    kc = gc % p.gpn
     nc = 0
-    if nslot[gc] < r and _nvlink_binds(traffic, gpn, nvl, nic, gc):
+    if s.nslot[gc] < p.r and _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, gc):
         for e in range(e_n):
-            if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
+            if p.hnode[e] == node and not s.has[e, kc] and p.x[gc, e] > 0.0:
                 cand[nc] = e
                 # tokens gc stops sending per token equivalent of compute it takes on: a whole (pinned)
                 # copy of an expert whose demand is mostly gc's own pays most
-                weight[nc] = -x[gc, e] / (tot[e] + fixed)
+                weight[nc] = -p.x[gc, e] / (p.tot[e] + p.fixed)
                 nc += 1
     order = np.argsort(weight[:nc])
-    s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
-    s_comp, s_slots, s_nslot, s_traffic = comp.copy(), slots.copy(), nslot.copy(), traffic.copy()
-    s_comm = comm.copy()
-    for t in range(min(nc, max_tries)):
+    saved = _copy_state(s)
+    for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
         # pinned first: a water-filled copy on a loaded gc takes few tokens, saves little, yet holds the slot
         for pin in (True, False):
-            trial = _try_copy(
-                x, tot, hnode, e, gc, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
-                sweeps, traffic, comm, obj * (1.0 - rel_tol),
-            )  # fmt: skip
-            slots[gc, nslot[gc]] = e
-            nslot[gc] += 1
-            if trial < obj * (1.0 - rel_tol):
+            trial = _try_copy(p, s, e, gc, pin, True, thr)
+            _take_slot(s, gc, e)
+            if trial < thr:
                 new = trial
                 break
-            trial = _compute_step(
-                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
-                sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
-            )  # fmt: skip
+            trial = _compute_step(p, s, True, obj, -1)
             if trial >= 0.0:
                 new = trial
                 break
             for _ in range(LOOKAHEAD):  # relieve gc: move out whole the experts it holds mostly for others
-                trial = _compute_step(
-                    x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, True,
-                    sweeps, max_tries, rel_tol, obj, traffic, comm, gc,
-                )  # fmt: skip
-                if trial < obj * (1.0 - rel_tol):
+                trial = _compute_step(p, s, True, obj, gc)
+                if trial < thr:
                     break
-            if 0.0 <= trial < obj * (1.0 - rel_tol):
+            if 0.0 <= trial < thr:
                 new = trial
                 break
-            a[:, :] = s_a
-            has[:, :] = s_has
-            ncopy[:] = s_ncopy
-            pinned[:] = s_pinned
-            comp[:] = s_comp
-            slots[:, :] = s_slots
-            nslot[:] = s_nslot
-            traffic[:, :] = s_traffic
-            comm[:] = s_comm
+            _restore(s, saved)
         if new >= 0.0:
             break
     if new < 0.0:  # the receive side of the same GPU
-        new = _receive_step(
-            x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
-            max_tries, rel_tol, obj, traffic, comm, gc,
-        )  # fmt: skip
+        new = _receive_step(p, s, obj, gc)
     return new
 
 
 @njit(cache=True)
-def _receive_step(
-    x,
-    tot,
-    hnode,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    slots,
-    nslot,
-    gpn,
-    r,
-    fixed,
-    nvl,
-    nic,
-    sweeps,
-    max_tries,
-    rel_tol,
-    obj,
-    traffic,
-    comm,
-    gc,
-):  # pragma: no cover - compiled
+def _receive_step(p, s, obj, gc):  # pragma: no cover - compiled
     """Receive-side communication move: spread the experts that the busiest-link GPU ``gc`` computes for
     other GPUs' tokens over a second copy in its node (water-filled, or holding all of the expert's
     tokens), on the GPU with the least busy links among those with a free slot. Under the proportional
     split, every source then sends that copy its share, so ``gc`` receives (and returns) fewer tokens.
     ``comm`` must be that of the current state (the caller's last full evaluation). Returns the new
     objective, or -1.0 with the state unchanged."""
-    e_n = x.shape[1]
-    node = gc // gpn
-    base = node * gpn
+    e_n = p.x.shape[1]
+    node = gc // p.gpn
+    base = node * p.gpn
     kc = gc - base
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
     nc = 0
     for e in range(e_n):
-        if hnode[e] == node and has[e, kc] and a[e, kc] > 0.0 and ncopy[e] < gpn and not pinned[e]:
+        held = s.has[e, kc] and s.a[e, kc] > 0.0 and not s.pinned[e]
+        if p.hnode[e] == node and held and s.ncopy[e] < p.gpn:
             cand[nc] = e
-            weight[nc] = -a[e, kc] / tot[e] * (tot[e] - x[gc, e])  # remote tokens gc receives for e
+            weight[nc] = -s.a[e, kc] / p.tot[e] * (p.tot[e] - p.x[gc, e])  # remote tokens gc receives for e
             nc += 1
     order = np.argsort(weight[:nc])
-    a_old = a.copy()
-    comp_old = comp.copy()
-    thr = obj * (1.0 - rel_tol)
-    for t in range(min(nc, max_tries)):
+    a_old = s.a.copy()
+    comp_old = s.comp.copy()
+    thr = obj * (1.0 - p.rel_tol)
+    for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
         target = -1
-        for k in range(gpn):
+        for k in range(p.gpn):
             g = base + k
-            if not has[e, k] and nslot[g] < r and (target < 0 or comm[g] < comm[target]):
+            if not s.has[e, k] and s.nslot[g] < p.r and (target < 0 or s.comm[g] < s.comm[target]):
                 target = g
         if target < 0:
             continue
         for pin in (False, True):  # a second copy water-filled, or the expert moved there whole
-            new = _try_copy(
-                x, tot, hnode, e, target, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True,
-                sweeps, traffic, comm, thr,
-            )  # fmt: skip
+            new = _try_copy(p, s, e, target, pin, True, thr)
             if new < thr:
-                slots[target, nslot[target]] = e
-                nslot[target] += 1
+                _take_slot(s, target, e)
                 return new
-            _undo_copy(e, target, a, has, ncopy, pinned, False, comp, gpn, a_old, comp_old)
-            _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+            _undo_copy(p, s, e, target, False, a_old, comp_old)
+            _sync_node(p, s, node)
     return -1.0
 
 
 @njit(cache=True)
-def _greedy_one(
-    x, home, gpn, r, fixed, nvl, nic, accept_comm, track_comm, comm_first, sweeps, max_tries, rel_tol
-):  # pragma: no cover
-    """Greedy replication of one problem. x [G, E] float64, home [E].
+def _greedy_one(p, accept_comm, track_comm, comm_first):  # pragma: no cover - compiled
+    """Greedy replication of one problem.
 
     ``accept_comm``: a copy is kept if compute max plus comm max drops (else if the compute max drops), and
     when no compute-driven copy helps, a communication-driven one is tried (see below).
     ``track_comm``: return the state, along the greedy's path, with the lowest compute-plus-comm objective.
     ``comm_first``: try the communication-driven move before the compute-driven one (needs accept_comm).
-    Returns (a [E, gpn], has [E, gpn], slots [G, r], pinned [E], objective in token equivalents without
-    latency).
+    Returns (the kept state, its objective in token equivalents without latency).
     """
-    g_n, e_n = x.shape
-    tot = np.zeros(e_n)
-    for j in range(g_n):
-        for e in range(e_n):
-            tot[e] += x[j, e]
-    a = np.zeros((e_n, gpn))
-    has = np.zeros((e_n, gpn), np.bool_)
-    ncopy = np.ones(e_n, np.int64)
-    pinned = np.zeros(e_n, np.bool_)
-    comp = np.zeros(g_n)
-    for e in range(e_n):
-        k = home[e] % gpn
-        a[e, k] = tot[e]
-        has[e, k] = True
-        comp[home[e]] += tot[e] + fixed
-    hnode = home // gpn  # node of each expert's home
-    slots = -np.ones((g_n, r), np.int64)
-    nslot = np.zeros(g_n, np.int64)
-    traffic = np.zeros((g_n, g_n))
-    comm = np.zeros(g_n)
-    obj = _objective(
-        x, tot, hnode, a, has, comp, gpn, nvl, nic, accept_comm, traffic, comm, ALL_NODES, np.inf
-    )
-    best = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
-    best_a = a.copy()
-    best_has = has.copy()
-    best_slots = slots.copy()
-    best_pinned = pinned.copy()
-    a_sync = a.copy()  # the split that ``traffic`` was last built from (track_comm without accept_comm)
+    g_n, e_n = p.x.shape
+    s = _home_state(p)
+    obj = _objective(p, s, accept_comm, ALL_NODES, np.inf)
+    best = _objective(p, s, True, ALL_NODES, np.inf)
+    kept = _copy_state(s)
+    a_sync = s.a.copy()  # the split that ``traffic`` was last built from (track_comm without accept_comm)
     while True:
-        if comm_first:
-            new = _comm_step(
-                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
-                max_tries, rel_tol, obj, traffic, comm,
-            )  # fmt: skip
-        else:
-            new = -1.0
+        new = _comm_step(p, s, obj) if comm_first else -1.0
         if new < 0.0:
-            new = _compute_step(
-                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic,
-                accept_comm, sweeps, max_tries, rel_tol, obj, traffic, comm, -1,
-            )  # fmt: skip
+            new = _compute_step(p, s, accept_comm, obj, -1)
         if new < 0.0 and accept_comm and not comm_first:
-            new = _comm_step(
-                x, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, r, fixed, nvl, nic, sweeps,
-                max_tries, rel_tol, obj, traffic, comm,
-            )  # fmt: skip
+            new = _comm_step(p, s, obj)
         if new < 0.0:
             break
         obj = new
@@ -757,68 +702,50 @@ def _greedy_one(
             else:
                 # A step re-splits one node's experts: rebuild the traffic columns of the nodes whose split
                 # changed, and let a lower bound reject a state that cannot beat the best one.
-                changed = np.zeros(g_n // gpn, np.bool_)
+                changed = np.zeros(g_n // p.gpn, np.bool_)
                 for e in range(e_n):
-                    for k in range(gpn):
-                        if a[e, k] != a_sync[e, k]:
-                            changed[hnode[e]] = True
-                for n in range(g_n // gpn):
+                    for k in range(p.gpn):
+                        if s.a[e, k] != a_sync[e, k]:
+                            changed[p.hnode[e]] = True
+                for n in range(g_n // p.gpn):
                     if changed[n]:
-                        _node_traffic(x, tot, hnode, a, has, gpn, n, traffic)
-                a_sync[:, :] = a
-                full = _objective(
-                    x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, NO_NODE,
-                    best * (1.0 - rel_tol),
-                )  # fmt: skip
-            if full < best * (1.0 - rel_tol):
+                        _sync_node(p, s, n)
+                a_sync[:, :] = s.a
+                full = _objective(p, s, True, NO_NODE, best * (1.0 - p.rel_tol))
+            if full < best * (1.0 - p.rel_tol):
                 best = full
-                best_a[:, :] = a
-                best_has[:, :] = has
-                best_slots[:, :] = slots
-                best_pinned[:] = pinned
+                _restore(kept, s)
     if track_comm:
-        return best_a, best_has, best_slots, best_pinned, best
-    return (
-        a,
-        has,
-        slots,
-        pinned,
-        _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf),
-    )
+        return kept, best
+    return s, _objective(p, s, True, ALL_NODES, np.inf)
 
 
 @njit(cache=True)
-def _remove_copy(
-    e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps
-):  # pragma: no cover
+def _remove_copy(p, s, e, g):  # pragma: no cover - compiled
     """Drop the copy of ``e`` on ``g`` (not its home): ``e``'s tokens go back home and are water-filled over
     the copies left, then the node's other replicated, unpinned experts are re-split; the slot is freed."""
-    base = (g // gpn) * gpn
-    for k in range(gpn):
-        comp[base + k] -= a[e, k]
-        a[e, k] = 0.0
-    has[e, g - base] = False
-    comp[g] -= fixed
-    ncopy[e] -= 1
-    pinned[e] = False
-    kh = home[e] - base
-    a[e, kh] = tot[e]
-    comp[home[e]] += tot[e]
-    if ncopy[e] > 1:
-        _waterfill(e, tot[e], base, a, has, comp, gpn)
-    node = g // gpn
-    for _ in range(sweeps):
-        for f in range(a.shape[0]):
-            if ncopy[f] > 1 and not pinned[f] and hnode[f] == node:
-                _waterfill(f, tot[f], base, a, has, comp, gpn)
+    base = (g // p.gpn) * p.gpn
+    for k in range(p.gpn):
+        s.comp[base + k] -= s.a[e, k]
+        s.a[e, k] = 0.0
+    s.has[e, g - base] = False
+    s.comp[g] -= p.fixed
+    s.ncopy[e] -= 1
+    s.pinned[e] = False
+    kh = p.home[e] - base
+    s.a[e, kh] = p.tot[e]
+    s.comp[p.home[e]] += p.tot[e]
+    if s.ncopy[e] > 1:
+        _waterfill(e, p.tot[e], base, s.a, s.has, s.comp, p.gpn)
+    _resplit(p, s, g // p.gpn)
     n = 0
-    for s in range(nslot[g]):
-        if slots[g, s] != e:
-            slots[g, n] = slots[g, s]
+    for i in range(s.nslot[g]):
+        if s.slots[g, i] != e:
+            s.slots[g, n] = s.slots[g, i]
             n += 1
-    for s in range(n, slots.shape[1]):
-        slots[g, s] = -1
-    nslot[g] = n
+    for i in range(n, s.slots.shape[1]):
+        s.slots[g, i] = -1
+    s.nslot[g] = n
 
 
 @njit(cache=True)
@@ -830,126 +757,61 @@ def _ranked(key, mask, k):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _add_kept(
-    x,
-    tot,
-    hnode,
-    e,
-    t,
-    pin_first,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    slots,
-    nslot,
-    gpn,
-    fixed,
-    nvl,
-    nic,
-    sweeps,
-    traffic,
-    comm,
-    thr,
-    a1,
-    comp1,
-):  # pragma: no cover - compiled
+def _add_kept(p, s, e, t, pin_first, thr, a1, comp1):  # pragma: no cover - compiled
     """Try a copy of ``e`` on ``t``, pinned and water-filled (``pin_first`` first); keep the first that brings
     the objective under ``thr`` and return it, else restore the state (``a1``, ``comp1``) and return -1.0."""
     for i in range(2):
         pin = pin_first if i == 0 else not pin_first
-        p_old = pinned[e]
-        v = _try_copy(
-            x, tot, hnode, e, t, pin, a, has, ncopy, pinned, comp, gpn, fixed, nvl, nic, True, sweeps,
-            traffic, comm, thr,
-        )  # fmt: skip
+        p_old = s.pinned[e]
+        v = _try_copy(p, s, e, t, pin, True, thr)
         if v < thr:
-            slots[t, nslot[t]] = e
-            nslot[t] += 1
+            _take_slot(s, t, e)
             return v
-        _undo_copy(e, t, a, has, ncopy, pinned, p_old, comp, gpn, a1, comp1)
-        _node_traffic(x, tot, hnode, a, has, gpn, t // gpn, traffic)
+        _undo_copy(p, s, e, t, p_old, a1, comp1)
+        _sync_node(p, s, t // p.gpn)
     return -1.0
 
 
 @njit(cache=True)
-def _exchange(
-    x,
-    home,
-    tot,
-    hnode,
-    ratio,
-    e,
-    g,
-    a,
-    has,
-    ncopy,
-    pinned,
-    comp,
-    slots,
-    nslot,
-    gpn,
-    r,
-    fixed,
-    nvl,
-    nic,
-    sweeps,
-    traffic,
-    comm,
-    thr,
-    cands,
-):  # pragma: no cover - compiled
+def _exchange(p, s, ratio, e, g, thr, cands):  # pragma: no cover - compiled
     """One exchange move of :func:`_polish`: drop the copy of ``e`` on ``g``, then add the first copy that
     brings the objective under ``thr`` (or none, if dropping alone does). Returns the new objective, or -1.0
     with the state unchanged."""
-    node = g // gpn
-    base = node * gpn
-    s_a, s_has, s_ncopy, s_pinned = a.copy(), has.copy(), ncopy.copy(), pinned.copy()
-    s_comp, s_slots, s_nslot = comp.copy(), slots.copy(), nslot.copy()
-    _remove_copy(e, g, home, tot, hnode, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, sweeps)
-    new = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, node, np.inf)
+    node = g // p.gpn
+    base = node * p.gpn
+    saved = _copy_state(s)
+    _remove_copy(p, s, e, g)
+    new = _objective(p, s, True, node, np.inf)
     if new < thr:
         return new
-    gc = np.argmax(comm)
-    gb = np.argmax(comp)
-    a1, comp1 = a.copy(), comp.copy()
+    gc = np.argmax(s.comm)
+    gb = np.argmax(s.comp)
+    a1, comp1 = s.a.copy(), s.comp.copy()
     adds = []  # (expert, target, pinned first), in the order of the three rules
     for t in (gc, g):  # keep a sender's tokens local: on gc, or on the freed g
-        if t // gpn == node and nslot[t] < r:
-            mask = (hnode == node) & ~has[:, t - base] & (x[t] > 0.0)
-            for e2 in _ranked(x[t] * ratio, mask, cands):
+        if t // p.gpn == node and s.nslot[t] < p.r:
+            mask = (p.hnode == node) & ~s.has[:, t - base] & (p.x[t] > 0.0)
+            for e2 in _ranked(p.x[t] * ratio, mask, cands):
                 adds.append((e2, t, True))
-    if gb // gpn == node:  # relieve the compute bottleneck
+    if gb // p.gpn == node:  # relieve the compute bottleneck
         kb = gb - base
-        mask = (hnode == node) & has[:, kb] & (a[:, kb] > 0.0) & (ncopy < gpn)
-        for e2 in _ranked(a[:, kb], mask, cands):
-            for t in range(base, base + gpn):
+        mask = (p.hnode == node) & s.has[:, kb] & (s.a[:, kb] > 0.0) & (s.ncopy < p.gpn)
+        for e2 in _ranked(s.a[:, kb], mask, cands):
+            for t in range(base, base + p.gpn):
                 adds.append((e2, t, False))
     for e2, t, pin_first in adds:
-        if (e2 == e and t == g) or has[e2, t - base] or nslot[t] >= r:
+        if (e2 == e and t == g) or s.has[e2, t - base] or s.nslot[t] >= p.r:
             continue
-        new = _add_kept(
-            x, tot, hnode, e2, t, pin_first, a, has, ncopy, pinned, comp, slots, nslot, gpn, fixed, nvl, nic,
-            sweeps, traffic, comm, thr, a1, comp1,
-        )  # fmt: skip
+        new = _add_kept(p, s, e2, t, pin_first, thr, a1, comp1)
         if new >= 0.0:
             return new
-    a[:, :] = s_a
-    has[:, :] = s_has
-    ncopy[:] = s_ncopy
-    pinned[:] = s_pinned
-    comp[:] = s_comp
-    slots[:, :] = s_slots
-    nslot[:] = s_nslot
-    _node_traffic(x, tot, hnode, a, has, gpn, node, traffic)
+    _restore(s, saved)
+    _sync_node(p, s, node)
     return -1.0
 
 
 @njit(cache=True)
-def _polish(
-    x, home, gpn, r, fixed, nvl, nic, sweeps, rel_tol, a, has, slots, pinned, moves, cands
-):  # pragma: no cover
+def _polish(p, s, moves, cands):  # pragma: no cover - compiled
     """Exchange local search on a finished greedy state, in place; returns the objective.
 
     A move drops one copy and either stops there or adds one copy in the same node: on the GPU with the
@@ -958,36 +820,19 @@ def _polish(
     node's GPUs with a free slot), each water-filled or holding all of the expert's tokens. The first move
     that lowers the objective is kept (at most ``moves`` of them); ``cands`` experts are tried per rule.
     """
-    g_n, e_n = x.shape
-    tot = np.zeros(e_n)
-    for j in range(g_n):
-        for e in range(e_n):
-            tot[e] += x[j, e]
-    hnode = home // gpn
-    ncopy = np.zeros(e_n, np.int64)
-    comp = np.zeros(g_n)
+    g_n, e_n = p.x.shape
+    s.comp[:] = 0.0  # from the split itself, free of the greedy's incremental drift
     for e in range(e_n):
-        for k in range(gpn):
-            if has[e, k]:
-                ncopy[e] += 1
-                comp[hnode[e] * gpn + k] += a[e, k] + fixed
-    nslot = np.zeros(g_n, np.int64)
-    for g in range(g_n):
-        for s in range(r):
-            if slots[g, s] >= 0:
-                nslot[g] += 1
-    traffic = np.zeros((g_n, g_n))
-    comm = np.zeros(g_n)
-    obj = _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
-    ratio = 1.0 / (tot + fixed)
+        for k in range(p.gpn):
+            if s.has[e, k]:
+                s.comp[p.hnode[e] * p.gpn + k] += s.a[e, k] + p.fixed
+    obj = _objective(p, s, True, ALL_NODES, np.inf)
+    ratio = 1.0 / (p.tot + p.fixed)
     for _ in range(moves):
         new = -1.0
         for g in range(g_n):
-            for s in range(nslot[g]):
-                new = _exchange(
-                    x, home, tot, hnode, ratio, slots[g, s], g, a, has, ncopy, pinned, comp, slots, nslot,
-                    gpn, r, fixed, nvl, nic, sweeps, traffic, comm, obj * (1.0 - rel_tol), cands,
-                )  # fmt: skip
+            for i in range(s.nslot[g]):
+                new = _exchange(p, s, ratio, s.slots[g, i], g, obj * (1.0 - p.rel_tol), cands)
                 if new >= 0.0:
                     break
             if new >= 0.0:
@@ -995,7 +840,7 @@ def _polish(
         if new < 0.0:
             break
         obj = new
-    return _objective(x, tot, hnode, a, has, comp, gpn, nvl, nic, True, traffic, comm, ALL_NODES, np.inf)
+    return _objective(p, s, True, ALL_NODES, np.inf)
 
 
 @njit(cache=True)
@@ -1011,41 +856,34 @@ def _greedy_batch(
     p_n, g_n, e_n = x.shape
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
-    for p in range(p_n):
-        a, has, slots, pinned, obj = _greedy_one(
-            x[p], home[p], gpn, r, fixed, nvl, nic, mode >= 1, False, False, sweeps, max_tries, rel_tol
-        )
+    for q in range(p_n):
+        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol)
+        s, obj = _greedy_one(p, mode >= 1, False, False)
         if mode == 2:
             # comm-first (only where NVLink binds: keeping a sender's tokens local saves no NIC time);
             # compute-driven, its path cut at its best T_MoE
-            first = 0 if _nvlink_bound(x[p], home[p], gpn, nvl, nic) else 1
+            first = 0 if _nvlink_bound(p) else 1
             for variant in range(first, 2):
-                a2, has2, slots2, pinned2, obj2 = _greedy_one(
-                    x[p], home[p], gpn, r, fixed, nvl, nic, variant == 0, variant == 1, variant == 0, sweeps,
-                    max_tries, rel_tol,
-                )  # fmt: skip
+                s2, obj2 = _greedy_one(p, variant == 0, variant == 1, variant == 0)
                 if obj2 < obj:
-                    a, has, slots, pinned, obj = a2, has2, slots2, pinned2, obj2
+                    s, obj = s2, obj2
         if polish_moves > 0:
-            _polish(
-                x[p], home[p], gpn, r, fixed, nvl, nic, sweeps, rel_tol, a, has, slots, pinned, polish_moves,
-                polish_cands,
-            )  # fmt: skip
+            _polish(p, s, polish_moves, polish_cands)
         tot_int = np.zeros(e_n, np.int64)
         for j in range(g_n):
             for e in range(e_n):
-                tot_int[e] += np.int64(x[p, j, e])
-        ai = _round_split(a, has, tot_int)
+                tot_int[e] += np.int64(x[q, j, e])
+        ai = _round_split(s.a, s.has, tot_int)
         for e in range(e_n):
-            base = (home[p, e] // gpn) * gpn
+            base = (home[q, e] // gpn) * gpn
             for k in range(gpn):
-                assign[p, e, base + k] = ai[e, k]
+                assign[q, e, base + k] = ai[e, k]
         for g in range(g_n):
             n = 0
-            for s in range(r):
-                e = slots[g, s]
-                if e >= 0 and assign[p, e, g] > 0:
-                    replicas[p, g, n] = e
+            for i in range(r):
+                e = s.slots[g, i]
+                if e >= 0 and assign[q, e, g] > 0:
+                    replicas[q, g, n] = e
                     n += 1
     return assign, replicas
 
