@@ -471,10 +471,12 @@ LOOKAHEAD = 2
 def _resplit(p, s, node):  # pragma: no cover - compiled
     """``sweeps`` water-filling sweeps over ``node``'s replicated, unpinned experts."""
     base = node * p.gpn
+    # NOTE: arrays bound to locals once: reading one from a tuple inside the loop costs a reference count
+    a, has, comp, ncopy, pinned, hnode, tot = s.a, s.has, s.comp, s.ncopy, s.pinned, p.hnode, p.tot
     for _ in range(p.sweeps):
-        for f in range(s.a.shape[0]):
-            if s.ncopy[f] > 1 and not s.pinned[f] and p.hnode[f] == node:
-                _waterfill(f, p.tot[f], base, s.a, s.has, s.comp, p.gpn)
+        for f in range(a.shape[0]):
+            if ncopy[f] > 1 and not pinned[f] and hnode[f] == node:
+                _waterfill(f, tot[f], base, a, has, comp, p.gpn)
 
 
 @njit(cache=True, inline="always")
@@ -520,6 +522,19 @@ def _take_slot(s, g, e):  # pragma: no cover - compiled
     s.nslot[g] += 1
 
 
+@njit(cache=True, inline="always")
+def _free_target(p, s, e, base, key):  # pragma: no cover - compiled
+    """The GPU of the node at ``base`` with a free slot and no copy of ``e`` that has the lowest ``key``
+    [G] (ties: the first); -1 if none."""
+    target = -1
+    has, nslot = s.has, s.nslot
+    for k in range(p.gpn):
+        g = base + k
+        if not has[e, k] and nslot[g] < p.r and (target < 0 or key[g] < key[target]):
+            target = g
+    return target
+
+
 @njit(cache=True)
 def _compute_step(p, s, use_comm, obj_ref, source):  # pragma: no cover - compiled
     """One step of the paper's greedy: the bottleneck GPU's heaviest experts, each onto the least-loaded GPU
@@ -537,10 +552,11 @@ def _compute_step(p, s, use_comm, obj_ref, source):  # pragma: no cover - compil
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
     nc = 0
+    a, has, ncopy, hnode, x = s.a, s.has, s.ncopy, p.hnode, p.x
     for e in range(e_n):
-        if p.hnode[e] == node and s.has[e, kstar] and s.a[e, kstar] > 0.0 and s.ncopy[e] < p.gpn:
+        if hnode[e] == node and has[e, kstar] and a[e, kstar] > 0.0 and ncopy[e] < p.gpn:
             cand[nc] = e
-            weight[nc] = -s.a[e, kstar] if source < 0 else p.x[gstar, e] / s.a[e, kstar]
+            weight[nc] = -a[e, kstar] if source < 0 else x[gstar, e] / a[e, kstar]
             nc += 1
     order = np.argsort(weight[:nc])
     a_old = s.a.copy()
@@ -548,11 +564,7 @@ def _compute_step(p, s, use_comm, obj_ref, source):  # pragma: no cover - compil
     thr = obj_ref * (1.0 - p.rel_tol)
     for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
-        target = -1
-        for k in range(p.gpn):
-            g = base_gpu + k
-            if not s.has[e, k] and s.nslot[g] < p.r and (target < 0 or s.comp[g] < s.comp[target]):
-                target = g
+        target = _free_target(p, s, e, base_gpu, s.comp)
         if target < 0:
             continue
         pin_old = s.pinned[e]
@@ -590,12 +602,13 @@ def _comm_step(p, s, obj):  # pragma: no cover - compiled
     kc = gc % p.gpn
     nc = 0
     if s.nslot[gc] < p.r and _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, gc):
+        has, hnode, x, tot = s.has, p.hnode, p.x, p.tot
         for e in range(e_n):
-            if p.hnode[e] == node and not s.has[e, kc] and p.x[gc, e] > 0.0:
+            if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
                 cand[nc] = e
                 # tokens gc stops sending per token equivalent of compute it takes on: a whole (pinned)
                 # copy of an expert whose demand is mostly gc's own pays most
-                weight[nc] = -p.x[gc, e] / (p.tot[e] + p.fixed)
+                weight[nc] = -x[gc, e] / (tot[e] + p.fixed)
                 nc += 1
     order = np.argsort(weight[:nc])
     saved = _copy_state(s)
@@ -642,11 +655,11 @@ def _receive_step(p, s, obj, gc):  # pragma: no cover - compiled
     cand = np.empty(e_n, np.int64)
     weight = np.empty(e_n)
     nc = 0
+    a, has, ncopy, pinned, hnode, x, tot = s.a, s.has, s.ncopy, s.pinned, p.hnode, p.x, p.tot
     for e in range(e_n):
-        held = s.has[e, kc] and s.a[e, kc] > 0.0 and not s.pinned[e]
-        if p.hnode[e] == node and held and s.ncopy[e] < p.gpn:
+        if hnode[e] == node and has[e, kc] and a[e, kc] > 0.0 and ncopy[e] < p.gpn and not pinned[e]:
             cand[nc] = e
-            weight[nc] = -s.a[e, kc] / p.tot[e] * (p.tot[e] - p.x[gc, e])  # remote tokens gc receives for e
+            weight[nc] = -a[e, kc] / tot[e] * (tot[e] - x[gc, e])  # remote tokens gc receives for e
             nc += 1
     order = np.argsort(weight[:nc])
     a_old = s.a.copy()
@@ -654,11 +667,7 @@ def _receive_step(p, s, obj, gc):  # pragma: no cover - compiled
     thr = obj * (1.0 - p.rel_tol)
     for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
-        target = -1
-        for k in range(p.gpn):
-            g = base + k
-            if not s.has[e, k] and s.nslot[g] < p.r and (target < 0 or s.comm[g] < s.comm[target]):
-                target = g
+        target = _free_target(p, s, e, base, s.comm)
         if target < 0:
             continue
         for pin in (False, True):  # a second copy water-filled, or the expert moved there whole
