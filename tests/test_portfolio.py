@@ -105,11 +105,17 @@ def test_portfolio_refuses_bad_candidates() -> None:
 def test_portfolio_config_composes_both_relibra_configs() -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(
-            config_name="config", overrides=["planner=relibra_portfolio", "planner.replica_slots=3"]
+            config_name="config",
+            overrides=[
+                "planner=relibra_portfolio",
+                "planner.replica_slots=3",
+                "simulator.migration_bytes_per_param=6.0",
+            ],
         )
     planner = instantiate(cfg.planner, _convert_="all")
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
+    assert planner.migration_bytes_per_param == 6.0  # priced like the simulator that will run it
     t_moe, balance = planner.candidates
     assert (t_moe.name, balance.name) == ("relibra", "relibra_balance")
     assert t_moe.replica_slots == balance.replica_slots == 3  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from relibra.planner import BatchContext, Planner
-from relibra.simulator import predict_batch_time
+from relibra.simulator import MIGRATION_BYTES_PER_PARAM, predict_batch_time
 from relibra.types import BatchPlan
 
 __all__ = ["PortfolioPlanner", "portfolio"]
@@ -33,6 +33,8 @@ class PortfolioPlanner:
     name: str
     candidates: tuple[Planner, ...]
     replica_slots: int
+    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+    """Bytes moved per parameter of a re-homed expert; the simulator's setting, so that both price alike."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -44,7 +46,7 @@ class PortfolioPlanner:
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()
         plans = [c.plan(ctx) for c in self.candidates]
-        predicted = [predict_batch_time(p, ctx) for p in plans]
+        predicted = [predict_batch_time(p, ctx, self.migration_bytes_per_param) for p in plans]
         best = min(range(len(plans)), key=predicted.__getitem__)
         stats = dict(plans[best].stats)
         stats["portfolio_choice"] = float(best)
@@ -54,10 +56,18 @@ class PortfolioPlanner:
 
 
 def portfolio(
-    candidates: Mapping[str, Planner], replica_slots: int = 2, name: str = "relibra_portfolio"
+    candidates: Mapping[str, Planner],
+    replica_slots: int = 2,
+    name: str = "relibra_portfolio",
+    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM,
 ) -> PortfolioPlanner:
     """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept)."""
     for label, planner in candidates.items():
         if not isinstance(planner, Planner):
             raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")
-    return PortfolioPlanner(name=name, candidates=tuple(candidates.values()), replica_slots=replica_slots)
+    return PortfolioPlanner(
+        name=name,
+        candidates=tuple(candidates.values()),
+        replica_slots=replica_slots,
+        migration_bytes_per_param=float(migration_bytes_per_param),
+    )
