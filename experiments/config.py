@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,8 @@ def planning(
 ) -> Iterator[Any]:
     """The planner the simulator calls: ``planner`` behind the control plane, so that planning time in the
     results is the control plane's own (staged per layer, worker processes, deadline fallbacks), or the bare
-    planner when ``control_plane.enabled=false``. A Bound (Balanced) is no plan and is never wrapped."""
+    planner when ``control_plane.enabled=false``. A Bound (Balanced) is no plan and is never wrapped; a
+    portfolio keeps its choice and gets one control plane per candidate."""
     cp_cfg = cfg.get("control_plane") or {}
     if not bool(cp_cfg.get("enabled", True)) or not callable(getattr(planner, "plan", None)):
         yield planner
@@ -90,6 +92,16 @@ def planning(
         locality_deadline_s=None if locality_deadline is None else float(locality_deadline),
         seed=int(cfg.seed),
     )
+    from relibra.planners.portfolio import PortfolioPlanner
+
+    if isinstance(planner, PortfolioPlanner):  # each candidate behind its own control plane, then the choice
+        with ExitStack() as stack:
+            cps = tuple(
+                stack.enter_context(ControlPlane.from_planner(c, cluster, model, cost, config))
+                for c in planner.candidates
+            )
+            yield replace(planner, candidates=cps)
+        return
     with ControlPlane.from_planner(planner, cluster, model, cost, config) as cp:
         yield cp
 

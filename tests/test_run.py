@@ -281,10 +281,11 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
         provenance.code_version.cache_clear()
 
 
-@pytest.mark.parametrize("planner", ["relibra", "eplb"])
+@pytest.mark.parametrize("planner", ["relibra", "eplb", "relibra_portfolio"])
 def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planner):
     """The entry point plans through the control plane (staged per layer for ReLibra, one whole-batch task
-    for the baselines); its plans, and so every simulated metric, equal the planner called directly."""
+    for the baselines, one control plane per candidate of a portfolio); its plans, and so every simulated
+    metric, equal the planner called directly."""
     rows = {}
     for enabled in ("true", "false"):
         out = run(
@@ -298,3 +299,16 @@ def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planne
     with np.load(tmp_path / "true" / "plans.npz") as a, np.load(tmp_path / "false" / "plans.npz") as b:
         for key in ("home", "sample_gpu", "assign", "load"):
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_portfolio_candidates_each_get_a_control_plane():
+    from experiments.config import build_cost, build_planner, planning
+    from relibra.control_plane import ControlPlane
+    from relibra.planners.portfolio import PortfolioPlanner
+
+    c = cfg("planner=relibra_portfolio", "cluster.nodes=1")
+    cluster, model = build_cluster(c), build_model(c)
+    with planning(c, build_planner(c), cluster, model, build_cost(c, cluster, model)) as wrapped:
+        assert isinstance(wrapped, PortfolioPlanner) and wrapped.name == "relibra_portfolio"
+        assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
+        assert [c.name for c in wrapped.candidates] == ["relibra", "relibra_balance"]

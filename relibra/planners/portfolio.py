@@ -8,6 +8,9 @@ balance-first configuration as candidates (``planner=relibra_portfolio``) this t
 better of two objectives that win at different EP sizes (docs/reorder.md, "Step time against skewness"),
 for the planning work of both.
 
+Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
+fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).
+
 Stats: those of the chosen plan, plus ``portfolio_choice`` (index of the chosen candidate) and
 ``portfolio_<name>_s`` (each candidate's predicted batch seconds); the simulator averages stats over
 batches, so with two candidates ``portfolio_choice`` is the share of batches that took the second.
