@@ -611,7 +611,7 @@ def _comm_step(p, s, obj):  # pragma: no cover - compiled
                 weight[nc] = -x[gc, e] / (tot[e] + p.fixed)
                 nc += 1
     order = np.argsort(weight[:nc])
-    saved = _copy_state(s)
+    saved = _copy_state(s) if nc > 0 else s  # nothing to restore when there is no candidate
     for t in range(min(nc, p.max_tries)):
         e = cand[order[t]]
         # pinned first: a water-filled copy on a loaded gc takes few tokens, saves little, yet holds the slot
@@ -694,7 +694,7 @@ def _greedy_one(p, accept_comm, track_comm, comm_first):  # pragma: no cover - c
     s = _home_state(p)
     obj = _objective(p, s, accept_comm, ALL_NODES, np.inf)
     best = _objective(p, s, True, ALL_NODES, np.inf)
-    kept = _copy_state(s)
+    kept = _copy_state(s) if track_comm else s  # the best state so far (only tracked when asked)
     a_sync = s.a.copy()  # the split that ``traffic`` was last built from (track_comm without accept_comm)
     while True:
         new = _comm_step(p, s, obj) if comm_first else -1.0
