@@ -15,23 +15,10 @@ import numpy as np
 import pandas as pd
 
 from experiments.store import ResultsStore, cell_key, load_experiment
+from relibra.simulator import METRIC_COLUMNS
 
 
 def _row(i: int) -> pd.DataFrame:
-    cols = [
-        "step_time_s",
-        "throughput_tokens_per_s",
-        "skew_mean",
-        "skew_p50",
-        "skew_p90",
-        "skew_max",
-        "plan_time_s",
-        "t_compute_s",
-        "t_comm_s",
-        "t_sync_exposed_s",
-        "t_reorder_s",
-        "t_attention_s",
-    ]
     rng = np.random.default_rng(i)
     return pd.DataFrame(
         [
@@ -41,7 +28,7 @@ def _row(i: int) -> pd.DataFrame:
                 "planner": "relibra",
                 "nodes": 8,
                 "gpus_per_node": 8,
-                **dict(zip(cols, rng.random(len(cols)))),
+                **dict(zip(METRIC_COLUMNS, rng.random(len(METRIC_COLUMNS)))),
             }
         ]
     )
