@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow reproduce lint typecheck bench clean
+.PHONY: venv test test-slow reproduce reproduce-paper lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test-slow: venv
 
 reproduce: venv
 	$(PY) -m experiments.reproduce
+
+# The same six grids at the paper's scale (4 RL steps of 512 rollouts instead of 2 of 128).
+reproduce-paper: venv
+	$(PY) -m experiments.reproduce --scale paper
 
 lint: venv
 	$(PY) -m ruff check .

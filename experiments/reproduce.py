@@ -15,6 +15,7 @@ Examples::
 
     python -m experiments.reproduce                          # the quick presets (about 10 minutes)
     python -m experiments.reproduce --presets quick_ablation,quick_datasets
+    python -m experiments.reproduce --scale paper            # the same grids at the paper's scale
     python -m experiments.reproduce logger=wandb             # extra overrides go to every cell
     python -m experiments.reproduce planner=megatron,relibra # ... and may replace a preset's sweep
 """
@@ -44,7 +45,7 @@ from experiments.grid import cells, compose_cells
 from experiments.store import ResultsStore, cell_key, stored_code_version
 from relibra.provenance import code_version
 
-__all__ = ["QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
+__all__ = ["PAPER_PRESETS", "QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
 
 QUICK_PRESETS = (
     "quick_overall",
@@ -54,6 +55,8 @@ QUICK_PRESETS = (
     "quick_overhead",
     "quick_real_trace",
 )
+PAPER_PRESETS = tuple(p.removeprefix("quick_") for p in QUICK_PRESETS)
+"""The same six grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 OLMOE_SAMPLES_PER_BATCH = 100
@@ -165,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--presets",
-        default=",".join(QUICK_PRESETS),
-        help="comma-separated presets to run, in order (default: the six quick presets)",
+        default=None,
+        help="comma-separated presets to run, in order (default: the six presets of --scale)",
+    )
+    parser.add_argument(
+        "--scale",
+        choices=("quick", "paper"),
+        default="quick",
+        help="quick: the quick_* presets (default, about 10 minutes); paper: the paper-scale presets",
     )
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
     parser.add_argument(
@@ -181,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     reports: list[GridReport] = []
     with _progress(console) as progress:
-        for preset in [p for p in args.presets.split(",") if p]:
+        presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
+        for preset in [p for p in presets.split(",") if p]:
             overrides = list(args.overrides)
             if preset.removeprefix("quick_") == "real_trace":
                 trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")

@@ -236,3 +236,29 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     out = capsys.readouterr().out
     assert "4 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], ["quick_overall", "quick_ablation", "quick_ep_scaling", "quick_datasets", "quick_overhead"]),
+        (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "datasets", "overhead"]),
+        (["--scale", "paper", "--presets", "datasets"], ["datasets"]),
+    ],
+)
+def test_reproduce_scale_selects_the_presets(
+    argv: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--scale paper` (make reproduce-paper) runs the six grids at the paper's scale; --presets wins."""
+    from experiments import reproduce
+
+    ran: list[str] = []
+
+    def record(preset, root, overrides, progress=None, recompute_stale=False):  # type: ignore[no-untyped-def]
+        ran.append(preset)
+        return reproduce.GridReport(preset)
+
+    monkeypatch.setattr(reproduce, "run_grid", record)
+    monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
+    assert reproduce.main(["--results", str(tmp_path), "--no-analysis", *argv]) == 0
+    assert ran == expected
