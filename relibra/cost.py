@@ -266,6 +266,19 @@ class CostModel:
         busiest = np.maximum(recv, send).max(axis=-1)
         return busiest * self.expert_weight_bytes() / self._nvlink
 
+    @staticmethod
+    def exposed_refill(refill: np.ndarray, attention: np.ndarray | float) -> np.ndarray:
+        """Seconds of replica-buffer traffic that attention does not hide, per (micro-batch, layer).
+
+        refill [...] (one direction, :meth:`replica_refill_time`) and attention [...] (fwd + bwd seconds of
+        the layer's attention on the busiest GPU) broadcast together. The forward refill overlaps the
+        forward attention (a third of fwd + bwd, backward being twice the forward FLOPs); the backward
+        gradient reduction sends the same bytes home during the backward attention (two thirds).
+        """
+        refill = np.asarray(refill, dtype=np.float64)
+        attention = np.asarray(attention, dtype=np.float64)
+        return np.maximum(refill - attention / 3, 0) + np.maximum(refill - 2 * attention / 3, 0)
+
     def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
         """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.
 

@@ -312,8 +312,7 @@ class _BatchTimes:
 def _batch_times(priced: _Priced, cost: CostModel, dense_layers: int) -> _BatchTimes:
     attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
     attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
-    # NOTE: attention fwd is 1/3 and bwd 2/3 of its fwd+bwd time (backward = 2x forward FLOPs).
-    sync = np.maximum(priced.refill - attn / 3, 0) + np.maximum(priced.refill - 2 * attn / 3, 0)
+    sync = cost.exposed_refill(priced.refill, attn)
     dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
     per_layer = priced.br.t_compute + priced.br.t_comm + attn + sync
     total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant

@@ -332,6 +332,9 @@ class MilpReplicator:
     solver: str = "SCIP"
     time_limit_s: float = 10.0
     relative_gap: float = 1e-3
+    refill_aware: bool = True
+    """Behind a planner, keep only copies that pay for their replica-buffer refill
+    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
     _routing: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:

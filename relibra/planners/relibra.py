@@ -26,6 +26,7 @@ from relibra.planner import (
     static_placement,
 )
 from relibra.planners.milp import MilpReplicator
+from relibra.planners.refill import attention_window, replicate_within_window
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.types import BatchPlan
 
@@ -52,6 +53,7 @@ class StaticReorderer:
 class ComposedPlanner:
     """``reorderer`` once per batch, then ``replicator`` for every micro-batch (all its layers at once).
 
+    Replication pays for its replica-buffer refill (:func:`relibra.planners.refill.replicate_within_window`).
     ``plan_time_s`` covers both stages; ``stats`` merges the reorderer's and the replicators' (the latter
     averaged over micro-batches) with ``replicate_time_s`` and ``replicas_mean`` (filled slots per
     (micro-batch, layer) and GPU).
@@ -69,7 +71,11 @@ class ComposedPlanner:
         load = reordered_load(ctx, sample_gpu, self.name)
         home = np.asarray(reo.home, dtype=np.int32)
         t1 = time.perf_counter()
-        reps = [self.replicator.replicate(load[m], home, ctx) for m in range(load.shape[0])]
+        window = attention_window(ctx, sample_gpu)
+        reps = [
+            replicate_within_window(self.replicator, load[m], home, ctx, window[m])
+            for m in range(load.shape[0])
+        ]
         t2 = time.perf_counter()
         _, num_layers, g, num_experts = load.shape
         if reps:
@@ -101,16 +107,22 @@ def relibra(
     acceptance: Acceptance = "best",
     name: str = "relibra",
     polish_moves: int = 0,
+    refill_aware: bool = True,
 ) -> ComposedPlanner:
     """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication
-    (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`)."""
+    (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`;
+    ``refill_aware``: copies must pay for their buffer refill, see :mod:`relibra.planners.refill`)."""
     from relibra.planners.reorder import AnnealingReorderer
 
     return ComposedPlanner(
         name=name,
         reorderer=AnnealingReorderer(**dict(reorder or {})),
         replicator=GreedyReplicator(
-            replica_slots=replica_slots, split=split, acceptance=acceptance, polish_moves=polish_moves
+            replica_slots=replica_slots,
+            split=split,
+            acceptance=acceptance,
+            polish_moves=polish_moves,
+            refill_aware=refill_aware,
         ),
         replica_slots=replica_slots,
     )
@@ -122,13 +134,18 @@ def relibra_replicate_only(
     acceptance: Acceptance = "best",
     name: str = "relibra_replicate_only",
     polish_moves: int = 0,
+    refill_aware: bool = True,
 ) -> ComposedPlanner:
     """Ablation: static Megatron placement, then greedy replication."""
     return ComposedPlanner(
         name=name,
         reorderer=StaticReorderer(),
         replicator=GreedyReplicator(
-            replica_slots=replica_slots, split=split, acceptance=acceptance, polish_moves=polish_moves
+            replica_slots=replica_slots,
+            split=split,
+            acceptance=acceptance,
+            polish_moves=polish_moves,
+            refill_aware=refill_aware,
         ),
         replica_slots=replica_slots,
     )
@@ -141,13 +158,18 @@ def relibra_milp(
     relative_gap: float = 1e-3,
     reorderer: Reorderer | None = None,
     name: str = "relibra_milp",
+    refill_aware: bool = True,
 ) -> ComposedPlanner:
     """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem."""
     return ComposedPlanner(
         name=name,
         reorderer=reorderer if reorderer is not None else StaticReorderer(),
         replicator=MilpReplicator(
-            replica_slots=replica_slots, solver=solver, time_limit_s=time_limit_s, relative_gap=relative_gap
+            replica_slots=replica_slots,
+            solver=solver,
+            time_limit_s=time_limit_s,
+            relative_gap=relative_gap,
+            refill_aware=refill_aware,
         ),
         replica_slots=replica_slots,
     )

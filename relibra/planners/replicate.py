@@ -1044,6 +1044,9 @@ class GreedyReplicator:
     max_tries: int = 4
     polish_moves: int = 0
     polish_candidates: int = 3
+    refill_aware: bool = True
+    """Behind a planner, keep only copies that pay for their replica-buffer refill
+    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""

@@ -1,0 +1,110 @@
+"""Replication that pays for its replica-buffer refill.
+
+The layer-shared buffer is refilled for every (micro-batch, layer): each copy's weights cross NVLink from
+the expert's home while the layer's attention runs, and its gradients go home during the backward
+attention; what attention does not hide is exposed (:meth:`relibra.cost.CostModel.exposed_refill`, charged
+by the simulator). A replicator minimises ``T_MoE`` alone, which is right wherever the refill is hidden
+(every quick and paper-scale preset: the exposed share of a step is below 0.1 %), but on short steps (the
+OLMoE decode trace: 12,800 tokens a step) a copy can cost more refill than it saves.
+
+:func:`replicate_within_window` keeps the replicator's answer wherever its refill is hidden, and elsewhere
+also solves those layers with fewer slots per GPU (``r - 1`` down to ``0``, i.e. every token at home) and
+keeps, per layer, the answer with the lowest ``T_MoE`` plus exposed refill, priced by the cost model as
+the simulator prices it. With the static placement the home-only answer is Megatron-LM's, so replication
+never makes a layer slower than Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass, replace
+
+import numpy as np
+
+from relibra.planner import BatchContext, Replication, Replicator
+from relibra.workload import gpu_token_stats
+
+__all__ = ["attention_window", "replicate_within_window"]
+
+
+def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
+    """float64 [Mb]: one layer's attention seconds (fwd + bwd) on the busiest GPU of each micro-batch.
+
+    ``sample_gpu`` [Sb] is the assignment the plan runs with (after the locality round, if any).
+    """
+    tokens, pairs = gpu_token_stats(
+        ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+    )
+    return np.asarray(ctx.cost.attention_time(tokens, pairs).max(axis=-1), dtype=np.float64)
+
+
+def _slots(replicator: Replicator) -> int:
+    """Slots the selection may lower: the replicator's ``replica_slots`` when it is a dataclass with that
+    field and its ``refill_aware`` field (if any) is true; 0 (keep its answer as it is) otherwise."""
+    if not is_dataclass(replicator):
+        return 0
+    names = {f.name for f in fields(replicator)}
+    if "replica_slots" not in names or not getattr(replicator, "refill_aware", True):
+        return 0
+    return int(replicator.replica_slots)  # type: ignore[attr-defined]
+
+
+def _price(
+    load: np.ndarray, home: np.ndarray, rep: Replication, ctx: BatchContext, window_s: float
+) -> np.ndarray:
+    """float64 [L]: ``T_comp + T_comm + exposed refill`` of each layer, as the simulator charges it."""
+    cost = ctx.cost
+    br = cost.moe(load, rep.assign)
+    refill = cost.replica_refill_time(rep.replicas, home)
+    return br.t_compute + br.t_comm + cost.exposed_refill(refill, window_s)
+
+
+def replicate_within_window(
+    replicator: Replicator,
+    load: np.ndarray,
+    home: np.ndarray,
+    ctx: BatchContext,
+    window_s: float,
+) -> Replication:
+    """One micro-batch's replication whose refill pays for itself.
+
+    Args:
+        replicator: the replicator (a dataclass with ``replica_slots``; any other, or one whose
+            ``refill_aware`` field is false, is used as it is).
+        load: [L, G, E] of the micro-batch; home: [L, E]; ctx: the batch (its cost model prices answers).
+        window_s: the micro-batch's attention seconds per layer (:func:`attention_window`).
+    Returns:
+        :class:`Replication` with ``assign`` [L, E, G] and ``replicas`` [L, G, r] (``r`` of the replicator);
+        stats: the replicator's for the full answer, plus ``refill_capped_layers``, the share of layers
+        answered with fewer slots.
+    """
+    rep = replicator.replicate(load, home, ctx)
+    slots = _slots(replicator)
+    window = float(window_s)
+    if not (np.isfinite(window) and window >= 0):
+        raise ValueError(f"window_s={window_s!r}; expected attention seconds >= 0")
+    stats = dict(rep.stats)
+    stats["refill_capped_layers"] = 0.0
+    if slots == 0 or not rep.replicas.size:
+        return Replication(assign=rep.assign, replicas=rep.replicas, stats=stats)
+    exposed = ctx.cost.exposed_refill(ctx.cost.replica_refill_time(rep.replicas, home), window)
+    rows = np.flatnonzero(exposed > 0)
+    if rows.size == 0:
+        return Replication(assign=rep.assign, replicas=rep.replicas, stats=stats)
+    assign = np.array(rep.assign, dtype=np.int32)
+    replicas = np.array(rep.replicas, dtype=np.int32)
+    sub_load, sub_home = load[rows], home[rows]
+    best = _price(sub_load, sub_home, Replication(assign[rows], replicas[rows]), ctx, window)
+    capped = np.zeros(rows.size, dtype=bool)
+    for k in range(slots - 1, -1, -1):
+        alt = replace(replicator, replica_slots=k).replicate(sub_load, sub_home, ctx)  # type: ignore[type-var]
+        t = _price(sub_load, sub_home, alt, ctx, window)
+        better = t < best
+        if better.any():
+            take = rows[better]
+            assign[take] = alt.assign[better]
+            replicas[take] = -1
+            replicas[take, :, :k] = alt.replicas[better]
+            best = np.where(better, t, best)
+            capped |= better
+    stats["refill_capped_layers"] = float(capped.sum()) / load.shape[0]
+    return Replication(assign=assign, replicas=replicas, stats=stats)
