@@ -129,3 +129,17 @@ def test_a_bad_window_is_refused(setup) -> None:
     ctx, home = _context(setup)
     with pytest.raises(ValueError, match="window_s"):
         replicate_within_window(GreedyReplicator(replica_slots=SLOTS), ctx.load[0], home, ctx, window_s=-1.0)
+
+
+def test_refill_aware_false_keeps_the_paper_behaviour() -> None:
+    counts, workload, cluster, model, cost = _large_experts(1, 4, 8)
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
+    replicator = GreedyReplicator(replica_slots=SLOTS, refill_aware=False)
+    plain = replicator.replicate(ctx.load[0], home, ctx)
+    out = replicate_within_window(replicator, ctx.load[0], home, ctx, window_s=0.0)
+    assert (plain.replicas >= 0).any()
+    np.testing.assert_array_equal(out.assign, plain.assign)
+    np.testing.assert_array_equal(out.replicas, plain.replicas)
+    planner = relibra_replicate_only(replica_slots=SLOTS, refill_aware=False)
+    assert isinstance(planner.replicator, GreedyReplicator) and not planner.replicator.refill_aware
