@@ -77,11 +77,11 @@ def replicate_within_window(
         stats: the replicator's for the full answer, plus ``refill_capped_layers``, the share of layers
         answered with fewer slots.
     """
-    rep = replicator.replicate(load, home, ctx)
-    slots = _slots(replicator)
     window = float(window_s)
     if not (np.isfinite(window) and window >= 0):
         raise ValueError(f"window_s={window_s!r}; expected attention seconds >= 0")
+    rep = replicator.replicate(load, home, ctx)
+    slots = _slots(replicator)
     stats = dict(rep.stats)
     stats["refill_capped_layers"] = 0.0
     if slots == 0 or not rep.replicas.size:
