@@ -14,7 +14,12 @@ from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Planner
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
-from relibra.planners.relibra import relibra, relibra_replicate_only
+from relibra.planners.relibra import (
+    PreviousReorderer,
+    relibra,
+    relibra_keep_placement,
+    relibra_replicate_only,
+)
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
@@ -102,7 +107,7 @@ def test_portfolio_refuses_bad_candidates() -> None:
         portfolio({"x": 3})  # type: ignore[dict-item]
 
 
-def test_portfolio_config_composes_both_relibra_configs() -> None:
+def test_portfolio_config_composes_the_three_candidates() -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(
             config_name="config",
@@ -116,9 +121,33 @@ def test_portfolio_config_composes_both_relibra_configs() -> None:
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
     assert planner.migration_bytes_per_param == 6.0  # priced like the simulator that will run it
-    t_moe, balance = planner.candidates
-    assert (t_moe.name, balance.name) == ("relibra", "relibra_balance")
-    assert t_moe.replica_slots == balance.replica_slots == 3  # type: ignore[attr-defined]
+    t_moe, balance, keep = planner.candidates
+    assert (t_moe.name, balance.name, keep.name) == ("relibra", "relibra_balance", "relibra_keep_placement")
+    assert t_moe.replica_slots == balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
+    assert isinstance(keep.reorderer, PreviousReorderer)  # type: ignore[attr-defined]
     assert balance.replicator.acceptance == "compute"  # type: ignore[attr-defined]
     assert balance.reorderer.config.comm_weight == 0.0  # type: ignore[attr-defined]
     assert t_moe.reorderer.config.comm_weight == 1.0  # type: ignore[attr-defined]
+
+
+def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) -> None:
+    counts, workload, cluster, model, cost = setup
+    first = batch_context(counts, workload, 0, cluster, model, cost)
+    keep = relibra_keep_placement(replica_slots=2)
+    plan0 = keep.plan(first)  # no previous placement: Megatron-LM's static one
+    np.testing.assert_array_equal(plan0.home, relibra_replicate_only(replica_slots=2).plan(first).home)
+    prev = relibra(replica_slots=2, reorder=FAST_REORDER).plan(first).home
+    ctx = batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev)
+    plan = keep.plan(ctx)
+    np.testing.assert_array_equal(plan.home, prev)
+    check_plan(plan, ctx, replica_slots=2, replicas_in_home_node=True)
+    moved = relibra(replica_slots=2, reorder=FAST_REORDER).plan(ctx)
+    assert (moved.home != prev).any()
+    # With migration priced 1000x higher, keeping the placement must win the portfolio.
+    chosen = PortfolioPlanner(
+        "p", (relibra(replica_slots=2, reorder=FAST_REORDER), keep), 2, migration_bytes_per_param=18e3
+    ).plan(ctx)
+    assert chosen.stats["portfolio_choice"] == 1.0
+    np.testing.assert_array_equal(chosen.home, prev)
+    with pytest.raises(ValueError, match="prev_home"):
+        keep.plan(batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev[:, :-1]))

@@ -3,6 +3,7 @@
 * ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.AnnealingReorderer`), then
   the incremental greedy replication (:class:`relibra.planners.replicate.GreedyReplicator`);
 * ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
+* ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration);
 * ``relibra_milp``: static placement (or any reorderer), then the exact MILP per problem
   (:class:`relibra.planners.milp.MilpReplicator`), a reference for small and medium instances.
 
@@ -32,8 +33,10 @@ from relibra.types import BatchPlan
 
 __all__ = [
     "ComposedPlanner",
+    "PreviousReorderer",
     "StaticReorderer",
     "relibra",
+    "relibra_keep_placement",
     "relibra_milp",
     "relibra_replicate_only",
 ]
@@ -46,6 +49,23 @@ class StaticReorderer:
     def reorder(self, ctx: BatchContext) -> Reordering:
         _, num_layers, g, num_experts = np.shape(ctx.load)
         home = static_placement(num_layers, num_experts, g)
+        return Reordering(home=home, sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32))
+
+
+@dataclass(frozen=True)
+class PreviousReorderer:
+    """The previous batch's placement (Megatron-LM's static one on the first batch), samples where the
+    context put them: no reordering, so nothing migrates."""
+
+    def reorder(self, ctx: BatchContext) -> Reordering:
+        if ctx.prev_home is None:
+            return StaticReorderer().reorder(ctx)
+        _, num_layers, _, num_experts = np.shape(ctx.load)
+        home = np.array(ctx.prev_home, dtype=np.int32)
+        if home.shape != (num_layers, num_experts):
+            raise ValueError(
+                f"ctx.prev_home has shape {home.shape}; expected [L, E]=({num_layers}, {num_experts})"
+            )
         return Reordering(home=home, sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32))
 
 
@@ -118,11 +138,7 @@ def relibra(
         name=name,
         reorderer=AnnealingReorderer(**dict(reorder or {})),
         replicator=GreedyReplicator(
-            replica_slots=replica_slots,
-            split=split,
-            acceptance=acceptance,
-            polish_moves=polish_moves,
-            refill_aware=refill_aware,
+            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
         ),
         replica_slots=replica_slots,
     )
@@ -141,11 +157,27 @@ def relibra_replicate_only(
         name=name,
         reorderer=StaticReorderer(),
         replicator=GreedyReplicator(
-            replica_slots=replica_slots,
-            split=split,
-            acceptance=acceptance,
-            polish_moves=polish_moves,
-            refill_aware=refill_aware,
+            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
+        ),
+        replica_slots=replica_slots,
+    )
+
+
+def relibra_keep_placement(
+    replica_slots: int = 2,
+    split: SplitMethod = "waterfill",
+    acceptance: Acceptance = "best",
+    name: str = "relibra_keep_placement",
+    polish_moves: int = 0,
+    refill_aware: bool = True,
+) -> ComposedPlanner:
+    """The previous batch's placement kept (nothing migrates), then greedy replication: the portfolio's
+    candidate for batches whose reordering would not repay its migration."""
+    return ComposedPlanner(
+        name=name,
+        reorderer=PreviousReorderer(),
+        replicator=GreedyReplicator(
+            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
         ),
         replica_slots=replica_slots,
     )
