@@ -3,17 +3,19 @@
 Every candidate plans the batch; each plan is priced by the cost model the planner receives, exactly as
 the simulated executor prices it (:func:`relibra.simulator.predict_batch_time`: per-layer ``T_MoE``,
 attention, exposed replica refill, dense layers and the migration from the previous placement), and the
-plan with the lowest predicted batch time is returned. With ReLibra's ``T_MoE`` configuration and its
-balance-first configuration as candidates (``planner=relibra_portfolio``) this takes, batch by batch, the
-better of two objectives that win at different EP sizes (docs/reorder.md, "Step time against skewness"),
-for the planning work of both.
+plan with the lowest predicted batch time is returned. ``planner=relibra_portfolio`` has three candidates:
+ReLibra's ``T_MoE`` configuration and its balance-first configuration (two objectives that win at
+different EP sizes, docs/reorder.md, "Step time against skewness"), and the previous placement kept
+(``relibra_keep_placement``: no migration, for batches whose reordering would not repay it); it costs the
+planning work of all three.
 
 Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
 fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).
 
 Stats: those of the chosen plan, plus ``portfolio_choice`` (index of the chosen candidate) and
 ``portfolio_<name>_s`` (each candidate's predicted batch seconds); the simulator averages stats over
-batches, so with two candidates ``portfolio_choice`` is the share of batches that took the second.
+batches, so ``portfolio_choice`` is the mean candidate index (with two candidates, the share of batches
+that took the second).
 """
 
 from __future__ import annotations
