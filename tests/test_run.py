@@ -311,4 +311,8 @@ def test_portfolio_candidates_each_get_a_control_plane():
     with planning(c, build_planner(c), cluster, model, build_cost(c, cluster, model)) as wrapped:
         assert isinstance(wrapped, PortfolioPlanner) and wrapped.name == "relibra_portfolio"
         assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
-        assert [c.name for c in wrapped.candidates] == ["relibra", "relibra_balance"]
+        assert [c.name for c in wrapped.candidates] == [
+            "relibra",
+            "relibra_balance",
+            "relibra_keep_placement",
+        ]
