@@ -14,12 +14,7 @@ from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Planner
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
-from relibra.planners.relibra import (
-    PreviousReorderer,
-    relibra,
-    relibra_keep_placement,
-    relibra_replicate_only,
-)
+from relibra.planners.relibra import PreviousReorderer, relibra, relibra_replicate_only
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
@@ -133,7 +128,7 @@ def test_portfolio_config_composes_the_three_candidates() -> None:
 def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) -> None:
     counts, workload, cluster, model, cost = setup
     first = batch_context(counts, workload, 0, cluster, model, cost)
-    keep = relibra_keep_placement(replica_slots=2)
+    keep = relibra_replicate_only(replica_slots=2, placement="previous", name="relibra_keep_placement")
     plan0 = keep.plan(first)  # no previous placement: Megatron-LM's static one
     np.testing.assert_array_equal(plan0.home, relibra_replicate_only(replica_slots=2).plan(first).home)
     prev = relibra(replica_slots=2, reorder=FAST_REORDER).plan(first).home
@@ -151,3 +146,5 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
     np.testing.assert_array_equal(chosen.home, prev)
     with pytest.raises(ValueError, match="prev_home"):
         keep.plan(batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev[:, :-1]))
+    with pytest.raises(ValueError, match="placement='latest'"):
+        relibra_replicate_only(placement="latest")

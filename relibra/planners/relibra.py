@@ -3,7 +3,8 @@
 * ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.AnnealingReorderer`), then
   the incremental greedy replication (:class:`relibra.planners.replicate.GreedyReplicator`);
 * ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
-* ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration);
+* ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration;
+  ``relibra_replicate_only(placement="previous")``);
 * ``relibra_milp``: static placement (or any reorderer), then the exact MILP per problem
   (:class:`relibra.planners.milp.MilpReplicator`), a reference for small and medium instances.
 
@@ -36,7 +37,6 @@ __all__ = [
     "PreviousReorderer",
     "StaticReorderer",
     "relibra",
-    "relibra_keep_placement",
     "relibra_milp",
     "relibra_replicate_only",
 ]
@@ -151,31 +151,17 @@ def relibra_replicate_only(
     name: str = "relibra_replicate_only",
     polish_moves: int = 0,
     refill_aware: bool = True,
+    placement: str = "static",
 ) -> ComposedPlanner:
-    """Ablation: static Megatron placement, then greedy replication."""
+    """Greedy replication on a placement that is not reordered: ``placement="static"``, Megatron-LM's (the
+    ablation ``relibra_replicate_only``), or ``"previous"``, the previous batch's (``relibra_keep_placement``:
+    nothing migrates; the portfolio's candidate for batches whose reordering would not repay it)."""
+    reorderers: dict[str, Reorderer] = {"static": StaticReorderer(), "previous": PreviousReorderer()}
+    if placement not in reorderers:
+        raise ValueError(f"{name}: placement={placement!r}; expected one of {sorted(reorderers)}")
     return ComposedPlanner(
         name=name,
-        reorderer=StaticReorderer(),
-        replicator=GreedyReplicator(
-            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
-        ),
-        replica_slots=replica_slots,
-    )
-
-
-def relibra_keep_placement(
-    replica_slots: int = 2,
-    split: SplitMethod = "waterfill",
-    acceptance: Acceptance = "best",
-    name: str = "relibra_keep_placement",
-    polish_moves: int = 0,
-    refill_aware: bool = True,
-) -> ComposedPlanner:
-    """The previous batch's placement kept (nothing migrates), then greedy replication: the portfolio's
-    candidate for batches whose reordering would not repay its migration."""
-    return ComposedPlanner(
-        name=name,
-        reorderer=PreviousReorderer(),
+        reorderer=reorderers[placement],
         replicator=GreedyReplicator(
             replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
         ),
