@@ -84,7 +84,7 @@ from relibra.planner import (
     home_assign,
     static_placement,
 )
-from relibra.planners.refill import attention_window, replicate_within_window
+from relibra.planners.refill import replicate_batch
 from relibra.trace import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
 from relibra.workload import SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
@@ -414,11 +414,7 @@ def _replicate_task(
     kit = kit or _kit()
     assert kit.replicator is not None and part.home is not None
     ctx = _context(kit, part)
-    window = attention_window(ctx, part.sample_gpu)
-    reps = [
-        replicate_within_window(kit.replicator, part.load[m], part.home, ctx, window[m])
-        for m in range(part.load.shape[0])
-    ]
+    reps = replicate_batch(kit.replicator, part.load, part.home, ctx, part.sample_gpu)
     assign = np.stack([r.assign[0] for r in reps]).astype(np.int32)
     replicas = np.stack([r.replicas[0] for r in reps]).astype(np.int32)
     stats: dict[str, float] = {}

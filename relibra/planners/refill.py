@@ -23,7 +23,7 @@ import numpy as np
 from relibra.planner import BatchContext, Replication, Replicator
 from relibra.workload import gpu_token_stats
 
-__all__ = ["attention_window", "replicate_within_window"]
+__all__ = ["attention_window", "replicate_batch", "replicate_within_window"]
 
 
 def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
@@ -108,3 +108,13 @@ def replicate_within_window(
             capped |= better
     stats["refill_capped_layers"] = float(capped.sum()) / load.shape[0]
     return Replication(assign=assign, replicas=replicas, stats=stats)
+
+
+def replicate_batch(
+    replicator: Replicator, load: np.ndarray, home: np.ndarray, ctx: BatchContext, sample_gpu: np.ndarray
+) -> list[Replication]:
+    """Every micro-batch of ``load`` [Mb, L, G, E] on ``home`` [L, E], each within its attention window
+    under ``sample_gpu`` [Sb] (what :class:`~relibra.planners.relibra.ComposedPlanner` and the control
+    plane's replication tasks run)."""
+    window = attention_window(ctx, sample_gpu)
+    return [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(load.shape[0])]

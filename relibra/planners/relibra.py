@@ -28,7 +28,7 @@ from relibra.planner import (
     static_placement,
 )
 from relibra.planners.milp import MilpReplicator
-from relibra.planners.refill import attention_window, replicate_within_window
+from relibra.planners.refill import replicate_batch
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.types import BatchPlan
 
@@ -91,11 +91,7 @@ class ComposedPlanner:
         load = reordered_load(ctx, sample_gpu, self.name)
         home = np.asarray(reo.home, dtype=np.int32)
         t1 = time.perf_counter()
-        window = attention_window(ctx, sample_gpu)
-        reps = [
-            replicate_within_window(self.replicator, load[m], home, ctx, window[m])
-            for m in range(load.shape[0])
-        ]
+        reps = replicate_batch(self.replicator, load, home, ctx, sample_gpu)
         t2 = time.perf_counter()
         _, num_layers, g, num_experts = load.shape
         if reps:
