@@ -23,12 +23,16 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from omegaconf import DictConfig
 from rich.console import Console
@@ -36,6 +40,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -45,7 +50,19 @@ from experiments.grid import cells, compose_cells
 from experiments.store import ResultsStore, cell_key, stored_code_version
 from relibra.provenance import code_version
 
-__all__ = ["PAPER_PRESETS", "QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
+__all__ = [
+    "PAPER_PRESETS",
+    "QUICK_PRESETS",
+    "CellJob",
+    "CellOutcome",
+    "GridReport",
+    "main",
+    "plan_grid",
+    "prepare_olmoe_trace",
+    "run_cell_job",
+    "run_grid",
+    "run_jobs",
+]
 
 QUICK_PRESETS = (
     "quick_overall",
@@ -74,6 +91,30 @@ class GridReport:
     """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
     failed: list[tuple[list[str], str]] = field(default_factory=list)
     skipped: str = ""
+    total: int = 0
+    """Cells in the preset's grid."""
+
+
+@dataclass(frozen=True)
+class CellJob:
+    """One cell that has to be computed: what :func:`run_cell_job` needs, picklable for a worker process."""
+
+    preset: str
+    cell: list[str]
+    label: str
+    """``model dataset EPn planner``: how progress lines name the cell."""
+    cfg: DictConfig
+    run_dir: Path
+    recompute: bool
+    """The cell is stored already (by other code) and is computed again."""
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    """What one computed cell came to: its wall seconds and, when it failed, why."""
+
+    seconds: float
+    error: str | None = None
 
 
 def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
@@ -90,51 +131,115 @@ def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
     return save_trace(load_olmoe_decode(source, samples_per_batch=OLMOE_SAMPLES_PER_BATCH), out)
 
 
-def run_grid(
-    preset: str,
-    results_root: Path,
-    overrides: list[str],
-    progress: Progress | None = None,
-    recompute_stale: bool = False,
-) -> GridReport:
-    """Run every unfinished cell of ``preset`` into ``results_root/<preset>`` (the store skips finished ones).
+def plan_grid(
+    preset: str, results_root: Path, overrides: list[str], recompute_stale: bool = False
+) -> tuple[GridReport, list[CellJob]]:
+    """Sort ``preset``'s cells into finished ones (counted in the report) and jobs still to compute.
 
     A finished cell computed by other code than the current one (its ``code_version``) is counted in
-    ``stale`` and reused, or with ``recompute_stale`` computed again (its stored rows are replaced only when
-    the new ones are written). A failing cell is recorded and the grid goes on; nothing else is retried.
+    ``stale`` and reused, or with ``recompute_stale`` becomes a job (its stored rows are replaced only when
+    the new ones are written). A finished cell whose file cannot be read is a job too.
     """
-    from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
-
     report = GridReport(preset)
     store_dir = results_root / preset
     store = ResultsStore(store_dir)
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
     store.write_grid(cell_key(cfg) for cfg in configs)
-    task = progress.add_task(preset, total=len(grid), reused=0, cell="") if progress is not None else None
+    report.total = len(grid)
+    jobs: list[CellJob] = []
     for cell, cfg in zip(grid, configs):
         key = cell_key(cfg)
-        if progress is not None and task is not None:
-            dataset = cfg.trace.get("dataset") or cfg.trace.preset
-            progress.update(task, cell=f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}")
         stored = stored_code_version(store.read(key)) if store.has(key) else None
         if stored is not None and stored != code_version():
             report.stale[stored] = report.stale.get(stored, 0) + 1
         if stored is not None and not (recompute_stale and stored != code_version()):
             report.reused += 1
-        else:
-            try:
-                # a stale cell (stored is not None) is computed again and replaces its old rows
-                run(cfg, run_dir=store_dir / "runs" / key, recompute=stored is not None)
-                report.ran += 1
-            except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
-                report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
-                if os.environ.get("RELIBRA_DEBUG"):
-                    traceback.print_exc()
-        if progress is not None and task is not None:
-            progress.update(task, advance=1, reused=report.reused)
-    if progress is not None and task is not None:
-        progress.update(task, cell="")
+            continue
+        dataset = cfg.trace.get("dataset") or cfg.trace.preset
+        label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
+        jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None))
+    return report, jobs
+
+
+def run_cell_job(job: CellJob) -> CellOutcome:
+    """Compute one cell into its store (in this process or a worker); a failure is returned, not raised."""
+    from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
+
+    start = time.perf_counter()
+    try:
+        run(job.cfg, run_dir=job.run_dir, recompute=job.recompute)
+    except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
+        if os.environ.get("RELIBRA_DEBUG"):
+            traceback.print_exc()
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        return CellOutcome(time.perf_counter() - start, f"{type(exc).__name__}: {why}")
+    return CellOutcome(time.perf_counter() - start)
+
+
+def _warm_numba_cache() -> None:
+    """Compile every numba kernel once, here, so that worker processes only load the on-disk cache.
+
+    NOTE: two processes that find the cache cold would both compile (tens of seconds each) and race on
+    writing it; compiling once before the pool starts avoids both.
+    """
+    from relibra.planners.warmup import compile_kernels
+
+    compile_kernels()
+
+
+def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, CellOutcome], None]) -> None:
+    """Compute ``jobs``, ``workers`` at a time, calling ``on_done`` in this process as each one ends.
+
+    ``workers == 1`` computes them here, one after another. Otherwise independent cells run in a pool of
+    spawned worker processes (``concurrent.futures``): each cell writes only its own store files
+    (atomically), so the store needs no coordination; the numba cache is warmed first.
+    """
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            on_done(job, run_cell_job(job))
+        return
+    _warm_numba_cache()
+    # NOTE: one BLAS thread per worker, so that `workers` processes do not oversubscribe the cores; set
+    # before the workers start (they inherit the environment), never in this process.
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    env = {k: os.environ.get(k) for k in _THREAD_VARS}
+    os.environ.update({k: threads for k in _THREAD_VARS if k not in os.environ})
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+            futures = {pool.submit(run_cell_job, job): job for job in jobs}
+            for future in as_completed(futures):
+                job = futures[future]
+                try:
+                    outcome = future.result()
+                except Exception as exc:  # NOTE: a worker that died (e.g. killed for memory)
+                    outcome = CellOutcome(float("nan"), f"worker died: {type(exc).__name__}: {exc}")
+                on_done(job, outcome)
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def run_grid(
+    preset: str,
+    results_root: Path,
+    overrides: list[str],
+    progress: Progress | None = None,
+    recompute_stale: bool = False,
+    workers: int = 1,
+) -> GridReport:
+    """Run every unfinished cell of ``preset`` into ``results_root/<preset>`` (see :func:`plan_grid`)."""
+    report, jobs = plan_grid(preset, results_root, overrides, recompute_stale)
+    tracker = _Tracker(_Lines(Console(width=160)) if progress is None else _Bars(progress))
+    tracker.add(report, len(jobs))
+    run_jobs(jobs, workers, tracker.done)
     return report
 
 
@@ -142,16 +247,81 @@ def _ep(cfg: DictConfig) -> int:
     return int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
 
 
+class _Display(Protocol):
+    """Where progress goes: live bars on a terminal, plain lines elsewhere."""
+
+    def start(self, report: GridReport, todo: int) -> None: ...
+
+    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None: ...
+
+
+@dataclass
+class _Lines:
+    """One plain line per finished cell (CI, ``| tee``, Slurm logs): preset, cell, seconds, done/total."""
+
+    console: Console
+
+    def start(self, report: GridReport, todo: int) -> None:
+        self.console.print(
+            f"{report.preset}: {report.total} cells, {report.reused} reused, {todo} to compute",
+            highlight=False,
+        )
+
+    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
+        state = "done" if outcome.error is None else f"FAILED ({outcome.error.splitlines()[0]})"
+        self.console.print(
+            f"{report.preset} [{done}/{report.total}] {job.label}: {outcome.seconds:.1f} s {state}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,  # NOTE: one line per cell, however long, so that logs can be grepped
+        )
+
+
+@dataclass
+class _Bars:
+    """One live bar per preset: cells done (reused included), reused, failed, elapsed and time left."""
+
+    progress: Progress
+    tasks: dict[str, TaskID] = field(default_factory=dict)
+
+    def start(self, report: GridReport, todo: int) -> None:
+        self.tasks[report.preset] = self.progress.add_task(
+            report.preset, total=report.total, completed=report.reused, reused=report.reused, failed=0
+        )
+
+    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
+        self.progress.update(self.tasks[report.preset], completed=done, failed=len(report.failed))
+
+
+@dataclass
+class _Tracker:
+    """Counts finished cells into their preset's report and shows them."""
+
+    display: _Display
+    reports: dict[str, GridReport] = field(default_factory=dict)
+
+    def add(self, report: GridReport, todo: int) -> None:
+        self.reports[report.preset] = report
+        self.display.start(report, todo)
+
+    def done(self, job: CellJob, outcome: CellOutcome) -> None:
+        report = self.reports[job.preset]
+        if outcome.error is None:
+            report.ran += 1
+        else:
+            report.failed.append((job.cell, outcome.error))
+        self.display.finish(report, job, outcome, report.reused + report.ran + len(report.failed))
+
+
 def _progress(console: Console) -> Progress:
     return Progress(
         TextColumn("{task.description:<18}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("cells, {task.fields[reused]} reused"),
+        TextColumn("cells, {task.fields[reused]} reused, {task.fields[failed]} failed"),
         TimeElapsedColumn(),
         TextColumn("left"),
         TimeRemainingColumn(),
-        TextColumn("[dim]{task.fields[cell]}"),
         console=console,
     )
 
@@ -175,7 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         "--scale",
         choices=("quick", "paper"),
         default="quick",
-        help="quick: the quick_* presets (default, about 10 minutes); paper: the paper-scale presets",
+        help="quick: the quick_* presets (default); paper: the paper-scale presets",
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=os.cpu_count() or 1,
+        help="cells computed at once, each in its own process (default: one per core; 1: in this process)",
     )
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
     parser.add_argument(
@@ -185,36 +361,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    tty = sys.stdout.isatty()
+    console = Console() if tty else Console(width=160)
     root: Path = args.results.resolve()
     start = time.perf_counter()
     reports: list[GridReport] = []
-    with _progress(console) as progress:
-        presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
-        for preset in [p for p in presets.split(",") if p]:
-            overrides = list(args.overrides)
-            if preset.removeprefix("quick_") == "real_trace":
-                trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")
-                if trace is None:
-                    reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
-                    continue
-                overrides.append(f"trace.path={trace}")
-            reports.append(run_grid(preset, root, overrides, progress, args.recompute_stale))
-    for rep in reports:
-        if rep.skipped:
-            console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
-            continue
-        console.print(f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed")
-        if rep.stale:
-            versions = ", ".join(f"{n} by {v}" for v, n in sorted(rep.stale.items()))
-            what = "recomputed" if args.recompute_stale else "reused; --recompute-stale recomputes them"
-            console.print(
-                f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
-                f"{code_version()} ({versions}): {what}"
-            )
-        for cell, why in rep.failed:
-            console.print(f"  [red]failed[/red] {' '.join(cell)}: {why.splitlines()[0]}")
-    console.print(f"grid time {time.perf_counter() - start:.0f} s; results in {root}")
+    jobs: list[CellJob] = []
+    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
+    for preset in [p for p in presets.split(",") if p]:
+        overrides = list(args.overrides)
+        if preset.removeprefix("quick_") == "real_trace":
+            trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")
+            if trace is None:
+                reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
+                continue
+            overrides.append(f"trace.path={trace}")
+        report, todo = plan_grid(preset, root, overrides, args.recompute_stale)
+        reports.append(report)
+        jobs.extend(todo)
+    progress = _progress(console) if tty else None
+    tracker = _Tracker(_Bars(progress) if progress is not None else _Lines(console))
+    for report in reports:
+        if not report.skipped:
+            tracker.add(report, sum(job.preset == report.preset for job in jobs))
+    if progress is not None:
+        with progress:
+            run_jobs(jobs, args.workers, tracker.done)
+    else:
+        run_jobs(jobs, args.workers, tracker.done)
+    _summarise(console, reports, args.recompute_stale)
+    console.print(
+        f"grid time {time.perf_counter() - start:.0f} s ({len(jobs)} cells computed, "
+        f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}"
+    )
     if not args.no_analysis:
         from analysis.__main__ import analyse
 
@@ -225,6 +404,31 @@ def main(argv: list[str] | None = None) -> int:
             if path.suffix == ".png":
                 console.print(f"  {path}")
     return 1 if any(rep.failed for rep in reports) else 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _summarise(console: Console, reports: list[GridReport], recompute_stale: bool) -> None:
+    """Per preset: cells run, reused and failed (with why), and cells finished by other code."""
+    for rep in reports:
+        if rep.skipped:
+            console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
+            continue
+        console.print(f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed")
+        if rep.stale:
+            versions = ", ".join(f"{n} by {v}" for v, n in sorted(rep.stale.items()))
+            what = "recomputed" if recompute_stale else "reused; --recompute-stale recomputes them"
+            console.print(
+                f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
+                f"{code_version()} ({versions}): {what}"
+            )
+        for cell, why in rep.failed:
+            console.print(f"  [red]failed[/red] {' '.join(cell)}: {why}", soft_wrap=True)
 
 
 if __name__ == "__main__":

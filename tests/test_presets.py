@@ -179,6 +179,8 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         str(tmp_path),
         "--presets",
         "quick_ep_scaling",
+        "--workers",
+        "1",  # NOTE: in this process, so that the monkeypatch below reaches the cells
         "cluster.nodes=1,2",
         *tiny(2),
     ]  # x 4 planners
@@ -219,7 +221,8 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     from experiments.store import ResultsStore, stored_code_version
     from relibra.provenance import code_version
 
-    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "cluster.nodes=1", *tiny(1)]
+    args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "1"]
+    args += ["cluster.nodes=1", *tiny(1)]
     assert reproduce.main([*args, "--no-analysis"]) == 0
     store = ResultsStore(tmp_path / "quick_ep_scaling")
     assert {stored_code_version(store.read(k)) for k in store.keys()} == {code_version()}
@@ -254,11 +257,11 @@ def test_reproduce_scale_selects_the_presets(
 
     ran: list[str] = []
 
-    def record(preset, root, overrides, progress=None, recompute_stale=False):  # type: ignore[no-untyped-def]
+    def record(preset, root, overrides, recompute_stale=False):  # type: ignore[no-untyped-def]
         ran.append(preset)
-        return reproduce.GridReport(preset)
+        return reproduce.GridReport(preset), []
 
-    monkeypatch.setattr(reproduce, "run_grid", record)
+    monkeypatch.setattr(reproduce, "plan_grid", record)
     monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
     assert reproduce.main(["--results", str(tmp_path), "--no-analysis", *argv]) == 0
     assert ran == expected
