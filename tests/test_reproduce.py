@@ -39,9 +39,11 @@ def test_plain_output_prints_one_line_per_finished_cell(
     assert reproduce.main([*args, "--no-analysis", *TINY]) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 4 cells, 0 reused, 4 to compute" in out
-    lines = re.findall(r"^quick_ep_scaling \[(\d)/4\] qwen3-30b-a3b mixed EP8 (\S+): [\d.]+ s done$", out, re.M)
+    line = r"^quick_ep_scaling \[(\d)/4\] qwen3-30b-a3b mixed EP8 (\S+): [\d.]+ s done$"
+    lines = re.findall(line, out, re.M)
     assert sorted(int(done) for done, _ in lines) == [1, 2, 3, 4]
-    assert {planner for _, planner in lines} == {"megatron", "relibra", "relibra_balance", "relibra_portfolio"}
+    planners = {planner for _, planner in lines}
+    assert planners == {"megatron", "relibra", "relibra_balance", "relibra_portfolio"}
     assert "quick_ep_scaling: 4 cells run, 0 reused, 0 failed" in out
 
     assert reproduce.main([*args, "--no-analysis", *TINY]) == 0  # a rerun: every cell reused, no lines
