@@ -31,6 +31,7 @@ __all__ = [
     "plot_layer_skew",
     "plot_skew_by_ep",
     "plot_throughput",
+    "relative_throughput",
     "save",
 ]
 
@@ -58,7 +59,7 @@ def _order(present: pd.Series) -> list[str]:
     )
 
 
-def _relative_throughput(frame: pd.DataFrame) -> pd.DataFrame:
+def relative_throughput(frame: pd.DataFrame) -> pd.DataFrame:
     """Throughput of every row over Megatron-LM's in the same (model, dataset, EP) cell."""
     keys = ["model", "dataset", "nodes", "gpus_per_node"]
     data = frame.groupby([*keys, "planner"], as_index=False)["throughput_tokens_per_s"].mean()
@@ -74,7 +75,7 @@ def _relative_throughput(frame: pd.DataFrame) -> pd.DataFrame:
 
 def plot_throughput(frame: pd.DataFrame) -> Figure:
     """Normalised throughput (x Megatron-LM) per dataset, one panel per model, one bar per planner."""
-    data = _relative_throughput(frame)
+    data = relative_throughput(frame)
     grid = sns.catplot(
         data=data,
         kind="bar",
@@ -102,7 +103,7 @@ def plot_throughput(frame: pd.DataFrame) -> Figure:
 
 def plot_ablation(frame: pd.DataFrame) -> Figure:
     """Ablation bars: throughput relative to Megatron-LM per dataset, with the paper's values as diamonds."""
-    data = _relative_throughput(frame)
+    data = relative_throughput(frame)
     data = data.groupby(["dataset", "planner", "planner_label"], as_index=False)["relative"].mean()
     order = _order(data["planner"])
     fig, ax = plt.subplots(figsize=(6.4, 3.6))

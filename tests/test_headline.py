@@ -1,0 +1,54 @@
+"""The headline figure: methods as bars over Megatron-LM, bounds as marks, from the paper-scale preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from matplotlib.collections import LineCollection
+
+from analysis.headline import headline_source, plot_headline, write_headline
+
+
+def _frame(throughput: dict[str, float]) -> pd.DataFrame:
+    rows = [
+        {
+            "model": model,
+            "dataset": dataset,
+            "nodes": 4,
+            "gpus_per_node": 8,
+            "planner": planner,
+            "throughput_tokens_per_s": value * (2.0 if model == "b" else 1.0),
+        }
+        for model in ("a", "b")
+        for dataset in ("reasoning", "coding")
+        for planner, value in throughput.items()
+    ]
+    return pd.DataFrame(rows)
+
+
+PLANNERS = {"megatron": 100.0, "relibra": 130.0, "eplb": 110.0, "balanced": 160.0, "force_balanced": 150.0}
+
+
+def test_methods_are_bars_normalised_to_megatron_and_bounds_are_marks() -> None:
+    fig = plot_headline(_frame(PLANNERS))
+    axes = fig.axes
+    assert len(axes) == 2  # one panel per model
+    for ax in axes:
+        heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+        assert heights == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3]  # 3 methods x 2 datasets, over Megatron-LM
+        marks = [c for c in ax.collections if isinstance(c, LineCollection)]
+        levels = sorted(round(float(seg[0][1]), 6) for c in marks for seg in c.get_segments())
+        assert levels == [1.5, 1.5, 1.6, 1.6]  # force-balanced and Balanced, once per dataset
+
+
+def test_the_paper_scale_preset_is_preferred(tmp_path: Path) -> None:
+    quick, paper_scale = _frame(PLANNERS), _frame(PLANNERS)
+    assert headline_source({"quick_overall": quick}) == "quick_overall"
+    assert headline_source({"quick_overall": quick, "overall": paper_scale}) == "overall"
+    with pytest.raises(ValueError, match="overall"):
+        headline_source({"ablation": quick})
+    paths = write_headline({"overall": paper_scale}, tmp_path)
+    assert sorted(p.name for p in paths) == ["headline.pdf", "headline.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
