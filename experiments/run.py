@@ -129,7 +129,11 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "planner": result.planner,
             "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node,
-            "replica_slots": row["replica_slots"],
+            # NOTE: a method without fixed slots (LLEP) is dumped with the widest slot table its plans use.
+            "replica_slots": max(
+                [row["replica_slots"]]
+                + [p.replicas.shape[-1] for p in result.plans if p.online and not p.online.fixed_slots and p.replicas is not None]
+            ),
             "redundant_slots": int(cfg.planner.get("redundant_slots", 0) or 0),
             "num_experts": model.num_experts,
             "num_layers": counts.num_layers,
