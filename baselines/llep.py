@@ -160,10 +160,15 @@ def imbalance_ratio(counts: np.ndarray, num_gpus: int) -> float:
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def lpt_plan(counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens_per_gemm: int) -> LptPlan:
+def lpt_plan(
+    counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens_per_gemm: int
+) -> LptPlan:
     """``compute_llep_lpt_plan``: counts int [E] global tokens per expert -> :class:`LptPlan`."""
     chunks, _, cap, forced = _lpt(
-        np.ascontiguousarray(counts, dtype=np.int64), num_gpus, float(max_tokens_factor), int(min_tokens_per_gemm)
+        np.ascontiguousarray(counts, dtype=np.int64),
+        num_gpus,
+        float(max_tokens_factor),
+        int(min_tokens_per_gemm),
     )
     return LptPlan(chunks=chunks, capacity=int(cap), forced=forced)
 
@@ -204,7 +209,8 @@ class LlepPlanner:
     the variable unset); ``max_tokens_factor``: the capacity factor (``EP_MAX_TOKENS_FACTOR``, 1.1 as
     ``compute_llep_lpt_plan``); ``min_tokens_per_gemm``: ``EP_MIN_TOKENS_PER_GEMM`` (1024);
     ``critical_path_s``: planning seconds charged per (micro-batch, layer) (default: this implementation's
-    measured median, :data:`MEASURED_CRITICAL_PATH_S`); None charges the time measured in the run. LLEP holds foreign experts' weights per transfer (no fixed slots), so
+    measured median, :data:`MEASURED_CRITICAL_PATH_S`); None charges the time measured in the run. LLEP
+    holds foreign experts' weights per transfer (no fixed slots), so
     its copies have no slot bound (``replica_slots`` 0, ``OnlineCopies.fixed_slots`` False); its memory
     bound is the token capacity.
     """
@@ -233,8 +239,8 @@ class LlepPlanner:
             raise ValueError(f"planner.critical_path_s={self.critical_path_s}; need >= 0 or null (measured)")
         if self.redundant_slots != 0 or self.replica_slots != 0:
             raise ValueError(
-                f"planner.redundant_slots={self.redundant_slots}, planner.replica_slots={self.replica_slots}: "
-                "LLEP has no fixed slots (it allocates foreign weights per transfer); use 0"
+                f"planner.redundant_slots={self.redundant_slots}, "
+                f"planner.replica_slots={self.replica_slots}: LLEP has no fixed slots (it allocates foreign weights per transfer); use 0"
             )
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
@@ -252,7 +258,9 @@ class LlepPlanner:
         measured = np.zeros((mb, num_layers))
         onehot = home[0][:, None] == np.arange(g)  # [E, G]
         factor, min_gemm = float(self.max_tokens_factor), int(self.min_tokens_per_gemm)
-        _lpt(counts[0, 0], g, factor, min_gemm)  # NOTE: untimed, so a compilation or cache load is not measured.
+        _lpt(
+            counts[0, 0], g, factor, min_gemm
+        )  # NOTE: untimed, so a compilation or cache load is not measured.
         for m in range(mb):
             for layer in range(num_layers):
                 t = time.perf_counter()

@@ -105,7 +105,12 @@ def _export_plan(
                 if dynamic_floor:
                     feasible = 0
                     for t in range(g):
-                        if slack[t] > 0 and used[t] < slots and not occ[e, t] and min(need, slack[t], avail) > 0:
+                        if (
+                            slack[t] > 0
+                            and used[t] < slots
+                            and not occ[e, t]
+                            and min(need, slack[t], avail) > 0
+                        ):
                             feasible += 1
                     if feasible == 0:
                         break
@@ -401,11 +406,15 @@ def solve_domain(
     return DomainSolution(threshold=int(thr), host=host, quota=quota, slots=table)
 
 
-def split_sources(x: np.ndarray, solution: DomainSolution, *, first_rank: int = 0, locality: bool = True) -> np.ndarray:
+def split_sources(
+    x: np.ndarray, solution: DomainSolution, *, first_rank: int = 0, locality: bool = True
+) -> np.ndarray:
     """Per-source token allocation over each expert's copies: x int [G, Ed] tokens of every source rank for
     the domain's experts -> int64 [G, Ed, C] (columns as ``solution.host``)."""
     count = (solution.host >= 0).sum(axis=1).astype(np.int64)
-    return _split(np.ascontiguousarray(x, dtype=np.int64), first_rank, solution.host, solution.quota, count, locality)
+    return _split(
+        np.ascontiguousarray(x, dtype=np.int64), first_rank, solution.host, solution.quota, count, locality
+    )
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,11 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             # NOTE: a method without fixed slots (LLEP) is dumped with the widest slot table its plans use.
             "replica_slots": max(
                 [row["replica_slots"]]
-                + [p.replicas.shape[-1] for p in result.plans if p.online and not p.online.fixed_slots and p.replicas is not None]
+                + [
+                    p.replicas.shape[-1]
+                    for p in result.plans
+                    if p.online and not p.online.fixed_slots and p.replicas is not None
+                ]
             ),
             "redundant_slots": int(cfg.planner.get("redundant_slots", 0) or 0),
             "num_experts": model.num_experts,

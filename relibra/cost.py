@@ -280,8 +280,8 @@ class CostModel:
         return np.maximum(refill - attention / 3, 0) + np.maximum(refill - 2 * attention / 3, 0)
 
     def fabric_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
-        """Seconds to copy every listed slot's expert from its home GPU at once, on the fabric (NVLink inside a
-        node; the rail NIC, after an NVLink hop when the rails differ, across nodes), bounded by the busiest
+        """Seconds to copy every listed slot's expert from its home GPU at once, on the fabric (NVLink inside
+        a node; the rail NIC, after an NVLink hop when the rails differ, across nodes), bounded by the busiest
         link. For online planners whose copies may leave the node (LLEP); equal to
         :meth:`replica_refill_time` when every copy stays in its home node.
 

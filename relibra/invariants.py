@@ -216,7 +216,8 @@ def check_replica_table(
 ) -> np.ndarray:
     """Check the listed replica slots replicas [Mb, L, G, r] (expert per slot, -1 empty) against home [L, E].
 
-    ``[shape]``; ``[slot capacity]`` r <= ``replica_slots`` (None: no fixed slots); ``[slot range]`` ids in ``[-1, E)``;
+    ``[shape]``; ``[slot capacity]`` r <= ``replica_slots`` (None: no fixed slots); ``[slot range]`` ids
+    in ``[-1, E)``;
     ``[slot duplicate]`` a GPU's slots of one (micro-batch, layer) name an expert at most once and never one
     of that GPU's own home experts; ``[replicas in home node]`` (when ``in_home_node``) every listed replica
     sits in the node of its expert's home. Returns held bool [Mb, L, E, G]: expert e sits in a slot of g.
@@ -317,8 +318,8 @@ def check_assignment(
 
     home [L, E], assign [Mb, L, E, G], load [Mb, L, G, E], replicas [Mb, L, G, r] or None,
     redundant [L, G, R] or None. ``replica_slots`` None: the method has no fixed slots (LLEP), so only the
-    listed slot contents bound its copies. ``require_home_balance``: None checks ``[home balance]`` only without
-    redundant slots (EPLB's ``home`` names one copy of each expert). ``require_slots``: every non-home
+    listed slot contents bound its copies. ``require_home_balance``: None checks ``[home balance]`` only
+    without redundant slots (EPLB's ``home`` names one copy of each expert). ``require_slots``: every non-home
     expert a GPU computes must sit in one of its listed slots even when the plan lists none (an executor
     holds no other copies). Raises :class:`PlanInvariantError`.
     """
@@ -469,13 +470,16 @@ def check_plan(
 def check_token_capacity(
     assign: np.ndarray, capacity: np.ndarray, over_capacity: np.ndarray | None = None, where: str = "plan"
 ) -> None:
-    """``[token capacity]``: every GPU computes at most ``capacity[m, l]`` tokens in each (micro-batch, layer),
-    except the GPUs ``over_capacity`` names. assign [Mb, L, E, G], capacity int [Mb, L], over_capacity bool
+    """``[token capacity]``: every GPU computes at most ``capacity[m, l]`` tokens in each (micro-batch,
+    layer), except the GPUs ``over_capacity`` names. assign [Mb, L, E, G], capacity int [Mb, L], over_capacity bool
     [Mb, L, G] or None (LLEP: its memory bound, and the GPUs that took a forced spill)."""
     tokens = np.asarray(assign, dtype=np.int64).sum(axis=2)  # [Mb, L, G]
     cap = np.asarray(capacity, dtype=np.int64)
     if cap.shape != tokens.shape[:2] or (cap < 1).any():
-        _fail("token capacity", f"{where}: capacity has shape {cap.shape}; expected {tokens.shape[:2]} of ints >= 1")
+        _fail(
+            "token capacity",
+            f"{where}: capacity has shape {cap.shape}; expected {tokens.shape[:2]} of ints >= 1",
+        )
     bad = tokens > cap[..., None]
     if over_capacity is not None:
         bad &= ~np.asarray(over_capacity, dtype=bool)
