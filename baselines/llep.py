@@ -240,7 +240,8 @@ class LlepPlanner:
         if self.redundant_slots != 0 or self.replica_slots != 0:
             raise ValueError(
                 f"planner.redundant_slots={self.redundant_slots}, "
-                f"planner.replica_slots={self.replica_slots}: LLEP has no fixed slots (it allocates foreign weights per transfer); use 0"
+                f"planner.replica_slots={self.replica_slots}: LLEP has no fixed slots (it allocates "
+                "foreign weights per transfer); use 0"
             )
 
     def plan(self, ctx: BatchContext) -> BatchPlan:

@@ -471,8 +471,8 @@ def check_token_capacity(
     assign: np.ndarray, capacity: np.ndarray, over_capacity: np.ndarray | None = None, where: str = "plan"
 ) -> None:
     """``[token capacity]``: every GPU computes at most ``capacity[m, l]`` tokens in each (micro-batch,
-    layer), except the GPUs ``over_capacity`` names. assign [Mb, L, E, G], capacity int [Mb, L], over_capacity bool
-    [Mb, L, G] or None (LLEP: its memory bound, and the GPUs that took a forced spill)."""
+    layer), except the GPUs ``over_capacity`` names. assign [Mb, L, E, G], capacity int [Mb, L],
+    over_capacity bool [Mb, L, G] or None (LLEP: its memory bound, and the GPUs that took a forced spill)."""
     tokens = np.asarray(assign, dtype=np.int64).sum(axis=2)  # [Mb, L, G]
     cap = np.asarray(capacity, dtype=np.int64)
     if cap.shape != tokens.shape[:2] or (cap < 1).any():
