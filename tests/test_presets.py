@@ -14,7 +14,7 @@ from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
-PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"}
+PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "ultraep", "llep", "relibra", "balanced"}
 
 
 def tiny(cfg_nodes: int) -> list[str]:
@@ -181,10 +181,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "quick_ep_scaling",
         "cluster.nodes=1,2",
         *tiny(2),
-    ]  # x 4 planners
+    ]  # x 7 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "8 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "14 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -193,7 +193,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 8 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 14 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
