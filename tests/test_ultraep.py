@@ -12,7 +12,7 @@ import pytest
 from baselines.megatron import MegatronPlanner
 from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
 from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump
-from relibra.simulator import simulate
+from relibra.simulator import SimOptions, simulate
 from tests.spine_helpers import tiny_setup
 from tests.test_eplb import make_ctx
 from tests.test_run import file_cfg
@@ -111,7 +111,21 @@ def test_pricing_charges_the_critical_path() -> None:
     per_batch = 1e-3 * workload.num_microbatches * counts.num_layers / counts.num_batches
     assert slow["t_critical_path_s"] == pytest.approx(per_batch) and free["t_critical_path_s"] == 0.0
     assert slow["step_time_s"] - free["step_time_s"] == pytest.approx(per_batch)
+    terms = (
+        "t_compute_s",
+        "t_comm_s",
+        "t_sync_exposed_s",
+        "t_reorder_s",
+        "t_attention_s",
+        "t_critical_path_s",
+    )
+    assert sum(slow[t] for t in terms) == pytest.approx(slow["step_time_s"])
     assert free["t_sync_exposed_s"] > 0.0
+    res = simulate(UltraEPPlanner(min_tokens_per_replica=1), counts, workload, cluster, model, cost,
+                   SimOptions(keep_plans=True))  # fmt: skip
+    fill = np.concatenate([cost.fabric_copy_time(p.replicas, p.home) for p in res.plans])  # [M, L]
+    want = 2 * fill + np.maximum(fill - 2 * res.t_attention / 3, 0)
+    np.testing.assert_allclose(res.t_sync_exposed, want)
     megatron = simulate(MegatronPlanner(), counts, workload, cluster, model, cost).metrics
     assert megatron["t_critical_path_s"] == 0.0
 
