@@ -16,9 +16,10 @@ copied:
 * ``llep_lpt_plan_to_compute_ranks``: an expert's tokens are numbered globally, source rank by source
   rank, and chunk ``[start, end)`` of that numbering goes to its GPU, so ``assign[e, g]`` is the sum of the
   chunks given to ``g``;
-* the weight transfers: each chunk on a helper moves the expert's weights from its native GPU (any node:
-  priced on the fabric), asynchronously beside the token dispatch, waited for before the expert FFN; in
-  backward the weights' gradients are sent back and waited for (``WeightTransferAutograd.backward``).
+* the weight transfers: each chunk on a helper (a non-home expert the GPU computes) moves the expert's
+  weights from its native GPU (any node: priced on the fabric), asynchronously beside the token dispatch,
+  waited for before the expert FFN; in backward the weights' gradients are sent back and waited for
+  (``WeightTransferAutograd.backward``).
 
 Pricing (the simulator, :class:`~relibra.types.OnlineCopies`): the plan on the critical path of every
 (micro-batch, layer) (upstream computes it on the host after an all-reduce of the counts); the weight
@@ -184,23 +185,6 @@ def _assign_and_copies(chunks: np.ndarray, num_experts: int, num_gpus: int) -> t
     return assign, foreign
 
 
-def _slot_table(foreign: np.ndarray) -> np.ndarray:
-    """foreign bool [Mb, L, E, G] -> int32 [Mb, L, G, w]: foreign experts each GPU holds (-1 empty)."""
-    mb, num_layers, _, g = foreign.shape
-    per = foreign.sum(axis=2)  # [Mb, L, G]
-    width = int(per.max()) if per.size else 0
-    out = np.full((mb, num_layers, g, width), -1, dtype=np.int32)
-    if width:
-        m, layer, e, gg = np.nonzero(foreign)
-        key = (m * num_layers + layer) * g + gg
-        order = np.lexsort((e, key))
-        key, e = key[order], e[order]
-        start = np.r_[0, np.flatnonzero(np.diff(key)) + 1]
-        slot = np.arange(key.size) - np.repeat(start, np.diff(np.r_[start, key.size]))
-        out.reshape(-1, width)[key, slot] = e
-    return out
-
-
 @dataclass(frozen=True)
 class LlepPlanner:
     """LLEP as a :class:`~relibra.planner.Planner`: static placement, per-(micro-batch, layer) spills.
@@ -245,8 +229,9 @@ class LlepPlanner:
             )
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
-        """ctx.load [Mb, L, G, E] -> BatchPlan with assign [Mb, L, E, G], the foreign experts each GPU holds
-        as replicas [Mb, L, G, w] and the critical-path record (:class:`~relibra.types.OnlineCopies`)."""
+        """ctx.load [Mb, L, G, E] -> BatchPlan with assign [Mb, L, E, G] and the critical-path record
+        (:class:`~relibra.types.OnlineCopies`). No slot table: the foreign experts a GPU holds are the
+        non-home experts it computes (the simulator copies each from its home)."""
         t0 = time.perf_counter()
         mb, num_layers, g, num_experts = ctx.load.shape
         home = static_placement(num_layers, num_experts, g)
@@ -276,7 +261,6 @@ class LlepPlanner:
                     capacity[m, layer] = np.iinfo(np.int64).max
                 measured[m, layer] = time.perf_counter() - t
         charged = measured if self.critical_path_s is None else np.full_like(measured, self.critical_path_s)
-        replicas = _slot_table(foreign)
         stats = {
             "llep_lpt_share": float(lpt.mean()),
             "llep_forced_spills": float(forced.sum()),
@@ -290,7 +274,6 @@ class LlepPlanner:
             assign=assign.astype(np.int32),
             load=ctx.load,
             sample_gpu=ctx.sample_gpu,
-            replicas=replicas,
             plan_time_s=time.perf_counter() - t0,
             stats=stats,
             online=OnlineCopies(
