@@ -315,7 +315,8 @@ def ultraep_headline(frame: pd.DataFrame) -> Table:
     if missing:
         raise ValueError(
             f"the UltraEP headline table needs rows of {missing} for "
-            f"{list(paper.ULTRAEP_HEADLINE_MODELS)} at EP 64 (run overall with planner=megatron,ultraep,force_balanced; docs/baselines.md)"
+            f"{list(paper.ULTRAEP_HEADLINE_MODELS)} at EP 64 (run overall with "
+            "planner=megatron,ultraep,force_balanced; docs/baselines.md)"
         )
     out = wide[["model", "dataset"]].copy()
     out["% of force-balanced"] = 100.0 * wide["ultraep"] / wide["force_balanced"]
