@@ -86,6 +86,9 @@ def test_plan_invariants_and_balance(slots: int) -> None:
     gpu_ultra = plan.assign.sum(axis=2).max(axis=-1)
     gpu_home = MegatronPlanner().plan(ctx).assign.sum(axis=2).max(axis=-1)
     assert (gpu_ultra <= gpu_home).all() and (gpu_ultra < gpu_home).any()
+    assert ((plan.replicas >= 0).sum(axis=-1) == slots).any()  # some GPU fills its slots ...
+    with pytest.raises(PlanInvariantError, match="slot capacity"):  # ... so a smaller bound is broken
+        check_plan(plan, ctx, replica_slots=slots - 1)
     # A copy moved to another node breaks the NVLink-domain invariant.
     m, layer, g, s = np.argwhere(plan.replicas >= 0)[0]
     e = plan.replicas[m, layer, g, s]
