@@ -21,7 +21,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from analysis import paper
-from analysis.tables import ep_size
+from analysis.tables import BREAKDOWN, REPLAY_PLANNERS, ep_size
 
 __all__ = [
     "FIGURES",
@@ -30,6 +30,7 @@ __all__ = [
     "plot_ablation",
     "plot_layer_skew",
     "plot_skew_by_ep",
+    "plot_step_breakdown",
     "plot_throughput",
     "relative_throughput",
     "save",
@@ -43,6 +44,8 @@ PLANNER_ORDER = [
     "popfetcher",
     "eplb",
     "lplb",
+    "llep",
+    "ultraep",
     "relibra_reorder_only",
     "relibra_replicate_only",
     "relibra",
@@ -206,6 +209,33 @@ def plot_layer_skew(layers: pd.DataFrame, planners: tuple[str, ...] = ("megatron
     return fig
 
 
+def plot_step_breakdown(frame: pd.DataFrame) -> Figure:
+    """What routing replay adds: each planner's mean step time stacked by its terms (compute, communication,
+    attention, planning on the critical path, replica refill, migration), one panel per (model, EP size)."""
+    data = frame[frame["planner"].isin(REPLAY_PLANNERS)].assign(EP=ep_size(frame))
+    if not set(data["planner"]) & {"ultraep", "llep"}:
+        raise ValueError("the step breakdown needs rows of ultraep or llep")
+    terms = [c for c in BREAKDOWN.values() if c in data]
+    means = data.groupby(["model", "EP", "planner"])[terms].mean().fillna(0.0)
+    panels = list(dict.fromkeys((m, ep) for m, ep, _ in means.index))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.6), squeeze=False, sharey=False)
+    colors = sns.color_palette("colorblind", len(terms))
+    for ax, (model, ep) in zip(axes[0], panels):
+        part = means.loc[(model, ep)]
+        part = part.loc[[p for p in REPLAY_PLANNERS if p in part.index]]
+        bottom = np.zeros(len(part))
+        for color, (label, col) in zip(colors, [(k, v) for k, v in BREAKDOWN.items() if v in terms]):
+            ax.bar(range(len(part)), part[col], bottom=bottom, color=color, label=label)
+            bottom += part[col].to_numpy()
+        ax.set_xticks(range(len(part)), [paper.label(p) for p in part.index], rotation=35, ha="right")
+        ax.set_title(f"{model}, EP {ep}", fontsize=9)
+        ax.set_ylabel("step time (s)")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle("What routing replay adds: step time by term")
+    fig.tight_layout()
+    return fig
+
+
 def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     """Write ``fig`` as ``<name>.png`` (150 dpi) and ``<name>.pdf``; closes it; returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -217,9 +247,10 @@ def save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
 
 
 FIGURES: dict[str, list[tuple[str, Callable[[pd.DataFrame], Figure]]]] = {
-    "overall": [("throughput", plot_throughput)],
+    "overall": [("throughput", plot_throughput), ("step_breakdown", plot_step_breakdown)],
     "ablation": [("ablation", plot_ablation)],
-    "ep_scaling": [("skew_by_ep", plot_skew_by_ep)],
+    "ep_scaling": [("skew_by_ep", plot_skew_by_ep), ("step_breakdown", plot_step_breakdown)],
+    "datasets": [("step_breakdown", plot_step_breakdown)],
     "real_trace": [("throughput", plot_throughput)],
 }
 """Preset kind -> the figures drawn from its results frame."""

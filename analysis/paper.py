@@ -19,6 +19,8 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "relibra_portfolio": "ReLibra (portfolio)",
     "relibra_reorder_only": "+ inter-batch reordering",
     "relibra_replicate_only": "+ intra-batch replication only",
+    "ultraep": "UltraEP",
+    "llep": "LLEP",
 }
 """Display names of the planners, as the paper writes them."""
 
@@ -57,6 +59,13 @@ REPLICA_BUFFER: Final[dict[str, tuple[float, float]]] = {
 
 REORDER_OVERHEAD_PCT: Final[tuple[float, float]] = (1.4, 2.1)
 """Reordering overhead as a percentage of batch time."""
+
+ULTRAEP_HEADLINE: Final[dict[str, float]] = {"of_force_balanced": 0.946, "over_megatron": 1.42}
+"""UltraEP's own training headline at EP 64 (arXiv 2606.04101): 94.6 % of force-balanced throughput on
+average and +42 % over Megatron-LM. Not ReLibra's paper: the anchor of the UltraEP side-by-side table."""
+
+ULTRAEP_HEADLINE_MODELS: Final[tuple[str, ...]] = ("qwen3-235b-a22b", "glm4.5-106b-a12b")
+"""The suite's models closest to UltraEP's training evaluation (both run at EP 64 in the presets)."""
 
 TESTBED: Final[str] = (
     "20 nodes x 8 Hopper GPUs, 8 x 400 Gb/s rail-optimized InfiniBand per node, 900 GB/s NVLink"

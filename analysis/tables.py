@@ -30,16 +30,34 @@ __all__ = [
     "overall_summary",
     "overhead",
     "range_ratio",
+    "replay_adds",
     "skew_by_dataset",
     "skew_by_ep",
     "step_by_dataset",
     "step_by_ep",
+    "ultraep_headline",
 ]
 
 CELL = ["model", "dataset", "nodes", "gpus_per_node"]
 """Columns that name one grid point; planners are compared within it."""
 
 MIB = 2.0**20
+
+ONLINE_BASELINES = ("ultraep", "llep")
+"""The strongest open balancers of 2026 (no paper range: ReLibra's paper predates them)."""
+
+REPLAY_PLANNERS = ("relibra", "relibra_replicate_only", "relibra_portfolio", *ONLINE_BASELINES)
+"""The planners of the "what routing replay adds" table, in its row order."""
+
+BREAKDOWN = {
+    "compute s": "t_compute_s",
+    "comm s": "t_comm_s",
+    "attention s": "t_attention_s",
+    "critical path s": "t_critical_path_s",
+    "refill s": "t_sync_exposed_s",
+    "migration s": "t_reorder_s",
+}
+"""Step-time terms (result columns) of the "what routing replay adds" table."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +110,7 @@ def overall_cells(frame: pd.DataFrame) -> Table:
         raise ValueError("overall table needs rows with planner == 'relibra'; none found in the results")
     out = wide[["model", "dataset"]].copy()
     out["EP"] = (wide["nodes"] * wide["gpus_per_node"]).astype(int)
-    for base in paper.OVERALL_SPEEDUP:
+    for base in (*paper.OVERALL_SPEEDUP, *ONLINE_BASELINES):
         if base in wide:
             out[f"over {paper.label(base)}"] = wide["relibra"] / wide[base]
     if "balanced" in wide:
@@ -115,6 +133,11 @@ def overall_summary(frame: pd.DataFrame) -> Table:
             continue
         ours = cells[col].dropna()
         rows.append((f"over {paper.label(base)}", ours.min(), ours.max(), lo, hi))
+    for base in ONLINE_BASELINES:  # no paper range
+        col = f"over {paper.label(base)}"
+        if col in cells:
+            ours = cells[col].dropna()
+            rows.append((col, ours.min(), ours.max(), float("nan"), float("nan")))
     if "% of Balanced" in cells:
         frac = cells["% of Balanced"].dropna() / 100.0
         rows.append(("of Balanced", frac.min(), frac.max(), *paper.FRACTION_OF_BALANCED))
@@ -244,6 +267,78 @@ def overhead(frame: pd.DataFrame) -> Table:
     )
 
 
+def replay_adds(frame: pd.DataFrame) -> Table:
+    """What routing replay adds: ReLibra, its replication alone and its portfolio against UltraEP and LLEP
+    per (model, dataset, EP size), the step time broken into its terms, and each planner's throughput over
+    the faster of UltraEP and LLEP in the same cell."""
+    data = frame[frame["planner"].isin(REPLAY_PLANNERS)]
+    present = set(data["planner"])
+    if not present & set(ONLINE_BASELINES) or not present - set(ONLINE_BASELINES):
+        raise ValueError(
+            "the routing-replay table needs rows of ultraep or llep and of relibra, relibra_replicate_only "
+            f"or relibra_portfolio; found {sorted(present)}"
+        )
+    data = data.assign(EP=ep_size(data))
+    for col in BREAKDOWN.values():  # NOTE: cells stored before a term existed lack its column
+        if col not in data:
+            data[col] = np.nan
+    keys = ["model", "dataset", "EP"]
+    means = data.groupby([*keys, "planner"], as_index=False)[["step_time_s", *BREAKDOWN.values()]].mean()
+    online = means[means["planner"].isin(ONLINE_BASELINES)].groupby(keys)["step_time_s"].min()
+    best = online.reindex(pd.MultiIndex.from_frame(means[keys])).to_numpy()
+    means["x best online"] = best / means["step_time_s"]
+    means["rank"] = means["planner"].map({p: i for i, p in enumerate(REPLAY_PLANNERS)})
+    means = means.sort_values([*keys, "rank"]).reset_index(drop=True)
+    out = means[keys].copy()
+    out["planner"] = means["planner"].map(paper.label)
+    out["step s"] = means["step_time_s"]
+    for label, col in BREAKDOWN.items():
+        out[label] = means[col]
+    out["x best online"] = means["x best online"]
+    return Table(
+        "replay_adds",
+        "What routing replay adds: step time and its terms, against UltraEP and LLEP",
+        out,
+        {c: ".3f" for c in ["step s", *BREAKDOWN]} | {"x best online": ".3f"},
+        "x best online: the faster of UltraEP and LLEP's step time over the row's (> 1: the row is faster). "
+        "critical path s: planning between routing and expert compute; refill s: exposed replica copies "
+        "(behind attention for ReLibra, after routing for UltraEP and LLEP); migration s: reordering.",
+    )
+
+
+def ultraep_headline(frame: pd.DataFrame) -> Table:
+    """UltraEP's own headline beside ours: its throughput as a fraction of force-balanced and over
+    Megatron-LM at EP 64 on Qwen3-235B-A22B and GLM4.5-106B-A12B (per dataset, and the mean)."""
+    data = frame[frame["model"].isin(paper.ULTRAEP_HEADLINE_MODELS) & (ep_size(frame) == 64)]
+    wide = _cells(data, "throughput_tokens_per_s")
+    missing = [p for p in ("ultraep", "megatron", "force_balanced") if p not in wide]
+    if missing:
+        raise ValueError(
+            f"the UltraEP headline table needs rows of {missing} for "
+            f"{list(paper.ULTRAEP_HEADLINE_MODELS)} at EP 64 (run overall with "
+            "planner=megatron,ultraep,force_balanced; docs/baselines.md)"
+        )
+    out = wide[["model", "dataset"]].copy()
+    out["% of force-balanced"] = 100.0 * wide["ultraep"] / wide["force_balanced"]
+    out["over Megatron-LM"] = wide["ultraep"] / wide["megatron"]
+    if "balanced" in wide:
+        out["% of Balanced"] = 100.0 * wide["ultraep"] / wide["balanced"]
+    out = out.sort_values(["model", "dataset"]).reset_index(drop=True)
+    mean = out.drop(columns=["model", "dataset"]).mean()
+    out = pd.concat([out, pd.DataFrame([{"model": "mean", "dataset": "all", **mean}])], ignore_index=True)
+    head = paper.ULTRAEP_HEADLINE
+    out["paper %"] = 100.0 * head["of_force_balanced"]
+    out["% ours/paper"] = out["% of force-balanced"] / out["paper %"]
+    out["paper x"] = head["over_megatron"]
+    out["x ours/paper"] = out["over Megatron-LM"] / out["paper x"]
+    return Table(
+        "ultraep_headline",
+        "UltraEP's headline (EP 64): % of force-balanced and x Megatron-LM, ours beside its paper's",
+        out,
+        {"% of force-balanced": ".1f", "% of Balanced": ".1f", "paper %": ".1f"},
+    )
+
+
 def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], list[str]]:
     """Every table the present experiments allow, and why any other was skipped.
 
@@ -252,10 +347,10 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
     its quick variant never overwrite each other.
     """
     builders = {
-        "overall": [overall_summary, overall_cells],
+        "overall": [overall_summary, overall_cells, replay_adds, ultraep_headline],
         "ablation": [ablation],
-        "ep_scaling": [skew_by_ep, step_by_ep],
-        "datasets": [skew_by_dataset, step_by_dataset],
+        "ep_scaling": [skew_by_ep, step_by_ep, replay_adds],
+        "datasets": [skew_by_dataset, step_by_dataset, replay_adds],
         "overhead": [overhead],
         "real_trace": [overall_summary, overall_cells],
     }

@@ -6,7 +6,7 @@ Default: OLMoE-1B-7B shape on 2 nodes x 8 GPUs, 3 batches of 64 samples up to 20
 the real OLMoE prefill counts (../shared/traces/olmoe-prefill-counts, skipped when absent). ``--full``:
 Qwen3-30B-A3B on 4 x 8 GPUs, 4 batches of 256 samples up to 8192 tokens (long on a laptop).
 Planners: Megatron-LM, Balanced, EPLB+ (hierarchical / global, oracle / history), LPLB+ (exact LP and the
-4-iteration interior point), PopFetcher, and ReLibra where its config exists.
+4-iteration interior point), PopFetcher, UltraEP, LLEP, and ReLibra where its config exists.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ PLANNERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lplb+ exact", "lplb", ()),
     ("lplb+ ipm4", "lplb", ("planner.solver=ipm",)),
     ("popfetcher", "popfetcher", ()),
+    ("ultraep", "ultraep", ()),
+    ("llep", "llep", ()),
     ("relibra", "relibra", ()),
 )
 

@@ -82,6 +82,13 @@ def plan_dump_arrays(
     }
 
 
+def _foreign_experts(plan: BatchPlan) -> int:
+    """Most non-home experts one GPU computes in any (micro-batch, layer) of ``plan`` (0 when none)."""
+    g = plan.assign.shape[-1]
+    non_home = (plan.assign > 0) & (plan.home[None, :, :, None] != np.arange(g))  # [Mb, L, E, G]
+    return int(non_home.sum(axis=2).max(initial=0))
+
+
 def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
     """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing."""
     validate(cfg)
@@ -129,7 +136,10 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "planner": result.planner,
             "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node,
-            "replica_slots": row["replica_slots"],
+            # NOTE: a method without fixed slots (LLEP) is dumped with the most foreign experts a GPU held.
+            "replica_slots": max(
+                [row["replica_slots"]] + [_foreign_experts(p) for p in result.plans if p.online]
+            ),
             "redundant_slots": int(cfg.planner.get("redundant_slots", 0) or 0),
             "num_experts": model.num_experts,
             "num_layers": counts.num_layers,

@@ -279,6 +279,30 @@ class CostModel:
         attention = np.asarray(attention, dtype=np.float64)
         return np.maximum(refill - attention / 3, 0) + np.maximum(refill - 2 * attention / 3, 0)
 
+    def fabric_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Seconds to copy every listed slot's expert from its home GPU at once, on the fabric (NVLink inside
+        a node; the rail NIC, after an NVLink hop when the rails differ, across nodes), bounded by the busiest
+        link. For online planners whose copies may leave the node (LLEP); equal to
+        :meth:`replica_refill_time` when every copy stays in its home node.
+
+        replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
+        """
+        rep = np.asarray(replicas)
+        home = np.asarray(home)
+        g = rep.shape[-2]
+        filled = rep >= 0
+        lidx = np.broadcast_to(np.arange(home.shape[0])[:, None, None], rep.shape)
+        src = home[lidx, np.maximum(rep, 0)]  # [..., L, G, r]
+        dst = np.broadcast_to(np.arange(g)[:, None], rep.shape)
+        rows = int(np.prod(rep.shape[:-2]))
+        row = np.broadcast_to(np.arange(rows).reshape(*rep.shape[:-2], 1, 1), rep.shape)
+        key = ((row * g + src) * g + dst)[filled]
+        mat = np.bincount(key, minlength=rows * g * g).reshape(*rep.shape[:-2], g, g)
+        lb = self.link_bytes(mat * self.expert_weight_bytes())
+        t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
+        t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
+        return np.asarray(np.maximum(t_nvl, t_nic).max(axis=-1))
+
     def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
         """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.
 

@@ -12,6 +12,11 @@ Every planner's :class:`~relibra.types.BatchPlan` and every ``plans.npz`` must s
   ``E / G + redundant_slots`` physical slots;
 * optionally (ReLibra's layer-shared buffer): every non-home copy outside a redundant slot, and every listed
   replica, is in the node of the expert's home;
+* for an online planner's plan (``BatchPlan.online``, UltraEP, LLEP): ``critical_path_s`` [Mb, L] finite and
+  >= 0; where it plans to a per-GPU token capacity (LLEP's memory bound), every GPU computes at most that many
+  tokens per (micro-batch, layer) unless the plan names it as loaded past it (:func:`check_token_capacity`);
+  a plan whose copies sit in no fixed slots (``online.fixed_slots`` False: LLEP allocates foreign weights per
+  transfer) is checked with ``replica_slots=None`` (no slot count);
 * when the plan lists its slot contents (``replicas`` [Mb, L, G, r], ``redundant`` [L, G, R]): at most
   ``replica_slots`` replica slots per GPU, expert ids in ``[-1, E)``, a GPU's replica slots name an expert
   at most once and never one of its own home experts, and every non-home expert a GPU computes sits in one of
@@ -46,6 +51,7 @@ __all__ = [
     "check_redundant_table",
     "check_replica_table",
     "check_shapes",
+    "check_token_capacity",
     "first_index",
     "sample_loads",
 ]
@@ -203,14 +209,15 @@ def check_replica_table(
     num_microbatches: int,
     num_gpus: int,
     *,
-    replica_slots: int,
+    replica_slots: int | None,
     gpus_per_node: int,
     in_home_node: bool,
     where: str = "plan",
 ) -> np.ndarray:
     """Check the listed replica slots replicas [Mb, L, G, r] (expert per slot, -1 empty) against home [L, E].
 
-    ``[shape]``; ``[slot capacity]`` r <= ``replica_slots``; ``[slot range]`` ids in ``[-1, E)``;
+    ``[shape]``; ``[slot capacity]`` r <= ``replica_slots`` (None: no fixed slots); ``[slot range]`` ids
+    in ``[-1, E)``;
     ``[slot duplicate]`` a GPU's slots of one (micro-batch, layer) name an expert at most once and never one
     of that GPU's own home experts; ``[replicas in home node]`` (when ``in_home_node``) every listed replica
     sits in the node of its expert's home. Returns held bool [Mb, L, E, G]: expert e sits in a slot of g.
@@ -223,7 +230,7 @@ def check_replica_table(
             f"{where}: replicas has shape {rep.shape}; "
             f"expected [{num_microbatches}, {num_layers}, {num_gpus}, r]",
         )
-    if rep.shape[3] > replica_slots:
+    if replica_slots is not None and rep.shape[3] > replica_slots:
         _fail(
             "slot capacity",
             f"{where}: replicas has {rep.shape[3]} slots per GPU; at most replica_slots={replica_slots}",
@@ -298,7 +305,7 @@ def check_assignment(
     load: np.ndarray,
     *,
     gpus_per_node: int,
-    replica_slots: int,
+    replica_slots: int | None,
     redundant_slots: int = 0,
     replicas_in_home_node: bool = True,
     replicas: np.ndarray | None = None,
@@ -310,8 +317,9 @@ def check_assignment(
     """Check one batch's placement and assignments (every invariant that needs no per-sample counts).
 
     home [L, E], assign [Mb, L, E, G], load [Mb, L, G, E], replicas [Mb, L, G, r] or None,
-    redundant [L, G, R] or None. ``require_home_balance``: None checks ``[home balance]`` only without
-    redundant slots (EPLB's ``home`` names one copy of each expert). ``require_slots``: every non-home
+    redundant [L, G, R] or None. ``replica_slots`` None: the method has no fixed slots (LLEP), so only the
+    listed slot contents bound its copies. ``require_home_balance``: None checks ``[home balance]`` only
+    without redundant slots (EPLB's ``home`` names one copy of each expert). ``require_slots``: every non-home
     expert a GPU computes must sit in one of its listed slots even when the plan lists none (an executor
     holds no other copies). Raises :class:`PlanInvariantError`.
     """
@@ -321,7 +329,7 @@ def check_assignment(
     mb, num_layers, num_experts, num_gpus = check_shapes(
         home, assign, load, gpus_per_node=gpus_per_node, where=where
     )
-    if replica_slots < 0 or redundant_slots < 0:
+    if (replica_slots is not None and replica_slots < 0) or redundant_slots < 0:
         _fail(
             "slots", f"{where}: replica_slots={replica_slots}, redundant_slots={redundant_slots}; need >= 0"
         )
@@ -353,7 +361,7 @@ def check_assignment(
     computed = assign > 0  # [Mb, L, E, G]
     non_home = computed & ~is_home[None]
     per_gpu = num_experts // num_gpus
-    if redundant_slots == 0:
+    if redundant_slots == 0 and replica_slots is not None:
         n_rep = non_home.sum(axis=2)  # [Mb, L, G]
         bad = n_rep > replica_slots
         if bad.any():
@@ -363,9 +371,9 @@ def check_assignment(
                 f"{where}: GPU {g} computes {n_rep[m, l, g]} non-home experts in micro-batch {m}, layer {l}; "
                 f"at most replica_slots={replica_slots}",
             )
-    else:
+    elif redundant_slots > 0:
         n_exp = computed.sum(axis=2)
-        limit = per_gpu + redundant_slots + replica_slots
+        limit = per_gpu + redundant_slots + (replica_slots or 0)
         bad = n_exp > limit
         if bad.any():
             m, l, g = _first(bad)
@@ -403,7 +411,7 @@ def check_plan(
     plan: BatchPlan,
     ctx: BatchContext,
     *,
-    replica_slots: int,
+    replica_slots: int | None,
     redundant_slots: int = 0,
     replicas_in_home_node: bool = True,
 ) -> None:
@@ -433,6 +441,8 @@ def check_plan(
         )
     if not (plan.plan_time_s >= 0.0):
         _fail("plan_time_s", f"{where}: plan_time_s={plan.plan_time_s}; expected a time >= 0")
+    if plan.online is not None and not plan.online.fixed_slots:
+        replica_slots = None  # NOTE: foreign weights allocated per transfer (LLEP): no slot count applies.
     check_assignment(
         plan.home,
         plan.assign,
@@ -445,6 +455,41 @@ def check_plan(
         redundant=plan.redundant,
         where=where,
     )
+    if plan.online is not None:
+        crit = np.asarray(plan.online.critical_path_s)
+        if crit.shape != (mb, num_layers) or not np.all(np.isfinite(crit)) or (crit < 0).any():
+            _fail(
+                "critical path",
+                f"{where}: online.critical_path_s has shape {crit.shape} (expected [{mb}, {num_layers}]) "
+                "and must hold finite seconds >= 0",
+            )
+        if plan.online.token_capacity is not None:
+            check_token_capacity(plan.assign, plan.online.token_capacity, plan.online.over_capacity, where)
+
+
+def check_token_capacity(
+    assign: np.ndarray, capacity: np.ndarray, over_capacity: np.ndarray | None = None, where: str = "plan"
+) -> None:
+    """``[token capacity]``: every GPU computes at most ``capacity[m, l]`` tokens in each (micro-batch,
+    layer), except the GPUs ``over_capacity`` names. assign [Mb, L, E, G], capacity int [Mb, L],
+    over_capacity bool [Mb, L, G] or None (LLEP: its memory bound, and the GPUs that took a forced spill)."""
+    tokens = np.asarray(assign, dtype=np.int64).sum(axis=2)  # [Mb, L, G]
+    cap = np.asarray(capacity, dtype=np.int64)
+    if cap.shape != tokens.shape[:2] or (cap < 1).any():
+        _fail(
+            "token capacity",
+            f"{where}: capacity has shape {cap.shape}; expected {tokens.shape[:2]} of ints >= 1",
+        )
+    bad = tokens > cap[..., None]
+    if over_capacity is not None:
+        bad &= ~np.asarray(over_capacity, dtype=bool)
+    if bad.any():
+        m, l, g = _first(bad)
+        _fail(
+            "token capacity",
+            f"{where}: GPU {g} computes {tokens[m, l, g]} tokens in micro-batch {m}, layer {l}, above the "
+            f"capacity {cap[m, l]} the plan is bound by, and the plan does not name it as over capacity",
+        )
 
 
 def check_plan_dump(

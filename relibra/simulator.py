@@ -7,7 +7,9 @@ plan with the :class:`~relibra.cost.CostModel`:
 * per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
   ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +
   max(0, refill - attn_bwd)`` (forward fill, backward gradient reduction, each hidden behind the layer's
-  attention of that pass);
+  attention of that pass); for an online planner's plan (``BatchPlan.online``: UltraEP, LLEP) its
+  planning time on the critical path (``t_critical_path_s``) and its weight copies, priced on the fabric
+  and charged as :class:`~relibra.types.OnlineCopies` says (after routing, not behind attention);
 * per batch: dense (non-MoE) layers, reordering migration of every expert whose home changed (weights,
   gradients and optimizer state, :data:`MIGRATION_BYTES_PER_PARAM`), and the gradient reduction plus
   weight broadcast of permanent redundant copies (EPLB+, LPLB+).
@@ -32,7 +34,7 @@ from relibra.cost import CostModel, MoEBreakdown
 from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Planner, static_placement
-from relibra.types import BatchPlan, SampleCounts, Workload
+from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
 from relibra.workload import gpu_token_stats, microbatch_loads
 
 __all__ = [
@@ -66,6 +68,7 @@ METRIC_COLUMNS = (
     "t_sync_exposed_s",
     "t_reorder_s",
     "t_attention_s",
+    "t_critical_path_s",
 )
 
 
@@ -258,6 +261,8 @@ class _Priced:
     moved: int = 0
     t_migration: float = 0.0
     t_redundant: float = 0.0
+    online: OnlineCopies | None = None
+    """An online planner's critical-path record (UltraEP, LLEP); None: copies refilled behind attention."""
 
 
 def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slice) -> _Priced:
@@ -280,12 +285,14 @@ def _price_plan(
     )
     reps = _replicas_per_slot(plan)  # [Mb, L, G, r]
     moved_l, moved_e = np.nonzero(plan.home != prev_home)
+    # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
+    fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
     return _Priced(
         br=br,
         skew=skewness(plan.assign.sum(axis=-2)),
         tokens=tokens,
         pairs=pairs,
-        refill=cost.replica_refill_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
+        refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
         buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
         moved=int(moved_l.size),
         t_migration=cost.transfer_time(
@@ -294,6 +301,7 @@ def _price_plan(
             ctx.model.expert_params * bytes_per_param,
         ),
         t_redundant=_redundant_sync_time(plan, cost),
+        online=plan.online,
     )
 
 
@@ -305,6 +313,8 @@ class _BatchTimes:
     """float64 [Mb, L]: exposed replica-buffer refill and gradient reduction."""
     dense: float
     """Seconds of the dense (non-MoE) layers."""
+    critical: float
+    """Planning seconds on the critical path (online planners), summed over (micro-batch, layer)."""
     total: float
     """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
 
@@ -312,11 +322,23 @@ class _BatchTimes:
 def _batch_times(priced: _Priced, cost: CostModel, dense_layers: int) -> _BatchTimes:
     attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
     attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
-    sync = cost.exposed_refill(priced.refill, attn)
+    sync = cost.exposed_refill(priced.refill, attn) if priced.online is None else _online_sync(priced, attn)
+    critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
     dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
     per_layer = priced.br.t_compute + priced.br.t_comm + attn + sync
-    total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant
-    return _BatchTimes(attn=attn, sync=sync, dense=dense, total=total)
+    total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant + critical
+    return _BatchTimes(attn=attn, sync=sync, dense=dense, critical=critical, total=total)
+
+
+def _online_sync(priced: _Priced, attn: np.ndarray) -> np.ndarray:
+    """Exposed copy seconds [Mb, L] of an online planner: ``exposed_copies`` full passes after routing, plus
+    the excess of a gradient reduction that overlaps the backward attention (two thirds of fwd + bwd)."""
+    online = priced.online
+    assert online is not None
+    sync = online.exposed_copies * priced.refill
+    if online.overlapped_gradient_reduce:
+        sync = sync + np.maximum(priced.refill - 2 * attn / 3, 0)
+    return np.asarray(sync)
 
 
 def predict_batch_time(
@@ -358,7 +380,7 @@ def simulate(
     shape = (workload.num_microbatches, counts.num_layers)
     skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
-    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved"), 0.0)
+    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved", "critical"), 0.0)
     slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
@@ -412,6 +434,7 @@ def simulate(
         totals["redundant"] += priced.t_redundant
         totals["dense"] += dense
         totals["moved"] += priced.moved
+        totals["critical"] += times.critical
 
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
@@ -431,6 +454,7 @@ def simulate(
         "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
         "t_reorder_s": totals["reorder"] / nb,
         "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
+        "t_critical_path_s": totals["critical"] / nb,
         "redundant_slot_bytes": float(slots["redundant"] * counts.num_layers * expert_bytes),
     }
     for k, v in stats_sum.items():

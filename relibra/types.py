@@ -85,6 +85,36 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class OnlineCopies:
+    """How an online planner (UltraEP, LLEP) plans and copies weights after a layer's routing.
+
+    Such a planner sees a micro-batch's routing only when the layer runs, so its planning and its weight
+    copies sit between routing and expert compute (the *critical path*), instead of being planned before
+    training and refilled behind attention as ReLibra's layer-shared buffer is. The simulator prices the
+    copies of ``BatchPlan.replicas`` on the fabric from each expert's home (NVLink inside a node, the rail
+    NICs across nodes) and charges them as this record says.
+    """
+
+    critical_path_s: np.ndarray
+    """float64 [Mb, L]: planning seconds on the critical path of each (micro-batch, layer)."""
+    exposed_copies: int
+    """Copies of the slots' bytes charged in full per (micro-batch, layer): the forward fill and, where the
+    method copies again in backward or waits for its gradient return, that pass too."""
+    overlapped_gradient_reduce: bool
+    """One more pass (replica gradients reduced home) overlaps the backward attention; only its excess over
+    the backward attention is exposed."""
+    fixed_slots: bool = True
+    """The copies live in ``replica_slots`` fixed slots per GPU (UltraEP's redundant buffers); False: foreign
+    weights are allocated per transfer (LLEP), so no slot count bounds them."""
+    token_capacity: np.ndarray | None = None
+    """int64 [Mb, L] or None: the per-GPU compute-token bound the method plans to (LLEP's
+    ``max_tokens_per_gpu``, its memory bound), checked by :func:`relibra.invariants.check_token_capacity`."""
+    over_capacity: np.ndarray | None = None
+    """bool [Mb, L, G] or None: GPUs the method had to load past ``token_capacity`` (LLEP's forced spill
+    when no GPU had room left)."""
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """What a planner decides for one batch: placement, per-micro-batch assignment, slot contents.
 
@@ -109,3 +139,6 @@ class BatchPlan:
     """Wall-clock seconds the planner spent on this batch."""
     stats: dict[str, float] = field(default_factory=dict)
     """Planner-specific scalars (``reorder_moved_experts``, ``prediction_hit_rate``, ...)."""
+    online: OnlineCopies | None = None
+    """Set by online planners that plan and copy after routing (UltraEP, LLEP); None: planned before the
+    batch, replica slots refilled behind attention."""

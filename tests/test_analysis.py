@@ -250,3 +250,78 @@ def test_one_store_can_be_analysed_alone(results: Path) -> None:
 def test_empty_results_dir_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no finished cells"):
         analyse(tmp_path)
+
+
+ONLINE = {"ultraep": 1.35, "llep": 1.15, "relibra_replicate_only": 1.4, "relibra_portfolio": 1.55}
+
+
+def _online_row(model: str, dataset: str, planner: str, nodes: int) -> dict:
+    row = _row(model, dataset, "relibra", nodes)
+    step = 10.0 / ONLINE.get(planner, FACTOR.get(planner, 1.0))
+    critical = 0.3 if planner in ("ultraep", "llep") else 0.0
+    return row | {
+        "planner": planner,
+        "step_time_s": step,
+        "throughput_tokens_per_s": 1e6 / step,
+        "t_compute_s": step / 2,
+        "t_comm_s": step / 4 - critical,
+        "t_critical_path_s": critical,
+        "t_attention_s": step / 4 - 0.2,
+    }
+
+
+def test_replay_adds_breaks_step_time_down_against_the_best_online_balancer() -> None:
+    from analysis.tables import replay_adds
+
+    planners = ["megatron", "ultraep", "llep", "relibra_replicate_only", "relibra", "relibra_portfolio"]
+    frame = pd.DataFrame([_online_row("qwen3-30b-a3b", "mixed", p, n) for n in (1, 8) for p in planners])
+    table = replay_adds(frame).frame
+    assert set(table["planner"]) == {paper.label(p) for p in planners[1:]}  # Megatron-LM is not in it
+    assert list(table["EP"].unique()) == [8, 64]
+    first = table[table["EP"] == 8]
+    assert list(first["planner"])[:3] == ["ReLibra", "+ intra-batch replication only", "ReLibra (portfolio)"]
+    relibra = first.set_index("planner").loc["ReLibra"]
+    assert relibra["x best online"] == pytest.approx(FACTOR["relibra"] / ONLINE["ultraep"])
+    assert relibra["critical path s"] == 0.0
+    ultra = first.set_index("planner").loc["UltraEP"]
+    assert ultra["critical path s"] == pytest.approx(0.3) and ultra["x best online"] == pytest.approx(1.0)
+    terms = ["compute s", "comm s", "attention s", "critical path s", "refill s", "migration s"]
+    np.testing.assert_allclose(first[terms].sum(axis=1), first["step s"])
+    with pytest.raises(ValueError, match="ultraep or llep"):
+        replay_adds(frame[~frame["planner"].isin(["ultraep", "llep"])])
+
+
+def test_ultraep_headline_needs_force_balanced_and_compares_with_its_paper() -> None:
+    from analysis.tables import ultraep_headline
+
+    rows = [
+        _online_row(m, d, p, 8)
+        for m in ("qwen3-235b-a22b", "glm4.5-106b-a12b")
+        for d in DATASETS
+        for p in ("megatron", "ultraep", "balanced")
+    ]
+    frame = pd.DataFrame(rows)
+    with pytest.raises(ValueError, match="force_balanced"):
+        ultraep_headline(frame)
+    forced = [
+        _online_row(r["model"], r["dataset"], "megatron", 8) for r in rows if r["planner"] == "megatron"
+    ]
+    forced = [r | {"planner": "force_balanced", "throughput_tokens_per_s": 1e6 / 7.0} for r in forced]
+    table = ultraep_headline(pd.concat([frame, pd.DataFrame(forced)])).frame
+    assert len(table) == 2 * len(DATASETS) + 1 and table["model"].iloc[-1] == "mean"
+    np.testing.assert_allclose(table["% of force-balanced"], 100 * 7.0 / (10.0 / ONLINE["ultraep"]))
+    np.testing.assert_allclose(table["over Megatron-LM"], ONLINE["ultraep"])
+    np.testing.assert_allclose(table["x ours/paper"], ONLINE["ultraep"] / 1.42)
+    assert (table["paper %"] == 94.6).all()
+
+
+def test_step_breakdown_figure(tmp_path: Path) -> None:
+    from analysis.figures import plot_step_breakdown, save
+
+    planners = ["megatron", "ultraep", "llep", "relibra", "relibra_portfolio"]
+    frame = pd.DataFrame([_online_row("qwen3-30b-a3b", "mixed", p, n) for n in (1, 8) for p in planners])
+    fig = plot_step_breakdown(frame)
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 4 * 6  # 4 planners x 6 stacked terms
+    assert all(p.stat().st_size > 1000 for p in save(fig, tmp_path, "breakdown"))
+    with pytest.raises(ValueError, match="ultraep or llep"):
+        plot_step_breakdown(frame[frame["planner"].isin(["relibra", "megatron"])])

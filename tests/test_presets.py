@@ -14,7 +14,7 @@ from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
-PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"}
+PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "ultraep", "llep", "relibra", "balanced"}
 
 
 def tiny(cfg_nodes: int) -> list[str]:
@@ -184,10 +184,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "1",  # NOTE: in this process, so that the monkeypatch below reaches the cells
         "cluster.nodes=1,2",
         *tiny(2),
-    ]  # x 4 planners
+    ]  # x 7 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "8 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "14 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -196,7 +196,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 8 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 14 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
@@ -232,13 +232,13 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
     assert reproduce.main([*args, "--no-analysis"]) == 0
     out = capsys.readouterr().out
-    assert "0 cells run, 4 reused, 0 failed" in out
-    assert f"4 finished cells came from other code than 9.9.9+gnewer (4 by {code_version()})" in out
+    assert "0 cells run, 7 reused, 0 failed" in out
+    assert f"7 finished cells came from other code than 9.9.9+gnewer (7 by {code_version()})" in out
 
     before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
     assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
     out = capsys.readouterr().out
-    assert "4 cells run, 0 reused, 0 failed" in out and "recomputed" in out
+    assert "7 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())
 
 

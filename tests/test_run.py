@@ -281,7 +281,7 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
         provenance.code_version.cache_clear()
 
 
-@pytest.mark.parametrize("planner", ["relibra", "eplb", "relibra_portfolio"])
+@pytest.mark.parametrize("planner", ["relibra", "eplb", "relibra_portfolio", "ultraep", "llep"])
 def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planner):
     """The entry point plans through the control plane (staged per layer for ReLibra, one whole-batch task
     for the baselines, one control plane per candidate of a portfolio); its plans, and so every simulated
@@ -294,7 +294,14 @@ def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planne
         )
         rows[enabled] = out.iloc[0]
     via_cp, bare = rows["true"], rows["false"]
-    for col in ("step_time_s", "skew_mean", "skew_max", "t_comm_s", "reorder_moved_experts"):
+    for col in (
+        "step_time_s",
+        "skew_mean",
+        "skew_max",
+        "t_comm_s",
+        "reorder_moved_experts",
+        "t_critical_path_s",
+    ):
         assert via_cp[col] == pytest.approx(bare[col], rel=1e-12), col
     with np.load(tmp_path / "true" / "plans.npz") as a, np.load(tmp_path / "false" / "plans.npz") as b:
         for key in ("home", "sample_gpu", "assign", "load"):
