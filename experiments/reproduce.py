@@ -183,9 +183,11 @@ def _warm_numba_cache() -> None:
     NOTE: two processes that find the cache cold would both compile (tens of seconds each) and race on
     writing it; compiling once before the pool starts avoids both.
     """
+    from baselines.warmup import compile_kernels as compile_baselines
     from relibra.planners.warmup import compile_kernels
 
     compile_kernels()
+    compile_baselines()
 
 
 def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, CellOutcome], None]) -> None:

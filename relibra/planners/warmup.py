@@ -23,11 +23,12 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel
+from relibra.planner import BatchContext
 from relibra.simulator import batch_context
 from relibra.types import SampleCounts
 from relibra.workload import build_workload
 
-__all__ = ["compile_kernels"]
+__all__ = ["compile_kernels", "tiny_context"]
 
 _HARDWARE = HardwareSpec(
     name="warmup",
@@ -39,15 +40,8 @@ _HARDWARE = HardwareSpec(
 """Any hardware works: kernels are compiled per argument type, not per value."""
 
 
-def compile_kernels(seed: int = 0) -> dict[str, float]:
-    """Run every compiled kernel once on a tiny batch (2 nodes x 2 GPUs, 8 experts, 2 layers).
-
-    Returns seconds per step: ``relibra`` (reordering with the locality round, then greedy replication)
-    and ``reorder_only``; seconds of a step are compile time when the cache was cold, load time otherwise.
-    """
-    from relibra.planners.relibra import relibra
-    from relibra.planners.reorder_only import ReorderOnlyPlanner
-
+def tiny_context(seed: int = 0) -> BatchContext:
+    """A tiny random batch (2 nodes x 2 GPUs, 8 experts, 2 layers, 16 samples) to plan for compilation."""
     cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=_HARDWARE)
     model = ModelSpec(
         name="warmup",
@@ -72,7 +66,19 @@ def compile_kernels(seed: int = 0) -> dict[str, float]:
     )
     cost = CostModel(cluster, model)
     workload = build_workload(sample_counts, cluster.num_gpus, samples_per_microbatch=2)
-    ctx = batch_context(sample_counts, workload, 0, cluster, model, cost)
+    return batch_context(sample_counts, workload, 0, cluster, model, cost)
+
+
+def compile_kernels(seed: int = 0) -> dict[str, float]:
+    """Run every compiled kernel of the planners once on :func:`tiny_context`.
+
+    Returns seconds per step: ``relibra`` (reordering with the locality round, then greedy replication)
+    and ``reorder_only``; seconds of a step are compile time when the cache was cold, load time otherwise.
+    """
+    from relibra.planners.relibra import relibra
+    from relibra.planners.reorder_only import ReorderOnlyPlanner
+
+    ctx = tiny_context(seed)
     reorder: dict[str, Any] = {"iterations": 20, "aggregate_warmup": 20, "locality": True, "seeds": [0]}
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
