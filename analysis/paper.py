@@ -14,10 +14,13 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "eplb": "EPLB+",
     "lplb": "LPLB+",
     "balanced": "Balanced",
+    "force_balanced": "force-balanced",
     "relibra": "ReLibra",
     "relibra_balance": "ReLibra (balance-first)",
     "relibra_portfolio": "ReLibra (portfolio)",
-    "relibra_reorder_only": "+ inter-batch reordering",
+    "relibra_no_locality": "ReLibra without its locality round",
+    "relibra_reorder_no_locality": "+ inter-batch reordering (placement only)",
+    "relibra_reorder_only": "+ locality round (the paper's + inter-batch reordering)",
     "relibra_replicate_only": "+ intra-batch replication only",
 }
 """Display names of the planners, as the paper writes them."""

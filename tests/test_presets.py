@@ -14,7 +14,7 @@ from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
-PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"}
+PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced", "force_balanced"}
 
 
 def tiny(cfg_nodes: int) -> list[str]:
