@@ -16,7 +16,7 @@ layer of the batch.
 
 :func:`keep_in_place` picks the relabelling that keeps the most experts on their previous GPU (ties: the
 most in their previous node), by alternating two linear assignment problems
-(``scipy.optimize.linear_sum_assignment``): the node permutation for a fixed rail permutation, then the
+(OR-Tools' ``SimpleLinearSumAssignment``): the node permutation for a fixed rail permutation, then the
 rail permutation for a fixed node permutation, from the identity until neither improves. Each step is
 optimal given the other, so the result never keeps fewer experts in place than the plan as given (it
 moves no more experts), and it is exact when there is one node or one rail.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
+from ortools.graph.python import linear_sum_assignment
 
 from relibra.planner import BatchContext, previous_home
 from relibra.types import BatchPlan
@@ -36,6 +36,18 @@ __all__ = ["keep_in_place", "permute_plan", "relabel_for", "relabel_plan"]
 
 MAX_ROUNDS = 16
 """Alternations of the two assignment problems at most (each round keeps at least as many in place)."""
+
+
+def _assign(weight: np.ndarray) -> np.ndarray:
+    """The permutation ``p`` maximising ``sum_i weight[i, p[i]]`` (weight: non-negative integers [n, n])."""
+    n = weight.shape[0]
+    w = np.asarray(np.rint(weight), dtype=np.int64)
+    solver = linear_sum_assignment.SimpleLinearSumAssignment()
+    rows, cols = np.divmod(np.arange(n * n), n)
+    solver.add_arcs_with_cost(rows, cols, (w.max() - w).ravel())  # minimise the shortfall
+    if solver.solve() != solver.OPTIMAL:
+        raise RuntimeError("relabelling: the linear assignment problem found no optimum")
+    return np.array([solver.right_mate(i) for i in range(n)], dtype=np.int64)
 
 
 def _score(stay: np.ndarray, pi: np.ndarray, sigma: np.ndarray, big: float) -> float:
@@ -69,10 +81,10 @@ def keep_in_place(new_home: np.ndarray, prev_home: np.ndarray, nodes: int, gpus_
     for _ in range(MAX_ROUNDS):
         # Step 1: nodes, for the rail permutation fixed.
         w_node = big * stay[:, :, np.arange(r), sigma].sum(axis=-1) + stay.sum(axis=(2, 3))  # [N, N]
-        _, pi_new = linear_sum_assignment(w_node, maximize=True)
+        pi_new = _assign(w_node)
         # Step 2: rails, for the node permutation fixed.
         w_rail = stay[np.arange(nodes), pi_new].sum(axis=0)  # [R, R]
-        _, sigma_new = linear_sum_assignment(w_rail, maximize=True)
+        sigma_new = _assign(w_rail)
         score = _score(stay, pi_new, sigma_new, big)
         if score <= best:
             break
