@@ -199,6 +199,10 @@ def validate(cfg: DictConfig) -> None:
         routing = planner.get("routing", ROUTINGS[0])
         if routing not in ROUTINGS:
             problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
+    try:
+        migration_payload((cfg.get("simulator") or {}).get("migration"))
+    except ValueError as exc:
+        problems.append(str(exc))
     if not path_given(cfg) and nodes >= 1 and gpn >= 1:
         per_batch = int(cfg.trace.samples_per_batch)
         if per_batch < nodes * gpn:

@@ -49,7 +49,7 @@ def test_locality_round_moves_samples_home() -> None:
     ctx = dataclasses.replace(
         ctx, counts=counts, sample_tokens=tokens, load=regroup(ctx.sample_gpu)[0], regroup=regroup
     )
-    new_gpu, stats = locality_round(ctx, home, tolerance=0.0)
+    new_gpu, stats = locality_round(ctx, home, tolerance=0.01)
     assert stats["locality_cross_node_before"] == counts.sum()
     assert stats["locality_cross_node_after"] == 0.0
     assert stats["locality_comm_after_s"] < stats["locality_comm_before_s"]

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from relibra.types import SampleCounts
 from relibra.workload import (
+    LAYOUTS,
     SampleLayout,
     assemble,
     balance_samples,
     build_workload,
     gpu_token_stats,
-    LAYOUTS,
     layout_samples,
     microbatch_balance,
     microbatch_loads,
@@ -72,7 +72,9 @@ def test_token_budget_layout() -> None:
 
 def test_microbatches_are_synchronised() -> None:
     tokens = np.array([1, 1, 1, 1, 100], dtype=np.int64)
-    layout = layout_samples(tokens, np.array([0, 5]), num_gpus=2, samples_per_microbatch=1, layout="contiguous")
+    layout = layout_samples(
+        tokens, np.array([0, 5]), num_gpus=2, samples_per_microbatch=1, layout="contiguous"
+    )
     # GPU with the long sample has 1 sample, the other 4 -> 4 micro-batches for everyone.
     assert layout.num_microbatches == 4
     # Balanced: ceil(5 / (2 * 1)) = 3 micro-batches wanted, at most 5 // 2 = 2 so every GPU gets a sample.
@@ -145,7 +147,7 @@ def test_balanced_layout_balances_every_preset(preset: str) -> None:
 
 
 def test_unknown_layout_is_refused() -> None:
-    with pytest.raises(ValueError, match="workload.layout"):
+    with pytest.raises(ValueError, match=r"workload\.layout"):
         layout_samples(np.ones(4, dtype=np.int64), np.array([0, 4]), 2, layout="packed")
 
 
