@@ -19,13 +19,13 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from baselines.force_balanced import ROUTINGS
+from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel, load_calibration
 from relibra.migration import migration_payload
 from relibra.simulator import SimOptions
-from relibra.types import SampleCounts
-from relibra.workload import LAYOUTS
+from relibra.types import SampleCounts, Workload
+from relibra.workload import LAYOUTS, build_workload
 
 __all__ = [
     "ConfigError",
@@ -33,8 +33,10 @@ __all__ = [
     "build_cost",
     "build_model",
     "build_planner",
+    "build_workload_for",
     "dataset_name",
     "load_counts",
+    "routing",
     "sim_options",
     "validate",
 ]
@@ -236,6 +238,29 @@ def validate(cfg: DictConfig) -> None:
                     )
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+
+
+def routing(cfg: DictConfig) -> str:
+    """The routing the planner's run sees: ``trace`` (every planner) or ``uniform`` (force-balanced)."""
+    return str(cfg.planner.get("routing", ROUTINGS[0]))
+
+
+def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> tuple[SampleCounts, Workload]:
+    """The run's counts (routed uniformly for force-balanced) and their workload under ``workload.*``.
+
+    Returns (counts [S, L, E], workload with load [M, L, G, E]); the layout depends on the tokens only, so
+    every planner of one config gets the same sample layout.
+    """
+    if routing(cfg) == "uniform":
+        counts = uniform_routing(counts, int(cfg.seed))
+    workload = build_workload(
+        counts,
+        num_gpus,
+        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
+        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
+        layout=str(cfg.workload.layout),
+    )
+    return counts, workload
 
 
 def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:

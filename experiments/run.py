@@ -30,16 +30,17 @@ import pandas as pd
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from baselines.force_balanced import ROUTINGS, uniform_routing
 from experiments.config import (
     ConfigError,
     build_cluster,
     build_cost,
     build_model,
     build_planner,
+    build_workload_for,
     dataset_name,
     load_counts,
     planning,
+    routing,
     sim_options,
     validate,
 )
@@ -47,7 +48,7 @@ from experiments.store import ResultsStore, cell_key, run_cell, stored_code_vers
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
-from relibra.workload import build_workload, unbalanceable_batches
+from relibra.workload import unbalanceable_batches
 
 __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 
@@ -95,17 +96,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         if str(cfg.executor.name) == "sim"
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
-    counts = load_counts(cfg)
-    routing = str(cfg.planner.get("routing", ROUTINGS[0]))
-    if routing == "uniform":  # force-balanced: the same samples, routed uniformly (baselines/force_balanced)
-        counts = uniform_routing(counts, int(cfg.seed))
-    workload = build_workload(
-        counts,
-        cluster.num_gpus,
-        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
-        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
-        layout=str(cfg.workload.layout),
-    )
+    counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
     with planning(cfg, planner, cluster, model, cost) as planned:
         result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))
@@ -121,7 +112,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
         "num_batches": counts.num_batches,
         "layout": str(cfg.workload.layout),
-        "routing": routing,
+        "routing": routing(cfg),
         "unbalanceable_batches": unbalanceable_batches(counts.batch_offsets, cluster.num_gpus),
         "seed": int(cfg.seed),
         "code_version": code_version(),
@@ -145,7 +136,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "trace": row["trace"],
             "model": model.name,
             "replicas_in_home_node": bool(getattr(planner, "replicas_in_home_node", True)),
-            "routing": routing,
+            "routing": routing(cfg),
             "layout": str(cfg.workload.layout),
         }
         dump = plan_dump_arrays(result.plans, counts, workload, meta)
