@@ -146,11 +146,12 @@ def _locality_tolerances(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     if not isinstance(node, DictConfig):
         return
     for key in node:
-        child = node.get(key)
-        if key == "locality_tolerance":
-            yield f"{prefix}.{key}", child
+        name = str(key)
+        child = node.get(name)
+        if name == "locality_tolerance":
+            yield f"{prefix}.{name}", child
         else:
-            yield from _locality_tolerances(child, f"{prefix}.{key}")
+            yield from _locality_tolerances(child, f"{prefix}.{name}")
 
 
 def validate(cfg: DictConfig) -> None:
