@@ -87,6 +87,24 @@ def test_no_planner_beats_balanced(
         check_bounded(name, res, bal)
 
 
+@pytest.mark.parametrize("name", ["megatron", "eplb", "lplb", "popfetcher", "relibra", "force_balanced"])
+def test_main_planners_do_not_beat_balanced(name: str) -> None:
+    """The fast companion of the property test: one skewed two-node workload, the main planners."""
+    from hydra.utils import instantiate
+
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER)
+    model = tiny_model(num_experts=8)
+    cost = CostModel(cluster, model)
+    counts = random_counts(num_samples=16, num_experts=8, seed=11, skew=2.0)
+    cfg = planner_config(name)
+    if cfg.get("routing") == "uniform":
+        counts = uniform_routing(counts, 0)
+    work = build_workload(counts, 4, samples_per_microbatch=2)
+    bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
+    res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
+    check_bounded(name, res, bal)
+
+
 def test_balanced_attention_is_the_mean() -> None:
     """On a deliberately unbalanced layout Balanced's attention is the per-GPU mean, below the busiest."""
     from baselines.megatron import MegatronPlanner
