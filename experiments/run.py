@@ -97,6 +97,12 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
     counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
+    short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
+    if short:
+        log.warning(
+            "%d of %d batches have fewer samples than the %d GPUs: some GPUs idle in them (results column "
+            "unbalanceable_batches)", short, counts.num_batches, cluster.num_gpus,
+        )  # fmt: skip
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
     with planning(cfg, planner, cluster, model, cost) as planned:
         result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))
@@ -113,7 +119,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "num_batches": counts.num_batches,
         "layout": str(cfg.workload.layout),
         "routing": routing(cfg),
-        "unbalanceable_batches": unbalanceable_batches(counts.batch_offsets, cluster.num_gpus),
+        "unbalanceable_batches": short,
         "seed": int(cfg.seed),
         "code_version": code_version(),
         **result.metrics,
