@@ -241,6 +241,7 @@ def test_cli_bad_config_exit_code(trace_file, tmp_path):
             f"trace.path={trace_file}",
             "model=olmoe-1b-7b",
             "cluster.nodes=3",
+            "workload.layout=packed",
             f"hydra.run.dir={tmp_path}",
         ],
         cwd=REPO,
@@ -250,6 +251,7 @@ def test_cli_bad_config_exit_code(trace_file, tmp_path):
     )
     assert proc.returncode == 2
     assert "model.num_experts=64 is not divisible" in proc.stderr
+    assert "workload.layout=packed: unknown sample layout" in proc.stderr  # every problem, one message
 
 
 @pytest.mark.shared_traces
