@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from analysis.figures import all_figures
-from analysis.headline import write_headline
+from analysis.headline import HEADLINE_PRESETS, write_headline
 from analysis.load import load_per_layer_results, load_results
 from analysis.render import write_table
 from analysis.tables import all_tables
@@ -48,10 +48,11 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
         tables += write_table(table, out_dir, console)
     figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
     skipped += skipped_figures
-    try:
-        figures += write_headline(results, out_dir)
-    except (ValueError, KeyError) as exc:  # NOTE: a partial grid (no overall preset) has no headline
-        skipped.append(f"headline figure skipped: {exc}")
+    if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only
+        try:
+            figures += write_headline(results, out_dir)
+        except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
+            skipped.append(f"headline figure skipped: {exc}")
     if console is not None:
         for why in skipped:
             console.print(f"[yellow]{why}")

@@ -46,11 +46,14 @@ PLANNER_ORDER = [
     "lplb",
     "llep",
     "ultraep",
+    "relibra_reorder_no_locality",
     "relibra_reorder_only",
     "relibra_replicate_only",
     "relibra",
     "relibra_balance",
     "relibra_portfolio",
+    "relibra_no_locality",
+    "force_balanced",
     "balanced",
 ]
 

@@ -32,13 +32,14 @@ computes the expert once, with both shares). Redundant slots hold weights perman
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 from ortools.graph.python import max_flow
 
-from relibra.planner import BatchContext, static_placement
+from relibra.planner import BatchContext
+from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
 __all__ = [
@@ -371,19 +372,14 @@ class EplbPlanner:
         home = _choose_home(copies, num_experts // g)
         redundant = _redundant_slots(copies, home, self.redundant_slots)
         assign = even_split(np.asarray(ctx.load).sum(axis=2), copies[None])
-        plan_time = time.perf_counter() - t0
-
-        prev = ctx.prev_home if ctx.prev_home is not None else static_placement(num_layers, num_experts, g)
         memory = num_layers * self.redundant_slots
-        return BatchPlan(
+        plan = BatchPlan(
             home=home,
             assign=assign,
             load=ctx.load,
             sample_gpu=ctx.sample_gpu,
             redundant=redundant,
-            plan_time_s=plan_time,
             stats={
-                "reorder_moved_experts": float((home != prev).sum()),
                 "redundant_experts_per_gpu": float(memory),
                 "redundant_bytes_per_gpu": float(memory * ctx.cost.expert_weight_bytes()),
                 "replicated_experts": float((logcnt > 1).sum()),
@@ -394,3 +390,6 @@ class EplbPlanner:
                 else 0.0,
             },
         )
+        # NOTE: EPLB re-plans from scratch; among the equivalent relabellings keep experts where they are.
+        plan = relabel_for(plan, ctx)
+        return replace(plan, plan_time_s=time.perf_counter() - t0)

@@ -29,14 +29,15 @@ communication cost), which is kept. Redundant slots hold weights permanently in 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import highspy
 import numpy as np
 
 from baselines.eplb import history_weight, rebalance_experts
-from relibra.planner import BatchContext, home_assign, static_placement
+from relibra.planner import BatchContext, home_assign
+from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
 __all__ = [
@@ -384,14 +385,15 @@ class LplbPlanner:
             gap = (t_ipm - t_exact) / np.maximum(t_exact, 1.0)
             stats["lp_gap_mean"] = float(gap.mean())
             stats["lp_gap_max"] = float(gap.max())
-        prev = ctx.prev_home if ctx.prev_home is not None else static_placement(num_layers, num_experts, g)
-        stats["reorder_moved_experts"] = float((layout.home != prev).sum())
-        return BatchPlan(
+        plan = BatchPlan(
             home=layout.home,
             assign=assign.astype(np.int32),
             load=ctx.load,
             sample_gpu=ctx.sample_gpu,
             redundant=layout.redundant,
-            plan_time_s=plan_time,
             stats=stats,
         )
+        # NOTE: LPLB re-plans from scratch; among the equivalent relabellings keep experts where they are.
+        t1 = time.perf_counter()
+        plan = relabel_for(plan, ctx)
+        return replace(plan, plan_time_s=plan_time + time.perf_counter() - t1)

@@ -7,11 +7,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import build_cluster, build_cost, build_model, build_planner, load_counts, sim_options
+from experiments.config import (
+    build_cluster,
+    build_cost,
+    build_model,
+    build_planner,
+    build_workload_for,
+    load_counts,
+    sim_options,
+)
 from relibra.cluster import HardwareSpec, ModelSpec
 from relibra.simulator import SimResult, simulate
 from relibra.types import SampleCounts
-from relibra.workload import build_workload
 
 CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
 
@@ -30,9 +37,8 @@ def timed_simulation(cfg: DictConfig, counts: SampleCounts | None = None) -> tup
     """Simulate ``cfg``'s planner on ``counts`` (default: ``cfg``'s trace) -> (result, simulate's wall s)."""
     cluster, model = build_cluster(cfg), build_model(cfg)
     cost = build_cost(cfg, cluster, model)
-    if counts is None:
-        counts = load_counts(cfg)
-    workload = build_workload(counts, cluster.num_gpus, cfg.workload.samples_per_microbatch)
+    given = load_counts(cfg) if counts is None else counts
+    counts, workload = build_workload_for(cfg, given, cluster.num_gpus)
     start = time.perf_counter()
     res = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
     return res, time.perf_counter() - start

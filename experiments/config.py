@@ -19,10 +19,13 @@ import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel, load_calibration
+from relibra.migration import migration_payload
 from relibra.simulator import SimOptions
-from relibra.types import SampleCounts
+from relibra.types import SampleCounts, Workload
+from relibra.workload import LAYOUTS, build_workload
 
 __all__ = [
     "ConfigError",
@@ -30,8 +33,10 @@ __all__ = [
     "build_cost",
     "build_model",
     "build_planner",
+    "build_workload_for",
     "dataset_name",
     "load_counts",
+    "routing",
     "sim_options",
     "validate",
 ]
@@ -109,7 +114,7 @@ def planning(
 def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
     sim = cfg.get("simulator") or {}
     return SimOptions(
-        migration_bytes_per_param=float(sim.get("migration_bytes_per_param", 18.0)),
+        migration_bytes_per_param=migration_payload(sim.get("migration")).bytes_per_param,
         history_window=int(sim.get("history_window", 4)),
         keep_plans=keep_plans,
         seed=int(cfg.seed),
@@ -129,6 +134,24 @@ def _trace_meta(path: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise ConfigError(f"trace.path={path}: 'meta' must be a JSON object")
     return meta
+
+
+def path_given(cfg: DictConfig) -> bool:
+    """Whether the run reads a trace file (``trace.path``) rather than the synthetic generator."""
+    return bool(cfg.trace.get("path"))
+
+
+def _locality_tolerances(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Every ``locality_tolerance`` key under a planner config (portfolio candidates included)."""
+    if not isinstance(node, DictConfig):
+        return
+    for key in node:
+        name = str(key)
+        child = node.get(name)
+        if name == "locality_tolerance":
+            yield f"{prefix}.{name}", child
+        else:
+            yield from _locality_tolerances(child, f"{prefix}.{name}")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -166,6 +189,30 @@ def validate(cfg: DictConfig) -> None:
                     f"planner.replica_slots={slots} must be in [0, {per_node}], the experts in a node "
                     f"(model.num_experts / G * cluster.gpus_per_node = {e} / {g} * {gpn})"
                 )
+    layout = cfg.workload.get("layout")
+    if layout not in LAYOUTS:
+        problems.append(f"workload.layout={layout}: unknown sample layout; expected one of {list(LAYOUTS)}")
+    if planner is not None:
+        for key, tolerance in _locality_tolerances(planner, "planner"):
+            if not (isinstance(tolerance, int | float) and 0 < tolerance <= 1):
+                problems.append(
+                    f"{key}={tolerance}: the locality round's balance tolerance must be in (0, 1] "
+                    "(the per-GPU token slack it may trade for locality, relative to the mean)"
+                )
+        routing = planner.get("routing", ROUTINGS[0])
+        if routing not in ROUTINGS:
+            problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
+    try:
+        migration_payload((cfg.get("simulator") or {}).get("migration"))
+    except ValueError as exc:
+        problems.append(str(exc))
+    if not path_given(cfg) and nodes >= 1 and gpn >= 1:
+        per_batch = int(cfg.trace.samples_per_batch)
+        if per_batch < nodes * gpn:
+            problems.append(
+                f"trace.samples_per_batch={per_batch} cannot fill every GPU in a micro-batch: the EP group "
+                f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
+            )
     spm = cfg.workload.get("samples_per_microbatch")
     tpm = cfg.workload.get("tokens_per_microbatch")
     if spm is not None and tpm is not None:
@@ -192,6 +239,29 @@ def validate(cfg: DictConfig) -> None:
                     )
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+
+
+def routing(cfg: DictConfig) -> str:
+    """The routing the planner's run sees: ``trace`` (every planner) or ``uniform`` (force-balanced)."""
+    return str(cfg.planner.get("routing", ROUTINGS[0]))
+
+
+def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> tuple[SampleCounts, Workload]:
+    """The run's counts (routed uniformly for force-balanced) and their workload under ``workload.*``.
+
+    Returns (counts [S, L, E], workload with load [M, L, G, E]); the layout depends on the tokens only, so
+    every planner of one config gets the same sample layout.
+    """
+    if routing(cfg) == "uniform":
+        counts = uniform_routing(counts, int(cfg.seed))
+    workload = build_workload(
+        counts,
+        num_gpus,
+        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
+        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
+        layout=str(cfg.workload.layout),
+    )
+    return counts, workload
 
 
 def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:

@@ -36,9 +36,11 @@ from experiments.config import (
     build_cost,
     build_model,
     build_planner,
+    build_workload_for,
     dataset_name,
     load_counts,
     planning,
+    routing,
     sim_options,
     validate,
 )
@@ -46,7 +48,7 @@ from experiments.store import ResultsStore, cell_key, run_cell, stored_code_vers
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
-from relibra.workload import build_workload
+from relibra.workload import unbalanceable_batches
 
 __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 
@@ -101,13 +103,13 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         if str(cfg.executor.name) == "sim"
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
-    counts = load_counts(cfg)
-    workload = build_workload(
-        counts,
-        cluster.num_gpus,
-        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
-        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
-    )
+    counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
+    short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
+    if short:
+        log.warning(
+            "%d of %d batches have fewer samples than the %d GPUs: some GPUs idle in them (results column "
+            "unbalanceable_batches)", short, counts.num_batches, cluster.num_gpus,
+        )  # fmt: skip
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
     with planning(cfg, planner, cluster, model, cost) as planned:
         result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))
@@ -122,6 +124,9 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "executor": str(cfg.executor.name),
         "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
         "num_batches": counts.num_batches,
+        "layout": str(cfg.workload.layout),
+        "routing": routing(cfg),
+        "unbalanceable_batches": short,
         "seed": int(cfg.seed),
         "code_version": code_version(),
         **result.metrics,
@@ -147,6 +152,8 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "trace": row["trace"],
             "model": model.name,
             "replicas_in_home_node": bool(getattr(planner, "replicas_in_home_node", True)),
+            "routing": routing(cfg),
+            "layout": str(cfg.workload.layout),
         }
         dump = plan_dump_arrays(result.plans, counts, workload, meta)
     return pd.DataFrame([row]), result.per_layer(), dump

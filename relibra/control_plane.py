@@ -85,9 +85,10 @@ from relibra.planner import (
     static_placement,
 )
 from relibra.planners.refill import replicate_batch
+from relibra.relabel import relabel_plan
 from relibra.trace import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
+from relibra.workload import LAYOUTS, SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
 
 __all__ = [
     "ControlPlane",
@@ -158,6 +159,8 @@ class ControlPlaneConfig:
     """``K`` samples per GPU per micro-batch (see :func:`relibra.workload.split_microbatches`)."""
     tokens_per_microbatch: int | None = None
     """Or a per-GPU token budget per micro-batch (at most one of the two)."""
+    layout: str = LAYOUTS[0]
+    """The sample layout (:data:`relibra.workload.LAYOUTS`: ``balanced`` or ``contiguous``)."""
     max_retries: int = 1
     """Re-runs of a task whose worker process died, before its layer falls back."""
     deadline_s: float | None = None
@@ -894,6 +897,7 @@ class ControlPlane:
             g,
             self.config.samples_per_microbatch,
             self.config.tokens_per_microbatch,
+            self.config.layout,
         )
         local_mb = layout.local_mb()
         load = microbatch_loads(job.counts, layout.sample_gpu, local_mb, layout.num_microbatches, g)
@@ -1161,7 +1165,7 @@ class ControlPlane:
             "cp_worker_crashes": float(job.crashes),
         }
         stats.update({k: v for k, v in cp_stats.items() if math.isfinite(v)})
-        return BatchPlan(
+        plan = BatchPlan(
             home=home,
             assign=np.asarray(assign, dtype=np.int32),
             load=np.asarray(load, dtype=np.int32),
@@ -1172,3 +1176,10 @@ class ControlPlane:
             stats=stats,
             online=online,
         )
+        if (job.whole is None or job.failed_reorder.any()) and not fallback.any():
+            # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
+            # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
+            # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
+            nodes = self.cluster.nodes
+            plan = relabel_plan(plan, job.prev_home, nodes, self.cluster.gpus_per_node)
+        return plan

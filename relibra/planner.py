@@ -110,6 +110,15 @@ def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.nda
     return np.broadcast_to(np.arange(num_experts) // per_gpu, (num_layers, num_experts)).astype(np.int32)
 
 
+def previous_home(ctx: BatchContext) -> np.ndarray:
+    """int32 [L, E]: the placement the batch starts from: ``ctx.prev_home``, or Megatron-LM's static one on
+    the first batch (where the simulator charges migration from)."""
+    if ctx.prev_home is not None:
+        return np.asarray(ctx.prev_home, dtype=np.int32)
+    _, num_layers, _, num_experts = np.shape(ctx.load)
+    return static_placement(num_layers, num_experts, ctx.num_gpus)
+
+
 def reordered_load(ctx: BatchContext, sample_gpu: np.ndarray, planner: str) -> np.ndarray:
     """The loads [Mb, L, G, E] under a reordering's sample_gpu [Sb]: ``ctx.load`` when no sample moved,
     else ``ctx.regroup(sample_gpu)``'s load. ``planner`` names the caller in the error raised when samples

@@ -11,7 +11,7 @@ plan with the :class:`~relibra.cost.CostModel`:
   planning time on the critical path (``t_critical_path_s``) and its weight copies, priced on the fabric
   and charged as :class:`~relibra.types.OnlineCopies` says (after routing, not behind attention);
 * per batch: dense (non-MoE) layers, reordering migration of every expert whose home changed (weights,
-  gradients and optimizer state, :data:`MIGRATION_BYTES_PER_PARAM`), and the gradient reduction plus
+  and optimizer state, :class:`~relibra.migration.MigrationPayload`), and the gradient reduction plus
   weight broadcast of permanent redundant copies (EPLB+, LPLB+).
 
 A batch is one RL training step: ``step_time_s`` is the mean batch time and throughput is all tokens over
@@ -33,12 +33,12 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel, MoEBreakdown
 from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
+from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.planner import BatchContext, Planner, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
 from relibra.workload import gpu_token_stats, microbatch_loads
 
 __all__ = [
-    "MIGRATION_BYTES_PER_PARAM",
     "Bound",
     "CostModelExecutor",
     "SimOptions",
@@ -48,10 +48,6 @@ __all__ = [
     "simulate",
     "skewness",
 ]
-
-MIGRATION_BYTES_PER_PARAM = 18.0
-"""Bytes moved per parameter when an expert changes home under Megatron mixed precision with Adam:
-bf16 weight (2) + fp32 main gradient (4) + fp32 master weight, Adam first and second moments (12)."""
 
 METRIC_COLUMNS = (
     "step_time_s",
@@ -63,6 +59,7 @@ METRIC_COLUMNS = (
     "plan_time_s",
     "replica_buffer_bytes",
     "reorder_moved_experts",
+    "migration_bytes",
     "t_compute_s",
     "t_comm_s",
     "t_sync_exposed_s",
@@ -88,7 +85,7 @@ class Bound(Protocol):
 class SimOptions:
     """Knobs of a simulation run (not of the cost model)."""
 
-    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+    migration_bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
     history_window: int = 4
     """Batches of past loads handed to planners in ``BatchContext.history``."""
     keep_plans: bool = False
@@ -252,13 +249,15 @@ class _Priced:
     skew: np.ndarray
     """float64 [Mb, L]."""
     tokens: np.ndarray
-    """int64 [Mb, G]: tokens each GPU holds (after any sample re-assignment)."""
+    """int64 [Mb, G]: tokens each GPU holds (after any sample re-assignment; a bound: float64, the mean)."""
     pairs: np.ndarray
     """float64 [Mb, G]: causal attention pairs each GPU holds."""
     refill: np.ndarray
     """float64 [Mb, L]: one-direction replica-buffer refill seconds."""
     buffer_slots: int = 0
     moved: int = 0
+    migration_bytes: float = 0.0
+    """Bytes the EP group moves to re-home ``moved`` experts (payload: :mod:`relibra.migration`)."""
     t_migration: float = 0.0
     t_redundant: float = 0.0
     online: OnlineCopies | None = None
@@ -267,11 +266,16 @@ class _Priced:
 
 def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slice) -> _Priced:
     br = bound.bound(ctx)
+    g = workload.tokens.shape[1]
+    # NOTE: an ideal has attention and dense layers at their mean over GPUs too: each GPU holds the mean
+    # tokens and causal pairs of its micro-batch (both times are linear in them), whatever the layout.
+    tokens = np.repeat(workload.tokens[rows].mean(axis=1, keepdims=True), g, axis=1)
+    pairs = np.repeat(workload.causal_pairs[rows].mean(axis=1, keepdims=True), g, axis=1)
     return _Priced(
         br=br,
         skew=np.ones(br.t_compute.shape),
-        tokens=workload.tokens[rows],
-        pairs=workload.causal_pairs[rows],
+        tokens=tokens,
+        pairs=pairs,
         refill=np.zeros(br.t_compute.shape),
     )
 
@@ -287,6 +291,7 @@ def _price_plan(
     moved_l, moved_e = np.nonzero(plan.home != prev_home)
     # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
     fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
+    expert_bytes = ctx.model.expert_params * bytes_per_param
     return _Priced(
         br=br,
         skew=skewness(plan.assign.sum(axis=-2)),
@@ -295,10 +300,9 @@ def _price_plan(
         refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
         buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
         moved=int(moved_l.size),
+        migration_bytes=float(moved_l.size * expert_bytes),
         t_migration=cost.transfer_time(
-            prev_home[moved_l, moved_e],
-            plan.home[moved_l, moved_e],
-            ctx.model.expert_params * bytes_per_param,
+            prev_home[moved_l, moved_e], plan.home[moved_l, moved_e], expert_bytes
         ),
         t_redundant=_redundant_sync_time(plan, cost),
         online=plan.online,
@@ -342,7 +346,7 @@ def _online_sync(priced: _Priced, attn: np.ndarray) -> np.ndarray:
 
 
 def predict_batch_time(
-    plan: BatchPlan, ctx: BatchContext, bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+    plan: BatchPlan, ctx: BatchContext, bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
 ) -> float:
     """Seconds of one batch under ``plan``, priced by ``ctx.cost`` exactly as :func:`simulate` prices it.
 
@@ -380,7 +384,9 @@ def simulate(
     shape = (workload.num_microbatches, counts.num_layers)
     skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
-    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved", "critical"), 0.0)
+    totals = dict.fromkeys(
+        ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes"), 0.0
+    )
     slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
@@ -435,6 +441,7 @@ def simulate(
         totals["dense"] += dense
         totals["moved"] += priced.moved
         totals["critical"] += times.critical
+        totals["migration_bytes"] += priced.migration_bytes
 
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
@@ -449,6 +456,7 @@ def simulate(
         "plan_time_s": totals["plan"] / nb,
         "replica_buffer_bytes": float(slots["buffer"] * expert_bytes),
         "reorder_moved_experts": totals["moved"] / nb,
+        "migration_bytes": totals["migration_bytes"] / nb,
         "t_compute_s": float(t_comp.sum()) / nb,
         "t_comm_s": float(t_comm.sum()) / nb,
         "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,

@@ -3,21 +3,32 @@
 Glossary (DESIGN.md): ``S`` samples, ``B`` batches, ``G`` GPUs of the EP group, ``M`` micro-batches
 (global index over all batches), ``Mb`` micro-batches of one batch, ``L`` MoE layers, ``E`` experts.
 
-Three steps, each a plain function so that any of them can be replaced (reordering's second round, for
-example, brings its own sample-to-GPU assignment):
+The **layout** (``workload.layout``) decides where every sample runs; it is one stage every planner
+shares (a planner may move samples afterwards only if its method says so: ReLibra's locality round).
 
-1. :func:`balance_samples` spreads each batch's samples over the GPUs by tokens (LPT: longest sample
-   first, onto the GPU holding the fewest tokens so far);
-2. :func:`split_microbatches` cuts each GPU's samples into micro-batches, either ``K`` samples per GPU per
-   micro-batch (``workload.samples_per_microbatch``) or by a per-GPU token budget
-   (``workload.tokens_per_microbatch``). Micro-batches are synchronised across GPUs: every GPU runs its
-   part of micro-batch ``m`` together, so a batch has as many micro-batches as its busiest GPU needs;
-3. :func:`microbatch_loads` and :func:`gpu_token_stats` reduce per-sample counts to per-(micro-batch,
-   GPU) loads with one sorted segment sum over flattened keys (no Python loop over tokens or samples).
+* ``balanced`` (default), :func:`balanced_layout`: what RL trainers do (verl's dynamic batch size with
+  sequence balancing, ``rearrange_micro_batches`` / ``get_seqlen_balanced_partitions``; NeMo-RL's dynamic
+  batching; Megatron's sequence packing): the batch's samples are packed into ``Mb * G`` bins of nearly
+  equal tokens (LPT: longest sample first into the bin holding the fewest tokens, ties to the fewest causal
+  attention pairs), then the bins are grouped ``G`` at a time into micro-batches in order of their
+  attention work (``sum len * (len + 1) / 2``, the second key), so that the ``G`` GPUs of every
+  micro-batch hold nearly the same tokens and nearly the same attention work. Within a micro-batch the
+  heaviest bin goes to the GPU with the fewest tokens so far in the batch. ``Mb`` comes from the sizing
+  keys: ``ceil(Sb / (G * K))`` for ``workload.samples_per_microbatch = K``, ``ceil(tokens / (G * budget))``
+  for ``workload.tokens_per_microbatch = budget`` (a bin may exceed the budget by less than its last
+  sample), and never more than ``Sb // G`` so that every GPU gets a sample in every micro-batch. A batch
+  with fewer samples than GPUs cannot be balanced: it runs as one micro-batch with idle GPUs and is
+  counted (:func:`unbalanceable_batches`, the ``unbalanceable_batches`` result column).
+* ``contiguous``: the suite's former layout: :func:`balance_samples` spreads each batch's samples over the
+  GPUs by tokens over the whole batch (LPT), then :func:`split_microbatches` cuts each GPU's samples into
+  micro-batches in sample order, ``K`` samples or a token budget per GPU per micro-batch. Micro-batches are
+  synchronised across GPUs, so a batch has as many micro-batches as its busiest GPU needs; one
+  micro-batch's per-GPU tokens are not balanced (a median max/mean near 2 on reasoning batches).
 
-:func:`layout_samples` runs steps 1 and 2; :func:`assemble` runs step 3 into a
-:class:`~relibra.types.Workload`; :func:`build_workload` does everything from a
-:class:`~relibra.types.SampleCounts`.
+:func:`microbatch_loads` and :func:`gpu_token_stats` reduce per-sample counts to per-(micro-batch,
+GPU) loads with one sorted segment sum over flattened keys (no Python loop over tokens or samples).
+:func:`layout_samples` runs the layout; :func:`assemble` reduces into a :class:`~relibra.types.Workload`;
+:func:`build_workload` does everything from a :class:`~relibra.types.SampleCounts`.
 """
 
 from __future__ import annotations
@@ -30,15 +41,23 @@ import numpy as np
 from relibra.types import SampleCounts, Workload
 
 __all__ = [
+    "LAYOUTS",
     "SampleLayout",
     "assemble",
     "balance_samples",
+    "balanced_layout",
     "build_workload",
+    "contiguous_layout",
     "gpu_token_stats",
     "layout_samples",
+    "microbatch_balance",
     "microbatch_loads",
     "split_microbatches",
+    "unbalanceable_batches",
 ]
+
+LAYOUTS = ("balanced", "contiguous")
+"""Values of ``workload.layout`` (module doc); the first is the default."""
 
 
 @dataclass(frozen=True)
@@ -171,15 +190,7 @@ def split_microbatches(
     Returns:
         The :class:`SampleLayout`; batch ``b`` has ``max_g`` (micro-batches GPU ``g`` needs) micro-batches.
     """
-    if samples_per_microbatch is not None and tokens_per_microbatch is not None:
-        raise ValueError(
-            "give samples_per_microbatch or tokens_per_microbatch, not both "
-            f"(got {samples_per_microbatch} and {tokens_per_microbatch})"
-        )
-    if samples_per_microbatch is not None and samples_per_microbatch < 1:
-        raise ValueError(f"samples_per_microbatch must be >= 1, got {samples_per_microbatch}")
-    if tokens_per_microbatch is not None and tokens_per_microbatch < 1:
-        raise ValueError(f"tokens_per_microbatch must be >= 1, got {tokens_per_microbatch}")
+    _check_sizing(samples_per_microbatch, tokens_per_microbatch)
     tokens = _check_tokens(sample_tokens)
     offsets = _check_offsets(batch_offsets, tokens.shape[0])
     gpu = np.asarray(sample_gpu)
@@ -203,25 +214,155 @@ def split_microbatches(
     )
 
 
-def layout_samples(
+def _check_sizing(samples_per_microbatch: int | None, tokens_per_microbatch: int | None) -> None:
+    if samples_per_microbatch is not None and tokens_per_microbatch is not None:
+        raise ValueError(
+            "give samples_per_microbatch or tokens_per_microbatch, not both "
+            f"(got {samples_per_microbatch} and {tokens_per_microbatch})"
+        )
+    if samples_per_microbatch is not None and samples_per_microbatch < 1:
+        raise ValueError(f"samples_per_microbatch must be >= 1, got {samples_per_microbatch}")
+    if tokens_per_microbatch is not None and tokens_per_microbatch < 1:
+        raise ValueError(f"tokens_per_microbatch must be >= 1, got {tokens_per_microbatch}")
+
+
+def _balanced_batch(tokens: np.ndarray, num_gpus: int, num_mb: int) -> tuple[np.ndarray, np.ndarray]:
+    """One batch's balanced layout: tokens int64 [Sb] -> (gpu int32 [Sb], local micro-batch int64 [Sb])."""
+    sb = tokens.shape[0]
+    pairs = tokens * (tokens + 1) / 2.0
+    num_bins = num_mb * num_gpus
+    # Step 1: LPT into Mb * G bins by tokens, ties to the bin with the fewest attention pairs.
+    order = np.argsort(-tokens, kind="stable")
+    heap = [(0, 0.0, b) for b in range(num_bins)]
+    sample_bin = np.empty(sb, dtype=np.int64)
+    for s in order:
+        held, held_pairs, b = heapq.heappop(heap)
+        sample_bin[s] = b
+        heapq.heappush(heap, (held + int(tokens[s]), held_pairs + float(pairs[s]), b))
+    bin_tokens = np.bincount(sample_bin, weights=tokens, minlength=num_bins)
+    bin_pairs = np.bincount(sample_bin, weights=pairs, minlength=num_bins)
+    # Step 2: G bins per micro-batch, in order of attention work (then tokens), heaviest first.
+    ranked = np.lexsort((-bin_tokens, -bin_pairs))  # [Mb * G]
+    bin_mb = np.empty(num_bins, dtype=np.int64)
+    bin_mb[ranked] = np.arange(num_bins) // num_gpus
+    # Step 3: within each micro-batch, the heaviest bin to the GPU with the fewest tokens so far.
+    bin_gpu = np.empty(num_bins, dtype=np.int64)
+    so_far = np.zeros(num_gpus)
+    for m in range(num_mb):
+        members = ranked[m * num_gpus : (m + 1) * num_gpus]
+        heavy_first = members[np.argsort(-bin_tokens[members], kind="stable")]
+        light_first = np.argsort(so_far, kind="stable")
+        bin_gpu[heavy_first] = light_first
+        so_far[light_first] += bin_tokens[heavy_first]
+    return bin_gpu[sample_bin].astype(np.int32), bin_mb[sample_bin]
+
+
+def _balanced_microbatches(
+    tokens: np.ndarray, num_gpus: int, samples_per_microbatch: int | None, tokens_per_microbatch: int | None
+) -> int:
+    """``Mb`` of one batch under the balanced layout (module doc); tokens int64 [Sb]."""
+    sb = tokens.shape[0]
+    if tokens_per_microbatch is not None:
+        want = -(-int(tokens.sum()) // (num_gpus * int(tokens_per_microbatch)))
+    elif samples_per_microbatch is not None:
+        want = -(-sb // (num_gpus * int(samples_per_microbatch)))
+    else:
+        want = 1
+    return max(1, min(want, sb // num_gpus))
+
+
+def balanced_layout(
     sample_tokens: np.ndarray,
     batch_offsets: np.ndarray,
     num_gpus: int,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
 ) -> SampleLayout:
-    """Balance samples over GPUs by tokens (LPT) per batch, then cut micro-batches (see module doc).
+    """Micro-batches whose GPUs hold nearly equal tokens and attention work (module doc, ``balanced``).
 
     Args:
         sample_tokens: int64 [S]; batch_offsets: int64 [B + 1]; num_gpus: ``G``;
-        samples_per_microbatch / tokens_per_microbatch: see :func:`split_microbatches`.
+        samples_per_microbatch / tokens_per_microbatch: size micro-batches (at most one; neither: one
+            micro-batch per batch).
     Returns:
         :class:`SampleLayout` with sample_gpu int32 [S], sample_mb int32 [S], mb_batch int32 [M].
     """
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
+    _check_sizing(samples_per_microbatch, tokens_per_microbatch)
+    tokens = _check_tokens(sample_tokens)
+    offsets = _check_offsets(batch_offsets, tokens.shape[0])
+    num_batches = offsets.shape[0] - 1
+    sample_gpu = np.empty(tokens.shape[0], dtype=np.int32)
+    sample_mb = np.empty(tokens.shape[0], dtype=np.int32)
+    per_batch = np.empty(num_batches, dtype=np.int64)
+    first = 0
+    for b in range(num_batches):
+        sl = slice(int(offsets[b]), int(offsets[b + 1]))
+        mb = _balanced_microbatches(tokens[sl], num_gpus, samples_per_microbatch, tokens_per_microbatch)
+        gpu, local = _balanced_batch(tokens[sl], num_gpus, mb)
+        sample_gpu[sl] = gpu
+        sample_mb[sl] = first + local
+        per_batch[b] = mb
+        first += mb
+    return SampleLayout(
+        sample_gpu=sample_gpu,
+        sample_mb=sample_mb,
+        mb_batch=np.repeat(np.arange(num_batches), per_batch).astype(np.int32),
+    )
+
+
+def contiguous_layout(
+    sample_tokens: np.ndarray,
+    batch_offsets: np.ndarray,
+    num_gpus: int,
+    samples_per_microbatch: int | None = None,
+    tokens_per_microbatch: int | None = None,
+) -> SampleLayout:
+    """:func:`balance_samples` over the batch, then :func:`split_microbatches` in sample order."""
     sample_gpu = balance_samples(sample_tokens, batch_offsets, num_gpus)
     return split_microbatches(
         sample_tokens, batch_offsets, sample_gpu, num_gpus, samples_per_microbatch, tokens_per_microbatch
     )
+
+
+def layout_samples(
+    sample_tokens: np.ndarray,
+    batch_offsets: np.ndarray,
+    num_gpus: int,
+    samples_per_microbatch: int | None = None,
+    tokens_per_microbatch: int | None = None,
+    layout: str = LAYOUTS[0],
+) -> SampleLayout:
+    """The sample layout ``layout`` (``balanced`` or ``contiguous``, module doc).
+
+    Args:
+        sample_tokens: int64 [S]; batch_offsets: int64 [B + 1]; num_gpus: ``G``;
+        samples_per_microbatch / tokens_per_microbatch: micro-batch sizing (at most one).
+    Returns:
+        :class:`SampleLayout` with sample_gpu int32 [S], sample_mb int32 [S], mb_batch int32 [M].
+    """
+    if layout not in _LAYOUT_FUNCTIONS:
+        raise ValueError(f"workload.layout={layout!r}: expected one of {list(LAYOUTS)}")
+    return _LAYOUT_FUNCTIONS[layout](
+        sample_tokens, batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch
+    )
+
+
+_LAYOUT_FUNCTIONS = {"balanced": balanced_layout, "contiguous": contiguous_layout}
+assert tuple(_LAYOUT_FUNCTIONS) == LAYOUTS
+
+
+def unbalanceable_batches(batch_offsets: np.ndarray, num_gpus: int) -> int:
+    """Batches with fewer samples than GPUs (some GPU idles in every micro-batch); batch_offsets [B + 1]."""
+    return int(np.count_nonzero(np.diff(np.asarray(batch_offsets, dtype=np.int64)) < num_gpus))
+
+
+def microbatch_balance(tokens: np.ndarray) -> np.ndarray:
+    """Per-micro-batch ``max_g / mean_g`` of per-GPU tokens; tokens [M, G] -> float64 [M] (1 if empty)."""
+    t = np.asarray(tokens, dtype=np.float64)
+    mean = t.mean(axis=-1)
+    return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
 
 
 def _group_keys(
@@ -338,9 +479,10 @@ def build_workload(
     num_gpus: int,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
+    layout: str = LAYOUTS[0],
 ) -> Workload:
     """:func:`layout_samples` then :func:`assemble`: per-sample counts to a :class:`Workload`."""
-    layout = layout_samples(
-        counts.tokens, counts.batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch
+    placed = layout_samples(
+        counts.tokens, counts.batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch, layout
     )
-    return assemble(counts, layout, num_gpus)
+    return assemble(counts, placed, num_gpus)

@@ -30,6 +30,8 @@ FACTOR = {
     "lplb": 1.25,
     "relibra": 1.5,
     "balanced": 1.6,
+    "force_balanced": 1.4,
+    "relibra_reorder_no_locality": 1.05,
     "relibra_reorder_only": 1.1,
 }
 SKEW = {
@@ -39,6 +41,8 @@ SKEW = {
     "lplb": 1.3,
     "relibra": 1.05,
     "balanced": 1.0,
+    "force_balanced": 1.1,
+    "relibra_reorder_no_locality": 1.5,
     "relibra_reorder_only": 1.45,
 }
 MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b"]
@@ -97,7 +101,7 @@ def _write(root: Path, name: str, rows: list[dict], layers: bool = False) -> Non
 
 @pytest.fixture
 def results(tmp_path: Path) -> Path:
-    core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced"]
+    core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced", "force_balanced"]
     overall = [
         _row(m, d, p, 4, bump=1.0 + 0.1 * j) for j, m in enumerate(MODELS) for d in DATASETS for p in core
     ]
@@ -106,7 +110,7 @@ def results(tmp_path: Path) -> Path:
         _row(m, d, p, 4)
         for m in MODELS
         for d in DATASETS
-        for p in ("megatron", "relibra_reorder_only", "relibra")
+        for p in ("megatron", "relibra_reorder_no_locality", "relibra_reorder_only", "relibra")
     ]
     _write(tmp_path, "quick_ablation", abl)
     _write(
@@ -133,7 +137,14 @@ def test_overall_speedups_follow_the_throughputs(results: Path) -> None:
     np.testing.assert_allclose(cells["over Megatron-LM"], FACTOR["relibra"] / FACTOR["megatron"])
     np.testing.assert_allclose(cells["over EPLB+"], FACTOR["relibra"] / FACTOR["eplb"])
     np.testing.assert_allclose(cells["% of Balanced"], 100 * FACTOR["relibra"] / FACTOR["balanced"])
+    force = 100 * FACTOR["relibra"] / FACTOR["force_balanced"]
+    np.testing.assert_allclose(cells["% of force-balanced"], force)
+    # the two references side by side, Balanced first
+    cols = list(cells.columns)
+    assert cols.index("% of force-balanced") == cols.index("% of Balanced") + 1
     summary = overall_summary(_frame(results, "quick_overall")).frame.set_index("ReLibra")
+    assert summary.loc["of force-balanced", "ours lo"] == pytest.approx(force / 100)
+    assert np.isnan(summary.loc["of force-balanced", "paper lo"])
     row = summary.loc["over PopFetcher"]
     lo, hi = paper.OVERALL_SPEEDUP["popfetcher"]
     assert (row["paper lo"], row["paper hi"]) == (lo, hi)
@@ -146,6 +157,12 @@ def test_ablation_is_relative_to_megatron_with_paper_beside(results: Path) -> No
     assert reorder["ours (x Megatron-LM)"].item() == pytest.approx(FACTOR["relibra_reorder_only"])
     assert reorder["paper"].item() == paper.ABLATION[("relibra_reorder_only", "mixed")]
     assert reorder["ours/paper"].item() == pytest.approx(1.1 / 1.15)
+    # the locality round's own row comes first: placement only, then "+ locality round"
+    variants = list(dict.fromkeys(table["variant"]))
+    assert variants[:2] == [paper.label("relibra_reorder_no_locality"), paper.label("relibra_reorder_only")]
+    assert "+ locality round" in paper.label("relibra_reorder_only")
+    placement = table[table["variant"] == paper.label("relibra_reorder_no_locality")]
+    np.testing.assert_allclose(placement["ours (x Megatron-LM)"], FACTOR["relibra_reorder_no_locality"])
 
 
 def test_skew_by_ep_and_range_ratio(results: Path) -> None:

@@ -109,13 +109,13 @@ def test_portfolio_config_composes_the_three_candidates() -> None:
             overrides=[
                 "planner=relibra_portfolio",
                 "planner.replica_slots=3",
-                "simulator.migration_bytes_per_param=6.0",
+                "simulator.migration.optimizer_shards=3",
             ],
         )
     planner = instantiate(cfg.planner, _convert_="all")
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
-    assert planner.migration_bytes_per_param == 6.0  # priced like the simulator that will run it
+    assert planner.migration_bytes_per_param == 2.0 + 12.0 / 3  # priced like the simulator that runs it
     t_moe, balance, keep = planner.candidates
     assert (t_moe.name, balance.name, keep.name) == ("relibra", "relibra_balance", "relibra_keep_placement")
     assert t_moe.replica_slots == balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
@@ -140,7 +140,7 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
     assert (moved.home != prev).any()
     # With migration priced 1000x higher, keeping the placement must win the portfolio.
     chosen = PortfolioPlanner(
-        "p", (relibra(replica_slots=2, reorder=FAST_REORDER), keep), 2, migration_bytes_per_param=18e3
+        "p", (relibra(replica_slots=2, reorder=FAST_REORDER), keep), 2, migration_bytes_per_param=14e3
     ).plan(ctx)
     assert chosen.stats["portfolio_choice"] == 1.0
     np.testing.assert_array_equal(chosen.home, prev)

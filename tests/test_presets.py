@@ -14,7 +14,17 @@ from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
-PLANNERS = {"megatron", "popfetcher", "eplb", "lplb", "ultraep", "llep", "relibra", "balanced"}
+PLANNERS = {
+    "megatron",
+    "popfetcher",
+    "eplb",
+    "lplb",
+    "ultraep",
+    "llep",
+    "relibra",
+    "balanced",
+    "force_balanced",
+}
 
 
 def tiny(cfg_nodes: int) -> list[str]:
@@ -93,7 +103,8 @@ def test_quick_variant_keeps_the_grid_and_the_step_and_runs_fewer_steps(preset: 
     f, q = compose_cell(preset, full[0]), compose_cell(f"quick_{preset}", quick[0])
     assert (f.model.name, f.cluster.nodes) == (q.model.name, q.cluster.nodes)
     if preset != "real_trace":  # NOTE: the tokens of one RL step are the paper's; only steps are fewer
-        assert (q.trace.samples_per_batch, q.trace.max_tokens) == (f.trace.samples_per_batch, f.trace.max_tokens)
+        step = [(c.trace.samples_per_batch, c.trace.max_tokens) for c in (q, f)]
+        assert step[0] == step[1]
         assert (q.trace.preset, q.workload) == (f.trace.preset, f.workload)
         assert q.trace.num_batches < f.trace.num_batches
 

@@ -13,6 +13,9 @@ from experiments.store import ResultsStore
 
 TINY = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
 """Tiny cells: one step of two rollouts per GPU of one 8-GPU node."""
+PLANNERS = ["megatron", "relibra", "relibra_portfolio", "ultraep"]
+SWEEP = [*TINY, f"planner={','.join(PLANNERS)}"]
+"""Four planners (a sweep that replaces the preset's), one online baseline among them."""
 
 
 def _rows(root: Path) -> pd.DataFrame:
@@ -22,11 +25,11 @@ def _rows(root: Path) -> pd.DataFrame:
 
 def test_workers_compute_the_same_cells_as_one_process(tmp_path: Path) -> None:
     """Two worker processes store exactly the rows that one process stores, cell for cell."""
-    args = ["--presets", "quick_ep_scaling", "--no-analysis", *TINY]
+    args = ["--presets", "quick_ep_scaling", "--no-analysis", *SWEEP]
     assert reproduce.main(["--results", str(tmp_path / "one"), "--workers", "1", *args]) == 0
     assert reproduce.main(["--results", str(tmp_path / "two"), "--workers", "2", *args]) == 0
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert len(one) == 4  # the preset's four planners at EP 8
+    assert sorted(one["planner"]) == PLANNERS
     metrics = ["planner", "step_time_s", "skew_mean", "reorder_moved_experts", "t_comm_s"]
     pd.testing.assert_frame_equal(one[metrics], two[metrics], check_exact=True)
 
@@ -36,17 +39,16 @@ def test_plain_output_prints_one_line_per_finished_cell(
 ) -> None:
     """Not a terminal (CI, `| tee`): a line per cell with preset, done/total, cell, seconds, state."""
     args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "1"]
-    assert reproduce.main([*args, "--no-analysis", *TINY]) == 0
+    assert reproduce.main([*args, "--no-analysis", *SWEEP]) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 4 cells, 0 reused, 4 to compute" in out
     line = r"^quick_ep_scaling \[(\d)/4\] qwen3-30b-a3b mixed EP8 (\S+): [\d.]+ s done$"
     lines = re.findall(line, out, re.M)
     assert sorted(int(done) for done, _ in lines) == [1, 2, 3, 4]
-    planners = {planner for _, planner in lines}
-    assert planners == {"megatron", "relibra", "relibra_balance", "relibra_portfolio"}
+    assert sorted(planner for _, planner in lines) == PLANNERS
     assert "quick_ep_scaling: 4 cells run, 0 reused, 0 failed" in out
 
-    assert reproduce.main([*args, "--no-analysis", *TINY]) == 0  # a rerun: every cell reused, no lines
+    assert reproduce.main([*args, "--no-analysis", *SWEEP]) == 0  # a rerun: every cell reused, no lines
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 4 cells, 4 reused, 0 to compute" in out and "[1/4]" not in out
 

@@ -119,6 +119,20 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["workload.tokens_per_microbatch=100"],
             ["workload.samples_per_microbatch", "tokens_per_microbatch"],
         ),
+        (["workload.layout=packed"], ["workload.layout=packed", "balanced", "contiguous"]),
+        (
+            ["planner=relibra", "planner.reorder.locality_tolerance=0"],
+            ["planner.reorder.locality_tolerance=0"],
+        ),
+        (
+            ["planner=relibra_reorder_only", "planner.locality_tolerance=1.5"],
+            ["planner.locality_tolerance=1.5"],
+        ),
+        (
+            ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.locality_tolerance=-1"],
+            ["planner.candidates.t_moe.reorder.locality_tolerance=-1"],
+        ),
+        (["simulator.migration.optimizer_shards=0"], ["simulator.migration.optimizer_shards=0"]),
     ],
 )
 def test_bad_config_stops_before_work(trace_file, tmp_path, overrides, keys):
@@ -129,6 +143,36 @@ def test_bad_config_stops_before_work(trace_file, tmp_path, overrides, keys):
         assert key in str(err.value)
     assert (tmp_path / "results.parquet").read_bytes() == b"earlier results"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.parquet"]
+
+
+def test_batch_that_cannot_fill_every_gpu_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"trace\.samples_per_batch=4 cannot fill every GPU"):
+        run(cfg("trace.samples_per_batch=4", "cluster.nodes=1", "cluster.gpus_per_node=8"), run_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_unbalanceable_trace_batches_are_reported(trace_file, tmp_path):
+    """The trace's batches hold 8 samples for 16 GPUs: the run goes on and says so in its results."""
+    results = run(file_cfg(trace_file, "planner=megatron"), run_dir=tmp_path)
+    row = results.iloc[0]
+    assert row["unbalanceable_batches"] == 2 and row["layout"] == "balanced" and row["routing"] == "trace"
+    fits = run(file_cfg(trace_file, "planner=megatron", "cluster.nodes=1"), run_dir=tmp_path / "ep8")
+    assert fits.iloc[0]["unbalanceable_batches"] == 0
+
+
+def test_force_balanced_routes_uniformly(trace_file, tmp_path):
+    results = run(file_cfg(trace_file, "planner=force_balanced", "dump_plans=true"), run_dir=tmp_path)
+    row = results.iloc[0]
+    assert row["planner"] == "force_balanced" and row["routing"] == "uniform"
+    assert row["reorder_moved_experts"] == 0.0
+    with np.load(tmp_path / "plans.npz") as z:
+        meta = json.loads(str(z["meta"]))
+        load = z["load"]
+    assert meta["routing"] == "uniform"
+    # the same tokens as the trace's, routed elsewhere
+    assert load.sum() == load_trace(trace_file).to_counts().counts.sum()
+    mega = run(file_cfg(trace_file, "planner=megatron"), run_dir=tmp_path / "m")
+    assert row["skew_mean"] < mega.iloc[0]["skew_mean"]
 
 
 def test_missing_trace_file(tmp_path):
@@ -197,6 +241,7 @@ def test_cli_bad_config_exit_code(trace_file, tmp_path):
             f"trace.path={trace_file}",
             "model=olmoe-1b-7b",
             "cluster.nodes=3",
+            "workload.layout=packed",
             f"hydra.run.dir={tmp_path}",
         ],
         cwd=REPO,
@@ -206,6 +251,7 @@ def test_cli_bad_config_exit_code(trace_file, tmp_path):
     )
     assert proc.returncode == 2
     assert "model.num_experts=64 is not divisible" in proc.stderr
+    assert "workload.layout=packed: unknown sample layout" in proc.stderr  # every problem, one message
 
 
 @pytest.mark.shared_traces
@@ -254,9 +300,10 @@ def test_reused_cell_of_other_code_is_reported(trace_file, tmp_path, monkeypatch
     c = file_cfg(trace_file, f"+results_dir={tmp_path / 'store'}")
     first = run(c, run_dir=tmp_path / "a")
     assert first.iloc[0]["code_version"] == code_version()
+    caplog.clear()  # NOTE: the first run warns that this trace's batches cannot fill the 16 GPUs
     with caplog.at_level("WARNING", logger="experiments.run"):
         run(c, run_dir=tmp_path / "b")
-    assert not caplog.records  # same code: silent
+    assert not caplog.records  # same code, reused cell: silent
     monkeypatch.setattr(run_module, "code_version", lambda: "9.9.9+gnewer")
     with caplog.at_level("WARNING", logger="experiments.run"):
         again = run(c, run_dir=tmp_path / "c")

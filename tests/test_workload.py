@@ -9,14 +9,17 @@ from hypothesis import strategies as st
 
 from relibra.types import SampleCounts
 from relibra.workload import (
+    LAYOUTS,
     SampleLayout,
     assemble,
     balance_samples,
     build_workload,
     gpu_token_stats,
     layout_samples,
+    microbatch_balance,
     microbatch_loads,
     split_microbatches,
+    unbalanceable_batches,
 )
 
 
@@ -46,7 +49,9 @@ def test_lpt_is_per_batch() -> None:
 
 def test_samples_per_microbatch_layout() -> None:
     tokens = np.ones(10, dtype=np.int64)
-    layout = layout_samples(tokens, np.array([0, 6, 10]), num_gpus=2, samples_per_microbatch=2)
+    layout = layout_samples(
+        tokens, np.array([0, 6, 10]), num_gpus=2, samples_per_microbatch=2, layout="contiguous"
+    )
     # Batch 0: 3 samples per GPU -> 2 micro-batches; batch 1: 2 per GPU -> 1 micro-batch.
     assert layout.mb_batch.tolist() == [0, 0, 1]
     for m in range(3):
@@ -67,9 +72,83 @@ def test_token_budget_layout() -> None:
 
 def test_microbatches_are_synchronised() -> None:
     tokens = np.array([1, 1, 1, 1, 100], dtype=np.int64)
-    layout = layout_samples(tokens, np.array([0, 5]), num_gpus=2, samples_per_microbatch=1)
+    layout = layout_samples(
+        tokens, np.array([0, 5]), num_gpus=2, samples_per_microbatch=1, layout="contiguous"
+    )
     # GPU with the long sample has 1 sample, the other 4 -> 4 micro-batches for everyone.
     assert layout.num_microbatches == 4
+    # Balanced: ceil(5 / (2 * 1)) = 3 micro-batches wanted, at most 5 // 2 = 2 so every GPU gets a sample.
+    balanced = layout_samples(tokens, np.array([0, 5]), num_gpus=2, samples_per_microbatch=1)
+    assert balanced.num_microbatches == 2
+
+
+def test_balanced_layout_evens_tokens_per_microbatch() -> None:
+    # 8 samples, 2 GPUs, 2 micro-batches: bins of 10 tokens each are possible (9+1, 8+2, 7+3, 6+4).
+    tokens = np.array([9, 1, 8, 2, 7, 3, 6, 4], dtype=np.int64)
+    layout = layout_samples(tokens, np.array([0, 8]), num_gpus=2, samples_per_microbatch=2)
+    per, _ = gpu_token_stats(tokens, layout.sample_gpu, layout.sample_mb, layout.num_microbatches, 2)
+    assert per.tolist() == [[10, 10], [10, 10]]
+    assert microbatch_balance(per).tolist() == [1.0, 1.0]
+
+
+def test_balanced_layout_groups_by_attention_work() -> None:
+    # Equal tokens per bin (6), but bins [6] and [3, 3] differ in causal pairs: the two single-sample bins
+    # share a micro-batch, so every micro-batch's GPUs hold equal attention work too.
+    tokens = np.array([6, 6, 3, 3, 3, 3], dtype=np.int64)
+    layout = layout_samples(tokens, np.array([0, 6]), num_gpus=2, samples_per_microbatch=2)
+    assert layout.num_microbatches == 2
+    _, pairs = gpu_token_stats(tokens, layout.sample_gpu, layout.sample_mb, 2, 2)
+    assert np.all(pairs[:, 0] == pairs[:, 1])
+
+
+def test_token_budget_sizes_balanced_microbatches() -> None:
+    tokens = np.full(16, 10, dtype=np.int64)
+    layout = layout_samples(tokens, np.array([0, 16]), num_gpus=4, tokens_per_microbatch=20)
+    assert layout.num_microbatches == 2  # 160 tokens / (4 GPUs * 20)
+    per, _ = gpu_token_stats(tokens, layout.sample_gpu, layout.sample_mb, 2, 4)
+    assert np.all(per == 20)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_gpus=st.integers(1, 8),
+    k=st.sampled_from([None, 1, 2, 3]),
+    samples=st.integers(1, 60),
+)
+def test_balanced_layout_fills_every_gpu(seed: int, num_gpus: int, k: int | None, samples: int) -> None:
+    tokens = np.random.default_rng(seed).integers(1, 500, size=samples).astype(np.int64)
+    layout = layout_samples(tokens, np.array([0, samples]), num_gpus, samples_per_microbatch=k)
+    mb = layout.num_microbatches
+    want = 1 if k is None else -(-samples // (num_gpus * k))
+    assert mb == max(1, min(want, samples // num_gpus))
+    per, _ = gpu_token_stats(tokens, layout.sample_gpu, layout.sample_mb, mb, num_gpus)
+    assert per.sum() == tokens.sum()
+    assert (np.all(per > 0)) == (samples >= num_gpus)
+    assert unbalanceable_batches(np.array([0, samples]), num_gpus) == int(samples < num_gpus)
+    # LPT into bins: no bin exceeds the mean bin by more than the longest sample
+    assert per.max() <= per.sum() / (mb * num_gpus) + tokens.max()
+
+
+@pytest.mark.parametrize("preset", ["reasoning", "instruction_following", "coding", "mixed"])
+def test_balanced_layout_balances_every_preset(preset: str) -> None:
+    """The synthetic presets at EP 16 (256 rollouts, 2 per GPU per micro-batch): every micro-batch's
+    per-GPU tokens stay near their mean with the balanced layout, not with the contiguous one."""
+    from relibra.synthetic import generate_counts
+
+    counts = generate_counts(preset, 16, 1, 2, num_batches=1, samples_per_batch=256, seed=3, max_tokens=8192)
+    ratios = {}
+    for layout in LAYOUTS:
+        work = build_workload(counts, 16, samples_per_microbatch=2, layout=layout)
+        ratios[layout] = microbatch_balance(work.tokens)
+    assert np.median(ratios["balanced"]) < 1.1
+    assert np.median(ratios["balanced"]) < np.median(ratios["contiguous"])
+    assert np.percentile(ratios["balanced"], 90) <= np.percentile(ratios["contiguous"], 90)
+
+
+def test_unknown_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"workload\.layout"):
+        layout_samples(np.ones(4, dtype=np.int64), np.array([0, 4]), 2, layout="packed")
 
 
 def test_bad_arguments() -> None:

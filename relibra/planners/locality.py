@@ -1,10 +1,14 @@
 """Reordering's second round: re-assign samples to GPUs for data locality (ReLibra, inter-batch stage).
 
 Given the batch's placement ``home`` [L, E], the tokens a sample routes to experts homed on its own node
-stay on NVLink; the rest cross the rail fabric. Each sample keeps its micro-batch (``sample_mb`` is fixed,
-so every expert's token count, hence compute, is unchanged); within a micro-batch, samples move between
-GPUs so that the all-to-all gets cheaper, while each GPU's token count stays within a tolerance (attention
-and dense time stay balanced).
+stay on NVLink; the rest cross the rail fabric. The round starts from the run's sample layout (the
+``balanced`` layout by default, :mod:`relibra.workload`). Each sample keeps its micro-batch (``sample_mb``
+is fixed, so every expert's token count, hence compute, is unchanged); within a micro-batch, samples move
+between GPUs so that the all-to-all gets cheaper, but only under a stated balance tolerance ``tol`` in
+(0, 1]: no GPU may end above ``max(busiest GPU before, (1 + tol) * mean)`` tokens, nor above the same cap
+on causal attention pairs, so attention and dense time stay as balanced as the layout made them (up to
+``tol``). What the round adds is the ablation's ``+ locality round`` row (planner=relibra_no_locality is
+ReLibra without it).
 
 The search is a randomised hill climb per micro-batch on the cost model's communication objective
 ``sum_l max_g T_comm(g)`` (home-only assignment, rail-optimized routing as in
@@ -12,8 +16,8 @@ The search is a randomised hill climb per micro-batch on the cost model's commun
 
 1. ``per_gpu[s, l, g]``: routed slots of sample ``s`` in layer ``l`` whose expert is homed on ``g``;
 2. propose moving a sample to a GPU on another node (or anywhere, with a small probability); if that GPU
-   would exceed ``cap = max(busiest GPU before, (1 + tolerance) * mean)`` tokens, swap with one of its
-   samples instead;
+   would exceed either cap, swap with one of its samples instead (if the swap keeps both GPUs under both
+   caps);
 3. update the per-layer link-class loads of the two source GPUs incrementally (O(L * G) per move) and keep
    the change only if the objective drops. The result is never worse than the input assignment.
 """
@@ -103,6 +107,7 @@ def _comm_total(link: np.ndarray, coef: np.ndarray, g_total: int) -> float:
 def _hill_climb(
     gpu: np.ndarray,
     tokens: np.ndarray,
+    pairs: np.ndarray,
     slots: np.ndarray,
     link: np.ndarray,
     idx: np.ndarray,
@@ -110,17 +115,22 @@ def _hill_climb(
     coef: np.ndarray,
     gpus_per_node: int,
     cap: float,
+    cap_pairs: float,
     iterations: int,
     cross_node_prob: float,
     rng: np.random.Generator,
 ) -> float:
-    """Improve ``gpu`` [n] in place for one micro-batch; ``slots`` [n, L, G]. Returns the final objective."""
+    """Improve ``gpu`` [n] in place for one micro-batch; ``tokens`` [n], ``pairs`` [n] (causal attention
+    pairs), ``slots`` [n, L, G]; no GPU may end above ``cap`` tokens or ``cap_pairs`` pairs. Returns the
+    final objective."""
     n = gpu.shape[0]
     g_total = link.shape[1] // NUM_LINKS
     nodes = g_total // gpus_per_node
     gpu_tokens = np.zeros(g_total)
+    gpu_pairs = np.zeros(g_total)
     for i in range(n):
         gpu_tokens[gpu[i]] += tokens[i]
+        gpu_pairs[gpu[i]] += pairs[i]
     cur = _comm_total(link, coef, g_total)
     if n == 0 or g_total < 2:
         return cur
@@ -137,7 +147,7 @@ def _hill_climb(
             if v >= u:
                 v += 1
         t = -1
-        if gpu_tokens[v] + tokens[s] > cap:
+        if gpu_tokens[v] + tokens[s] > cap or gpu_pairs[v] + pairs[s] > cap_pairs:
             on_v = 0
             for r in range(n):
                 if gpu[r] == v:
@@ -153,6 +163,11 @@ def _hill_climb(
                     pick -= 1
             if gpu_tokens[v] - tokens[t] + tokens[s] > cap or gpu_tokens[u] - tokens[s] + tokens[t] > cap:
                 continue
+            if (
+                gpu_pairs[v] - pairs[t] + pairs[s] > cap_pairs
+                or gpu_pairs[u] - pairs[s] + pairs[t] > cap_pairs
+            ):
+                continue
         _move(slots[s], u, v, link, idx, cnt)
         if t >= 0:
             _move(slots[t], v, u, link, idx, cnt)
@@ -162,10 +177,14 @@ def _hill_climb(
             gpu[s] = v
             gpu_tokens[u] -= tokens[s]
             gpu_tokens[v] += tokens[s]
+            gpu_pairs[u] -= pairs[s]
+            gpu_pairs[v] += pairs[s]
             if t >= 0:
                 gpu[t] = u
                 gpu_tokens[v] -= tokens[t]
                 gpu_tokens[u] += tokens[t]
+                gpu_pairs[v] -= pairs[t]
+                gpu_pairs[u] += pairs[t]
         else:
             _move(slots[s], v, u, link, idx, cnt)
             if t >= 0:
@@ -188,6 +207,8 @@ def locality_round(
     their source node, batch total), ``locality_comm_before_s`` / ``_after_s`` (summed all-to-all seconds,
     home-only, from the cost model) and ``locality_moved_samples``.
     """
+    if not 0 < tolerance <= 1:
+        raise ValueError(f"locality tolerance={tolerance}; expected a value in (0, 1]")
     g = ctx.num_gpus
     gpn = ctx.cluster.gpus_per_node
     home = np.asarray(home)
@@ -195,6 +216,7 @@ def locality_round(
     sample_mb = np.asarray(ctx.sample_mb)
     old_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
     tokens = np.asarray(ctx.sample_tokens, dtype=np.float64)
+    pairs = tokens * (tokens + 1.0) / 2.0
     load = np.asarray(ctx.load)
     lin = ctx.cost.linear()
     lat = 4.0 * ctx.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
@@ -209,6 +231,8 @@ def locality_round(
             continue
         before = np.bincount(old_gpu[members], weights=tokens[members], minlength=g)
         cap = max(float(before.max()), (1.0 + tolerance) * float(before.mean()))
+        before_pairs = np.bincount(old_gpu[members], weights=pairs[members], minlength=g)
+        cap_pairs = max(float(before_pairs.max()), (1.0 + tolerance) * float(before_pairs.mean()))
         # load[m] [L, G(j), E] grouped by home GPU -> traffic [L, G(j), G(g)]
         t_m = per_gpu_slots(load[m].transpose(1, 0, 2), home, g).transpose(1, 0, 2)
         link = _link_state(np.ascontiguousarray(t_m), idx, cnt)
@@ -216,6 +240,7 @@ def locality_round(
         _hill_climb(
             gpu_m,
             tokens[members],
+            pairs[members],
             np.ascontiguousarray(slots[members]),
             link,
             idx,
@@ -223,6 +248,7 @@ def locality_round(
             coef,
             gpn,
             cap,
+            cap_pairs,
             iterations_per_sample * members.size,
             cross_node_prob,
             rng,

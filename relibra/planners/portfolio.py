@@ -23,9 +23,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
+from relibra.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
 from relibra.planner import BatchContext, Planner
-from relibra.simulator import MIGRATION_BYTES_PER_PARAM, predict_batch_time
+from relibra.simulator import predict_batch_time
 from relibra.types import BatchPlan
 
 __all__ = ["PortfolioPlanner", "portfolio"]
@@ -38,7 +40,7 @@ class PortfolioPlanner:
     name: str
     candidates: tuple[Planner, ...]
     replica_slots: int
-    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM
+    migration_bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
     """Bytes moved per parameter of a re-homed expert; the simulator's setting, so that both price alike."""
 
     def __post_init__(self) -> None:
@@ -64,9 +66,10 @@ def portfolio(
     candidates: Mapping[str, Planner],
     replica_slots: int = 2,
     name: str = "relibra_portfolio",
-    migration_bytes_per_param: float = MIGRATION_BYTES_PER_PARAM,
+    migration: Mapping[str, Any] | None = None,
 ) -> PortfolioPlanner:
-    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept)."""
+    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept); ``migration``:
+    the simulator's ``simulator.migration`` overrides (:func:`relibra.migration.migration_payload`)."""
     for label, planner in candidates.items():
         if not isinstance(planner, Planner):
             raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")
@@ -74,5 +77,5 @@ def portfolio(
         name=name,
         candidates=tuple(candidates.values()),
         replica_slots=replica_slots,
-        migration_bytes_per_param=float(migration_bytes_per_param),
+        migration_bytes_per_param=migration_payload(migration).bytes_per_param,
     )

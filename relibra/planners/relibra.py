@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from relibra.planner import (
 from relibra.planners.milp import MilpReplicator
 from relibra.planners.refill import replicate_batch
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
+from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
 __all__ = [
@@ -74,6 +75,7 @@ class ComposedPlanner:
     """``reorderer`` once per batch, then ``replicator`` for every micro-batch (all its layers at once).
 
     Replication pays for its replica-buffer refill (:func:`relibra.planners.refill.replicate_within_window`).
+    The plan is then relabelled to keep experts where they were (:func:`relibra.relabel.relabel_for`).
     ``plan_time_s`` covers both stages; ``stats`` merges the reorderer's and the replicators' (the latter
     averaged over micro-batches) with ``replicate_time_s`` and ``replicas_mean`` (filled slots per
     (micro-batch, layer) and GPU).
@@ -105,15 +107,17 @@ class ComposedPlanner:
             stats[key] = float(np.mean([r.stats[key] for r in reps if key in r.stats]))
         stats["replicate_time_s"] = t2 - t1
         stats["replicas_mean"] = float((replicas >= 0).sum(axis=-1).mean()) if replicas.size else 0.0
-        return BatchPlan(
+        plan = BatchPlan(
             home=home,
             assign=assign,
             load=np.asarray(load, dtype=np.int32),
             sample_gpu=sample_gpu,
             replicas=replicas,
-            plan_time_s=time.perf_counter() - t0,
             stats=stats,
         )
+        # NOTE: the annealer re-plans from scratch; among equivalent relabellings keep experts in place.
+        plan = relabel_for(plan, ctx)
+        return replace(plan, plan_time_s=time.perf_counter() - t0)
 
 
 def relibra(

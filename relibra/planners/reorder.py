@@ -48,10 +48,10 @@ from numba import njit
 
 from relibra.cluster import ClusterSpec
 from relibra.cost import CostModel
+from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.planner import BatchContext, Reordering, static_placement
 
 __all__ = [
-    "MIGRATION_BYTES_PER_PARAM",
     "AnnealConfig",
     "AnnealingReorderer",
     "LayerProblem",
@@ -64,10 +64,6 @@ __all__ = [
     "placement_objective",
     "solve_layer",
 ]
-
-MIGRATION_BYTES_PER_PARAM = 18
-"""Bytes moved per expert parameter when its home changes, under Megatron's mixed-precision Adam: bf16
-weight (2) + fp32 main gradient (4) + fp32 master weight, exp_avg and exp_avg_sq (3 x 4)."""
 
 NUM_LINKS = 8
 """Per-GPU link-class loads tracked by the search, one-way tokens: dispatch (``0`` NVLink send, ``1`` NVLink
@@ -115,7 +111,9 @@ class AnnealConfig:
     locality: bool = False
     """Run the second round (sample re-assignment for data locality, :mod:`relibra.planners.locality`)."""
     locality_tolerance: float = 0.05
-    """Per-GPU token slack of the locality round, relative to the micro-batch's mean tokens per GPU."""
+    """Balance tolerance of the locality round, in (0, 1]: it may move samples only while every GPU of the
+    micro-batch keeps at most ``(1 + tolerance)`` times the mean tokens and the mean causal attention pairs
+    (or the busiest GPU's before, if that is more)."""
     locality_iterations: int = 10
     """Move / swap proposals of the locality round per sample."""
     workers: int = 1
@@ -163,11 +161,10 @@ class AnnealConfig:
                 raise ValueError(f"{name}={v}; expected a probability in [0, 1]")
         if self.migration_weight < 0:
             raise ValueError(f"migration_weight={self.migration_weight}; expected >= 0")
-        if self.locality_tolerance < 0 or self.locality_iterations < 0:
-            raise ValueError(
-                f"locality_tolerance={self.locality_tolerance}, locality_iterations="
-                f"{self.locality_iterations}; expected >= 0"
-            )
+        if not 0 < self.locality_tolerance <= 1:
+            raise ValueError(f"locality_tolerance={self.locality_tolerance}; expected a value in (0, 1]")
+        if self.locality_iterations < 0:
+            raise ValueError(f"locality_iterations={self.locality_iterations}; expected >= 0")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}; expected >= 1")
         if self.compute_level not in ("gpu", "node"):
@@ -315,7 +312,7 @@ def layer_problem(
         if prev.shape != (e,):
             raise ValueError(f"prev_home has shape {prev.shape}; expected [E]=({e},)")
         gpn = cost.cluster.gpus_per_node
-        nbytes = cost.model.expert_params * MIGRATION_BYTES_PER_PARAM
+        nbytes = cost.model.expert_params * DEFAULT_BYTES_PER_PARAM
         token_bytes = cost.model.hidden * 2.0
         s_per_byte_nvl = lin.nvlink_s_per_token / (4.0 * token_bytes)
         s_per_byte_nic = lin.rdma_s_per_token / (4.0 * token_bytes)

@@ -2,18 +2,21 @@
 
 The middle row of the paper's ablation: the annealer of :mod:`relibra.planners.reorder` chooses each
 layer's placement (and, with ``locality=true``, a new sample-to-GPU assignment) once per batch; every token
-is then computed at its expert's home (no replica slots).
+is then computed at its expert's home (no replica slots); the plan is relabelled to keep experts where they
+were (:func:`relibra.relabel.relabel_for`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from relibra.planner import BatchContext, home_assign, reordered_load
 from relibra.planners.reorder import AnnealingReorderer
+from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
 __all__ = ["ReorderOnlyPlanner"]
@@ -42,11 +45,12 @@ class ReorderOnlyPlanner:
         reordering = self.reorderer.reorder(ctx)
         sample_gpu = np.asarray(reordering.sample_gpu, dtype=np.int32)
         load = reordered_load(ctx, sample_gpu, self.name)
-        return BatchPlan(
+        plan = BatchPlan(
             home=reordering.home,
             assign=home_assign(load, reordering.home, ctx.num_gpus),
             load=load.astype(np.int32, copy=False),
             sample_gpu=sample_gpu,
-            plan_time_s=time.perf_counter() - t0,
             stats=dict(reordering.stats),
         )
+        # NOTE: the annealer re-plans from scratch; among equivalent relabellings keep experts in place.
+        return replace(relabel_for(plan, ctx), plan_time_s=time.perf_counter() - t0)

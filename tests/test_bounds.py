@@ -1,0 +1,148 @@
+"""Balanced is a bound: on random workloads no planner of experiments/conf/planner beats it in any term.
+
+Every planner config is composed as the entry point composes it and simulated on the same workload;
+Balanced is priced on the workload each planner ran on (force-balanced: the same samples, routed
+uniformly). Per (micro-batch, layer) the compute and communication terms, per micro-batch the attention,
+and the step time must all be at least Balanced's.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from baselines.balanced import BalancedBound
+from baselines.force_balanced import uniform_routing
+from relibra.cluster import ClusterSpec
+from relibra.cost import CostModel
+from relibra.simulator import SimResult, simulate
+from relibra.workload import build_workload
+from tests.spine_helpers import HOPPER, random_counts, tiny_model
+
+CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+PLANNERS = sorted(p.stem for p in (CONF / "planner").glob("*.yaml") if p.stem != "balanced")
+RTOL = 1e-9
+
+
+@cache
+def planner_config(name: str) -> Any:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"planner={name}"]).planner
+
+
+def _at_least(ours: np.ndarray, bound: np.ndarray, what: str, name: str) -> None:
+    short = ours < bound * (1 - RTOL) - 1e-15
+    assert not short.any(), (
+        f"{name}: {what} below Balanced's at {np.argwhere(short)[:3].tolist()}: "
+        f"{ours[short][:3].tolist()} < {bound[short][:3].tolist()}"
+    )
+
+
+def check_bounded(name: str, res: SimResult, bal: SimResult) -> None:
+    _at_least(res.t_compute, bal.t_compute, "compute", name)
+    _at_least(res.t_comm, bal.t_comm, "communication", name)
+    _at_least(res.t_attention, bal.t_attention, "attention", name)
+    _at_least(res.batch_time, bal.batch_time, "batch time", name)
+    for key in ("step_time_s", "t_compute_s", "t_comm_s", "t_attention_s"):
+        _at_least(np.array(res.metrics[key]), np.array(bal.metrics[key]), key, name)
+
+
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    shape=st.sampled_from([(1, 4), (2, 2), (2, 4), (4, 1)]),
+    per_gpu=st.sampled_from([1, 2]),
+    skew=st.floats(0.0, 2.5),
+    samples_per_gpu=st.integers(1, 4),
+    layout=st.sampled_from(["balanced", "contiguous"]),
+)
+def test_no_planner_beats_balanced(
+    seed: int, shape: tuple[int, int], per_gpu: int, skew: float, samples_per_gpu: int, layout: str
+) -> None:
+    from hydra.utils import instantiate
+
+    nodes, gpn = shape
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpn, hardware=HOPPER)
+    g = cluster.num_gpus
+    model = tiny_model(num_experts=g * per_gpu * 2)
+    cost = CostModel(cluster, model)
+    counts = random_counts(
+        num_samples=2 * g * samples_per_gpu, num_experts=model.num_experts, seed=seed, skew=skew
+    )
+    for name in PLANNERS:
+        cfg = planner_config(name)
+        run_counts = uniform_routing(counts, seed) if cfg.get("routing") == "uniform" else counts
+        work = build_workload(run_counts, g, samples_per_microbatch=2, layout=layout)
+        bal = simulate(BalancedBound(), run_counts, work, cluster, model, cost)
+        res = simulate(instantiate(cfg, _convert_="all"), run_counts, work, cluster, model, cost)
+        check_bounded(name, res, bal)
+
+
+@pytest.mark.parametrize("name", ["megatron", "eplb", "lplb", "popfetcher", "relibra", "force_balanced"])
+def test_main_planners_do_not_beat_balanced(name: str) -> None:
+    """The fast companion of the property test: one skewed two-node workload, the main planners."""
+    from hydra.utils import instantiate
+
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER)
+    model = tiny_model(num_experts=8)
+    cost = CostModel(cluster, model)
+    counts = random_counts(num_samples=16, num_experts=8, seed=11, skew=2.0)
+    cfg = planner_config(name)
+    if cfg.get("routing") == "uniform":
+        counts = uniform_routing(counts, 0)
+    work = build_workload(counts, 4, samples_per_microbatch=2)
+    bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
+    res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
+    check_bounded(name, res, bal)
+
+
+def test_balanced_attention_is_the_mean() -> None:
+    """On a deliberately unbalanced layout Balanced's attention is the per-GPU mean, below the busiest."""
+    from baselines.megatron import MegatronPlanner
+
+    cluster = ClusterSpec(nodes=1, gpus_per_node=2, hardware=HOPPER)
+    model = tiny_model()
+    cost = CostModel(cluster, model)
+    counts = random_counts(num_samples=8, num_batches=1, seed=4)
+    work = build_workload(counts, 2, samples_per_microbatch=2, layout="contiguous")
+    bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
+    mega = simulate(MegatronPlanner(), counts, work, cluster, model, cost)
+    mean_attn = cost.attention_time(work.tokens.mean(axis=1), work.causal_pairs.mean(axis=1))
+    np.testing.assert_allclose(bal.t_attention[:, 0], mean_attn)
+    check_bounded("megatron", mega, bal)
+
+
+def test_balanced_traffic_is_what_no_gpu_can_keep() -> None:
+    """Two experts per GPU, no slots: a sample using only its GPU's two experts needs no traffic at all."""
+    from baselines.balanced import unavoidable_traffic
+    from relibra.simulator import batch_context
+
+    cluster = ClusterSpec(nodes=2, gpus_per_node=1, hardware=HOPPER)
+    model = tiny_model(num_experts=4, num_layers=1)
+    cost = CostModel(cluster, model)
+    local = np.array([[[5, 3, 0, 0]], [[0, 0, 2, 6]]], dtype=np.int32)  # [S=2, L=1, E=4]
+    from relibra.types import SampleCounts
+
+    counts = SampleCounts(counts=local, tokens=np.array([4, 4]), batch_offsets=np.array([0, 2]), top_k=2)
+    work = build_workload(counts, 2)
+    ctx = batch_context(counts, work, 0, cluster, model, cost)
+    off_gpu, off_node = unavoidable_traffic(ctx, slots=0)
+    assert off_gpu.tolist() == [[0.0]] and off_node.tolist() == [[0.0]]
+    spread = SampleCounts(
+        counts=np.array([[[2, 2, 2, 2]], [[2, 2, 2, 2]]], dtype=np.int32),
+        tokens=np.array([4, 4]),
+        batch_offsets=np.array([0, 2]),
+        top_k=2,
+    )
+    ctx = batch_context(spread, build_workload(spread, 2), 0, cluster, model, cost)
+    off_gpu, off_node = unavoidable_traffic(ctx, slots=0)
+    assert off_gpu.tolist() == [[8.0]] and off_node.tolist() == [[8.0]]  # half of each sample's 8 slots
