@@ -14,6 +14,9 @@ the quantity was a calibration input (its link rate was fitted to it) or an inde
   dispatch, BF16 combine: checks.
 
 ``--extract-profile FILE`` re-extracts the profile's numbers from the Chrome trace and prints the JSON.
+``--estimate-error`` prints how far the load-based DeepEP estimate (what per-sample counts allow) is from
+exact per-token routes: the real traces under ``--traces`` (default ``../shared/traces``) and synthetic
+routes (independent uniform top-k; DeepEP's node-limited benchmark router).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from omegaconf import OmegaConf
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel
 from relibra.fabric import deepep_link_tokens
+from relibra.route_estimate import estimate_error
 from relibra.linkrates import (
     BandwidthPoint,
     benchmark_routes,
@@ -263,10 +267,64 @@ def extract_profile(path: str | Path) -> dict[str, Any]:
     }
 
 
+def estimate_error_table(traces: Path) -> pd.DataFrame:
+    """Per (routes, EP shape): mean, min and max over layers of estimated / exact busiest DeepEP dispatch."""
+    from relibra import importers
+
+    hw = _hardware("hopper")
+    cases: list[tuple[str, np.ndarray, np.ndarray, int, tuple[tuple[int, int], ...]]] = []
+    if (traces / "olmoe-decode").is_dir():
+        tr = importers.load_olmoe_decode(traces / "olmoe-decode")
+        cases.append(("olmoe-decode", tr.experts, tr.sample_offsets, 64, ((2, 4), (4, 2), (2, 8))))
+    if (traces / "flame-moe-290m").is_dir():
+        tr = importers.load_flame_moe(traces / "flame-moe-290m")
+        cases.append(("flame-moe-prefill", tr.experts, tr.sample_offsets, 64, ((2, 4), (4, 2))))
+    for router, groups in (("uniform", None), ("grouped", 4)):
+        for g in (32, 64):
+            point = BandwidthPoint(
+                impl="synthetic", gpu="-", ep=g, phase="dispatch", value_bytes=2.0, reported_gb_s=0.0,
+                link="rdma", role="check", router=router, num_experts=256, topk_groups=groups, tokens=512,
+                hidden=1, top_k=8,
+            )  # fmt: skip
+            ex = benchmark_routes(point, 512, np.random.default_rng(0))[:, None, :]
+            label = f"synthetic {router} top-8 of 256" + (" (4 nodes max)" if groups else "")
+            cases.append((label, ex, np.arange(g + 1) * 512, 256, ((g // 8, 8),)))
+    rows = []
+    for name, experts, offsets, e, shapes in cases:
+        for nodes, gpn in shapes:
+            g = nodes * gpn
+            m = ModelSpec(
+                name=name, num_layers=1, num_moe_layers=1, hidden=2048, moe_ffn=1, num_experts=e,
+                top_k=int(experts.shape[2]), num_heads=1, num_kv_heads=1, head_dim=1,
+            )  # fmt: skip
+            cost = CostModel(ClusterSpec(nodes=nodes, gpus_per_node=gpn, hardware=hw, dispatcher="deepep"), m)
+            token_gpu = np.repeat(np.arange(len(offsets) - 1) % g, np.diff(offsets))
+            df = estimate_error(experts, token_gpu, np.arange(e) // (e // g), cost, name)
+            rows.append(
+                {
+                    "routes": name,
+                    "nodes x gpus": f"{nodes} x {gpn}",
+                    "layers": len(df),
+                    "ratio_mean": df.ratio.mean(),
+                    "ratio_min": df.ratio.min(),
+                    "ratio_max": df.ratio.max(),
+                    "rdma_total_ratio": df.rdma_ratio.mean(),
+                    "nvlink_total_ratio": df.nvlink_ratio.mean(),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
     ap.add_argument("--extract-profile", metavar="TRAIN_JSON", help="print the profile's numbers as JSON")
+    ap.add_argument("--estimate-error", action="store_true", help="the DeepEP estimate against exact routes")
+    ap.add_argument("--traces", default=str(ROOT.parent.parent / "shared" / "traces"), help="real traces")
     args = ap.parse_args(argv)
+    if args.estimate_error:
+        err = estimate_error_table(Path(args.traces))
+        print(err.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        return 0
     if args.extract_profile:
         if not Path(args.extract_profile).is_file():
             print(f"validate: --extract-profile {args.extract_profile}: no such file", file=sys.stderr)
