@@ -44,10 +44,9 @@ costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
-
-import math
 
 import numpy as np
 from numba import njit
