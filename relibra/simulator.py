@@ -31,6 +31,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel, MoEBreakdown
 from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
+from relibra.overlap import overlapped_time
 from relibra.planner import BatchContext, Planner, static_placement
 from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import gpu_token_stats, microbatch_loads
@@ -305,6 +306,8 @@ class _BatchTimes:
     """float64 [Mb, L]: exposed replica-buffer refill and gradient reduction."""
     dense: float
     """Seconds of the dense (non-MoE) layers."""
+    comm_exposed: float
+    """All-to-all seconds not hidden behind compute (all of them without ``cluster.ep_overlap``)."""
     total: float
     """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
 
@@ -314,9 +317,14 @@ def _batch_times(priced: _Priced, cost: CostModel, dense_layers: int) -> _BatchT
     attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
     sync = cost.exposed_refill(priced.refill, attn)
     dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
-    per_layer = priced.br.t_compute + priced.br.t_comm + attn + sync
-    total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant
-    return _BatchTimes(attn=attn, sync=sync, dense=dense, total=total)
+    comp = priced.br.t_compute + attn  # [Mb, L]
+    comm = float(priced.br.t_comm.sum())
+    if cost.cluster.ep_overlap:
+        moe, exposed = overlapped_time(comp, priced.br.t_comm)
+    else:
+        moe, exposed = float(comp.sum()) + comm, comm
+    total = moe + float(sync.sum()) + dense + priced.t_migration + priced.t_redundant
+    return _BatchTimes(attn=attn, sync=sync, dense=dense, comm_exposed=exposed, total=total)
 
 
 def predict_batch_time(
@@ -358,7 +366,7 @@ def simulate(
     shape = (workload.num_microbatches, counts.num_layers)
     skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
-    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved"), 0.0)
+    totals = dict.fromkeys(("reorder", "redundant", "dense", "plan", "moved", "exposed"), 0.0)
     slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
@@ -411,6 +419,7 @@ def simulate(
         totals["reorder"] += priced.t_migration
         totals["redundant"] += priced.t_redundant
         totals["dense"] += dense
+        totals["exposed"] += times.comm_exposed
         totals["moved"] += priced.moved
 
     nb = max(counts.num_batches, 1)
@@ -428,6 +437,8 @@ def simulate(
         "reorder_moved_experts": totals["moved"] / nb,
         "t_compute_s": float(t_comp.sum()) / nb,
         "t_comm_s": float(t_comm.sum()) / nb,
+        "t_comm_exposed_s": totals["exposed"] / nb,
+        "t_comm_hidden_s": (float(t_comm.sum()) - totals["exposed"]) / nb,
         "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
         "t_reorder_s": totals["reorder"] / nb,
         "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
