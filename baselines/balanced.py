@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from relibra.cost import MoEBreakdown
-from relibra.planner import BatchContext
+from relibra.planner import BatchContext, home_assign, static_placement
 
 __all__ = ["BalancedBound"]
 
@@ -33,6 +33,12 @@ class BalancedBound:
         # Step 1: the layer's whole grouped-GEMM work (with each expert's real token count), split evenly.
         work = cost.expert_time(per_expert).sum(axis=-1) / g  # [Mb, L]
         t_compute_gpu = np.repeat(work[..., None], g, axis=-1)  # [Mb, L, G]
+        if cost.dispatcher == "deepep":
+            # NOTE: DeepEP's volume depends on which experts share a node, so uniform traffic is no
+            # ideal of it; instead each link direction at its mean over GPUs under Megatron's placement.
+            home = static_placement(ctx.load.shape[1], ctx.load.shape[-1], g)
+            comm = cost.mean_link_comm_time(ctx.load, home_assign(ctx.load, home, g))
+            return MoEBreakdown(t_compute_gpu=t_compute_gpu, t_comm_gpu=comm)
         # Step 2: every source sends the mean routed tokens, spread evenly over all GPUs.
         mean_routed = ctx.load.sum(axis=(-2, -1)) / g  # [Mb, L]
         traffic = np.broadcast_to((mean_routed / g)[..., None, None], (*mean_routed.shape, g, g))
