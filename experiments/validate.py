@@ -58,13 +58,13 @@ PROFILE_TOKENS = 4096
 
 
 def _hardware(name: str) -> HardwareSpec:
-    conf = OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / f"{name}.yaml"), resolve=True)
-    return HardwareSpec(**conf["hardware"])  # type: ignore[index,call-overload]
+    conf: Any = OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / f"{name}.yaml"), resolve=True)
+    return HardwareSpec(**conf["hardware"])
 
 
 def _model(name: str) -> ModelSpec:
-    conf = OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml"), resolve=True)
-    return ModelSpec(**conf)  # type: ignore[arg-type]
+    conf: Any = OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml"), resolve=True)
+    return ModelSpec(**conf)
 
 
 def _row(quantity: str, published: float, model: float, unit: str, role: str, source: str) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def deepep_link_tokens(
     t = d.shape[0]
     hit = np.zeros((t, g), dtype=bool)  # token t goes to GPU g at least once
     hit[np.arange(t)[:, None], d] = True
-    node_hit = hit.reshape(t, nodes, gpn).any(axis=-1)  # [T, N]
+    node_hit = np.asarray(hit.reshape(t, nodes, gpn).any(axis=-1))  # [T, N]
     src_node, src_rail = src // gpn, src % gpn
     remote = node_hit.copy()
     remote[np.arange(t), src_node] = False
