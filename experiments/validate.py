@@ -36,7 +36,6 @@ from omegaconf import OmegaConf
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel
 from relibra.fabric import deepep_link_tokens
-from relibra.route_estimate import estimate_error
 from relibra.linkrates import (
     BandwidthPoint,
     benchmark_routes,
@@ -45,8 +44,9 @@ from relibra.linkrates import (
     load_points,
     predicted_bandwidth,
 )
+from relibra.route_estimate import estimate_error
 
-__all__ = ["DATA", "extract_profile", "main", "validation_table"]
+__all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validation_table"]
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
