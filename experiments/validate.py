@@ -279,6 +279,13 @@ def estimate_error_table(traces: Path) -> pd.DataFrame:
     if (traces / "flame-moe-290m").is_dir():
         tr = importers.load_flame_moe(traces / "flame-moe-290m")
         cases.append(("flame-moe-prefill", tr.experts, tr.sample_offsets, 64, ((2, 4), (4, 2))))
+    from relibra.synthetic import generate_trace
+
+    for preset in ("reasoning", "mixed"):
+        tr = generate_trace(preset, 128, 4, 8, 1, 64, seed=0, max_tokens=1024)
+        cases.append(
+            (f"synthetic {preset} (generator)", tr.experts, tr.sample_offsets, 128, ((2, 8), (4, 8)))
+        )
     for router, groups in (("uniform", None), ("grouped", 4)):
         for g in (32, 64):
             point = BandwidthPoint(
