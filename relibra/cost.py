@@ -35,7 +35,13 @@ from os import PathLike
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.fabric import alltoall_traffic, deepep_link_tokens, deepep_link_tokens_estimate, rail_link_bytes
+from relibra.fabric import (
+    alltoall_traffic,
+    deepep_link_tokens,
+    deepep_link_tokens_estimate,
+    mirrored,
+    rail_link_bytes,
+)
 
 BF16_BYTES = 2
 FWD_BWD_FLOP_FACTOR = 3.0
@@ -192,13 +198,10 @@ class CostModel:
 
     def deepep_phase_times(self, links: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(dispatch, combine) seconds [..., G] of one DeepEP pass for dispatch token counts ``links``."""
-        mirror = {
-            "nvlink_send": links["nvlink_recv"],
-            "nvlink_recv": links["nvlink_send"],
-            "nic_send": links["nic_recv"],
-            "nic_recv": links["nic_send"],
-        }
-        return self._phase_time(links, self.dispatch_token_bytes), self._phase_time(mirror, self._token_bytes)
+        return (
+            self._phase_time(links, self.dispatch_token_bytes),
+            self._phase_time(mirrored(links), self._token_bytes),
+        )
 
     def moe_comm_time(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
         """Per-GPU all-to-all seconds [..., G] of load [..., G, E] under assign [..., E, G], by dispatcher.
@@ -234,12 +237,7 @@ class CostModel:
         else:
             tokens = x.sum(axis=-1) / self.model.top_k
             dispatch = deepep_link_tokens_estimate(x, self.share(assign), tokens, c.nodes, c.gpus_per_node)
-            combine = {
-                "nvlink_send": dispatch["nvlink_recv"],
-                "nvlink_recv": dispatch["nvlink_send"],
-                "nic_send": dispatch["nic_recv"],
-                "nic_recv": dispatch["nic_send"],
-            }
+            combine = mirrored(dispatch)
 
         def mean(links: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             return {k: np.broadcast_to(v.mean(axis=-1, keepdims=True), v.shape) for k, v in links.items()}

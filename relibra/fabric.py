@@ -35,6 +35,7 @@ __all__ = [
     "alltoall_traffic",
     "deepep_link_tokens",
     "deepep_link_tokens_estimate",
+    "mirrored",
     "rail_link_bytes",
 ]
 
@@ -70,6 +71,16 @@ def rail_link_bytes(traffic: np.ndarray, nodes: int, gpus_per_node: int) -> dict
         "nvlink_recv": nvl_recv.reshape(*lead, g),
         "nic_send": nic_send.reshape(*lead, g),
         "nic_recv": nic_recv.reshape(*lead, g),
+    }
+
+
+def mirrored(links: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """DeepEP's combine from its dispatch: the same counts with send and receive swapped on each link."""
+    return {
+        "nvlink_send": links["nvlink_recv"],
+        "nvlink_recv": links["nvlink_send"],
+        "nic_send": links["nic_recv"],
+        "nic_recv": links["nic_send"],
     }
 
 

@@ -148,10 +148,7 @@ def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
                     acc[6, q] += t
                     s7 += t
         acc[0, j], acc[2, j], acc[5, j], acc[7, j] = s0, s2, s5, s7
-    for g in range(g_n):
-        d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
-        c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
-        out[g] = 2.0 * (d + c)
+    _comm_from_totals(acc, nvl, nic, out)
 
 
 @njit(cache=True)
@@ -236,7 +233,12 @@ def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
 @njit(cache=True)
 def _nvlink_binds(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
     """Whether NVLink, not the NIC, binds GPU ``g`` in the dispatch or the combine exchange."""
-    s = _gpu_link_totals(traffic, gpn, g)
+    return _binds_in(_gpu_link_totals(traffic, gpn, g), nvl, nic)
+
+
+@njit(cache=True)
+def _binds_in(s, nvl, nic):  # pragma: no cover - compiled
+    """Whether NVLink binds in either exchange, from one GPU's eight link totals ``s`` [8]."""
     return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
 
 
@@ -293,11 +295,7 @@ def _binds_nvlink(p, s, g):  # pragma: no cover - compiled
     """:func:`_nvlink_binds` for either dispatcher (``s.traffic`` holds the log-miss sums for deepep)."""
     if not p.deepep:
         return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, g)
-    a = _deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g]
-    return (
-        max(a[0], a[1]) * p.nvl >= max(a[2], a[3]) * p.nic
-        or max(a[4], a[5]) * p.nvl >= max(a[6], a[7]) * p.nic
-    )
+    return _binds_in(_deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g].copy(), p.nvl, p.nic)
 
 
 BOUND_SLACK = 1e-9
