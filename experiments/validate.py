@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from dataclasses import replace
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
     ap.add_argument("--extract-profile", metavar="TRAIN_JSON", help="print the profile's numbers as JSON")
     ap.add_argument("--estimate-error", action="store_true", help="the DeepEP estimate against exact routes")
-    ap.add_argument("--traces", default=str(ROOT.parent.parent / "shared" / "traces"), help="real traces")
+    default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
+    ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))

@@ -133,11 +133,10 @@ ESTIMATE_TOLERANCE = 0.15
 0.88-1.05 on olmoe-decode and flame-moe, docs/validation.md)."""
 
 
-def test_deepep_estimate_against_exact_routes():
-    traces = validate.ROOT.parent.parent / "shared" / "traces"
-    if not (traces / "olmoe-decode").is_dir():
-        pytest.skip("real traces absent (../shared/traces)")
-    err = validate.estimate_error_table(traces)
+def test_deepep_estimate_against_exact_routes(shared_traces):
+    if not (shared_traces / "olmoe-decode").is_dir():
+        pytest.skip("olmoe-decode absent from the real traces")
+    err = validate.estimate_error_table(shared_traces)
     real = err[~err.routes.str.startswith("synthetic")]
     assert len(real) >= 3
     assert (real.ratio_min > 1 - ESTIMATE_TOLERANCE).all() and (real.ratio_max < 1 + ESTIMATE_TOLERANCE).all()
