@@ -13,7 +13,8 @@ Not a plan: a lower bound that no plan of the suite can beat in any term of the 
   samples, like ReLibra's locality round). That traffic is split between NVLink and the rail NICs so that
   both finish together (more may cross nodes than must, never less), and every GPU sends and receives
   ``1 / G`` of it; the cost model prices it like any plan's traffic. Any plan's busiest GPU needs at
-  least this mean;
+  least this mean. Under ``cluster.dispatcher=deepep`` a token crosses to a remote node, or fans out to a
+  GPU, once for all of its experts there, so the same traffic counts ``1 / k`` message per routed slot;
 * **attention and dense layers** at their mean over GPUs (the simulator gives every GPU the micro-batch's
   mean tokens and causal pairs, see :func:`relibra.simulator.simulate`).
 
@@ -92,6 +93,10 @@ class BalancedBound:
         t_compute_gpu = np.repeat(work[..., None], g, axis=-1)  # [Mb, L, G]
         # Step 2: the unavoidable traffic, split over NVLink and NIC so both finish together.
         off_gpu, off_node = unavoidable_traffic(ctx, self.slots)  # [Mb, L]
+        if cost.dispatcher == "deepep":
+            # NOTE: DeepEP sends a token once to each remote node and once to each GPU it fans out to,
+            # however many of its k experts wait there: a message carries at most k routed slots.
+            off_gpu, off_node = off_gpu / ctx.model.top_k, off_node / ctx.model.top_k
         lin = cost.linear()
         if n == 1:
             inter = np.zeros_like(off_gpu)

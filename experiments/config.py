@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel, load_calibration
+from relibra.fabric import DISPATCHERS
 from relibra.migration import migration_payload
 from relibra.simulator import SimOptions
 from relibra.types import SampleCounts, Workload
@@ -54,7 +55,11 @@ def build_cluster(cfg: DictConfig) -> ClusterSpec:
     """``cfg.cluster`` -> :class:`ClusterSpec` (hardware constants from the cluster yaml)."""
     hw = HardwareSpec(**_plain(cfg.cluster.hardware))
     return ClusterSpec(
-        nodes=int(cfg.cluster.nodes), gpus_per_node=int(cfg.cluster.gpus_per_node), hardware=hw
+        nodes=int(cfg.cluster.nodes),
+        gpus_per_node=int(cfg.cluster.gpus_per_node),
+        hardware=hw,
+        dispatcher=str(cfg.cluster.get("dispatcher", "alltoall")),
+        ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
     )
 
 
@@ -154,6 +159,45 @@ def _locality_tolerances(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _locality_tolerances(child, f"{prefix}.{name}")
 
 
+def _comm_problems(cfg: DictConfig) -> list[str]:
+    """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.calibration``."""
+    problems: list[str] = []
+    dispatcher = cfg.cluster.get("dispatcher", "alltoall")
+    if dispatcher not in DISPATCHERS:
+        problems.append(f"cluster.dispatcher={dispatcher}: unknown; choose one of {', '.join(DISPATCHERS)}")
+    if bool(cfg.cluster.get("ep_overlap", False)):
+        spm = cfg.workload.get("samples_per_microbatch")
+        per_batch = cfg.trace.get("samples_per_batch")
+        g = int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+        if spm is not None and per_batch is not None and not cfg.trace.get("path"):
+            mbs = int(per_batch) // max(int(spm) * g, 1)
+            if mbs < 2:
+                problems.append(
+                    f"cluster.ep_overlap=true needs at least 2 micro-batches per batch to overlap, but "
+                    f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
+                    f"gives {mbs}"
+                )
+    planner = cfg.get("planner") or {}
+    if dispatcher == "deepep" and (
+        "milp" in str(planner.get("_target_", "")) or planner.get("split") == "lp"
+    ):
+        problems.append(
+            f"cluster.dispatcher=deepep with planner={planner.get('name')}: the MILP / LP split models "
+            "alltoall's linear communication only; use cluster.dispatcher=alltoall or a greedy planner"
+        )
+    path = cfg.cluster.get("calibration")
+    if path:
+        try:
+            if load_calibration(str(path), str(cfg.model.name)) is None:
+                problems.append(
+                    f"cluster.calibration={path} has no entry for model {cfg.model.name} (a calibration "
+                    "file for another model); measure this model or set cluster.calibration=null"
+                )
+        except (OSError, ValueError) as exc:
+            problems.append(f"cluster.calibration={path}: {exc}")
+    return problems
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`."""
     problems: list[str] = []
@@ -213,6 +257,7 @@ def validate(cfg: DictConfig) -> None:
                 f"trace.samples_per_batch={per_batch} cannot fill every GPU in a micro-batch: the EP group "
                 f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
             )
+    problems.extend(_comm_problems(cfg))
     spm = cfg.workload.get("samples_per_microbatch")
     tpm = cfg.workload.get("tokens_per_microbatch")
     if spm is not None and tpm is not None:

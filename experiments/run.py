@@ -110,6 +110,14 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "%d of %d batches have fewer samples than the %d GPUs: some GPUs idle in them (results column "
             "unbalanceable_batches)", short, counts.num_batches, cluster.num_gpus,
         )  # fmt: skip
+    if cluster.ep_overlap:
+        fewest = min(int(workload.batch_microbatches(b).size) for b in range(counts.num_batches))
+        if fewest < 2:
+            raise ConfigError(
+                f"cluster.ep_overlap=true needs at least 2 micro-batches per batch to overlap; this "
+                f"workload's layout gives {fewest} (raise trace.samples_per_batch or lower "
+                "workload.samples_per_microbatch / workload.tokens_per_microbatch)"
+            )
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
     with planning(cfg, planner, cluster, model, cost) as planned:
         result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relibra.fabric import DISPATCHERS
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -27,6 +29,8 @@ class HardwareSpec:
     """Fixed latency of one all-to-all phase."""
     nvlink_efficiency: float = 0.8
     nic_efficiency: float = 0.8
+    fp8_flops: float = 0.0
+    """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,20 @@ class ClusterSpec:
     nodes: int
     gpus_per_node: int
     hardware: HardwareSpec
+    dispatcher: str = "alltoall"
+    """How tokens travel (:mod:`relibra.fabric`): ``alltoall`` (Megatron) or ``deepep``."""
+    ep_overlap: bool = False
+    """Hide one micro-batch's all-to-all behind another's compute (Megatron's
+    ``overlap_moe_expert_parallel_comm``)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(
                 f"cluster.nodes={self.nodes} and cluster.gpus_per_node={self.gpus_per_node} must both be >= 1"
+            )
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"cluster.dispatcher={self.dispatcher!r}: choose one of {', '.join(DISPATCHERS)}"
             )
 
     @property

@@ -10,6 +10,9 @@ Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
   proportion to ``assign[e, :]`` (the proportional split rule). Same GPU: free. Same node: NVLink.
   Other node, same rail: the rail NIC (RDMA). Other node, other rail: an NVLink hop to the source node's GPU
   on the destination rail, then RDMA. ``T_comm(g)`` is the busiest link class (send or receive) of ``g``.
+  What crosses depends on ``cluster.dispatcher`` (:mod:`relibra.fabric`): ``alltoall`` sends one row per
+  (token, expert) pair; ``deepep`` sends a token once per remote node over RDMA and once per GPU over
+  NVLink. Achievable link rates are line rate times the calibrated efficiencies (docs/validation.md).
 
 All functions broadcast over leading axes, so one call covers a whole batch ``[Mb, L, ...]``.
 
@@ -32,6 +35,13 @@ from os import PathLike
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.fabric import (
+    alltoall_traffic,
+    deepep_link_tokens,
+    deepep_link_tokens_estimate,
+    mirrored,
+    rail_link_bytes,
+)
 
 BF16_BYTES = 2
 FWD_BWD_FLOP_FACTOR = 3.0
@@ -87,9 +97,15 @@ class CostModel:
         cluster: ClusterSpec,
         model: ModelSpec,
         calibration: tuple[np.ndarray, np.ndarray] | None = None,
+        dispatch_value_bytes: float = BF16_BYTES,
     ) -> None:
-        """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM."""
+        """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM.
+
+        ``dispatch_value_bytes``: bytes per hidden value in the dispatch phases (bf16: 2; DeepSeek-V3's FP8
+        dispatch: ``1 + 4 / 128``, one scale per 128 values); combine is always bf16.
+        """
         self.cluster = cluster
+        self.dispatcher = cluster.dispatcher
         self.model = model
         if calibration is not None:
             calibration = _check_calibration(calibration, model.name)
@@ -98,6 +114,7 @@ class CostModel:
         self._w = float(model.expert_params)
         self._peak = hw.bf16_flops * hw.gemm_efficiency
         self._token_bytes = float(model.hidden * BF16_BYTES)
+        self.dispatch_token_bytes = float(model.hidden * dispatch_value_bytes)
         self._nvlink = hw.nvlink_bytes_per_s * hw.nvlink_efficiency
         self._nic = hw.nic_bytes_per_s * hw.nic_efficiency
         gpn = cluster.gpus_per_node
@@ -129,70 +146,123 @@ class CostModel:
         return self.expert_time(assign).sum(axis=-2)
 
     # ------------------------------------------------------------ communication
+    @staticmethod
+    def share(assign: np.ndarray) -> np.ndarray:
+        """Fraction of expert e's tokens computed on GPU g: assign [..., E, G] -> float64 [..., E, G]."""
+        a = np.asarray(assign, dtype=np.float64)
+        tot = a.sum(axis=-1, keepdims=True)
+        return np.divide(a, tot, out=np.zeros_like(a), where=tot > 0)
+
     def traffic(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
         """Tokens sent from source ``j`` to computing GPU ``g`` under the proportional split rule.
 
         load [..., G, E] (``x[j, e]``), assign [..., E, G] -> traffic float64 [..., G(j), G(g)].
         """
-        a = np.asarray(assign, dtype=np.float64)
-        tot = a.sum(axis=-1, keepdims=True)
-        share = np.divide(a, tot, out=np.zeros_like(a), where=tot > 0)
-        return np.asarray(load, dtype=np.float64) @ share
+        return np.asarray(load, dtype=np.float64) @ self.share(assign)
 
     def link_bytes(self, traffic_bytes: np.ndarray) -> dict[str, np.ndarray]:
         """Per-GPU bytes on each link class for a one-way exchange ``traffic_bytes`` [..., G(j), G(g)].
 
-        Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G].
+        Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G]
+        (:func:`relibra.fabric.rail_link_bytes`).
         """
-        n, r = self.cluster.nodes, self.cluster.gpus_per_node
-        t = np.asarray(traffic_bytes, dtype=np.float64)
-        lead = t.shape[:-2]
-        t5 = t.reshape(*lead, n, r, n, r)  # [..., n_src, r_src, n_dst, r_dst]
-        same_node = np.eye(n, dtype=bool)[:, None, :, None]
-        same_rail = np.eye(r, dtype=bool)[None, :, None, :]
-        intra = np.where(same_node & ~same_rail, t5, 0.0)
-        inter = np.where(~same_node, t5, 0.0)
-        cross = np.where(~same_node & ~same_rail, t5, 0.0)
-        # NVLink: intra-node traffic, plus the first hop of cross-rail traffic (source -> proxy on its node
-        # with the destination's rail).
-        nvl_send = intra.sum(axis=(-2, -1)) + cross.sum(axis=(-2, -1))
-        # proxy (n_src, r_dst) receives cross traffic from its node peers: sum over r_src and n_dst.
-        proxy = cross.sum(axis=(-3, -2))  # [..., n_src, r_dst]
-        nvl_recv = intra.sum(axis=(-4, -3)) + proxy
-        # NIC: every inter-node byte leaves from the proxy (n_src, r_dst) and lands on (n_dst, r_dst).
-        nic_send = inter.sum(axis=(-3, -2))  # [..., n_src, r_dst]
-        nic_recv = inter.sum(axis=(-4, -3))  # [..., n_dst, r_dst]
-        g = n * r
-        return {
-            "nvlink_send": nvl_send.reshape(*lead, g),
-            "nvlink_recv": nvl_recv.reshape(*lead, g),
-            "nic_send": nic_send.reshape(*lead, g),
-            "nic_recv": nic_recv.reshape(*lead, g),
-        }
+        return rail_link_bytes(traffic_bytes, self.cluster.nodes, self.cluster.gpus_per_node)
+
+    def _phase_time(self, links: dict[str, np.ndarray], bytes_per_token: float) -> np.ndarray:
+        """Seconds [..., G] of one all-to-all phase: the busiest link direction of each GPU."""
+        t_nvl = np.maximum(links["nvlink_send"], links["nvlink_recv"]) * bytes_per_token / self._nvlink
+        t_nic = np.maximum(links["nic_send"], links["nic_recv"]) * bytes_per_token / self._nic
+        return np.maximum(t_nvl, t_nic)
+
+    def _four_phases(self, dispatch: np.ndarray, combine: np.ndarray) -> np.ndarray:
+        """Forward and backward of dispatch and combine (phase seconds [..., G] each) plus the latency."""
+        lat = self.cluster.hardware.alltoall_latency_s if self.cluster.num_gpus > 1 else 0.0
+        return 2.0 * (dispatch + combine) + 4.0 * lat
 
     def comm_time(self, traffic_tokens: np.ndarray) -> np.ndarray:
-        """Per-GPU all-to-all seconds [..., G] for token traffic [..., G(j), G(g)], 4 phases.
+        """Per-GPU all-to-all seconds [..., G] for ``alltoall`` token traffic [..., G(j), G(g)], 4 phases.
 
-        Dispatch and combine, forward and backward; each phase moves ``hidden`` bf16 values per token. The
-        dispatch phases use ``traffic``, the combine phases its transpose; a phase's time on a GPU is its
-        busiest link direction, and every phase pays the all-to-all latency.
+        Dispatch and combine, forward and backward. The dispatch phases use ``traffic``, the combine phases
+        its transpose; a phase's time on a GPU is its busiest link direction, and every phase pays the
+        all-to-all latency. Dispatch moves :attr:`dispatch_token_bytes` per token, combine ``hidden`` bf16.
         """
-        tb = np.asarray(traffic_tokens, dtype=np.float64) * self._token_bytes
-        total = np.zeros(tb.shape[:-1])
-        for direction in (tb, np.swapaxes(tb, -1, -2)):
-            lb = self.link_bytes(direction)
-            t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
-            t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
-            total = total + np.maximum(t_nvl, t_nic)
-        lat = self.cluster.hardware.alltoall_latency_s if self.cluster.num_gpus > 1 else 0.0
-        return 2.0 * total + 4.0 * lat  # forward and backward
+        tt = np.asarray(traffic_tokens, dtype=np.float64)
+        dispatch = self._phase_time(self.link_bytes(tt), self.dispatch_token_bytes)
+        combine = self._phase_time(self.link_bytes(np.swapaxes(tt, -1, -2)), self._token_bytes)
+        return self._four_phases(dispatch, combine)
+
+    def deepep_comm_time(self, links: dict[str, np.ndarray]) -> np.ndarray:
+        """Per-GPU seconds [..., G] of DeepEP's 4 phases for dispatch token counts ``links``
+        (:data:`relibra.fabric.LINK_KEYS`); combine mirrors dispatch (send and receive swapped)."""
+        return self._four_phases(*self.deepep_phase_times(links))
+
+    def deepep_phase_times(self, links: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(dispatch, combine) seconds [..., G] of one DeepEP pass for dispatch token counts ``links``."""
+        return (
+            self._phase_time(links, self.dispatch_token_bytes),
+            self._phase_time(mirrored(links), self._token_bytes),
+        )
+
+    def moe_comm_time(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
+        """Per-GPU all-to-all seconds [..., G] of load [..., G, E] under assign [..., E, G], by dispatcher.
+
+        ``alltoall``: :meth:`traffic` then :meth:`comm_time`. ``deepep``: the per-source estimate
+        :func:`relibra.fabric.deepep_link_tokens_estimate` (each source holds ``sum_e x[j, e] / k`` tokens,
+        every token having ``k`` distinct experts) then :meth:`deepep_comm_time`.
+        """
+        if self.dispatcher == "alltoall":
+            return self.comm_time(self.traffic(load, assign))
+        x = np.asarray(load, dtype=np.float64)
+        links = deepep_link_tokens_estimate(
+            x,
+            self.share(assign),
+            x.sum(axis=-1) / self.model.top_k,
+            self.cluster.nodes,
+            self.cluster.gpus_per_node,
+        )
+        return self.deepep_comm_time(links)
+
+    def mean_link_comm_time(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds [..., G] with every link direction at its mean over GPUs (all GPUs equal).
+
+        load [..., G, E], assign [..., E, G]: the dispatcher's link volumes, averaged over the GPUs, then
+        priced as usual (the communication of an ideal, perfectly spread plan: Balanced's under deepep).
+        """
+        x = np.asarray(load, dtype=np.float64)
+        c = self.cluster
+        if self.dispatcher == "alltoall":
+            traffic = self.traffic(x, assign)
+            dispatch = self.link_bytes(traffic)
+            combine = self.link_bytes(np.swapaxes(traffic, -1, -2))
+        else:
+            tokens = x.sum(axis=-1) / self.model.top_k
+            dispatch = deepep_link_tokens_estimate(x, self.share(assign), tokens, c.nodes, c.gpus_per_node)
+            combine = mirrored(dispatch)
+
+        def mean(links: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {k: np.broadcast_to(v.mean(axis=-1, keepdims=True), v.shape) for k, v in links.items()}
+
+        return self._four_phases(
+            self._phase_time(mean(dispatch), self.dispatch_token_bytes),
+            self._phase_time(mean(combine), self._token_bytes),
+        )
+
+    def route_comm_time(self, dest_gpu: np.ndarray, src_gpu: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds [G] of one (micro-batch, layer) from exact per-token routes, by dispatcher.
+
+        dest_gpu int [T, k] (GPU computing each of a token's experts), src_gpu int [T].
+        """
+        c = self.cluster
+        if self.dispatcher == "alltoall":
+            return self.comm_time(alltoall_traffic(dest_gpu, src_gpu, c.num_gpus))
+        return self.deepep_comm_time(deepep_link_tokens(dest_gpu, src_gpu, c.nodes, c.gpus_per_node))
 
     # --------------------------------------------------------------------- MoE
     def moe(self, load: np.ndarray, assign: np.ndarray) -> MoEBreakdown:
         """Breakdown for load [..., G, E] and assign [..., E, G]."""
         return MoEBreakdown(
             t_compute_gpu=self.gpu_compute_time(assign),
-            t_comm_gpu=self.comm_time(self.traffic(load, assign)),
+            t_comm_gpu=self.moe_comm_time(load, assign),
         )
 
     def linear(self) -> LinearCosts:
@@ -202,8 +272,8 @@ class CostModel:
         return LinearCosts(
             compute_s_per_token=per_tok,
             compute_s_per_expert=per_tok * hw.gemm_half_tokens,
-            nvlink_s_per_token=4.0 * self._token_bytes / self._nvlink,
-            rdma_s_per_token=4.0 * self._token_bytes / self._nic,
+            nvlink_s_per_token=2.0 * (self.dispatch_token_bytes + self._token_bytes) / self._nvlink,
+            rdma_s_per_token=2.0 * (self.dispatch_token_bytes + self._token_bytes) / self._nic,
         )
 
     # ---------------------------------------------------------------- attention
@@ -316,10 +386,7 @@ class CostModel:
         mat = np.zeros((g, g))
         np.add.at(mat, (src, dst), bytes_each)
         np.fill_diagonal(mat, 0.0)
-        lb = self.link_bytes(mat)
-        t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
-        t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
-        return float(np.maximum(t_nvl, t_nic).max())
+        return float(self._phase_time(self.link_bytes(mat), 1.0).max())
 
 
 def _check_calibration(

@@ -34,6 +34,7 @@ from relibra.cost import CostModel, MoEBreakdown
 from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.overlap import overlapped_time
 from relibra.planner import BatchContext, Planner, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
 from relibra.workload import gpu_token_stats, microbatch_loads
@@ -319,6 +320,8 @@ class _BatchTimes:
     """Seconds of the dense (non-MoE) layers."""
     critical: float
     """Planning seconds on the critical path (online planners), summed over (micro-batch, layer)."""
+    comm_exposed: float
+    """All-to-all seconds not hidden behind compute (all of them without ``cluster.ep_overlap``)."""
     total: float
     """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
 
@@ -329,9 +332,16 @@ def _batch_times(priced: _Priced, cost: CostModel, dense_layers: int) -> _BatchT
     sync = cost.exposed_refill(priced.refill, attn) if priced.online is None else _online_sync(priced, attn)
     critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
     dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
-    per_layer = priced.br.t_compute + priced.br.t_comm + attn + sync
-    total = float(per_layer.sum()) + dense + priced.t_migration + priced.t_redundant + critical
-    return _BatchTimes(attn=attn, sync=sync, dense=dense, critical=critical, total=total)
+    comp = priced.br.t_compute + attn  # [Mb, L]
+    comm = float(priced.br.t_comm.sum())
+    if cost.cluster.ep_overlap:
+        moe, exposed = overlapped_time(comp, priced.br.t_comm)
+    else:
+        moe, exposed = float(comp.sum()) + comm, comm
+    total = moe + float(sync.sum()) + dense + priced.t_migration + priced.t_redundant + critical
+    return _BatchTimes(
+        attn=attn, sync=sync, dense=dense, critical=critical, comm_exposed=exposed, total=total
+    )
 
 
 def _online_sync(priced: _Priced, attn: np.ndarray) -> np.ndarray:
@@ -385,7 +395,7 @@ def simulate(
     skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
     totals = dict.fromkeys(
-        ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes"), 0.0
+        ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes", "exposed"), 0.0
     )
     slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
     stats_sum: dict[str, float] = {}
@@ -439,6 +449,7 @@ def simulate(
         totals["reorder"] += priced.t_migration
         totals["redundant"] += priced.t_redundant
         totals["dense"] += dense
+        totals["exposed"] += times.comm_exposed
         totals["moved"] += priced.moved
         totals["critical"] += times.critical
         totals["migration_bytes"] += priced.migration_bytes
@@ -459,6 +470,8 @@ def simulate(
         "migration_bytes": totals["migration_bytes"] / nb,
         "t_compute_s": float(t_comp.sum()) / nb,
         "t_comm_s": float(t_comm.sum()) / nb,
+        "t_comm_exposed_s": totals["exposed"] / nb,
+        "t_comm_hidden_s": (float(t_comm.sum()) - totals["exposed"]) / nb,
         "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
         "t_reorder_s": totals["reorder"] / nb,
         "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,

@@ -277,3 +277,26 @@ def test_reproduce_scale_selects_the_presets(
     monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
     assert reproduce.main(["--results", str(tmp_path), "--no-analysis", *argv]) == 0
     assert ran == expected
+
+
+COMM = ["comm_sensitivity", "comm_sensitivity_overall", "quick_comm_sensitivity"]
+
+
+@pytest.mark.parametrize("preset", COMM)
+def test_communication_sensitivity_presets_compose_and_validate(preset: str, olmoe_like_trace: Path) -> None:
+    grid = cells(preset)
+    assert {c for cell in grid for c in cell if c.startswith("cluster.dispatcher=")} == {
+        "cluster.dispatcher=alltoall",
+        "cluster.dispatcher=deepep",
+    }
+    assert {c for cell in grid for c in cell if c.startswith("cluster.ep_overlap=")} == {
+        "cluster.ep_overlap=False",
+        "cluster.ep_overlap=True",
+    }
+    _check_cells(preset, covering(grid), olmoe_like_trace)
+
+
+def test_quick_communication_sensitivity_keeps_two_microbatches_at_ep64() -> None:
+    cfg = compose_cell("quick_comm_sensitivity", ["cluster.nodes=8", "cluster.ep_overlap=true"])
+    per_gpu = cfg.trace.samples_per_batch // (cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+    assert per_gpu // cfg.workload.samples_per_microbatch >= 2

@@ -433,3 +433,45 @@ def test_nvlink_bound_separates_one_node_from_many() -> None:
         )
         got = _nvlink_bound(p)
         assert got == expected, (nodes, gpn)
+
+
+# ----------------------------------------------------------------------------------------- deepep
+def _deepep_cost(nodes: int, gpus_per_node: int) -> CostModel:
+    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER, dispatcher="deepep"), MODEL)
+
+
+def test_greedy_objective_prices_deepep_as_the_cost_model() -> None:
+    """The kernels' deepep communication term (split experts included) is the cost model's estimate."""
+    rng = np.random.default_rng(4)
+    cost = _deepep_cost(2, 4)
+    coef = ReplicationCoefficients.from_cost(cost)
+    load = rng.integers(200, 400, size=(8, 64)).astype(np.int64)
+    home = static_placement(1, 64, 8)[0].astype(np.int64)
+    p = _problem(
+        load.astype(np.float64), home, 4, 2, coef.fixed_tokens, coef.nvlink_per_token, coef.nic_per_token,
+        3, 4, 1e-9, MODEL.top_k,
+    )  # fmt: skip
+    s = _home_state(p)
+    s.a[0, 0], s.a[0, 3] = p.tot[0] / 3, 2 * p.tot[0] / 3  # expert 0 split over GPUs 0 and 3 of node 0
+    s.has[0, 3] = True
+    _objective(p, s, True, ALL_NODES, np.inf)
+    assign = np.zeros((64, 8))
+    for e in range(64):
+        assign[e, (home[e] // 4) * 4 : (home[e] // 4) * 4 + 4] = s.a[e]
+    want = cost.moe_comm_time(load, assign) - 4 * HOPPER.alltoall_latency_s
+    np.testing.assert_allclose(s.comm * coef.seconds_per_token, want, rtol=1e-9)
+
+
+def test_deepep_greedy_plans_are_valid_and_not_worse_than_home() -> None:
+    rng = np.random.default_rng(6)
+    cost = _deepep_cost(2, 4)
+    load = _skewed_loads(rng, 3, 8, 64)
+    home = np.broadcast_to(static_placement(1, 64, 8)[0], (3, 64))
+    rep = replicate_greedy(load, home, cost, 2)
+    check_assignment(
+        home, rep.assign[None], load[None], gpus_per_node=4, replica_slots=2, replicas=rep.replicas[None]
+    )
+    before = linear_objective(load, home_assign(load, home, 8), home, cost)
+    after = linear_objective(load, rep.assign, home, cost)
+    assert np.all(after <= before * (1 + 1e-9))
+    assert np.any(after < before)

@@ -370,3 +370,52 @@ def test_portfolio_candidates_each_get_a_control_plane():
             "relibra_balance",
             "relibra_keep_placement",
         ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["cluster.dispatcher=nccl"], "cluster.dispatcher=nccl"),
+        (["cluster.dispatcher=deepep", "planner=relibra_milp"], "cluster.dispatcher=deepep"),
+        (["cluster.ep_overlap=true", "workload.samples_per_microbatch=8"], "cluster.ep_overlap=true"),
+    ],
+)
+def test_bad_communication_keys_stop_before_work(trace_file, tmp_path, overrides, key):
+    (tmp_path / "results.parquet").write_bytes(b"earlier results")
+    with pytest.raises(ConfigError) as err:
+        run(file_cfg(trace_file, *overrides), run_dir=tmp_path)
+    assert key in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.parquet"]
+
+
+def test_calibration_file_for_another_model_is_refused(trace_file, tmp_path):
+    other = tmp_path / "calibration.json"
+    other.write_text(json.dumps({"models": {"qwen3-30b-a3b": {"tokens": [1, 64], "seconds": [1e-5, 2e-5]}}}))
+    with pytest.raises(ConfigError, match=r"cluster\.calibration=.*no entry for model olmoe-1b-7b"):
+        run(file_cfg(trace_file, f"cluster.calibration={other}"), run_dir=tmp_path / "run")
+
+
+def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():
+    from experiments.config import validate
+
+    bad = cfg("cluster.ep_overlap=true", "trace.samples_per_batch=16", "workload.samples_per_microbatch=2")
+    with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):
+        validate(bad)
+
+
+def test_dispatcher_and_overlap_change_the_priced_communication(trace_file, tmp_path):
+    base = run(file_cfg(trace_file, "cluster.nodes=2", "cluster.gpus_per_node=2"), run_dir=tmp_path / "a")
+    deepep = run(
+        file_cfg(trace_file, "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.dispatcher=deepep"),
+        run_dir=tmp_path / "b",
+    )
+    over = run(
+        file_cfg(trace_file, "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.ep_overlap=true"),
+        run_dir=tmp_path / "c",
+    )
+    a, d, o = base.iloc[0], deepep.iloc[0], over.iloc[0]
+    assert d["t_comm_s"] < a["t_comm_s"]  # top-8 of 64 on 2 nodes: de-duplication saves RDMA
+    assert a["t_comm_hidden_s"] == 0.0 and a["t_comm_exposed_s"] == pytest.approx(a["t_comm_s"])
+    assert o["t_comm_hidden_s"] > 0.0
+    assert o["t_comm_exposed_s"] + o["t_comm_hidden_s"] == pytest.approx(o["t_comm_s"])
+    assert o["step_time_s"] == pytest.approx(a["step_time_s"] - o["t_comm_hidden_s"])

@@ -190,3 +190,19 @@ def test_check_plans_option(setup):
     simulate(PeerReplicaPlanner(), counts, workload, cluster, model, cost, opts)
     with pytest.raises(PlanInvariantError, match=r"\[replica slots\]"):
         simulate(PeerReplicaPlanner(replica_slots=0), counts, workload, cluster, model, cost, opts)
+
+
+def test_balanced_bounds_planners_under_deepep():
+    from dataclasses import replace
+
+    from relibra.cost import CostModel
+    from relibra.planners.relibra import relibra
+
+    counts, workload, cluster, model, _ = tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
+    cluster = replace(cluster, dispatcher="deepep")
+    cost = CostModel(cluster, model)
+    bal = simulate(BalancedBound(), counts, workload, cluster, model, cost)
+    for planner in (MegatronPlanner(), relibra(replica_slots=1)):
+        res = simulate(planner, counts, workload, cluster, model, cost)
+        assert bal.metrics["step_time_s"] <= res.metrics["step_time_s"], planner
+        assert bal.metrics["t_comm_s"] <= res.metrics["t_comm_s"] * (1 + 1e-9), planner

@@ -54,6 +54,11 @@ def milp_reorder(
     mb, e_total, g_total = problem.x.shape
     if e_total % g_total != 0:
         raise ValueError(f"E={e_total} experts is not divisible by G={g_total} GPUs")
+    if problem.deepep:
+        raise ValueError(
+            "milp_reorder models alltoall's communication (linear in the placement); this problem prices "
+            "cluster.dispatcher=deepep, which is not: use brute_force_reorder or the annealer"
+        )
     if problem.compute_group != 1:
         raise ValueError(
             f"milp_reorder models the per-GPU compute term; this problem uses compute_group="

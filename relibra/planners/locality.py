@@ -20,6 +20,9 @@ The search is a randomised hill climb per micro-batch on the cost model's commun
    caps);
 3. update the per-layer link-class loads of the two source GPUs incrementally (O(L * G) per move) and keep
    the change only if the objective drops. The result is never worse than the input assignment.
+
+The incremental objective is ``cluster.dispatcher=alltoall``'s. Under ``deepep`` the climb runs on that
+proxy and its result is kept only if the cost model's DeepEP communication of the batch does not grow.
 """
 
 from __future__ import annotations
@@ -262,13 +265,18 @@ def locality_round(
     )
 
     def comm_s(x: np.ndarray) -> float:
-        return float(ctx.cost.comm_time(ctx.cost.traffic(x, home_assign(x, home, g))).max(axis=-1).sum())
+        return float(ctx.cost.moe_comm_time(x, home_assign(x, home, g)).max(axis=-1).sum())
 
+    before_s, after_s = comm_s(load), comm_s(new_load)
+    if ctx.cost.dispatcher != "alltoall" and after_s > before_s:
+        # NOTE: the hill climb's incremental objective is alltoall's; under another dispatcher keep its
+        # result only where the cost model's own communication agrees it helps.
+        new_gpu, new_load, after_s = old_gpu.copy(), load, before_s
     stats = {
         "locality_cross_node_before": cross_node_tokens(load, home, gpn),
         "locality_cross_node_after": cross_node_tokens(new_load, home, gpn),
-        "locality_comm_before_s": comm_s(load),
-        "locality_comm_after_s": comm_s(new_load),
+        "locality_comm_before_s": before_s,
+        "locality_comm_after_s": after_s,
         "locality_moved_samples": float(np.count_nonzero(new_gpu != old_gpu)),
     }
     return new_gpu, stats

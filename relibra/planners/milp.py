@@ -17,13 +17,14 @@ Variables, for every expert ``e`` and GPU ``g`` of ``e``'s home node:
   ``t_comm >= 2 * (p_dispatch[g] + p_combine[g])`` (forward and backward);
 * objective: ``t_comp + t_comm`` (plus the constant all-to-all latency).
 
-This is exact for the cost model's communication and for its compute in the compute-bound regime (the
-roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token * (n + h)``). The link coefficients are
-taken from :meth:`~relibra.cost.CostModel.link_bytes` itself, so both can never drift apart.
+This is exact for the cost model's ``alltoall`` communication and for its compute in the compute-bound
+regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token * (n + h)``). The link
+coefficients are taken from :meth:`~relibra.cost.CostModel.link_bytes` itself, so both can never drift apart.
 
 :func:`solve_replication` solves the MILP (OR-Tools ``pywraplp``: SCIP by default, CBC also works) with a
 time limit and reports the proven bound; :func:`solve_split` solves the LP with the replica set fixed
-(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate`).
+(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate`). Neither models
+``cluster.dispatcher=deepep``, whose de-duplicated traffic is concave in the split: they refuse it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def _solve(
     routing: np.ndarray | None,
     comm: bool = True,
 ) -> ReplicationSolution:
+    if comm and cost.dispatcher != "alltoall":
+        raise ValueError(
+            f"cluster.dispatcher={cost.dispatcher}: the replication MILP / LP split models alltoall's "
+            "communication, which is linear in the split; DeepEP's de-duplicated traffic is not (a token "
+            "reaches a GPU with probability 1 - prod (1 - q)^share, concave in the split). Use the greedy "
+            "(split=waterfill), which prices deepep exactly as the simulator does"
+        )
     t0 = time.perf_counter()
     cluster = cost.cluster
     g_n, gpn = cluster.num_gpus, cluster.gpus_per_node

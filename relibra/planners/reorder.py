@@ -6,7 +6,11 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
 1. **Objective.** The cost model's ``T_MoE = max_g T_comp(g) + max_g T_comm(g)`` with every expert computed
    at home, using the linearised coefficients of :meth:`CostModel.linear` for compute (seconds per token plus
    a fixed cost per non-empty expert) and the exact rail-optimized link routing of
-   :meth:`CostModel.link_bytes` for communication. ``objective="microbatch"`` (the default) sums ``T_MoE``
+   :meth:`CostModel.link_bytes` for communication (``cluster.dispatcher=alltoall``). With
+   ``dispatcher=deepep`` the communication term is the cost model's DeepEP estimate
+   (:func:`relibra.fabric.deepep_link_tokens_estimate`): the search keeps, per (micro-batch, source), the
+   probability that a token misses each GPU and each node, which a swap scales by one factor per source
+   (O(Mb * G) per swap, as for alltoall). ``objective="microbatch"`` (the default) sums ``T_MoE``
    over the batch's ``Mb`` micro-batches, which is what the simulator charges; ``objective="aggregate"``
    evaluates one ``T_MoE`` on the batch's summed loads. The paper's O(G)-per-swap update is the aggregate
    form; the per-micro-batch form costs O(Mb * G) per swap.
@@ -56,6 +60,7 @@ __all__ = [
     "AnnealingReorderer",
     "LayerProblem",
     "anneal_layer",
+    "deepep_routes",
     "full_state",
     "layer_problem",
     "link_routes",
@@ -258,6 +263,40 @@ def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]
     return idx, count
 
 
+def deepep_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where DeepEP's de-duplicated tokens are counted (:func:`relibra.fabric.deepep_link_tokens`).
+
+    A token of source ``j`` reaching GPU ``g`` over NVLink (``g`` is neither ``j`` nor the GPU that got it
+    over RDMA) is one dispatch NVLink receive at ``g`` and send at its sender (``j`` on ``j``'s node, else
+    ``(node of g, rail of j)``); a token of ``j`` reaching remote node ``b`` is one NIC send at ``j`` and
+    receive at ``(b, rail of j)``. Combine mirrors both (links 4-7 of :data:`NUM_LINKS`, send and receive
+    swapped).
+
+    Returns:
+        gidx int32 [G, G, 4], gcnt int32 [G, G] (4 or 0) for the GPU entries; nidx int32 [G, N, 4],
+        ncnt int32 [G, N] for the node entries; flat indices ``link * G + gpu`` as :func:`link_routes`.
+    """
+    gpn = gpus_per_node
+    g_total = nodes * gpn
+    j = np.arange(g_total)[:, None]
+    g = np.arange(g_total)[None, :]
+    same_node = j // gpn == g // gpn
+    forwarder = np.where(same_node, g == j, g % gpn == j % gpn)
+    sender = np.where(same_node, j, (g // gpn) * gpn + j % gpn)
+    gidx = np.stack(
+        [g_total + g + 0 * j, sender, 4 * g_total + g + 0 * j, 5 * g_total + sender], axis=-1
+    ).astype(np.int32)
+    gcnt = np.where(forwarder, 0, 4).astype(np.int32)
+    b = np.arange(nodes)[None, :]
+    recv = b * gpn + j % gpn  # [G, N]
+    jj = j + 0 * b
+    nidx = np.stack(
+        [2 * g_total + jj, 3 * g_total + recv, 6 * g_total + recv, 7 * g_total + jj], axis=-1
+    ).astype(np.int32)
+    ncnt = np.where(j // gpn == b, 0, 4).astype(np.int32)
+    return gidx, gcnt, nidx, ncnt
+
+
 # -------------------------------------------------------------------------------- one layer's problem
 @dataclass(frozen=True)
 class LayerProblem:
@@ -275,6 +314,15 @@ class LayerProblem:
     """Seconds per normalised unit (the mean per-GPU compute time of a micro-batch)."""
     compute_group: int = 1
     """GPUs pooled in the compute term: 1 (per-GPU max) or ``gpus_per_node`` (per-node mean, then max)."""
+    lq: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
+    """float64 [Mb, E, G(j)]: ``log(1 - x[m, j, e] / T_j)`` for the ``deepep`` dispatcher's estimate
+    (:func:`relibra.fabric.deepep_link_tokens_estimate`); empty for ``alltoall``."""
+    tok: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    """float64 [Mb, G(j)]: tokens held by each source (``deepep``; empty for ``alltoall``)."""
+
+    @property
+    def deepep(self) -> bool:
+        return self.lq.size > 0
 
 
 def layer_problem(
@@ -323,8 +371,20 @@ def layer_problem(
         mig = migration_weight * mig / scale
     x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
     group = cost.cluster.gpus_per_node if compute_level == "node" else 1
+    lq, tok = np.zeros((0, 0, 0)), np.zeros((0, 0))
+    if cost.dispatcher == "deepep":
+        tok = load_l.sum(axis=2, dtype=np.float64) / cost.model.top_k  # [Mb, G]
+        q = np.divide(x, tok[:, None, :], out=np.zeros_like(x), where=tok[:, None, :] > 0)
+        lq = np.ascontiguousarray(np.log1p(-np.minimum(q, 1.0 - 1e-12)))
     return LayerProblem(
-        x=x, w=w_s / scale, coef=coef, mig=np.ascontiguousarray(mig), scale=scale, compute_group=group
+        x=x,
+        w=w_s / scale,
+        coef=coef,
+        mig=np.ascontiguousarray(mig),
+        scale=scale,
+        compute_group=group,
+        lq=lq,
+        tok=np.ascontiguousarray(tok),
     )
 
 
@@ -349,6 +409,114 @@ def full_state(
                     for k in range(cnt[j, g]):
                         link[m, idx[j, g, k]] += v
     return comp, link, migr
+
+
+@njit(cache=True)
+def full_state_deepep(
+    home: np.ndarray,
+    lq: np.ndarray,
+    tok: np.ndarray,
+    w: np.ndarray,
+    droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    nodes: int,
+    mig: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``deepep`` state from scratch: comp [Mb, G], link [Mb, 8 * G], migration [G], and the estimate's miss
+    probabilities [Mb, G(j), G(g)] and [Mb, G(j), N] (a token of j misses GPU g / node n; it reaches it
+    with ``tok[j] * (1 - miss)`` tokens)."""
+    gidx, gcnt, nidx, ncnt = droutes
+    mb, e_total, g_total = lq.shape
+    gpn = g_total // nodes
+    comp = np.zeros((mb, g_total))
+    link = np.zeros((mb, NUM_LINKS * g_total))
+    migr = np.zeros(g_total)
+    lg = np.zeros((mb, g_total, g_total))
+    ln = np.zeros((mb, g_total, nodes))
+    for e in range(e_total):
+        g = home[e]
+        migr[g] += mig[e, g]
+        for m in range(mb):
+            comp[m, g] += w[m, e]
+            for j in range(g_total):
+                lg[m, j, g] += lq[m, e, j]
+                ln[m, j, g // gpn] += lq[m, e, j]
+    for m in range(mb):
+        for j in range(g_total):
+            t = tok[m, j]
+            for g in range(g_total):
+                v = -t * math.expm1(lg[m, j, g])
+                lg[m, j, g] = math.exp(lg[m, j, g])
+                for k in range(gcnt[j, g]):
+                    link[m, gidx[j, g, k]] += v
+            for n in range(nodes):
+                v = -t * math.expm1(ln[m, j, n])
+                ln[m, j, n] = math.exp(ln[m, j, n])
+                for k in range(ncnt[j, n]):
+                    link[m, nidx[j, n, k]] += v
+    return comp, link, migr, lg, ln
+
+
+@njit(cache=True, inline="always")
+def _move_deepep(
+    m: int,
+    j: int,
+    col: int,
+    f: float,
+    miss: np.ndarray,
+    idx: np.ndarray,
+    cnt: np.ndarray,
+    t: float,
+    link: np.ndarray,
+) -> None:
+    """Scale the miss probability ``miss[m, j, col]`` by ``f`` and add its token change to the links."""
+    old = miss[m, j, col]
+    new = old * f
+    miss[m, j, col] = new
+    v = t * (old - new)
+    for k in range(cnt[j, col]):
+        link[m, idx[j, col, k]] += v
+
+
+@njit(cache=True)
+def _apply_swap_deepep(
+    a: int,
+    b: int,
+    p: int,
+    q: int,
+    lq: np.ndarray,
+    tok: np.ndarray,
+    w: np.ndarray,
+    droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    nodes: int,
+    mig: np.ndarray,
+    comp: np.ndarray,
+    link: np.ndarray,
+    migr: np.ndarray,
+    lg: np.ndarray,
+    ln: np.ndarray,
+) -> None:
+    """:func:`_apply_swap` for the ``deepep`` estimate: O(Mb * G) updates of the miss probabilities ``lg``
+    (per GPU) and ``ln`` (per node) and of their links."""
+    gidx, gcnt, nidx, ncnt = droutes
+    mb, _, g_total = lq.shape
+    gpn = g_total // nodes
+    np_, nq = p // gpn, q // gpn
+    migr[p] += mig[b, p] - mig[a, p]
+    migr[q] += mig[a, q] - mig[b, q]
+    for m in range(mb):
+        dw = w[m, b] - w[m, a]
+        comp[m, p] += dw
+        comp[m, q] -= dw
+        for j in range(g_total):
+            d = lq[m, b, j] - lq[m, a, j]
+            if d != 0.0:
+                t = tok[m, j]
+                f = math.exp(d)  # one exp per (micro-batch, source): miss probabilities scale by f, 1 / f
+                _move_deepep(m, j, p, f, lg, gidx, gcnt, t, link)
+                _move_deepep(m, j, q, 1.0 / f, lg, gidx, gcnt, t, link)
+                if np_ != nq:
+                    _move_deepep(m, j, np_, f, ln, nidx, ncnt, t, link)
+                    _move_deepep(m, j, nq, 1.0 / f, ln, nidx, ncnt, t, link)
 
 
 @njit(cache=True)
@@ -487,6 +655,9 @@ def _anneal_kernel(
     cross_node_prob: float,
     guided_prob: float,
     group: int,
+    lq: np.ndarray,
+    tok: np.ndarray,
+    droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
 ) -> tuple[np.ndarray, float, float, int]:
     """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
     mb, e_total, g_total = x.shape
@@ -501,7 +672,13 @@ def _anneal_kernel(
         slots[g, fill[g]] = e
         pos[e] = fill[g]
         fill[g] += 1
-    comp, link, migr = full_state(home, x, w, idx, cnt, mig)
+    deepep = lq.size > 0
+    if deepep:
+        comp, link, migr, lg, ln = full_state_deepep(home, lq, tok, w, droutes, nodes, mig)
+    else:
+        comp, link, migr = full_state(home, x, w, idx, cnt, mig)
+        lg = np.zeros((mb, 0, 0))
+        ln = np.zeros((mb, 0, 0))
     comp2 = comp.copy()
     link2 = link.copy()
     migr2 = migr.copy()
@@ -546,7 +723,12 @@ def _anneal_kernel(
         comp2[:, :] = comp
         link2[:, :] = link
         migr2[:] = migr
-        _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
+        if deepep:
+            # NOTE: the miss probabilities are O(Mb * G^2): updated in place and undone on rejection rather
+            # than copied every proposal (the scratch copies carry the O(Mb * G) rest).
+            _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
+        else:
+            _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
         new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new, group)
         delta = new - cur
         if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
@@ -567,7 +749,24 @@ def _anneal_kernel(
             if new_true < best:
                 best = new_true
                 best_home[:] = home
+        elif deepep:  # undo the in-place miss-probability update (a back to p, b back to q)
+            _apply_swap_deepep(b, a, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
     return best_home, best, true0, accepted
+
+
+_NO_DROUTES = (
+    np.zeros((0, 0, 4), dtype=np.int32),
+    np.zeros((0, 0), dtype=np.int32),
+    np.zeros((0, 0, 4), dtype=np.int32),
+    np.zeros((0, 0), dtype=np.int32),
+)
+
+
+def _droutes(
+    problem: LayerProblem, cluster: ClusterSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`deepep_routes` for a ``deepep`` problem, empty arrays otherwise (the kernels' typing)."""
+    return deepep_routes(cluster.nodes, cluster.gpus_per_node) if problem.deepep else _NO_DROUTES
 
 
 def anneal_layer(
@@ -602,6 +801,9 @@ def anneal_layer(
         config.cross_node_prob,
         config.guided_prob,
         problem.compute_group,
+        problem.lq,
+        problem.tok,
+        _droutes(problem, cluster),
     )
     return best_home.astype(np.int32), best * problem.scale, start * problem.scale
 
@@ -614,9 +816,13 @@ def placement_objective(
 ) -> float:
     """True objective in seconds of placement ``home`` [E] (sum over the problem's micro-batches)."""
     idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
-    comp, link, migr = full_state(
-        np.asarray(home, dtype=np.int64), problem.x, problem.w, idx, cnt, problem.mig
-    )
+    h = np.asarray(home, dtype=np.int64)
+    if problem.deepep:
+        comp, link, migr, _, _ = full_state_deepep(
+            h, problem.lq, problem.tok, problem.w, _droutes(problem, cluster), cluster.nodes, problem.mig
+        )
+    else:
+        comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
     true, _ = _evaluate(comp, link, migr, problem.coef, 1.0, arg, problem.compute_group)
     return float(true * problem.scale)

@@ -44,6 +44,7 @@ costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -147,10 +148,7 @@ def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
                     acc[6, q] += t
                     s7 += t
         acc[0, j], acc[2, j], acc[5, j], acc[7, j] = s0, s2, s5, s7
-    for g in range(g_n):
-        d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
-        c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
-        out[g] = 2.0 * (d + c)
+    _comm_from_totals(acc, nvl, nic, out)
 
 
 @njit(cache=True)
@@ -235,8 +233,69 @@ def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
 @njit(cache=True)
 def _nvlink_binds(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
     """Whether NVLink, not the NIC, binds GPU ``g`` in the dispatch or the combine exchange."""
-    s = _gpu_link_totals(traffic, gpn, g)
+    return _binds_in(_gpu_link_totals(traffic, gpn, g), nvl, nic)
+
+
+@njit(cache=True)
+def _binds_in(s, nvl, nic):  # pragma: no cover - compiled
+    """Whether NVLink binds in either exchange, from one GPU's eight link totals ``s`` [8]."""
     return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
+
+
+@njit(cache=True)
+def _deepep_link_totals(miss_log, tok, gpn):  # pragma: no cover - compiled
+    """The eight link totals [8, G] of every GPU under the ``deepep`` estimate (order of ``acc`` above).
+
+    ``miss_log`` [G(j), G(g)]: ``sum_e log(1 - x[j, e] / T_j) * share[e, g]`` (built like the traffic
+    matrix, from ``log(1 - q)`` in place of ``x``); tok [G]: tokens per source. A token of ``j`` reaches
+    GPU ``g`` with ``tok[j] * (1 - exp(miss_log[j, g]))`` tokens, a node with one minus the product of its
+    GPUs' miss probabilities (:func:`relibra.fabric.deepep_link_tokens_estimate`).
+    """
+    g_n = miss_log.shape[0]
+    acc = np.zeros((8, g_n))
+    for j in range(g_n):
+        t = tok[j]
+        if t <= 0.0:
+            continue
+        nj = j // gpn
+        rj = j - nj * gpn
+        for b in range(0, g_n, gpn):
+            miss_node = 1.0
+            sender = j if b == nj * gpn else b + rj  # the GPU that fans the token out in node b
+            for k in range(gpn):
+                g = b + k
+                m = math.exp(miss_log[j, g])
+                miss_node *= m
+                if g != sender:
+                    hit = t * (1.0 - m)
+                    acc[0, sender] += hit
+                    acc[1, g] += hit
+                    acc[4, g] += hit
+                    acc[5, sender] += hit
+            if b != nj * gpn:
+                hit = t * (1.0 - miss_node)
+                acc[2, j] += hit
+                acc[3, sender] += hit
+                acc[6, sender] += hit
+                acc[7, j] += hit
+    return acc
+
+
+@njit(cache=True)
+def _comm_from_totals(acc, nvl, nic, out):  # pragma: no cover - compiled
+    """Linearised ``T_comm(g)`` [G] from the eight link totals [8, G] (busiest direction per phase)."""
+    for g in range(acc.shape[1]):
+        d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
+        c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
+        out[g] = 2.0 * (d + c)
+
+
+@njit(cache=True)
+def _binds_nvlink(p, s, g):  # pragma: no cover - compiled
+    """:func:`_nvlink_binds` for either dispatcher (``s.traffic`` holds the log-miss sums for deepep)."""
+    if not p.deepep:
+        return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, g)
+    return _binds_in(_deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g].copy(), p.nvl, p.nic)
 
 
 BOUND_SLACK = 1e-9
@@ -269,6 +328,12 @@ class _Problem(NamedTuple):
     sweeps: int
     max_tries: int
     rel_tol: float
+    deepep: bool = False
+    """Price communication with the ``deepep`` estimate instead of ``alltoall`` rows."""
+    lq: np.ndarray = np.zeros((0, 0))
+    """float64 [G, E]: ``log(1 - x[j, e] / T_j)`` (deepep; unused otherwise)."""
+    tok: np.ndarray = np.zeros(0)
+    """float64 [G]: tokens per source GPU (deepep)."""
 
 
 class _State(NamedTuple):
@@ -289,19 +354,33 @@ class _State(NamedTuple):
     nslot: np.ndarray
     """int64 [G]: filled slots per GPU."""
     traffic: np.ndarray
-    """float64 [G, G]: dispatch tokens ``j -> g`` (kept in step with ``a`` where the caller says so)."""
+    """float64 [G, G]: dispatch tokens ``j -> g`` (kept in step with ``a`` where the caller says so); for
+    ``deepep`` the same matrix built from ``lq``: the log-miss sums of :func:`_deepep_link_totals`."""
     comm: np.ndarray
     """float64 [G]: linearised ``T_comm(g)`` of the last full evaluation."""
 
 
 @njit(cache=True)
-def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol):  # pragma: no cover - compiled
+def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0):  # pragma: no cover
+    """``top_k > 0``: the ``deepep`` estimate with ``T_j = sum_e x[j, e] / top_k``; 0: ``alltoall``."""
     g_n, e_n = x.shape
     tot = np.zeros(e_n)
+    tok = np.zeros(g_n)
     for j in range(g_n):
         for e in range(e_n):
             tot[e] += x[j, e]
-    return _Problem(x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol)
+            tok[j] += x[j, e]
+    lq = x
+    if top_k > 0:
+        tok /= top_k
+        lq = np.zeros((g_n, e_n))
+        for j in range(g_n):
+            if tok[j] > 0.0:
+                for e in range(e_n):
+                    lq[j, e] = math.log1p(-min(x[j, e] / tok[j], 1.0 - 1e-12))
+    return _Problem(
+        x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k > 0, lq, tok
+    )
 
 
 @njit(cache=True)
@@ -347,7 +426,7 @@ def _restore(s, saved):  # pragma: no cover - compiled
 @njit(cache=True, inline="always")
 def _sync_node(p, s, node):  # pragma: no cover - compiled
     """Rebuild ``node``'s traffic columns from the split (:func:`_node_traffic`)."""
-    _node_traffic(p.x, p.tot, p.hnode, s.a, s.has, p.gpn, node, s.traffic)
+    _node_traffic(p.lq if p.deepep else p.x, p.tot, p.hnode, s.a, s.has, p.gpn, node, s.traffic)
 
 
 @njit(cache=True)
@@ -358,8 +437,8 @@ def _nvlink_bound(p):  # pragma: no cover - compiled
     s = _home_state(p)
     for n in range(p.x.shape[0] // p.gpn):
         _sync_node(p, s, n)
-    _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
-    return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm))
+    _comm_into(p, s)
+    return _binds_nvlink(p, s, np.argmax(s.comm))
 
 
 @njit(cache=True, inline="always")
@@ -382,12 +461,21 @@ def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
             _sync_node(p, s, n)
     elif node >= 0:
         _sync_node(p, s, node)
-    if thr < np.inf:
+    if thr < np.inf and not p.deepep:  # NOTE: the O(G) bound is alltoall's; deepep evaluates in full
         bound = t_comp + _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm))
         if bound >= thr:
             return bound
-    _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
+    _comm_into(p, s)
     return t_comp + s.comm.max()
+
+
+@njit(cache=True, inline="always")
+def _comm_into(p, s):  # pragma: no cover - compiled
+    """``s.comm`` from ``s.traffic`` by the problem's dispatcher."""
+    if p.deepep:
+        _comm_from_totals(_deepep_link_totals(s.traffic, p.tok, p.gpn), p.nvl, p.nic, s.comm)
+    else:
+        _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
 
 
 @njit(cache=True)
@@ -601,7 +689,7 @@ def _comm_step(p, s, obj):  # pragma: no cover - compiled
     node = gc // p.gpn
     kc = gc % p.gpn
     nc = 0
-    if s.nslot[gc] < p.r and _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, gc):
+    if s.nslot[gc] < p.r and _binds_nvlink(p, s, gc):
         has, hnode, x, tot = s.has, p.hnode, p.x, p.tot
         for e in range(e_n):
             if hnode[e] == node and not has[e, kc] and x[gc, e] > 0.0:
@@ -854,7 +942,7 @@ def _polish(p, s, moves, cands):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _greedy_batch(
-    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands
+    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands, top_k
 ):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
 
@@ -866,7 +954,7 @@ def _greedy_batch(
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for q in range(p_n):
-        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol)
+        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k)
         s, obj = _greedy_one(p, mode >= 1, False, False)
         if mode == 2:
             # comm-first (only where NVLink binds: keeping a sender's tokens local saves no NIC time);
@@ -987,6 +1075,7 @@ def replicate_greedy(
             rel_tol,
             polish_moves if replica_slots > 0 else 0,
             polish_candidates,
+            cost.model.top_k if cost.dispatcher == "deepep" else 0,
         )
         replicas = replicas[..., :replica_slots]
     else:
@@ -1028,8 +1117,8 @@ def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cos
     at_home = np.arange(g_n) == np.asarray(home)[..., None]  # [..., E, G]
     copies = (a > 0) | at_home
     comp = a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)  # [..., G]
-    # comm_time is piecewise linear in the traffic: linear coefficients are the cost model's own.
-    comm_s = cost.comm_time(cost.traffic(load, assign))  # [..., G]
+    # the cost model's own communication term, by its dispatcher (alltoall: piecewise linear in the traffic)
+    comm_s = cost.moe_comm_time(load, assign)  # [..., G]
     return comp.max(axis=-1) * coef.seconds_per_token + comm_s.max(axis=-1)
 
 
