@@ -356,8 +356,11 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
         relib = _merged([r["relibra"][batch][2]["experts"][layer] for r in ranks])
         assert sum(np.abs(g).sum() > 0 for g in plain.values()) >= NUM_EXPERTS // 2
         for e in range(NUM_EXPERTS):
+            # NOTE: a gradient sums hundreds of tokens' fp32 products in another order under each layout, so
+            # its rounding scales with its largest entry; a lost or doubled token would differ by far more.
+            scale = max(1.0, float(np.abs(plain[e]).max()))
             np.testing.assert_allclose(
-                relib[e], plain[e], atol=ATOL, rtol=RTOL, err_msg=f"layer {layer} expert {e} grad"
+                relib[e], plain[e], atol=ATOL * scale, rtol=RTOL, err_msg=f"layer {layer} expert {e} grad"
             )
     for rank, r in enumerate(ranks):
         for name in ("routers", "mix"):
