@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +36,12 @@ from experiments.config import (
     dataset_name,
     load_counts,
     planning,
+    refuse,
     sim_options,
     validate,
 )
 from experiments.store import ResultsStore, cell_key, run_cell, stored_code_version
+from relibra.atomic import atomic_write
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
@@ -52,18 +51,6 @@ __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 
 
 log = logging.getLogger(__name__)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as handle:
-            write(handle)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plan_dump_arrays(
@@ -142,20 +129,77 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
     return pd.DataFrame([row]), result.per_layer(), dump
 
 
+RUN_FILES = ("results.parquet", "summary.json", "per_layer.parquet", "plans.npz")
+"""The files a run may write into its run directory (any other file there is left alone)."""
+
+
 def write_outputs(
     run_dir: Path,
     results: pd.DataFrame,
     per_layer: pd.DataFrame | None,
     dump: dict[str, np.ndarray] | None,
+    not_written: dict[str, str] | None = None,
 ) -> None:
-    """Write the run's files atomically; the files already in ``run_dir`` stay whole until replaced."""
+    """Write the run's files atomically, so that ``run_dir`` holds this run's files only.
+
+    ``summary.json`` is ``{"rows": [...], "files": [...], "not_written": {file: why}}``: the result rows,
+    the files this run wrote, and why any other run file is absent (``not_written``, e.g. a cell read
+    back from the results store has no plans). Files of an earlier run in ``run_dir`` that this run does
+    not write are removed, after the new ones are in place (until then each file is whole).
+    """
+    written = ["results.parquet", "summary.json"]
     if per_layer is not None:
-        _atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+        atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+        written.append("per_layer.parquet")
     if dump is not None:
-        _atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
-    summary = json.dumps(results.to_dict(orient="records"), indent=2, default=float)
-    _atomic_write(run_dir / "summary.json", lambda f: f.write(summary + "\n"), mode="w")
-    _atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
+        atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
+        written.append("plans.npz")
+    absent = {name: why for name, why in (not_written or {}).items() if name not in written}
+    summary = {"rows": results.to_dict(orient="records"), "files": sorted(written), "not_written": absent}
+    text = json.dumps(summary, indent=2, default=float) + "\n"
+    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
+    atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
+    for name in RUN_FILES:
+        if name not in written:
+            (run_dir / name).unlink(missing_ok=True)
+
+
+def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) -> dict[str, str]:
+    """Why a run file is absent (see :func:`write_outputs`)."""
+    why: dict[str, str] = {}
+    if not cfg.dump_plans:
+        why["plans.npz"] = "dump_plans=false"
+    elif reused_from is not None:
+        why["plans.npz"] = (
+            f"cell reused from the results store {reused_from}, which keeps no plans; rerun with "
+            "recompute (python -m experiments.reproduce --recompute-stale, or delete the cell) to dump them"
+        )
+    else:
+        why["plans.npz"] = "the planner is a bound (an ideal), not a plan"
+    if not has_per_layer:
+        why["per_layer.parquet"] = (
+            f"cell reused from the results store {reused_from}, which holds none for it"
+        )
+    return why
+
+
+def _write_hydra_files(out: Path, cfg: DictConfig) -> None:
+    """Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this run, written only once it was accepted.
+
+    NOTE: Hydra writes these files itself before it calls the task function, so a refused run would
+    overwrite those of the run already in the directory; ``hydra.output_subdir`` is null in config.yaml
+    and they are written here, after :func:`~experiments.config.validate`, instead.
+    """
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    files = {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
+    for name, text in files.items():
+        atomic_write(out / ".hydra" / name, lambda f, t=text: f.write(t.encode()))
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:
@@ -165,7 +209,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
     the current directory. With ``results_dir`` set, the run is one cell of an experiment's
     :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
     computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
-    :class:`~experiments.config.ConfigError` before any work on a bad config.
+    :class:`~experiments.config.ConfigError` before any work on a bad config, an unreadable trace or a
+    results directory that cannot be written.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
@@ -173,26 +218,36 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
         )
     out = Path(str(run_dir))
     validate(cfg)
-    per_layer = pd.DataFrame()
+    store = ResultsStore(Path(str(cfg.results_dir))) if cfg.get("results_dir") else None
+    if store is not None:
+        try:
+            store.check_writable()
+        except PermissionError as exc:
+            raise ConfigError(str(exc)) from exc
+    _write_hydra_files(out, cfg)
+    per_layer: pd.DataFrame | None = None
 
     def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
         nonlocal per_layer
         results, per_layer, dump = compute(cfg)
-        write_outputs(out, results, per_layer, dump)
+        write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True))
         return results, per_layer
 
     reused = False
-    if cfg.get("results_dir"):
-        results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell, recompute)
+    if store is not None:
+        results, reused = run_cell(store, cfg, cell, recompute)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
+            key = cell_key(cfg)
             stored = stored_code_version(results)
             if stored != code_version():
                 log.warning(
                     "cell %s of %s was computed by code %s, not the current %s; delete it or use "
                     "`python -m experiments.reproduce --recompute-stale` to recompute it",
-                    cell_key(cfg), cfg.results_dir, stored, code_version(),
+                    key, cfg.results_dir, stored, code_version(),
                 )  # fmt: skip
-            write_outputs(out, results, None, None)
+            per_layer = store.read_per_layer(key)
+            why = _not_written(cfg, str(store.cell_path(key)), per_layer is not None)
+            write_outputs(out, results, per_layer, None, why)
     else:
         results, _ = cell()
     if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran
@@ -209,8 +264,7 @@ def main(cfg: DictConfig) -> None:
     try:
         results = run(cfg)
     except ConfigError as exc:
-        print(f"relibra-run: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(exc)
     cols = ["planner", "model", "dataset", "step_time_s", "throughput_tokens_per_s", "skew_mean", "skew_max"]
     print(results[[c for c in cols if c in results]].to_string(index=False))
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from relibra.atomic import atomic_write
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -245,9 +245,8 @@ def validate(trace: RoutingTrace) -> None:
 
 
 def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> Path:
-    """Write ``trace`` to ``path`` (``.npz``, no pickle) atomically: a temp file, then ``os.replace``."""
+    """Write ``trace`` to ``path`` (``.npz``, no pickle) atomically (:func:`relibra.atomic.atomic_write`)."""
     validate(trace)
-    path = Path(path)
     arrays: dict[str, np.ndarray] = {
         "experts": trace.experts,
         "sample_offsets": trace.sample_offsets,
@@ -258,16 +257,7 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> Path:
         arrays["sample_domain"] = trace.sample_domain
     if trace.domain_names:
         arrays["domain_names"] = np.array(trace.domain_names, dtype=str)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda handle: np.savez(handle, **arrays), ".npz")  # type: ignore[arg-type]
 
 
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
