@@ -30,6 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import (
@@ -42,7 +43,7 @@ from rich.progress import (
 )
 
 from experiments.grid import cells, compose_cells
-from experiments.store import ResultsStore, cell_key, stored_code_version
+from experiments.store import CorruptCellError, ResultsStore, cell_key, stored_code_version
 from relibra.provenance import code_version
 
 __all__ = ["PAPER_PRESETS", "QUICK_PRESETS", "GridReport", "main", "prepare_olmoe_trace", "run_grid"]
@@ -73,6 +74,8 @@ class GridReport:
     stale: dict[str, int] = field(default_factory=dict)
     """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
     failed: list[tuple[list[str], str]] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    """Cell files found unreadable; each was computed again (or is listed in ``failed``)."""
     skipped: str = ""
 
 
@@ -101,7 +104,8 @@ def run_grid(
 
     A finished cell computed by other code than the current one (its ``code_version``) is counted in
     ``stale`` and reused, or with ``recompute_stale`` computed again (its stored rows are replaced only when
-    the new ones are written). A failing cell is recorded and the grid goes on; nothing else is retried.
+    the new ones are written). An unreadable cell file counts as missing (listed in ``corrupt``) and is
+    computed again. A failing cell is recorded and the grid goes on; nothing else is retried.
     """
     from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
@@ -117,20 +121,27 @@ def run_grid(
         if progress is not None and task is not None:
             dataset = cfg.trace.get("dataset") or cfg.trace.preset
             progress.update(task, cell=f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}")
-        stored = stored_code_version(store.read(key)) if store.has(key) else None
-        if stored is not None and stored != code_version():
-            report.stale[stored] = report.stale.get(stored, 0) + 1
-        if stored is not None and not (recompute_stale and stored != code_version()):
-            report.reused += 1
-        else:
+        try:  # NOTE: one bad cell (a config, a computation, an unreadable stored file) must not cost the rest
             try:
+                rows: pd.DataFrame | None = store.read(key)
+            except FileNotFoundError:
+                rows = None
+            except CorruptCellError as err:
+                report.corrupt.append(str(err.path))
+                rows = None  # counts as missing: computed again below, and the new file replaces it
+            stored = stored_code_version(rows) if rows is not None else None
+            if stored is not None and stored != code_version():
+                report.stale[stored] = report.stale.get(stored, 0) + 1
+            if stored is not None and not (recompute_stale and stored != code_version()):
+                report.reused += 1
+            else:
                 # a stale cell (stored is not None) is computed again and replaces its old rows
                 run(cfg, run_dir=store_dir / "runs" / key, recompute=stored is not None)
                 report.ran += 1
-            except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
-                report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
-                if os.environ.get("RELIBRA_DEBUG"):
-                    traceback.print_exc()
+        except Exception as exc:
+            report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
+            if os.environ.get("RELIBRA_DEBUG"):
+                traceback.print_exc()
         if progress is not None and task is not None:
             progress.update(task, advance=1, reused=report.reused)
     if progress is not None and task is not None:
@@ -211,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             console.print(
                 f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
                 f"{code_version()} ({versions}): {what}"
+            )
+        for path in rep.corrupt:
+            console.print(
+                f"  [yellow]unreadable cell file[/yellow] {path}: treated as missing and computed again"
             )
         for cell, why in rep.failed:
             console.print(f"  [red]failed[/red] {' '.join(cell)}: {why.splitlines()[0]}")

@@ -274,7 +274,7 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
     from relibra import __version__, provenance
 
     got = provenance.code_version()
-    assert re.fullmatch(re.escape(__version__) + r"(\+g[0-9a-f]{12}(\.dirty)?)?", got), got
+    assert re.fullmatch(re.escape(__version__) + r"(\+g[0-9a-f]{12}(\.dirty\.[0-9a-f]{12})?)?", got), got
     provenance.code_version.cache_clear()
     monkeypatch.setattr(provenance, "_git", lambda *args: None)  # not a git checkout, or no git
     try:
