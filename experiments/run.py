@@ -139,12 +139,14 @@ def write_outputs(
     per_layer: pd.DataFrame | None,
     dump: dict[str, np.ndarray] | None,
     not_written: dict[str, str] | None = None,
+    reused_from: str | None = None,
 ) -> None:
     """Write the run's files atomically, so that ``run_dir`` holds this run's files only.
 
-    ``summary.json`` is ``{"rows": [...], "files": [...], "not_written": {file: why}}``: the result rows,
-    the files this run wrote, and why any other run file is absent (``not_written``, e.g. a cell read
-    back from the results store has no plans). Files of an earlier run in ``run_dir`` that this run does
+    ``summary.json`` is ``{"rows": [...], "files": [...], "not_written": {file: why}, "reused_from": path
+    or null}``: the result rows, the files this run wrote, why any other run file is absent (e.g. a cell
+    read back from the results store has no plans) and the store file the rows were read back from
+    (null: computed by this run). Files of an earlier run in ``run_dir`` that this run does
     not write are removed, after the new ones are in place (until then each file is whole).
     """
     written = ["results.parquet", "summary.json"]
@@ -155,7 +157,12 @@ def write_outputs(
         atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
         written.append("plans.npz")
     absent = {name: why for name, why in (not_written or {}).items() if name not in written}
-    summary = {"rows": results.to_dict(orient="records"), "files": sorted(written), "not_written": absent}
+    summary = {
+        "rows": results.to_dict(orient="records"),
+        "files": sorted(written),
+        "not_written": absent,
+        "reused_from": reused_from,
+    }
     text = json.dumps(summary, indent=2, default=float) + "\n"
     atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
     atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
@@ -246,8 +253,10 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
                     key, cfg.results_dir, stored, code_version(),
                 )  # fmt: skip
             per_layer = store.read_per_layer(key)
-            why = _not_written(cfg, str(store.cell_path(key)), per_layer is not None)
-            write_outputs(out, results, per_layer, None, why)
+            source = str(store.cell_path(key))
+            write_outputs(
+                out, results, per_layer, None, _not_written(cfg, source, per_layer is not None), source
+            )
     else:
         results, _ = cell()
     if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran

@@ -213,6 +213,8 @@ def test_reused_cell_replaces_an_earlier_runs_files_and_says_what_it_lacks(tmp_p
     assert summary["files"] == ["per_layer.parquet", "results.parquet", "summary.json"]
     assert summary["rows"][0]["planner"] == "megatron"
     assert summary["not_written"] == {"plans.npz": "dump_plans=false"}
+    assert summary["reused_from"].startswith(str(store / "cells"))
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["reused_from"] is None
     stored = ResultsStore(store).read_per_layer(
         cell_key(cfg(*TINY, "planner=megatron", f"+results_dir={store}"))
     )

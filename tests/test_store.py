@@ -271,3 +271,25 @@ def test_check_writable_names_a_results_dir_it_cannot_write(tmp_path: Path) -> N
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(PermissionError, match=r"results_dir=.*file/store: cannot write"):
         ResultsStore(tmp_path / "file" / "store").check_writable()
+
+
+def test_a_claim_dies_with_its_holder(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    holding = tmp_path / "holding"
+    holder = ctx.Process(target=_hold_claim, args=(str(tmp_path), str(holding)))
+    holder.start()
+    deadline = time.time() + 60
+    while not holding.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert holding.exists()
+    os.kill(holder.pid, 9)  # as the OOM killer or `kill -9` would: no clean-up runs
+    holder.join(timeout=30)
+    start = time.time()
+    rows, reused = run_cell(ResultsStore(tmp_path), CONFIG, lambda: (_rows(7), None))
+    assert not reused and time.time() - start < 10 and rows["tag"].iloc[0] == 7
+
+
+def _hold_claim(root: str, holding: str) -> None:
+    with ResultsStore(Path(root)).claim(cell_key(CONFIG)):
+        Path(holding).touch()
+        time.sleep(600)
