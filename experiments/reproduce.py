@@ -223,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
                 f"{code_version()} ({versions}): {what}"
             )
-        for path in rep.corrupt:
+        for unreadable in rep.corrupt:
             console.print(
-                f"  [yellow]unreadable cell file[/yellow] {path}: treated as missing and computed again"
+                f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"
             )
         for cell, why in rep.failed:
             console.print(f"  [red]failed[/red] {' '.join(cell)}: {why.splitlines()[0]}")

@@ -206,7 +206,8 @@ def _write_hydra_files(out: Path, cfg: DictConfig) -> None:
         "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
     }
     for name, text in files.items():
-        atomic_write(out / ".hydra" / name, lambda f, t=text: f.write(t.encode()))
+        data = text.encode()
+        atomic_write(out / ".hydra" / name, lambda f: f.write(data))  # noqa: B023 - called at once
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:

@@ -147,12 +147,16 @@ def _slurm_job_id() -> str | None:
 
 
 class PauseOnce(Callback):
-    """Hydra callback: cell ``job_num`` of a sweep sleeps ``seconds`` before running, on its first
-    ``starts`` starts (default once).
+    """Hydra callback: cell ``job_num`` of a sweep sleeps ``seconds`` when it starts computing, on its
+    first ``starts`` starts (default once).
 
+    The sleep happens inside the cell's computation (``experiments.run.compute``, wrapped in the cell's
+    own process), so a signal that arrives meanwhile (a preemption, a time-out) interrupts the task itself,
+    as it would interrupt a long cell. NOTE: not in ``on_job_start`` itself: Hydra turns an exception
+    raised by a callback into a warning, which would hide the one submitit raises when it gives up.
     Each pausing start writes ``marker`` (JSON: its PID, Slurm job id ``ARRAY_TASK`` and how many starts
-    have paused) and sleeps inside the cell's Python process; later starts (a rerun, a requeue) run at
-    once. Test-only: it is installed with ``+hydra.callbacks.<name>._target_=...`` overrides.
+    have paused); later starts (a rerun, a requeue) run at once. Test-only: it is installed with
+    ``+hydra.callbacks.<name>._target_=...`` overrides.
     """
 
     def __init__(self, marker: str, job_num: int, seconds: float, starts: int = 1) -> None:
@@ -167,12 +171,20 @@ class PauseOnce(Callback):
         paused = (read_marker(self.marker) or {}).get("starts", 0)
         if paused >= self.starts:
             return
-        tmp = self.marker.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"pid": os.getpid(), "slurm_job_id": _slurm_job_id(), "starts": paused + 1})
-        )
-        tmp.replace(self.marker)
-        time.sleep(self.seconds)
+        import experiments.run as run_module
+
+        compute = run_module.compute
+
+        def paused_compute(cfg: DictConfig) -> Any:
+            tmp = self.marker.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"pid": os.getpid(), "slurm_job_id": _slurm_job_id(), "starts": paused + 1})
+            )
+            tmp.replace(self.marker)
+            time.sleep(self.seconds)
+            return compute(cfg)
+
+        run_module.compute = paused_compute  # type: ignore[assignment]
 
 
 def rendezvous_overrides(folder: Path, parties: int, timeout_s: float) -> list[str]:
