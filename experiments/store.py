@@ -6,17 +6,22 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
         cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); the resolved config
                                    is kept as JSON in the parquet schema metadata
         per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps)
+        claims/<key>.lock          the lock a writer holds while it computes the cell
         grid.json                  optional: the keys of the experiment's current grid
 
 ``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
 keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``).
 
-Atomicity: every file is written to a unique temporary name (``.tmp-*``) in its final directory, flushed
-and fsynced, then moved into place with ``os.replace`` (atomic on POSIX within one file system). The
-per-layer file is written before the cell file, so a cell is finished exactly when ``cells/<key>.parquet``
-exists, and a finished cell always has its per-layer table if it has one. Two writers of the same cell
-both write complete files and the last rename wins; readers see either no file or a whole one. A crashed
-writer leaves only a ``.tmp-*`` file, which readers ignore and a rerun redoes.
+Atomicity: every file is written by :func:`relibra.atomic.atomic_write` (a unique ``.tmp-*`` name in its
+final directory, fsync, ``os.replace``). The per-layer file is written before the cell file, so a cell is
+finished exactly when ``cells/<key>.parquet`` exists, and a finished cell always has its per-layer table
+if it has one. A crashed writer leaves only a ``.tmp-*`` file, which readers ignore, a rerun redoes and
+:meth:`ResultsStore.clean_stale` (run by every :func:`run_cell`) removes once it is an hour old.
+
+Concurrent writers: :func:`run_cell` computes a cell only under :meth:`ResultsStore.claim` and looks it up
+again once the claim is held, so a cell is computed once however many sweeps reach it. Corrupt cells: a
+cell file that cannot be read raises :class:`CorruptCellError` naming it; :meth:`ResultsStore.finished`
+(the one way the suite decides whether to compute) counts it as missing, so it is recomputed and replaced.
 
 When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
 driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only

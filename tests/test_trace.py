@@ -179,7 +179,7 @@ def test_truncated_file_is_refused(tmp_path: Path, keep: float) -> None:
 def test_random_bytes_are_refused_without_mentioning_pickle(tmp_path: Path) -> None:
     path = tmp_path / "noise.npz"
     path.write_bytes(np.random.default_rng(0).bytes(4096))
-    with pytest.raises(TraceFormatError, match="not an .npz") as err:
+    with pytest.raises(TraceFormatError, match=r"not an \.npz") as err:
         load_trace(path)
     assert "pickle" not in str(err.value)
 
@@ -191,7 +191,7 @@ def test_missing_file_is_refused(tmp_path: Path) -> None:
 
 def test_num_experts_beyond_int16_ids_is_refused() -> None:
     trace = make_trace()
-    with pytest.raises(TraceFormatError, match="'meta'.*does not fit the int16 ids"):
+    with pytest.raises(TraceFormatError, match=r"'meta'.*does not fit the int16 ids"):
         _replace(trace, meta={**trace.meta, "num_experts": 40000})
 
 

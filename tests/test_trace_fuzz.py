@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from relibra.importers import from_router_replay, from_sglang, from_vllm
-
 from relibra.trace import MAX_EXPERTS, TraceFormatError, load_trace, save_trace
 from tests.test_trace import make_trace
 
