@@ -2,11 +2,13 @@
 
 ``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
 
-1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written);
+1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written, not
+   even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
 4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
-   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``);
+   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``),
+   and removes an earlier run's files this run does not write; ``summary.json`` says why any is absent;
 5. the logger (``logger=wandb``) sees only what is already on disk.
 
 With ``results_dir`` set (experiment presets), steps 2-4 run only when the experiment's results store has
