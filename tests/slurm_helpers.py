@@ -174,20 +174,20 @@ class PauseOnce(Callback):
         paused = (read_marker(self.marker) or {}).get("starts", 0)
         if paused >= self.starts:
             return
-        import experiments.run as run_module
+        import relibra.synthetic as synthetic
 
-        compute = run_module.compute
+        generate = synthetic.generate_counts
 
-        def paused_compute(cfg: DictConfig) -> Any:
+        def paused_generate(*args: Any, **kwargs: Any) -> Any:
             tmp = self.marker.with_suffix(".tmp")
             tmp.write_text(
                 json.dumps({"pid": os.getpid(), "slurm_job_id": _slurm_job_id(), "starts": paused + 1})
             )
             tmp.replace(self.marker)
             time.sleep(self.seconds)
-            return compute(cfg)
+            return generate(*args, **kwargs)
 
-        run_module.compute = paused_compute  # type: ignore[assignment]
+        synthetic.generate_counts = paused_generate  # type: ignore[assignment]
 
 
 def rendezvous_overrides(folder: Path, parties: int, timeout_s: float) -> list[str]:
