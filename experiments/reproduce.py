@@ -112,6 +112,7 @@ def run_grid(
     report = GridReport(preset)
     store_dir = results_root / preset
     store = ResultsStore(store_dir)
+    store.check_writable()  # before any cell is computed: PermissionError naming the folder
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
     store.write_grid(cell_key(cfg) for cfg in configs)
@@ -210,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                     reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
                     continue
                 overrides.append(f"trace.path={trace}")
-            reports.append(run_grid(preset, root, overrides, progress, args.recompute_stale))
+            try:
+                reports.append(run_grid(preset, root, overrides, progress, args.recompute_stale))
+            except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
+                console.print(f"[red]python -m experiments.reproduce: {exc}")
+                return 2
     for rep in reports:
         if rep.skipped:
             console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")

@@ -179,7 +179,7 @@ class ResultsStore:
         return self.per_layer_dir / f"{key}.parquet"
 
     def has(self, key: str) -> bool:
-        """Whether cell ``key`` is finished (its cell file exists; it is only ever written whole)."""
+        """Whether cell ``key``'s file exists (written only whole; :meth:`finished` also checks it reads)."""
         return self.cell_path(key).is_file()
 
     def keys(self) -> list[str]:

@@ -319,3 +319,12 @@ def test_code_version_tells_two_uncommitted_edits_apart(tmp_path, monkeypatch) -
         provenance.code_version.cache_clear()
     assert ".dirty" not in clean and edit_a.startswith(clean + ".dirty.")
     assert edit_a != edit_b and edit_a == edit_a_again
+
+
+def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    (tmp_path / "file").write_text("not a folder")
+    code = reproduce(["--results", str(tmp_path / "file"), "--presets", "quick_overhead", "--no-analysis"])
+    assert code == 2
+    assert "cannot write" in capsys.readouterr().out
