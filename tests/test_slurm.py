@@ -344,10 +344,12 @@ def test_timed_out_task_is_requeued_at_most_max_num_timeout_times(
     base = [*CELL, "planner=megatron", "trace.preset=reasoning,coding", f"+results_dir={store}"]
     # Slurm's own time limit (1 minute) sends USR2 signal_delay_s before it; submitit counts that as a
     # time-out (it ran past its guaranteed share of the limit) and requeues while max_num_timeout allows.
+    # NOTE: slurmctld checks time limits every 30 s, so a 30 s warning arrives 30-60 s into the task, after
+    # its Python process has installed submitit's handler (an earlier one would kill it outright).
     proc = _sweep(
         cluster,
         [
-            *_launcher(timeout_min=1, signal_delay_s=45, max_num_timeout=1),
+            *_launcher(timeout_min=1, signal_delay_s=30, max_num_timeout=1),
             *base,
             f"hydra.sweep.dir={sweep_dir}",
             *pause_overrides(once, job_num=0, seconds=600, starts=1, name="pause_first"),
