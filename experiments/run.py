@@ -42,7 +42,13 @@ from experiments.config import (
     sim_options,
     validate,
 )
-from experiments.store import ResultsStore, cell_key, run_cell, stored_code_version
+from experiments.store import (
+    CorruptCellError,
+    ResultsStore,
+    cell_key,
+    run_cell,
+    stored_code_version,
+)
 from relibra.atomic import atomic_write
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
@@ -255,7 +261,11 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
                     "`python -m experiments.reproduce --recompute-stale` to recompute it",
                     key, cfg.results_dir, stored, code_version(),
                 )  # fmt: skip
-            per_layer = store.read_per_layer(key)
+            try:
+                per_layer = store.read_per_layer(key)
+            except CorruptCellError as exc:  # the rows are whole; only their per-layer table is lost
+                log.warning("%s", exc)
+                per_layer = None
             source = str(store.cell_path(key))
             write_outputs(
                 out, results, per_layer, None, _not_written(cfg, source, per_layer is not None), source

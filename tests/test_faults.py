@@ -328,3 +328,14 @@ def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, 
     code = reproduce(["--results", str(tmp_path / "file"), "--presets", "quick_overhead", "--no-analysis"])
     assert code == 2
     assert "cannot write" in capsys.readouterr().out
+
+
+def test_reused_cell_with_an_unreadable_per_layer_table_says_so(tmp_path) -> None:
+    c = cfg(*TINY, "planner=megatron", f"+results_dir={tmp_path / 'store'}")
+    run(c, run_dir=tmp_path / "a")
+    with open(ResultsStore(tmp_path / "store").per_layer_path(cell_key(c)), "r+b") as fh:
+        fh.truncate(100)
+    run(c, run_dir=tmp_path / "b")
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["reused_from"] and "per_layer.parquet" in summary["not_written"]
+    assert not (tmp_path / "b" / "per_layer.parquet").exists()
