@@ -193,7 +193,7 @@ def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) 
         why["plans.npz"] = "the planner is a bound (an ideal), not a plan"
     if not has_per_layer:
         why["per_layer.parquet"] = (
-            f"cell reused from the results store {reused_from}, which holds none for it"
+            f"cell reused from the results store {reused_from}, which holds no readable one for it"
         )
     return why
 
