@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
-from analysis.load import load_per_layer_results, load_results
+from analysis.load import code_versions, experiment_dirs, load_per_layer_results, load_results
 from analysis.render import write_table
 from analysis.tables import all_tables
+from experiments.store import ResultsStore
 
 __all__ = ["AnalysisOutput", "analyse", "main"]
 
@@ -32,6 +34,9 @@ class AnalysisOutput:
     out_dir: Path
     skipped: list[str]
     """Why a table or figure could not be built (e.g. a planner missing from a partial grid)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the reader should know about the inputs: cells of several code versions merged in one table,
+    unreadable cell files left out."""
 
 
 def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | None = None) -> AnalysisOutput:
@@ -42,6 +47,7 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
         raise FileNotFoundError(
             f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
         )
+    warnings = _input_warnings(results_dir, results)
     tables: list[Path] = []
     built, skipped = all_tables(results)
     for table in built:
@@ -54,9 +60,27 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
         except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
             skipped.append(f"headline figure skipped: {exc}")
     if console is not None:
-        for why in skipped:
+        for why in [*warnings, *skipped]:
             console.print(f"[yellow]{why}")
-    return AnalysisOutput(tables, figures, out_dir, skipped)
+    return AnalysisOutput(tables, figures, out_dir, skipped, warnings)
+
+
+def _input_warnings(results_dir: Path, results: dict[str, pd.DataFrame]) -> list[str]:
+    out = []
+    for name, frame in results.items():
+        versions = code_versions(frame)
+        if len(versions) > 1:
+            listed = ", ".join(f"{n} rows by {v}" for v, n in sorted(versions.items()))
+            out.append(
+                f"{name}: its tables merge cells computed by {len(versions)} code versions ({listed}); "
+                "`python -m experiments.reproduce --recompute-stale` recomputes the older ones"
+            )
+    for name, directory in experiment_dirs(results_dir).items():
+        for key in ResultsStore(directory).corrupt_keys():
+            out.append(
+                f"{name}: cell file {ResultsStore(directory).cell_path(key)} is unreadable and left out"
+            )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     out = analyse(args.results_dir, args.out, console)
     console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
     console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")
+    if not out.tables and not out.figures:
+        console.print(f"[red]no table or figure could be built from {args.results_dir} (reasons above)")
+        return 1
     return 0
 
 

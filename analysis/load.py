@@ -8,9 +8,16 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.store import ResultsStore
+from experiments.store import UNKNOWN_CODE, CorruptCellError, ResultsStore
 
-__all__ = ["experiment_dirs", "load_per_layer_results", "load_results", "param_bytes_per_gpu"]
+__all__ = [
+    "code_versions",
+    "experiment_dirs",
+    "experiment_name",
+    "load_per_layer_results",
+    "load_results",
+    "param_bytes_per_gpu",
+]
 
 BYTES_PER_PARAM = 2.0
 """bf16 weights."""
@@ -33,14 +40,35 @@ def param_bytes_per_gpu(model: Mapping[str, Any], ep_size: int) -> float:
     return BYTES_PER_PARAM * (experts + shared + dense + layers * attention + embeddings)
 
 
+def experiment_name(directory: Path) -> str:
+    """The experiment a store holds: its cells' ``experiment_name`` (set by every preset), else the
+    folder's name. So a store copied to a folder of another name still gets its preset's tables."""
+    store = ResultsStore(directory)
+    for key in store.current_keys():
+        try:
+            name = store.config(key).get("experiment_name")
+        except (CorruptCellError, FileNotFoundError, KeyError, ValueError):
+            continue
+        if name:
+            return str(name)
+    return directory.name
+
+
 def experiment_dirs(root: str | Path) -> dict[str, Path]:
     """``{experiment name: directory}`` for every store under ``root`` (``root`` itself may be one)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"results directory {root} does not exist (run an experiment first)")
     if (root / "cells").is_dir():
-        return {root.name: root}
-    return {p.name: p for p in sorted(root.iterdir()) if (p / "cells").is_dir()}
+        return {experiment_name(root): root}
+    return {experiment_name(p): p for p in sorted(root.iterdir()) if (p / "cells").is_dir()}
+
+
+def code_versions(frame: pd.DataFrame) -> dict[str, int]:
+    """``{code_version: rows}`` of a results frame (:data:`~experiments.store.UNKNOWN_CODE` where absent)."""
+    if "code_version" not in frame:
+        return {UNKNOWN_CODE: len(frame)} if len(frame) else {}
+    return {str(k): int(v) for k, v in frame["code_version"].fillna(UNKNOWN_CODE).value_counts().items()}
 
 
 def load_results(root: str | Path) -> dict[str, pd.DataFrame]:

@@ -366,11 +366,23 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
     tables: list[Table] = []
     skipped: list[str] = []
     for experiment, frame in by_experiment.items():
-        for build in builders.get(experiment.removeprefix("quick_"), []):
+        if experiment.removeprefix("quick_") not in builders:
+            skipped.append(
+                f"{experiment}: no tables: not a known experiment (its cells' experiment_name, else its "
+                f"folder name, should be one of {sorted(builders)}, optionally with quick_)"
+            )
+            continue
+        for build in builders[experiment.removeprefix("quick_")]:
             try:
                 table = build(frame)
             except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other tables
                 skipped.append(f"{experiment}: {build.__name__} skipped: {exc}")
+                continue
+            if table.frame.empty:
+                planners = sorted(frame["planner"].unique()) if "planner" in frame else []
+                skipped.append(
+                    f"{experiment}: {build.__name__} skipped: no rows to compare (planners: {planners})"
+                )
                 continue
             tables.append(
                 replace(table, name=f"{experiment}.{table.name}", title=f"{table.title} [{experiment}]")

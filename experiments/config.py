@@ -8,14 +8,15 @@ Plain functions of a ``DictConfig``: :func:`validate` (one :class:`ConfigError` 
 from __future__ import annotations
 
 import importlib
-import json
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-import numpy as np
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +26,7 @@ from relibra.cost import CostModel, load_calibration
 from relibra.fabric import DISPATCHERS
 from relibra.migration import migration_payload
 from relibra.simulator import SimOptions
+from relibra.trace import RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
 from relibra.workload import LAYOUTS, build_workload
 
@@ -37,6 +39,8 @@ __all__ = [
     "build_workload_for",
     "dataset_name",
     "load_counts",
+    "read_trace",
+    "refuse",
     "routing",
     "sim_options",
     "validate",
@@ -45,6 +49,17 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the keys and what would be right."""
+
+
+EXIT_BAD_CONFIG = 2
+"""Exit status of every entry point for a configuration it refuses."""
+
+
+def refuse(exc: ConfigError, where: str = "") -> NoReturn:
+    """Print ``exc`` as one line on stderr (prefixed by the program and ``where``) and exit with status 2."""
+    text = " ".join(str(exc).split())
+    print(f"relibra-run: {where}{text}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_CONFIG)
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -127,18 +142,42 @@ def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
     )
 
 
-def _trace_meta(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"trace.path={path}: no such file (give a routing trace .npz, DESIGN.md)")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"trace.path={path}: cannot read its 'meta' JSON ({exc})") from exc
-    if not isinstance(meta, dict):
-        raise ConfigError(f"trace.path={path}: 'meta' must be a JSON object")
-    return meta
+@lru_cache(maxsize=2)
+def _read_trace(path: str, mtime_ns: int, size: int) -> RoutingTrace:
+    # NOTE: keyed by (path, mtime, size) so validate() and load_counts() read a trace file once per run,
+    # and a file replaced in between is read again.
+    return load_trace(path)
+
+
+def read_trace(path: str) -> RoutingTrace:
+    """The validated trace at ``path`` (:func:`relibra.trace.load_trace`), read once while it is unchanged."""
+    stat = Path(path).stat()
+    return _read_trace(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+def _int_key(cfg: DictConfig, key: str, problems: list[str], least: int | None = 1) -> int | None:
+    """``cfg.<key>`` when it is an integer >= ``least`` (None when unset); else a problem naming the key."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{key}={value!r}: must be an integer")
+        return None
+    if least is not None and value < least:
+        problems.append(f"{key}={value}: must be >= {least}")
+        return None
+    return value
+
+
+def _writable_dir(key: str, value: str) -> str | None:
+    """Why results could not be written under directory ``value`` (None: they could), without writing."""
+    path = Path(value).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{key}={value}: {existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{key}={value}: {existing} is not writable"
+    return None
 
 
 def path_given(cfg: DictConfig) -> bool:
@@ -193,13 +232,18 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                     f"cluster.calibration={path} has no entry for model {cfg.model.name} (a calibration "
                     "file for another model); measure this model or set cluster.calibration=null"
                 )
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             problems.append(f"cluster.calibration={path}: {exc}")
     return problems
 
 
 def validate(cfg: DictConfig) -> None:
-    """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`."""
+    """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
+
+    The one check every entry point runs (``experiments.run``, its multirun sweeper, ``reproduce``):
+    types and ranges of every numeric key, known planner, preset and files (trace content included, with
+    the array at fault named), and a ``results_dir`` that can be written. Writes nothing.
+    """
     problems: list[str] = []
     planner = cfg.get("planner")
     if planner is None or "_target_" not in planner or "name" not in planner:
@@ -214,11 +258,13 @@ def validate(cfg: DictConfig) -> None:
                 raise ImportError(attr)
         except ImportError:
             problems.append(f"planner._target_={planner._target_}: unknown planner class")
-    nodes, gpn = int(cfg.cluster.nodes), int(cfg.cluster.gpus_per_node)
-    e = int(cfg.model.num_experts)
-    if nodes < 1 or gpn < 1:
-        problems.append(f"cluster.nodes={nodes}, cluster.gpus_per_node={gpn}: both must be >= 1")
-    else:
+    _int_key(cfg, "seed", problems, least=None)
+    nodes = _int_key(cfg, "cluster.nodes", problems)
+    gpn = _int_key(cfg, "cluster.gpus_per_node", problems)
+    e = _int_key(cfg, "model.num_experts", problems)
+    for key in ("model.num_moe_layers", "model.top_k"):
+        _int_key(cfg, key, problems)
+    if nodes is not None and gpn is not None and e is not None:
         g = nodes * gpn
         if e % g:
             problems.append(
@@ -226,7 +272,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{nodes} * {gpn} = {g}"
             )
         elif planner is not None:
-            slots = int(planner.get("replica_slots", 0) or 0)
+            slots = _int_key(cfg, "planner.replica_slots", problems, least=None) or 0
             per_node = e // g * gpn
             if slots < 0 or slots > per_node:
                 problems.append(
@@ -250,16 +296,16 @@ def validate(cfg: DictConfig) -> None:
         migration_payload((cfg.get("simulator") or {}).get("migration"))
     except ValueError as exc:
         problems.append(str(exc))
-    if not path_given(cfg) and nodes >= 1 and gpn >= 1:
-        per_batch = int(cfg.trace.samples_per_batch)
+    per_batch = OmegaConf.select(cfg, "trace.samples_per_batch", default=None)
+    if not path_given(cfg) and nodes is not None and gpn is not None and isinstance(per_batch, int):
         if per_batch < nodes * gpn:
             problems.append(
                 f"trace.samples_per_batch={per_batch} cannot fill every GPU in a micro-batch: the EP group "
                 f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
             )
     problems.extend(_comm_problems(cfg))
-    spm = cfg.workload.get("samples_per_microbatch")
-    tpm = cfg.workload.get("tokens_per_microbatch")
+    spm = _int_key(cfg, "workload.samples_per_microbatch", problems)
+    tpm = _int_key(cfg, "workload.tokens_per_microbatch", problems)
     if spm is not None and tpm is not None:
         problems.append(
             f"workload.samples_per_microbatch={spm} and workload.tokens_per_microbatch={tpm}: set one, "
@@ -267,23 +313,42 @@ def validate(cfg: DictConfig) -> None:
         )
     path = cfg.trace.get("path")
     if path:
-        try:
-            meta = _trace_meta(str(path))
-        except ConfigError as exc:
-            problems.append(str(exc))
-        else:
-            for key, model_key in (
-                ("num_experts", "num_experts"),
-                ("num_layers", "num_moe_layers"),
-                ("top_k", "top_k"),
-            ):
-                if key in meta and int(meta[key]) != int(cfg.model[model_key]):
-                    problems.append(
-                        f"trace.path={path} has {key}={meta[key]} but model.{model_key}="
-                        f"{cfg.model[model_key]} (model={cfg.model.name}); pick the model the trace came from"
-                    )
+        problems += _trace_problems(cfg, str(path))
+    else:
+        from relibra.synthetic import PRESETS
+
+        for key in ("trace.num_batches", "trace.samples_per_batch", "trace.max_tokens"):
+            _int_key(cfg, key, problems)
+        preset = cfg.trace.get("preset")
+        if preset not in PRESETS:
+            problems.append(f"trace.preset={preset}: unknown; choose one of {sorted(PRESETS)}")
+    results_dir = cfg.get("results_dir")
+    if results_dir and (why := _writable_dir("results_dir", str(results_dir))):
+        problems.append(why)
     if problems:
-        raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+        raise ConfigError("bad configuration: " + "; ".join(problems))
+
+
+def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
+    if not Path(path).is_file():
+        return [f"trace.path={path}: no such file (give a routing trace .npz, DESIGN.md)"]
+    try:
+        meta = read_trace(path).meta
+    except TraceFormatError as exc:
+        return [f"trace.path={path}: {exc}"]
+    problems = []
+    for key, model_key in (
+        ("num_experts", "num_experts"),
+        ("num_layers", "num_moe_layers"),
+        ("top_k", "top_k"),
+    ):
+        if meta[key] != cfg.model.get(model_key):
+            problems.append(
+                f"trace.path={path} has {key}={meta[key]} but model.{model_key}="
+                f"{cfg.model.get(model_key)} (model={cfg.model.get('name')}); pick the model the trace "
+                "came from"
+            )
+    return problems
 
 
 def routing(cfg: DictConfig) -> str:
@@ -322,9 +387,7 @@ def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:
 def load_counts(cfg: DictConfig) -> SampleCounts:
     """Per-sample counts [S, L, E] of the run: ``trace.path`` if set, else the synthetic generator."""
     if cfg.trace.get("path"):
-        from relibra.trace import load_trace
-
-        return load_trace(str(cfg.trace.path)).to_counts()
+        return read_trace(str(cfg.trace.path)).to_counts()
     from relibra.synthetic import generate_counts  # NOTE: imported late: optional until it exists.
 
     return generate_counts(

@@ -8,7 +8,7 @@ preset's. ``python -m experiments.run -m +experiment=<name>`` launches the same 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +17,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-__all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "presets"]
+__all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "expand", "presets"]
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -46,8 +46,13 @@ def cells(experiment: str, overrides: Sequence[str] = ()) -> list[Cell]:
     _check(experiment)
     with _hydra():
         cfg = compose("config", overrides=[f"+experiment={experiment}"], return_hydra_config=True)
-    params = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.params or {}).items()]
-    parsed = OverridesParser.create().parse_overrides([*params, *overrides])
+    return expand(dict(cfg.hydra.sweeper.params or {}), overrides)
+
+
+def expand(params: Mapping[str, str], overrides: Sequence[str] = ()) -> list[Cell]:
+    """The cells of a sweep: ``hydra.sweeper.params`` and the command line's ``overrides`` (sweeps
+    included, taking precedence), expanded as Hydra's basic sweeper does."""
+    parsed = OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()), *overrides])
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 

@@ -47,7 +47,7 @@ from rich.progress import (
 )
 
 from experiments.grid import cells, compose_cells
-from experiments.store import ResultsStore, cell_key, stored_code_version
+from experiments.store import CorruptCellError, ResultsStore, cell_key, stored_code_version
 from relibra.provenance import code_version
 
 __all__ = [
@@ -90,6 +90,8 @@ class GridReport:
     stale: dict[str, int] = field(default_factory=dict)
     """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
     failed: list[tuple[list[str], str]] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    """Cell files found unreadable; each was computed again (or is listed in ``failed``)."""
     skipped: str = ""
     total: int = 0
     """Cells in the preset's grid."""
@@ -138,11 +140,14 @@ def plan_grid(
 
     A finished cell computed by other code than the current one (its ``code_version``) is counted in
     ``stale`` and reused, or with ``recompute_stale`` becomes a job (its stored rows are replaced only when
-    the new ones are written). A finished cell whose file cannot be read is a job too.
+    the new ones are written). An unreadable cell file counts as missing (listed in ``corrupt``) and
+    becomes a job. A cell that cannot even be looked at is recorded as failed and the grid goes on.
+    Raises PermissionError, before any cell is computed, when the store's folder cannot be written.
     """
     report = GridReport(preset)
     store_dir = results_root / preset
     store = ResultsStore(store_dir)
+    store.check_writable()  # before any cell is computed: PermissionError naming the folder
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
     store.write_grid(cell_key(cfg) for cfg in configs)
@@ -150,7 +155,11 @@ def plan_grid(
     jobs: list[CellJob] = []
     for cell, cfg in zip(grid, configs):
         key = cell_key(cfg)
-        stored = stored_code_version(store.read(key)) if store.has(key) else None
+        try:  # NOTE: one cell that cannot be looked at must not cost the rest of the grid
+            stored = _stored_version(store, key, report)
+        except Exception as exc:
+            report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
+            continue
         if stored is not None and stored != code_version():
             report.stale[stored] = report.stale.get(stored, 0) + 1
         if stored is not None and not (recompute_stale and stored != code_version()):
@@ -160,6 +169,17 @@ def plan_grid(
         label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
         jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None))
     return report, jobs
+
+
+def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | None:
+    """The ``code_version`` of a finished cell; None when it is missing or its file is unreadable."""
+    try:
+        return stored_code_version(store.read(key))
+    except FileNotFoundError:
+        return None
+    except CorruptCellError as err:
+        report.corrupt.append(str(err.path))
+        return None  # counts as missing: computed again, and the new file replaces it
 
 
 def run_cell_job(job: CellJob) -> CellOutcome:
@@ -378,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
                 reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
                 continue
             overrides.append(f"trace.path={trace}")
-        report, todo = plan_grid(preset, root, overrides, args.recompute_stale)
+        try:
+            report, todo = plan_grid(preset, root, overrides, args.recompute_stale)
+        except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
+            console.print(f"[red]python -m experiments.reproduce: {exc}")
+            return 2
         reports.append(report)
         jobs.extend(todo)
     progress = _progress(console) if tty else None
@@ -428,6 +452,10 @@ def _summarise(console: Console, reports: list[GridReport], recompute_stale: boo
             console.print(
                 f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
                 f"{code_version()} ({versions}): {what}"
+            )
+        for unreadable in rep.corrupt:
+            console.print(
+                f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"
             )
         for cell, why in rep.failed:
             console.print(f"  [red]failed[/red] {' '.join(cell)}: {why}", soft_wrap=True)

@@ -2,11 +2,13 @@
 
 ``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
 
-1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written);
+1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written, not
+   even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
 4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
-   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``);
+   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``),
+   and removes an earlier run's files this run does not write; ``summary.json`` says why any is absent;
 5. the logger (``logger=wandb``) sees only what is already on disk.
 
 With ``results_dir`` set (experiment presets), steps 2-4 run only when the experiment's results store has
@@ -17,10 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,19 @@ from experiments.config import (
     dataset_name,
     load_counts,
     planning,
+    refuse,
     routing,
     sim_options,
     validate,
 )
-from experiments.store import ResultsStore, cell_key, run_cell, stored_code_version
+from experiments.store import (
+    CorruptCellError,
+    ResultsStore,
+    cell_key,
+    run_cell,
+    stored_code_version,
+)
+from relibra.atomic import atomic_write
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
@@ -54,18 +61,6 @@ __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 
 
 log = logging.getLogger(__name__)
-
-
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as handle:
-            write(handle)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plan_dump_arrays(
@@ -167,20 +162,85 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
     return pd.DataFrame([row]), result.per_layer(), dump
 
 
+RUN_FILES = ("results.parquet", "summary.json", "per_layer.parquet", "plans.npz")
+"""The files a run may write into its run directory (any other file there is left alone)."""
+
+
 def write_outputs(
     run_dir: Path,
     results: pd.DataFrame,
     per_layer: pd.DataFrame | None,
     dump: dict[str, np.ndarray] | None,
+    not_written: dict[str, str] | None = None,
+    reused_from: str | None = None,
 ) -> None:
-    """Write the run's files atomically; the files already in ``run_dir`` stay whole until replaced."""
+    """Write the run's files atomically, so that ``run_dir`` holds this run's files only.
+
+    ``summary.json`` is ``{"rows": [...], "files": [...], "not_written": {file: why}, "reused_from": path
+    or null}``: the result rows, the files this run wrote, why any other run file is absent (e.g. a cell
+    read back from the results store has no plans) and the store file the rows were read back from
+    (null: computed by this run). Files of an earlier run in ``run_dir`` that this run does
+    not write are removed, after the new ones are in place (until then each file is whole).
+    """
+    written = ["results.parquet", "summary.json"]
     if per_layer is not None:
-        _atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+        atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+        written.append("per_layer.parquet")
     if dump is not None:
-        _atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
-    summary = json.dumps(results.to_dict(orient="records"), indent=2, default=float)
-    _atomic_write(run_dir / "summary.json", lambda f: f.write(summary + "\n"), mode="w")
-    _atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
+        atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
+        written.append("plans.npz")
+    absent = {name: why for name, why in (not_written or {}).items() if name not in written}
+    summary = {
+        "rows": results.to_dict(orient="records"),
+        "files": sorted(written),
+        "not_written": absent,
+        "reused_from": reused_from,
+    }
+    text = json.dumps(summary, indent=2, default=float) + "\n"
+    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
+    atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
+    for name in RUN_FILES:
+        if name not in written:
+            (run_dir / name).unlink(missing_ok=True)
+
+
+def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) -> dict[str, str]:
+    """Why a run file is absent (see :func:`write_outputs`)."""
+    why: dict[str, str] = {}
+    if not cfg.dump_plans:
+        why["plans.npz"] = "dump_plans=false"
+    elif reused_from is not None:
+        why["plans.npz"] = (
+            f"cell reused from the results store {reused_from}, which keeps no plans; rerun with "
+            "recompute (python -m experiments.reproduce --recompute-stale, or delete the cell) to dump them"
+        )
+    else:
+        why["plans.npz"] = "the planner is a bound (an ideal), not a plan"
+    if not has_per_layer:
+        why["per_layer.parquet"] = (
+            f"cell reused from the results store {reused_from}, which holds no readable one for it"
+        )
+    return why
+
+
+def _write_hydra_files(out: Path, cfg: DictConfig) -> None:
+    """Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this run, written only once it was accepted.
+
+    NOTE: Hydra writes these files itself before it calls the task function, so a refused run would
+    overwrite those of the run already in the directory; ``hydra.output_subdir`` is null in config.yaml
+    and they are written here, after :func:`~experiments.config.validate`, instead.
+    """
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    files = {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    }
+    for name, text in files.items():
+        data = text.encode()
+        atomic_write(out / ".hydra" / name, lambda f: f.write(data))  # noqa: B023 - called at once
 
 
 def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:
@@ -190,7 +250,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
     the current directory. With ``results_dir`` set, the run is one cell of an experiment's
     :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
     computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
-    :class:`~experiments.config.ConfigError` before any work on a bad config.
+    :class:`~experiments.config.ConfigError` before any work on a bad config, an unreadable trace or a
+    results directory that cannot be written.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
@@ -198,26 +259,42 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
         )
     out = Path(str(run_dir))
     validate(cfg)
-    per_layer = pd.DataFrame()
+    store = ResultsStore(Path(str(cfg.results_dir))) if cfg.get("results_dir") else None
+    if store is not None:
+        try:
+            store.check_writable()
+        except PermissionError as exc:
+            raise ConfigError(str(exc)) from exc
+    _write_hydra_files(out, cfg)
+    per_layer: pd.DataFrame | None = None
 
     def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
         nonlocal per_layer
         results, per_layer, dump = compute(cfg)
-        write_outputs(out, results, per_layer, dump)
+        write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True))
         return results, per_layer
 
     reused = False
-    if cfg.get("results_dir"):
-        results, reused = run_cell(ResultsStore(Path(str(cfg.results_dir))), cfg, cell, recompute)
+    if store is not None:
+        results, reused = run_cell(store, cfg, cell, recompute)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
+            key = cell_key(cfg)
             stored = stored_code_version(results)
             if stored != code_version():
                 log.warning(
                     "cell %s of %s was computed by code %s, not the current %s; delete it or use "
                     "`python -m experiments.reproduce --recompute-stale` to recompute it",
-                    cell_key(cfg), cfg.results_dir, stored, code_version(),
+                    key, cfg.results_dir, stored, code_version(),
                 )  # fmt: skip
-            write_outputs(out, results, None, None)
+            try:
+                per_layer = store.read_per_layer(key)
+            except CorruptCellError as exc:  # the rows are whole; only their per-layer table is lost
+                log.warning("%s", exc)
+                per_layer = None
+            source = str(store.cell_path(key))
+            write_outputs(
+                out, results, per_layer, None, _not_written(cfg, source, per_layer is not None), source
+            )
     else:
         results, _ = cell()
     if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran
@@ -234,8 +311,7 @@ def main(cfg: DictConfig) -> None:
     try:
         results = run(cfg)
     except ConfigError as exc:
-        print(f"relibra-run: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(exc)
     cols = ["planner", "model", "dataset", "step_time_s", "throughput_tokens_per_s", "skew_mean", "skew_max"]
     print(results[[c for c in cols if c in results]].to_string(index=False))
 

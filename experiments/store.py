@@ -6,17 +6,22 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
         cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); the resolved config
                                    is kept as JSON in the parquet schema metadata
         per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps)
+        claims/<key>.lock          the lock a writer holds while it computes the cell
         grid.json                  optional: the keys of the experiment's current grid
 
 ``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
 keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``).
 
-Atomicity: every file is written to a unique temporary name (``.tmp-*``) in its final directory, flushed
-and fsynced, then moved into place with ``os.replace`` (atomic on POSIX within one file system). The
-per-layer file is written before the cell file, so a cell is finished exactly when ``cells/<key>.parquet``
-exists, and a finished cell always has its per-layer table if it has one. Two writers of the same cell
-both write complete files and the last rename wins; readers see either no file or a whole one. A crashed
-writer leaves only a ``.tmp-*`` file, which readers ignore and a rerun redoes.
+Atomicity: every file is written by :func:`relibra.atomic.atomic_write` (a unique ``.tmp-*`` name in its
+final directory, fsync, ``os.replace``). The per-layer file is written before the cell file, so a cell is
+finished exactly when ``cells/<key>.parquet`` exists, and a finished cell always has its per-layer table
+if it has one. A crashed writer leaves only a ``.tmp-*`` file, which readers ignore, a rerun redoes and
+:meth:`ResultsStore.clean_stale` (run by every :func:`run_cell`) removes once it is an hour old.
+
+Concurrent writers: :func:`run_cell` computes a cell only under :meth:`ResultsStore.claim` and looks it up
+again once the claim is held, so a cell is computed once however many sweeps reach it. Corrupt cells: a
+cell file that cannot be read raises :class:`CorruptCellError` naming it; :meth:`ResultsStore.finished`
+(the one way the suite decides whether to compute) counts it as missing, so it is recomputed and replaced.
 
 When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
 driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only
@@ -25,23 +30,28 @@ the grid's finished cells (``all_cells=True`` returns every cell on disk).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from relibra.atomic import TMP_PREFIX, atomic_write
+
 __all__ = [
     "IGNORED_KEYS",
     "UNKNOWN_CODE",
+    "CorruptCellError",
     "ResultsStore",
     "cell_key",
     "load_experiment",
@@ -58,7 +68,9 @@ they are."""
 
 _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"
-_TMP_PREFIX = ".tmp-"
+_TMP_PREFIX = TMP_PREFIX
+
+log = logging.getLogger(__name__)
 
 
 def _plain(config: Any) -> Any:
@@ -108,48 +120,29 @@ def cell_key(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _fsync_dir(directory: Path) -> None:
-    # NOTE: makes the rename itself durable across a power loss; not all file systems allow opening a
-    # directory, so a failure here is not an error (the rename is still atomic for other processes).
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class CorruptCellError(ValueError):
+    """A store file exists but cannot be read as parquet (truncated, overwritten, bit rot); names the file."""
 
-
-def _atomic_write(path: Path, write: Callable[[BinaryIO], object], suffix: str) -> None:
-    """Write ``path`` through ``write(file)`` so no reader ever sees a partial file (temp, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=suffix, dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: unreadable store file ({reason}); it counts as missing and is recomputed")
 
 
 def _read_table(path: Path) -> pa.Table:
-    """Read a parquet file from ONE open of ``path``.
+    """Read a parquet file from ONE open of ``path``; :class:`CorruptCellError` naming it if unreadable.
 
     NOTE: ``pd.read_parquet(path)`` may open the path more than once (footer, then row groups); if a
     concurrent writer renames a new version into place in between, the reader mixes two files ("Page was
     smaller than expected"). Reading the bytes through one file handle pins one inode, so a reader sees
-    exactly one whole version.
+    exactly one whole version. The price is that pyarrow sees a buffer, not the path, so its errors are
+    re-raised here with the path.
     """
     with open(path, "rb") as fh:
-        return pq.read_table(pa.BufferReader(fh.read()))
+        data = fh.read()
+    try:
+        return pq.read_table(pa.BufferReader(data))
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise CorruptCellError(path, f"{type(err).__name__}: {err}") from err
 
 
 def atomic_write_parquet(
@@ -159,7 +152,7 @@ def atomic_write_parquet(
     table = pa.Table.from_pandas(frame, preserve_index=False)
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    _atomic_write(path, lambda fh: pq.write_table(table, fh), ".parquet")
+    atomic_write(path, lambda fh: pq.write_table(table, fh), ".parquet")
 
 
 @dataclass(frozen=True)
@@ -186,7 +179,7 @@ class ResultsStore:
         return self.per_layer_dir / f"{key}.parquet"
 
     def has(self, key: str) -> bool:
-        """Whether cell ``key`` is finished (its cell file exists; it is only ever written whole)."""
+        """Whether cell ``key``'s file exists (written only whole; :meth:`finished` also checks it reads)."""
         return self.cell_path(key).is_file()
 
     def keys(self) -> list[str]:
@@ -222,16 +215,84 @@ class ResultsStore:
         return path
 
     def read(self, key: str) -> pd.DataFrame:
-        """Result rows of finished cell ``key``."""
+        """Result rows of finished cell ``key``.
+
+        Raises FileNotFoundError when the cell is not finished and :class:`CorruptCellError` (naming the
+        file) when its file cannot be read.
+        """
         path = self.cell_path(key)
-        if not path.is_file():
-            raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})")
-        return _read_table(path).to_pandas()
+        try:
+            return _read_table(path).to_pandas()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})") from None
+
+    def finished(self, key: str) -> pd.DataFrame | None:
+        """Rows of cell ``key`` when it is finished and readable, else None: the one way the suite decides
+        whether a cell must be computed. An unreadable cell file is logged (naming it) and counts as
+        missing, so the next run of its grid recomputes it and the atomic write replaces it."""
+        try:
+            return self.read(key)
+        except FileNotFoundError:
+            return None
+        except CorruptCellError as err:
+            log.warning("%s", err)
+            return None
 
     def read_per_layer(self, key: str) -> pd.DataFrame | None:
         """Per-layer table of cell ``key``, or None when the cell stored none."""
         path = self.per_layer_path(key)
         return _read_table(path).to_pandas() if path.is_file() else None
+
+    def corrupt_keys(self, all_cells: bool = False) -> list[str]:
+        """Cells whose file exists but cannot be read (:meth:`load` leaves them out)."""
+        bad = []
+        for key in self.current_keys(all_cells):
+            try:
+                _read_table(self.cell_path(key))
+            except CorruptCellError:
+                bad.append(key)
+            except FileNotFoundError:
+                continue
+        return bad
+
+    @contextmanager
+    def claim(self, key: str) -> Iterator[None]:
+        """Hold the claim on cell ``key`` (an exclusive ``flock`` on ``claims/<key>.lock``).
+
+        Writers of one cell take turns, so a cell is computed once even when sweeps overlap: whoever comes
+        second finds the cell finished. The kernel drops the lock when its holder exits for any reason
+        (``kill -9``, the OOM killer, a Slurm time-out), so no claim outlives its process. NOTE: ``flock``
+        works across hosts on NFS (Linux maps it to NFS byte-range locks) and on Lustre/GPFS mounted with
+        locking; a file system without locks makes this a no-op, and then the last rename wins as before.
+        """
+        path = self.root / "claims" / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            except OSError as err:  # a file system without locks
+                log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def check_writable(self) -> None:
+        """Raise :class:`PermissionError` naming the folder unless a cell could be stored here now.
+
+        Creates the store's folders and a temporary file in each (then removes it), so a read-only or
+        full results directory is found before any cell is computed.
+        """
+        for directory in (self.cells_dir, self.per_layer_dir, self.root / "claims"):
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                probe = directory / f"{_TMP_PREFIX}probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as err:
+                raise PermissionError(
+                    f"results_dir={self.root}: cannot write into {directory} ({err.strerror or err})"
+                ) from err
 
     def config(self, key: str) -> dict[str, Any]:
         """The resolved config cell ``key`` was run with."""
@@ -245,7 +306,7 @@ class ResultsStore:
     def write_grid(self, keys: Iterable[str]) -> None:
         """Record the keys of the experiment's current grid (atomically), so loads skip stale cells."""
         text = json.dumps(sorted(set(keys))).encode()
-        _atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
+        atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
 
     def current_keys(self, all_cells: bool = False) -> list[str]:
         """Finished cells of the current grid (``grid.json``), or every finished cell without one."""
@@ -259,15 +320,24 @@ class ResultsStore:
         """Finished cells' rows in one frame, with a ``cell`` column holding each row's key.
 
         Only the current grid's cells when ``grid.json`` exists, unless ``all_cells``.
+        Unreadable cells are left out (each logged, naming its file; :meth:`corrupt_keys` lists them).
         """
-        frames = [self.read(k).assign(cell=k) for k in self.current_keys(all_cells)]
+        frames = []
+        for k in self.current_keys(all_cells):
+            rows = self.finished(k)
+            if rows is not None:
+                frames.append(rows.assign(cell=k))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
 
     def load_per_layer(self, all_cells: bool = False) -> pd.DataFrame:
         """Finished cells' per-layer tables in one frame, with a ``cell`` column (grid rule as ``load``)."""
         frames = []
         for k in self.current_keys(all_cells):
-            table = self.read_per_layer(k)
+            try:
+                table = self.read_per_layer(k)
+            except CorruptCellError as err:
+                log.warning("%s", err)
+                continue
             if table is not None:
                 frames.append(table.assign(cell=k))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
@@ -276,7 +346,7 @@ class ResultsStore:
         """Delete temporary files left by crashed writers older than ``older_than_s``; returns how many."""
         now = time.time()
         removed = 0
-        for directory in (self.cells_dir, self.per_layer_dir):
+        for directory in (self.cells_dir, self.per_layer_dir, self.root):
             if not directory.is_dir():
                 continue
             for tmp in directory.glob(f"{_TMP_PREFIX}*"):
@@ -311,13 +381,19 @@ def run_cell(
 
     ``compute`` returns ``(results, per_layer or None)``. Returns ``(results, reused)`` where ``reused`` says
     the cell was already finished and nothing ran. ``recompute``: compute even a finished cell; its stored
-    rows are replaced only once the new ones are written (atomically).
+    rows are replaced only once the new ones are written (atomically). A cell whose file is unreadable
+    counts as missing. The cell is computed under :meth:`ResultsStore.claim`, and looked up again once
+    the claim is held, so two sweeps of one grid compute each cell once.
     """
     key = cell_key(config)
-    if store.has(key) and not recompute:
-        return store.read(key), True
-    results, per_layer = compute()
-    store.write(key, results, config, per_layer)
+    store.clean_stale()
+    if not recompute and (rows := store.finished(key)) is not None:
+        return rows, True
+    with store.claim(key):
+        if not recompute and (rows := store.finished(key)) is not None:
+            return rows, True  # another writer finished it while this one waited for the claim
+        results, per_layer = compute()
+        store.write(key, results, config, per_layer)
     return results, False
 
 

@@ -2,6 +2,9 @@
 
 Offline by default (``WANDB_MODE=offline`` unless the environment or ``logger.mode`` says otherwise), so it
 works with no network. Any W&B failure only warns: the run's local files are written before this is called.
+Online, ``logger.init_timeout_s`` bounds how long a run waits for the server (W&B's own default is 90 s);
+once W&B has failed in a process, later runs of that process (the cells of a grid) skip it, so a grid
+without a network loses at most one timeout, and says so once.
 """
 
 from __future__ import annotations
@@ -12,15 +15,22 @@ from typing import Any
 
 import pandas as pd
 
+__all__ = ["log_run"]
+
+_FAILED: list[str] = []
+"""Why W&B failed earlier in this process (empty: it has not); later runs then skip it."""
+
 
 def log_run(
     logger_cfg: dict[str, Any],
     config: dict[str, Any],
     results: pd.DataFrame,
-    per_layer: pd.DataFrame,
+    per_layer: pd.DataFrame | None,
     run_dir: str,
 ) -> bool:
-    """Log one run; returns True when W&B accepted it, False (with a warning) on any failure."""
+    """Log one run; returns True when W&B accepted it, False (with one warning per process) on failure."""
+    if _FAILED:
+        return False
     try:
         import wandb
 
@@ -37,16 +47,23 @@ def log_run(
             config=config,
             dir=run_dir,
             reinit=True,
+            settings=wandb.Settings(init_timeout=float(logger_cfg["init_timeout_s"])),
         )
         try:
             for record in results.to_dict(orient="records"):
                 run.summary.update({k: v for k, v in record.items() if isinstance(v, int | float | str)})
                 run.log({k: v for k, v in record.items() if isinstance(v, int | float)})
-            if len(per_layer):
+            if per_layer is not None and len(per_layer):
                 run.log({"per_layer": wandb.Table(dataframe=per_layer)})
         finally:
             run.finish()
         return True
     except Exception as exc:  # NOTE: W&B must never cost the local results; any failure is a warning.
-        warnings.warn(f"W&B logging failed, local results are intact: {exc!r}", RuntimeWarning, stacklevel=2)
+        _FAILED.append(repr(exc))
+        warnings.warn(
+            f"W&B logging failed, local results are intact (in {run_dir}); W&B is skipped for the rest of "
+            f"this process: {exc!r}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False

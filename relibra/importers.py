@@ -16,6 +16,7 @@ concatenate. The loaders of the public traces in ``../shared/traces`` follow tha
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace import RoutingTrace, TraceFormatError
+from relibra.trace import MAX_EXPERTS, RoutingTrace, TraceFormatError
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -53,6 +54,27 @@ def _batch_offsets(num_samples: int, samples_per_batch: int | None) -> np.ndarra
     return np.r_[np.arange(0, num_samples, samples_per_batch), num_samples].astype(np.int64)
 
 
+def _positive_int(name: str, value: Any, most: int | None = None) -> int:
+    """``value`` as an int >= 1 (and <= ``most``), or a :class:`TraceFormatError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TraceFormatError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1 or (most is not None and value > most):
+        bound = f" and at most {most}" if most is not None else ""
+        raise TraceFormatError(f"{name} must be a positive integer{bound}, got {value}")
+    return int(value)
+
+
+def _int_ids(name: str, arr: np.ndarray, num: int, what: str) -> None:
+    """Refuse ``arr`` unless it holds integers in ``[0, num)``: checked on the original dtype, BEFORE any
+    cast, so that a value a narrower dtype cannot hold is refused instead of wrapped around."""
+    if arr.dtype.kind not in "iu":
+        raise TraceFormatError(f"{name} must hold integer {what}, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num:
+            raise TraceFormatError(f"{name}: {what} must lie in [0, {num}), found {lo}..{hi}")
+
+
 def from_vllm(
     routed_experts: Sequence[np.ndarray],
     num_experts: int,
@@ -66,42 +88,51 @@ def from_vllm(
 ) -> RoutingTrace:
     """A trace from per-sample routes, one array ``[seq_len, layer_num, topk]`` per sample (vLLM's form).
 
+    Every value is range-checked on its own dtype before it is cast to the trace's (int16 ids), so
+    nothing wraps around; a bad input is a :class:`TraceFormatError` naming the array.
+
     Args:
         routed_experts: S arrays of integer expert ids, each ``[T_s, L, k]`` with the same ``L`` and ``k``.
-        num_experts: ``E`` (ids must lie in ``[0, E)``).
+        num_experts: ``E`` (ids must lie in ``[0, E)``; at most :data:`~relibra.trace.MAX_EXPERTS`).
         batch_offsets: int [B + 1] or None (one batch).
         sample_domain: int [S] or None, indices into ``domain_names``.
         meta: extra JSON-serialisable metadata merged into the trace's ``meta``.
     """
+    num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
     if len(routed_experts) == 0:
-        raise ValueError("routed_experts is empty: a trace needs at least one sample")
+        raise TraceFormatError("routed_experts is empty: a trace needs at least one sample")
     arrays = [np.asarray(a) for a in routed_experts]
     if arrays[0].ndim != 3:
-        raise ValueError(f"routed_experts[0] must be [seq_len, layer_num, topk], got shape {arrays[0].shape}")
+        raise TraceFormatError(
+            f"routed_experts[0] must be [seq_len, layer_num, topk], got shape {arrays[0].shape}"
+        )
     shape = arrays[0].shape[1:]
     for s, arr in enumerate(arrays):
         if arr.ndim != 3 or arr.shape[1:] != shape:
-            raise ValueError(
+            raise TraceFormatError(
                 f"routed_experts[{s}] has shape {arr.shape}; every sample must be [seq_len, {shape[0]}, "
                 f"{shape[1]}] like sample 0"
             )
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"routed_experts[{s}] must hold integer expert ids, got dtype {arr.dtype}")
+        _int_ids(f"routed_experts[{s}]", arr, num_experts, "expert ids")
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     experts = np.concatenate(arrays).astype(np.int16)
     num_layers, top_k = int(shape[0]), int(shape[1])
+    if batch_offsets is not None:
+        batch_offsets = np.asarray(batch_offsets)
+        _int_ids("batch_offsets", batch_offsets, len(arrays) + 1, "sample offsets")
+    if sample_domain is not None:
+        sample_domain = np.asarray(sample_domain)
+        _int_ids("sample_domain", sample_domain, len(domain_names), "indices into domain_names")
     return RoutingTrace(
         experts=experts,
         sample_offsets=np.r_[0, np.cumsum(lens)].astype(np.int64),
         batch_offsets=(
-            np.asarray(batch_offsets, dtype=np.int64)
-            if batch_offsets is not None
-            else _batch_offsets(len(arrays), None)
+            batch_offsets.astype(np.int64) if batch_offsets is not None else _batch_offsets(len(arrays), None)
         ),
-        sample_domain=None if sample_domain is None else np.asarray(sample_domain, dtype=np.int16),
+        sample_domain=None if sample_domain is None else sample_domain.astype(np.int16),
         domain_names=tuple(domain_names),
         meta={
-            "num_experts": int(num_experts),
+            "num_experts": num_experts,
             "top_k": top_k,
             "num_layers": num_layers,
             "model": model,
@@ -123,11 +154,21 @@ def from_sglang(
     Each string decodes to ``T_s * num_layers * top_k`` int32 values, reshaped to ``[-1, num_layers,
     top_k]``. Other keyword arguments go to :func:`from_vllm`.
     """
+    num_layers = _positive_int("num_layers", num_layers)
+    top_k = _positive_int("top_k", top_k)
     per_sample = []
     for s, text in enumerate(routed_experts):
-        flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
+        try:
+            raw = base64.b64decode(text, validate=True)
+        except (binascii.Error, TypeError, ValueError) as err:
+            raise TraceFormatError(f"routed_experts[{s}] is not valid base64 ({err})") from err
+        if len(raw) % 4:
+            raise TraceFormatError(
+                f"routed_experts[{s}] decodes to {len(raw)} bytes, not a whole number of int32 values"
+            )
+        flat = np.frombuffer(raw, dtype="<i4")
         if flat.size % (num_layers * top_k):
-            raise ValueError(
+            raise TraceFormatError(
                 f"routed_experts[{s}] decodes to {flat.size} int32 values, not a multiple of "
                 f"num_layers * top_k = {num_layers * top_k}"
             )
@@ -152,7 +193,7 @@ def from_router_replay(
     for s, layers in enumerate(samples):
         arrays = [np.asarray(a) for a in layers]
         if not arrays or any(a.ndim != 2 or a.shape != arrays[0].shape for a in arrays):
-            raise ValueError(
+            raise TraceFormatError(
                 f"samples[{s}] must be a non-empty list of [tokens, topk] arrays of one shape, got "
                 f"{[a.shape for a in arrays]}"
             )

@@ -8,6 +8,7 @@ runs them again).
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -29,14 +30,23 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+def _diff_hash() -> str:
+    """12 hex digits of the SHA-256 of the uncommitted edits to tracked files (``git diff HEAD``)."""
+    diff = _git("diff", "HEAD", "--binary", "--no-color", "--no-ext-diff") or ""
+    return hashlib.sha256(diff.encode()).hexdigest()[:12]
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """``<version>+g<commit>`` (``.dirty`` when tracked files differ from it), or ``<version>`` outside git.
+    """``<version>+g<commit>``, with ``.dirty.<hash of the diff>`` when tracked files differ from the
+    commit, or ``<version>`` outside git.
 
-    Examples: ``0.1.0+g1a2b3c4d5e6f``, ``0.1.0+g1a2b3c4d5e6f.dirty``, ``0.1.0``.
+    The diff's hash tells two different uncommitted edits of one commit apart (the same edit gives the
+    same version). Untracked files are not part of it. Examples: ``0.1.0+g1a2b3c4d5e6f``,
+    ``0.1.0+g1a2b3c4d5e6f.dirty.9f86d081884c``, ``0.1.0``.
     """
     commit = _git("rev-parse", "--short=12", "HEAD")
     if not commit:
         return __version__
     dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return f"{__version__}+g{commit}" + (".dirty" if dirty else "")
+    return f"{__version__}+g{commit}" + (f".dirty.{_diff_hash()}" if dirty else "")

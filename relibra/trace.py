@@ -22,19 +22,32 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from relibra.atomic import atomic_write
 from relibra.types import SampleCounts
 
-__all__ = ["REQUIRED_META", "RoutingTrace", "TraceFormatError", "load_trace", "save_trace", "validate"]
+__all__ = [
+    "MAX_EXPERTS",
+    "REQUIRED_META",
+    "RoutingTrace",
+    "TraceFormatError",
+    "load_trace",
+    "save_trace",
+    "validate",
+]
 
 REQUIRED_META = ("num_experts", "top_k", "num_layers", "model", "source")
 """Keys every trace's ``meta`` must hold."""
+
+MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1
+"""The most logical experts a trace can hold: ids are int16, so they lie in ``[0, 32767]``."""
 
 _MAX_KEYS_PER_CHUNK = 1 << 24
 """Routed slots reduced per bincount call in :meth:`RoutingTrace.to_counts` (bounds its memory)."""
@@ -194,6 +207,12 @@ def validate(trace: RoutingTrace) -> None:
         json.dumps(meta)
     except (TypeError, ValueError) as err:
         raise _fail("meta", f"must be JSON-serialisable: {err}") from err
+    if meta["num_experts"] > MAX_EXPERTS:
+        raise _fail(
+            "meta",
+            f"'num_experts'={meta['num_experts']} does not fit the int16 ids of 'experts' "
+            f"(at most {MAX_EXPERTS})",
+        )
     num_t, num_l, k = trace.experts.shape
     if meta["top_k"] != k:
         raise _fail("experts", f"has top-k {k} (last axis) but meta says top_k={meta['top_k']}")
@@ -226,9 +245,8 @@ def validate(trace: RoutingTrace) -> None:
 
 
 def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> Path:
-    """Write ``trace`` to ``path`` (``.npz``, no pickle) atomically: a temp file, then ``os.replace``."""
+    """Write ``trace`` to ``path`` (``.npz``, no pickle) atomically (:func:`relibra.atomic.atomic_write`)."""
     validate(trace)
-    path = Path(path)
     arrays: dict[str, np.ndarray] = {
         "experts": trace.experts,
         "sample_offsets": trace.sample_offsets,
@@ -239,32 +257,54 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> Path:
         arrays["sample_domain"] = trace.sample_domain
     if trace.domain_names:
         arrays["domain_names"] = np.array(trace.domain_names, dtype=str)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)  # type: ignore[arg-type]
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda handle: np.savez(handle, **arrays), ".npz")  # type: ignore[arg-type]
+
+
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+"""First bytes of a zip archive (an ``.npz``): a local file header, or the end record of an empty archive."""
+
+# NOTE: what numpy and zipfile raise for a damaged archive or member: a truncated zip (BadZipFile), a
+# member cut short (EOFError, zlib.error is an Exception subclass raised as such), a bad .npy header
+# (ValueError), an unreadable file (OSError).
+_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
 def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
-    """Read and validate a trace file; raises :class:`TraceFormatError` naming the bad array."""
+    """Read and validate a trace file; raises :class:`TraceFormatError` naming the bad array.
+
+    Every way a file can be unreadable (missing, empty, not a zip, truncated, a member that needs pickle
+    or is cut short) is a :class:`TraceFormatError` too, naming the file and, where one is at fault, the
+    array.
+    """
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as err:
+        raise TraceFormatError(f"trace file {path}: cannot be read ({err.strerror or err})") from err
+    if not head:
+        raise TraceFormatError(f"trace file {path}: is empty (0 bytes); a trace is an .npz (zip) archive")
+    if head not in _ZIP_MAGIC:
+        raise TraceFormatError(
+            f"trace file {path}: not an .npz (zip) archive (it starts with {head!r}, a zip with b'PK')"
+        )
     try:
         npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise TraceFormatError(f"trace file {path}: not a readable .npz without pickle ({err})") from err
+    except _READ_ERRORS as err:
+        raise TraceFormatError(f"trace file {path}: not a readable .npz archive ({err})") from err
     with npz:
         for key in ("experts", "sample_offsets", "meta"):
             if key not in npz.files:
                 raise _fail(key, f"missing from {path} (it holds {sorted(npz.files)})")
-        try:
-            arrays = {key: npz[key] for key in npz.files}
-        except ValueError as err:
-            raise TraceFormatError(f"trace file {path}: an array needs pickle to load ({err})") from err
+        arrays = {}
+        for key in npz.files:
+            try:
+                arrays[key] = npz[key]
+            except ValueError as err:
+                if "pickle" in str(err):
+                    raise _fail(key, f"in {path} needs pickle to load ({err})") from err
+                raise _fail(key, f"in {path} is not a readable .npy member ({err})") from err
+            except _READ_ERRORS as err:
+                raise _fail(key, f"in {path} is damaged or truncated ({type(err).__name__}: {err})") from err
     meta_arr = arrays["meta"]
     if meta_arr.ndim != 0 or meta_arr.dtype.kind != "U":
         raise _fail(
@@ -279,6 +319,7 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
     sample_offsets = arrays["sample_offsets"]
     batch_offsets = arrays.get("batch_offsets")
     if batch_offsets is None:
+        _check_dtype("sample_offsets", sample_offsets, np.int64, 1)
         batch_offsets = np.array([0, max(sample_offsets.shape[0] - 1, 0)], dtype=np.int64)
     names = arrays.get("domain_names")
     if names is not None and (names.ndim != 1 or names.dtype.kind != "U"):

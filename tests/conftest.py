@@ -17,3 +17,11 @@ def shared_traces() -> Path:
     if not SHARED_TRACES.is_dir():
         pytest.skip(f"real traces not found at {SHARED_TRACES} (set RELIBRA_SHARED_TRACES to point at them)")
     return SHARED_TRACES
+
+
+@pytest.fixture(autouse=True)
+def _fresh_wandb_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts as a new process would: no W&B failure remembered from an earlier test."""
+    import experiments.wandb_logger as wandb_logger
+
+    monkeypatch.setattr(wandb_logger, "_FAILED", [])

@@ -118,44 +118,105 @@ def sweep_command(overrides: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "experiments.run", "--multirun", *overrides]
 
 
-def pause_overrides(marker: Path, job_num: int, seconds: float) -> list[str]:
-    """Hydra overrides that install :class:`PauseOnce` for cell ``job_num`` of a sweep."""
-    prefix = "+hydra.callbacks.pause_once"
+def pause_overrides(
+    marker: Path, job_num: int, seconds: float, starts: int = 1, name: str = "pause_once"
+) -> list[str]:
+    """Hydra overrides that install :class:`PauseOnce` for cell ``job_num`` of a sweep (``name``: the
+    callback's key, so that several cells can pause)."""
+    prefix = f"+hydra.callbacks.{name}"
     return [
         f"{prefix}._target_={PauseOnce.__module__}.PauseOnce",
         f"{prefix}.marker={marker}",
         f"{prefix}.job_num={job_num}",
         f"{prefix}.seconds={seconds}",
+        f"{prefix}.starts={starts}",
     ]
 
 
 def read_marker(marker: Path) -> dict[str, Any] | None:
-    """What :class:`PauseOnce` wrote when it began to wait (None before that)."""
+    """What :class:`PauseOnce` wrote when it last began to wait (None before that)."""
     try:
         return json.loads(marker.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
-class PauseOnce(Callback):
-    """Hydra callback: cell ``job_num`` of a sweep sleeps ``seconds`` before running, once.
+def _slurm_job_id() -> str | None:
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
 
-    The first time that cell starts, it writes ``marker`` (JSON: its PID and Slurm job id ``ARRAY_TASK``)
-    and sleeps inside the cell's Python process; later starts (a rerun, a requeue) find the marker and run
-    at once. Test-only: it is installed with ``+hydra.callbacks.pause_once._target_=...`` overrides.
+
+class PauseOnce(Callback):
+    """Hydra callback: cell ``job_num`` of a sweep sleeps ``seconds`` when it starts computing, on its
+    first ``starts`` starts (default once).
+
+    The sleep happens inside the cell's computation (the synthetic generator, wrapped in the cell's own
+    process), so a signal that arrives meanwhile (a preemption, a time-out) interrupts the task itself, as
+    it would interrupt a long cell. NOTE: not in ``on_job_start`` itself: Hydra turns an exception raised
+    by a callback into a warning, which would hide the one submitit raises when it gives up. The wrapped
+    function is ``relibra.synthetic.generate_counts`` because ``experiments.config.load_counts`` imports it
+    when called; the task function itself comes pickled by value from the sweep's ``__main__``, so patching
+    ``experiments.run`` in the worker would not reach it.
+    Each pausing start writes ``marker`` (JSON: its PID, Slurm job id ``ARRAY_TASK`` and how many starts
+    have paused); later starts (a rerun, a requeue) run at once. Test-only: it is installed with
+    ``+hydra.callbacks.<name>._target_=...`` overrides.
     """
 
-    def __init__(self, marker: str, job_num: int, seconds: float) -> None:
+    def __init__(self, marker: str, job_num: int, seconds: float, starts: int = 1) -> None:
         self.marker = Path(marker)
         self.job_num = int(job_num)
         self.seconds = float(seconds)
+        self.starts = int(starts)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(config.hydra.job.num) != self.job_num or self.marker.exists():
+        if int(config.hydra.job.num) != self.job_num:
             return
-        array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-        slurm_job = f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
-        tmp = self.marker.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "slurm_job_id": slurm_job}))
-        tmp.replace(self.marker)
-        time.sleep(self.seconds)
+        paused = (read_marker(self.marker) or {}).get("starts", 0)
+        if paused >= self.starts:
+            return
+        import relibra.synthetic as synthetic
+
+        generate = synthetic.generate_counts
+
+        def paused_generate(*args: Any, **kwargs: Any) -> Any:
+            tmp = self.marker.with_suffix(".tmp")
+            tmp.write_text(
+                json.dumps({"pid": os.getpid(), "slurm_job_id": _slurm_job_id(), "starts": paused + 1})
+            )
+            tmp.replace(self.marker)
+            time.sleep(self.seconds)
+            return generate(*args, **kwargs)
+
+        synthetic.generate_counts = paused_generate  # type: ignore[assignment]
+
+
+def rendezvous_overrides(folder: Path, parties: int, timeout_s: float) -> list[str]:
+    """Hydra overrides that install :class:`Rendezvous`."""
+    prefix = "+hydra.callbacks.rendezvous"
+    return [
+        f"{prefix}._target_={Rendezvous.__module__}.Rendezvous",
+        f"{prefix}.folder={folder}",
+        f"{prefix}.parties={parties}",
+        f"{prefix}.timeout_s={timeout_s}",
+    ]
+
+
+class Rendezvous(Callback):
+    """Hydra callback: a cell waits until ``parties`` cells with its job number (one per concurrent sweep
+    of the same grid) have started, or ``timeout_s``, so that the sweeps reach each cell at once.
+
+    Each start leaves ``folder/<job num>.<pid>``. Test-only, like :class:`PauseOnce`.
+    """
+
+    def __init__(self, folder: str, parties: int, timeout_s: float) -> None:
+        self.folder = Path(folder)
+        self.parties = int(parties)
+        self.timeout_s = float(timeout_s)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        num = int(config.hydra.job.num)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"{num}.{os.getpid()}").touch()
+        deadline = time.monotonic() + self.timeout_s
+        while len(list(self.folder.glob(f"{num}.*"))) < self.parties and time.monotonic() < deadline:
+            time.sleep(0.2)

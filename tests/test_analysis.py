@@ -342,3 +342,53 @@ def test_step_breakdown_figure(tmp_path: Path) -> None:
     assert all(p.stat().st_size > 1000 for p in save(fig, tmp_path, "breakdown"))
     with pytest.raises(ValueError, match="ultraep or llep"):
         plot_step_breakdown(frame[frame["planner"].isin(["relibra", "megatron"])])
+
+
+def _write_named(root: Path, folder: str, experiment: str, rows: list[dict]) -> None:
+    store = ResultsStore(root / folder)
+    for i, row in enumerate(rows):
+        store.write(f"c{i:03d}", pd.DataFrame([row]), {"i": i, "experiment_name": experiment})
+
+
+def test_store_in_a_folder_not_named_after_its_preset_gets_its_tables(tmp_path: Path) -> None:
+    rows = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra_reorder_only")]
+    _write_named(tmp_path, "my-copy", "quick_ablation", rows)
+    out = analyse(tmp_path / "my-copy", tmp_path / "out")
+    assert {p.name for p in out.tables} == {"quick_ablation.ablation.md", "quick_ablation.ablation.tex"}
+
+
+def test_store_of_no_known_preset_is_reported_and_the_cli_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path, "mystore", [_row("m", "reasoning", p, 1) for p in ("megatron", "relibra")])
+    assert main([str(tmp_path / "mystore"), "--out", str(tmp_path / "out")]) == 1
+    printed = capsys.readouterr().out
+    assert "mystore: no tables: not a known experiment" in printed
+
+
+def test_one_planner_preset_writes_no_empty_table(tmp_path: Path) -> None:
+    _write(tmp_path, "quick_overall", [_row(m, "reasoning", "relibra", 4) for m in MODELS])
+    out = analyse(tmp_path)
+    assert not [p for p in out.tables if p.name.startswith("quick_overall.overall.")]
+    assert any("quick_overall: overall_summary skipped" in why for why in out.skipped), out.skipped
+
+
+def test_mixed_code_versions_are_warned_about(tmp_path: Path) -> None:
+    rows = [{**_row(m, d, p, 4), "code_version": f"0.1.0+g{'a' if m == MODELS[0] else 'b'}"} for m in MODELS
+            for d in DATASETS for p in ("megatron", "relibra_reorder_only", "relibra")]  # fmt: skip
+    _write(tmp_path, "quick_ablation", rows)
+    out = analyse(tmp_path)
+    assert any("2 code versions" in w and "0.1.0+ga" in w and "0.1.0+gb" in w for w in out.warnings), (
+        out.warnings
+    )
+
+
+def test_unreadable_cell_is_warned_about_and_left_out(tmp_path: Path) -> None:
+    rows = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra")]
+    _write(tmp_path, "quick_ablation", rows)
+    victim = ResultsStore(tmp_path / "quick_ablation").cell_path("c000")
+    with open(victim, "r+b") as fh:
+        fh.truncate(1000)
+    out = analyse(tmp_path)  # not an ArrowInvalid about a '<Buffer>'
+    assert any(str(victim) in w and "unreadable" in w for w in out.warnings), out.warnings
+    assert out.tables

@@ -42,7 +42,7 @@ def test_from_vllm_shapes_and_round_trip(tmp_path: Path) -> None:
 def test_from_vllm_refuses_mixed_shapes() -> None:
     with pytest.raises(ValueError, match=r"routed_experts\[1\]"):
         from_vllm([np.zeros((2, 3, 4), int), np.zeros((2, 2, 4), int)], num_experts=16)
-    with pytest.raises(TraceFormatError, match="'experts'"):
+    with pytest.raises(TraceFormatError, match=r"routed_experts\[0\]: expert ids must lie in \[0, 16\)"):
         from_vllm([np.full((2, 3, 1), 16)], num_experts=16)
 
 
@@ -55,6 +55,37 @@ def test_from_sglang_decodes_base64() -> None:
     assert trace.meta["source"] == "sglang"
     with pytest.raises(ValueError, match="multiple of"):
         from_sglang([base64.b64encode(b"\0" * 20).decode()], num_layers=3, top_k=4, num_experts=16)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: from_vllm([np.array([[[65539, 7]]])], 16), r"routed_experts\[0\].*\[0, 16\).*65539"),
+        (lambda: from_vllm([np.array([[[-65531, 7]]])], 16), r"routed_experts\[0\].*-65531"),
+        (lambda: from_vllm([np.array([[[1.0, 7.0]]])], 16), r"routed_experts\[0\] must hold integer"),
+        (
+            lambda: from_vllm(
+                [np.array([[[1, 7]]])], 16, sample_domain=np.array([65536]), domain_names=("a",)
+            ),
+            r"sample_domain.*65536",
+        ),
+        (lambda: from_vllm([np.array([[[1, 7]]])], 40000), r"num_experts.*at most 32768"),
+        (lambda: from_vllm([np.array([[[1, 7]]])], 64.5), r"num_experts must be a positive integer"),
+        (lambda: from_vllm([np.array([[[1, 7]]])], 0), r"num_experts must be a positive integer"),
+        (lambda: from_sglang([_b64([70000, 1])], 1, 2, 16), r"routed_experts\[0\].*70000"),
+        (lambda: from_sglang([_b64([1, 2])], 0, 2, 16), r"num_layers must be a positive integer"),
+        (lambda: from_sglang(["abc"], 1, 2, 16), r"routed_experts\[0\] is not valid base64"),
+        (lambda: from_sglang([_b64([1, 2]), "!!!"], 1, 2, 16), r"routed_experts\[1\] is not valid base64"),
+        (lambda: from_router_replay([[np.array([[65539, 7]])]], 16), r"routed_experts\[0\].*65539"),
+    ],
+)
+def test_importers_check_range_before_the_int16_cast(make, words: str) -> None:
+    with pytest.raises(TraceFormatError, match=words):
+        make()
+
+
+def _b64(ids: list[int]) -> str:
+    return base64.b64encode(np.array(ids, dtype="<i4").tobytes()).decode()
 
 
 def test_from_router_replay_stacks_layers() -> None:

@@ -90,14 +90,16 @@ def test_megatron_on_trace_file_dumps_valid_plans(trace_file, tmp_path):
     on_disk = pd.read_parquet(tmp_path / "results.parquet")
     pd.testing.assert_frame_equal(on_disk, results)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary[0]["planner"] == "megatron"
+    assert summary["rows"][0]["planner"] == "megatron"
+    assert summary["files"] == ["per_layer.parquet", "plans.npz", "results.parquet", "summary.json"]
+    assert summary["not_written"] == {}
     assert len(pd.read_parquet(tmp_path / "per_layer.parquet")) > 0
     counts = load_trace(trace_file).to_counts().counts
     meta = check_plan_dump(tmp_path / "plans.npz", counts=counts)
     assert meta["planner"] == "megatron" and meta["nodes"] == 2 and meta["num_experts"] == 64
     with np.load(tmp_path / "plans.npz") as z:
         assert z["home"].shape == (2, 16, 64) and z["assign"].dtype == np.int32
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".tmp-*"))
 
 
 def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
@@ -319,7 +321,7 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
     from relibra import __version__, provenance
 
     got = provenance.code_version()
-    assert re.fullmatch(re.escape(__version__) + r"(\+g[0-9a-f]{12}(\.dirty)?)?", got), got
+    assert re.fullmatch(re.escape(__version__) + r"(\+g[0-9a-f]{12}(\.dirty\.[0-9a-f]{12})?)?", got), got
     provenance.code_version.cache_clear()
     monkeypatch.setattr(provenance, "_git", lambda *args: None)  # not a git checkout, or no git
     try:

@@ -5,7 +5,12 @@ launcher (``hydra/launcher=slurm``):
 2. a fault: one array task is cancelled mid-run; the sweep fails instead of hanging, and rerunning the
    same command computes only the missing cell (the results store keeps the others untouched);
 3. preemption: a task receiving Slurm's preemption signal checkpoints through submitit, is requeued and
-   finishes.
+   finishes;
+4. time-outs: Slurm's time limit signals a task, submitit requeues it at most ``max_num_timeout`` times,
+   then the sweep fails; the rerun computes only what is missing;
+5. a task killed as the out-of-memory killer kills (SIGKILL) fails the sweep, and the rerun completes it;
+6. two sweeps of one grid into one store at once: no lost or duplicated rows, each cell computed once
+   (the store's claim), the other sweep reading it back.
 
 The module starts the cluster (installing Slurm with apt-get when missing, as root) and stops it when the
 module ends, whether the tests pass or not. The tests skip only where Slurm cannot be installed or run.
@@ -15,8 +20,10 @@ Concurrent test sessions on one machine take turns through a file lock.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +39,7 @@ from tests.slurm_helpers import (
     SlurmUnavailable,
     pause_overrides,
     read_marker,
+    rendezvous_overrides,
     start_cluster,
     stop_cluster,
     sweep_command,
@@ -308,3 +316,143 @@ def test_sim_grid_sbatch_template_runs_every_cell(cluster: SlurmCluster, tmp_pat
     assert sorted(zip(rows.planner, rows.dataset)) == sorted(
         (p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")
     )
+
+
+# --- time-outs, the out-of-memory killer, concurrent sweeps into one store ------------------------------
+
+
+def _launcher(**settings: object) -> list[str]:
+    """LAUNCHER with some of its settings replaced (Hydra refuses two overrides of one key)."""
+    base = {"cpus_per_task": 1, "mem_gb": 1, "timeout_min": 60, **settings}
+    return ["hydra/launcher=slurm", *(f"hydra.launcher.{k}={v}" for k, v in base.items())]
+
+
+def _history(cluster: SlurmCluster, job: str) -> list[str]:
+    return [state for _, state in cluster.states(job, duplicates=True)]
+
+
+def _cells(store: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (store / "cells").glob("[!.]*.parquet")}
+
+
+@pytest.mark.slow
+def test_timed_out_task_is_requeued_at_most_max_num_timeout_times(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    sweep_dir, store = tmp_path / "sweep", tmp_path / "store"
+    once, always = tmp_path / "once.json", tmp_path / "always.json"
+    base = [*CELL, "planner=megatron", "trace.preset=reasoning,coding", f"+results_dir={store}"]
+    # Slurm's own time limit (1 minute) sends USR2 signal_delay_s before it; submitit counts that as a
+    # time-out (it ran past its guaranteed share of the limit) and requeues while max_num_timeout allows.
+    # NOTE: slurmctld checks time limits every 30 s, so a 30 s warning arrives 30-60 s into the task, after
+    # its Python process has installed submitit's handler (an earlier one would kill it outright).
+    proc = _sweep(
+        cluster,
+        [
+            *_launcher(timeout_min=1, signal_delay_s=30, max_num_timeout=1),
+            *base,
+            f"hydra.sweep.dir={sweep_dir}",
+            *pause_overrides(once, job_num=0, seconds=600, starts=1, name="pause_first"),
+            *pause_overrides(always, job_num=1, seconds=600, starts=99, name="pause_always"),
+        ],
+    )
+    try:
+        output = _finish(proc, cluster, timeout_s=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "a task that timed out more than max_num_timeout times must fail the sweep"
+    assert "timed-out too many times" in output, output[-3000:]  # submitit gave up, the sweep says why
+    first, second = read_marker(once)["slurm_job_id"], read_marker(always)["slurm_job_id"]
+
+    def accounted() -> bool:
+        return all(
+            _history(cluster, job)[-1:] not in (["RUNNING"], ["PENDING"], []) for job in (first, second)
+        )
+
+    wait_until(accounted, 60, "the accounting of both tasks to record their ends")
+    assert _history(cluster, first) == ["REQUEUED", "COMPLETED"]  # timed out once, requeued, finished
+    # NOTE: one requeue, then submitit gave up. Slurm records the last allocation as COMPLETED: Hydra's
+    # run_job catches submitit's UncompletedJobError and hands it back as the job's (failed) result, which
+    # the sweep then raises; the sweep's failure, not the accounting, is what says the cell did not finish.
+    assert _history(cluster, second).count("REQUEUED") == 1, _history(cluster, second)
+    assert read_marker(always)["starts"] == 2
+    logs = "\n".join(p.read_text() for p in (sweep_dir / ".submitit").rglob("*_log.*"))
+    assert "this job is timed-out" in logs, logs[-3000:]
+
+    done = _cells(store)
+    assert len(done) == 1  # only the cell that finished after its requeue; nothing partial
+    assert not list((store / "cells").glob(".tmp-*"))
+    rerun = _sweep(cluster, [*LAUNCHER, *base, f"hydra.sweep.dir={tmp_path / 'rerun'}"])
+    output = _finish(rerun, cluster)
+    assert rerun.returncode == 0, output[-3000:]
+    after = _cells(store)
+    assert len(after) == 2 and {k: after[k] for k in done} == done
+
+
+def test_task_killed_by_the_oom_killer_fails_the_sweep_and_rerun_completes_it(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    sweep_dir, store, marker = tmp_path / "sweep", tmp_path / "store", tmp_path / "paused.json"
+    base = [*LAUNCHER, *CELL, "planner=megatron", "trace.preset=reasoning,coding", f"+results_dir={store}"]
+    proc = _sweep(cluster, [*base, f"hydra.sweep.dir={sweep_dir}", *pause_overrides(marker, 1, 600)])
+    try:
+        paused = wait_until(lambda: read_marker(marker), 120, "cell 1 to start")
+        wait_until(lambda: len(_cells(store)) == 1 or None, 120, "cell 0 to finish")
+        # NOTE: what the kernel's OOM killer does to the biggest process of a task: SIGKILL, no clean-up.
+        # The test cluster runs without cgroup memory enforcement (no writable cgroup tree in containers),
+        # so the test sends that signal itself.
+        os.kill(int(paused["pid"]), signal.SIGKILL)
+        output = _finish(proc, cluster, timeout_s=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "a sweep with a killed task must fail, not hang"
+    assert paused["slurm_job_id"] in output, output[-3000:]
+    wait_until(
+        lambda: _history(cluster, paused["slurm_job_id"])[-1:] not in (["RUNNING"], ["PENDING"], []),
+        60,
+        "the accounting of the killed task",
+    )
+    assert _history(cluster, paused["slurm_job_id"])[-1] in {"FAILED", "OUT_OF_MEMORY"}
+    done = _cells(store)
+    rerun = _sweep(cluster, [*base, f"hydra.sweep.dir={sweep_dir}"])
+    output = _finish(rerun, cluster)
+    assert rerun.returncode == 0, output[-3000:]
+    after = _cells(store)
+    assert len(after) == 2 and {k: after[k] for k in done} == done
+    assert not list((store / "cells").glob(".tmp-*"))
+
+
+def test_two_sweeps_into_one_store_compute_each_cell_once(cluster: SlurmCluster, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    sweeps = [tmp_path / "sweep_a", tmp_path / "sweep_b"]
+    # Both sweeps run two tasks at a time, in the same order, and each task waits for its twin in the other
+    # sweep, so the two reach every cell together and the claim decides who computes it.
+    common = [
+        *_launcher(array_parallelism=2),
+        *CELL,
+        *GRID,
+        f"+results_dir={store}",
+        *rendezvous_overrides(tmp_path / "rendezvous", parties=2, timeout_s=90),
+    ]
+    procs = [_sweep(cluster, [*common, f"hydra.sweep.dir={sweep}"]) for sweep in sweeps]
+    try:
+        outputs = [_finish(proc, cluster, timeout_s=SWEEP_TIMEOUT_S + 120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, output in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, output[-3000:]
+    cells = sorted((store / "cells").glob("[!.]*.parquet"))
+    rows = pd.concat([pd.read_parquet(p) for p in cells], ignore_index=True)
+    assert len(cells) == 4 and len(rows) == 4  # no lost and no duplicated rows
+    assert sorted(zip(rows.planner, rows.dataset)) == sorted(
+        (p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")
+    )
+    for num in range(4):
+        summaries = [json.loads((sweep / str(num) / "summary.json").read_text()) for sweep in sweeps]
+        computed = [s["reused_from"] is None for s in summaries]
+        assert sorted(computed) == [False, True], f"cell {num}: computed by {computed.count(True)} sweeps"
+        assert summaries[0]["rows"] == summaries[1]["rows"]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import re
+import stat
 import time
 from pathlib import Path
 
@@ -12,7 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.store import ResultsStore, cell_key, load_experiment, load_per_layer, run_cell
+from experiments.store import (
+    CorruptCellError,
+    ResultsStore,
+    cell_key,
+    load_experiment,
+    load_per_layer,
+    run_cell,
+)
 
 CONFIG = {
     "model": {"name": "qwen3-30b-a3b", "num_experts": 128},
@@ -159,3 +169,127 @@ def test_concurrent_writers_never_corrupt_the_store(tmp_path: Path) -> None:
     )
     assert not list(store.cells_dir.glob(".tmp-*"))
     assert len(store.load()) == 3 * 20_000 + writers * rounds * 50
+
+
+# --- unreadable cells, claims, permissions, stale temporaries ----------------------------------------
+
+
+def _truncate(path: Path, size: int = 1000) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(size)
+
+
+def test_truncated_cell_is_named_counted_missing_and_recomputed(tmp_path: Path, caplog) -> None:
+    store = ResultsStore(tmp_path)
+    key = cell_key(CONFIG)
+    run_cell(store, CONFIG, lambda: (_rows(1, n=500), None))
+    _truncate(store.cell_path(key))
+    with pytest.raises(CorruptCellError, match=re.escape(str(store.cell_path(key)))):
+        store.read(key)
+    with caplog.at_level("WARNING", logger="experiments.store"):
+        assert store.load().empty  # left out, not an ArrowInvalid about a '<Buffer>'
+    assert str(store.cell_path(key)) in caplog.text
+    assert store.corrupt_keys() == [key]
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return _rows(2), None
+
+    rows, reused = run_cell(store, CONFIG, compute)
+    assert (reused, len(calls)) == (False, 1)
+    pd.testing.assert_frame_equal(store.read(key), rows)
+    assert store.corrupt_keys() == []
+
+
+def test_truncated_per_layer_file_is_left_out_of_loads(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    store.write("a", _rows(1), CONFIG, per_layer=_rows(1, n=500))
+    store.write("b", _rows(2), CONFIG, per_layer=_rows(2))
+    _truncate(store.per_layer_path("a"))
+    assert set(store.load_per_layer()["cell"]) == {"b"}
+
+
+def test_a_cell_is_computed_once_by_concurrent_writers(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    log = tmp_path / "computed.log"
+    procs = [ctx.Process(target=_claiming_writer, args=(str(tmp_path), str(log), w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert len(log.read_text().splitlines()) == 1  # one writer computed, the others read it back
+    assert len(ResultsStore(tmp_path).keys()) == 1
+
+
+def _claiming_writer(root: str, log: str, writer: int) -> None:
+    def compute():
+        with open(log, "a") as fh:
+            fh.write(f"{writer}\n")
+        time.sleep(1.0)  # long enough that the other writers arrive while this one holds the claim
+        return _rows(writer), None
+
+    rows, _ = run_cell(ResultsStore(Path(root)), CONFIG, compute)
+    assert len(rows) == 3
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_result_files_respect_the_umask(tmp_path: Path, umask: int, monkeypatch) -> None:
+    from relibra import atomic
+    from relibra.trace import save_trace
+    from tests.test_trace import make_trace
+
+    old = os.umask(umask)
+    atomic._umask.cache_clear()
+    try:
+        store = ResultsStore(tmp_path)
+        store.write("k", _rows(1), CONFIG, per_layer=_rows(1))
+        store.write_grid(["k"])
+        files = [store.cell_path("k"), store.per_layer_path("k"), store.grid_path]
+        files.append(save_trace(make_trace(), tmp_path / "t.npz"))
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+    finally:
+        os.umask(old)
+        atomic._umask.cache_clear()
+
+
+def test_stale_temporaries_are_cleaned_when_a_cell_runs(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    store.cells_dir.mkdir(parents=True)
+    old, fresh = store.cells_dir / ".tmp-crashed.parquet", store.cells_dir / ".tmp-writing.parquet"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    run_cell(store, CONFIG, lambda: (_rows(1), None))
+    assert not old.exists() and fresh.exists()  # a write in progress elsewhere is left alone
+
+
+def test_check_writable_names_a_results_dir_it_cannot_write(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(PermissionError, match=r"results_dir=.*file/store: cannot write"):
+        ResultsStore(tmp_path / "file" / "store").check_writable()
+
+
+def test_a_claim_dies_with_its_holder(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    holding = tmp_path / "holding"
+    holder = ctx.Process(target=_hold_claim, args=(str(tmp_path), str(holding)))
+    holder.start()
+    deadline = time.time() + 60
+    while not holding.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert holding.exists()
+    os.kill(holder.pid, 9)  # as the OOM killer or `kill -9` would: no clean-up runs
+    holder.join(timeout=30)
+    start = time.time()
+    rows, reused = run_cell(ResultsStore(tmp_path), CONFIG, lambda: (_rows(7), None))
+    assert not reused and time.time() - start < 10 and rows["tag"].iloc[0] == 7
+
+
+def _hold_claim(root: str, holding: str) -> None:
+    with ResultsStore(Path(root)).claim(cell_key(CONFIG)):
+        Path(holding).touch()
+        time.sleep(600)

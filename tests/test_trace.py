@@ -156,8 +156,43 @@ def test_pickled_array_is_refused(tmp_path: Path) -> None:
 def test_not_an_npz_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "bad.npz"
     path.write_text("hello")
-    with pytest.raises(TraceFormatError, match="not a readable"):
+    with pytest.raises(TraceFormatError, match=r"not an \.npz \(zip\) archive"):
         load_trace(path)
+
+
+def test_empty_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "empty.npz"
+    path.write_bytes(b"")
+    with pytest.raises(TraceFormatError, match=r"empty\.npz: is empty \(0 bytes\)"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.9])
+def test_truncated_file_is_refused(tmp_path: Path, keep: float) -> None:
+    whole = save_trace(make_trace(), tmp_path / "whole.npz").read_bytes()
+    path = tmp_path / "cut.npz"
+    path.write_bytes(whole[: int(len(whole) * keep)])
+    with pytest.raises(TraceFormatError, match=r"cut\.npz"):
+        load_trace(path)
+
+
+def test_random_bytes_are_refused_without_mentioning_pickle(tmp_path: Path) -> None:
+    path = tmp_path / "noise.npz"
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(TraceFormatError, match=r"not an \.npz") as err:
+        load_trace(path)
+    assert "pickle" not in str(err.value)
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="cannot be read"):
+        load_trace(tmp_path / "none.npz")
+
+
+def test_num_experts_beyond_int16_ids_is_refused() -> None:
+    trace = make_trace()
+    with pytest.raises(TraceFormatError, match=r"'meta'.*does not fit the int16 ids"):
+        _replace(trace, meta={**trace.meta, "num_experts": 40000})
 
 
 def test_bad_domain_is_refused() -> None:

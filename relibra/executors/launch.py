@@ -33,12 +33,10 @@ reproduces every output and gradient in one process.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relibra.atomic import atomic_write
 from relibra.executors.plan_check import PlanRefused, check_plan
 from relibra.executors.torch_executor import RunOptions, run_batches
 from relibra.executors.torch_moe import ExpertShape
@@ -128,18 +127,6 @@ class DistEnv:
         self.rank = int(environ["RANK"])
         self.local_rank = int(environ["LOCAL_RANK"])
         self.world = int(environ["WORLD_SIZE"])
-
-
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -237,7 +224,7 @@ def _write(
     for b, grads in enumerate(res.get("batch_grads", [])):
         for key, value in grads.items():
             arrays[f"grad_{key}/b{b}"] = value
-    _atomic_write(out / "executor.npz", lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
+    atomic_write(out / "executor.npz", lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
     summary = {
         "planner": meta["planner"],
         "world": world,
@@ -253,7 +240,7 @@ def _write(
         "replica_buffer_bytes": res["replica_buffer_bytes"],
     }
     text = json.dumps(summary, indent=2).encode()
-    _atomic_write(out / "executor.json", lambda f: f.write(text))
+    atomic_write(out / "executor.json", lambda f: f.write(text))
 
 
 if __name__ == "__main__":
