@@ -45,9 +45,15 @@ SLOW = {
 """The quick-scale cells pinned by the slow test."""
 
 
+UNPINNED = {
+    "relibra_milp": "its MILP solves run under a wall-clock limit: the answer depends on the machine speed",
+}
+"""Planner configs whose results are not a function of the config alone, and why."""
+
+
 def planner_configs() -> list[str]:
-    """Every planner config (``conf/planner/*.yaml``), sorted."""
-    return sorted(p.stem for p in (CONF_DIR / "planner").glob("*.yaml"))
+    """Every planner config (``conf/planner/*.yaml``) but :data:`UNPINNED`, sorted."""
+    return sorted(p.stem for p in (CONF_DIR / "planner").glob("*.yaml") if p.stem not in UNPINNED)
 
 
 def small_cells() -> dict[str, list[str]]:
