@@ -82,8 +82,24 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
         if "param_bytes_per_gpu" not in frame:
             ep = dict(zip(frame["cell"], frame["nodes"] * frame["gpus_per_node"], strict=False))
             frame["param_bytes_per_gpu"] = [_cell_params(store, key, int(ep[key])) for key in frame["cell"]]
+        for column, (key, default) in CLUSTER_COLUMNS.items():
+            if column not in frame:
+                frame[column] = [_cell_cluster(store, cell, key, default) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
     return out
+
+
+CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {
+    "dispatcher": ("dispatcher", "alltoall"),
+    "ep_overlap": ("ep_overlap", False),
+}
+"""Result columns taken from each cell's ``cluster`` config (for the communication sensitivity tables):
+column -> (cluster key, its value in cells whose config predates the key)."""
+
+
+def _cell_cluster(store: ResultsStore, key: str, name: str, default: object) -> object:
+    cluster = store.config(key).get("cluster")
+    return cluster.get(name, default) if isinstance(cluster, Mapping) else default
 
 
 def _cell_params(store: ResultsStore, key: str, ep_size: int) -> float:

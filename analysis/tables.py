@@ -25,6 +25,7 @@ __all__ = [
     "Table",
     "ablation",
     "all_tables",
+    "comm_sensitivity",
     "ep_size",
     "overall_cells",
     "overall_summary",
@@ -348,6 +349,30 @@ def ultraep_headline(frame: pd.DataFrame) -> Table:
     )
 
 
+def comm_sensitivity(frame: pd.DataFrame) -> Table:
+    """Step time of every planner per (model, dataset, EP) under each dispatcher and overlap setting, and
+    ReLibra's speed-up over Megatron-LM, so a reader sees how the ranking moves with the communication model.
+    """
+    needed = {"dispatcher", "ep_overlap", "planner", "step_time_s"}
+    if not needed <= set(frame.columns):
+        raise ValueError(f"communication sensitivity needs the columns {sorted(needed)}")
+    if not {"megatron", "relibra"} <= set(frame["planner"]):
+        raise ValueError("communication sensitivity needs rows of planners megatron and relibra")
+    data = frame.assign(EP=ep_size(frame), overlap=frame["ep_overlap"].map({True: "on", False: "off"}))
+    keys = ["model", "dataset", "EP", "dispatcher", "overlap"]
+    wide = data.pivot_table(index=keys, columns="planner", values="step_time_s", aggfunc="mean")
+    planners = [p for p in ("megatron", "relibra", "balanced") if p in wide]
+    planners += sorted(set(wide.columns) - set(planners))
+    out = wide[planners].rename(columns=lambda p: f"{paper.label(p)} s").reset_index()
+    out["ReLibra over Megatron-LM"] = (wide["megatron"] / wide["relibra"]).to_numpy()
+    return Table(
+        "comm_sensitivity",
+        "Step time (s) by dispatcher and EP overlap, and ReLibra's speed-up over Megatron-LM",
+        out,
+        formats={c: ".3f" for c in out.columns if c.endswith(" s") or c.startswith("ReLibra over")},
+    )
+
+
 def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], list[str]]:
     """Every table the present experiments allow, and why any other was skipped.
 
@@ -362,6 +387,8 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
         "datasets": [skew_by_dataset, step_by_dataset, replay_adds],
         "overhead": [overhead],
         "real_trace": [overall_summary, overall_cells],
+        "comm_sensitivity": [comm_sensitivity],
+        "comm_sensitivity_overall": [comm_sensitivity],
     }
     tables: list[Table] = []
     skipped: list[str] = []

@@ -392,3 +392,40 @@ def test_unreadable_cell_is_warned_about_and_left_out(tmp_path: Path) -> None:
     out = analyse(tmp_path)  # not an ArrowInvalid about a '<Buffer>'
     assert any(str(victim) in w and "unreadable" in w for w in out.warnings), out.warnings
     assert out.tables
+
+
+def test_comm_sensitivity_pivots_dispatcher_and_overlap() -> None:
+    from analysis.tables import comm_sensitivity
+
+    rows = []
+    for dispatcher in ("alltoall", "deepep"):
+        for overlap in (False, True):
+            for planner, step in (("megatron", 4.0), ("relibra", 3.2), ("balanced", 2.0)):
+                scale = (0.8 if dispatcher == "deepep" else 1.0) * (0.75 if overlap else 1.0)
+                rows.append(
+                    _row("qwen3-30b-a3b", "mixed", planner, 4)
+                    | {"step_time_s": step * scale, "dispatcher": dispatcher, "ep_overlap": overlap}
+                )
+    table = comm_sensitivity(pd.DataFrame(rows)).frame
+    assert list(table["dispatcher"]) == ["alltoall", "alltoall", "deepep", "deepep"]
+    assert list(table["overlap"]) == ["off", "on", "off", "on"]
+    np.testing.assert_allclose(table["ReLibra over Megatron-LM"], 1.25)
+    np.testing.assert_allclose(table["Megatron-LM s"], [4.0, 3.0, 3.2, 2.4])
+    with pytest.raises(ValueError, match="dispatcher"):
+        comm_sensitivity(pd.DataFrame(rows).drop(columns="dispatcher"))
+
+
+def test_loaded_results_carry_each_cells_dispatcher_and_overlap(tmp_path: Path) -> None:
+    from analysis.load import load_results
+    from experiments.store import ResultsStore
+
+    store = ResultsStore(tmp_path / "comm_sensitivity")
+    configs = {
+        "a": {"experiment_name": "comm_sensitivity", "cluster": {"dispatcher": "deepep", "ep_overlap": True}},
+        "b": {"experiment_name": "comm_sensitivity", "cluster": {}},  # a cell from before the keys existed
+    }
+    for key, config in configs.items():
+        store.write(key, pd.DataFrame([_row("qwen3-30b-a3b", "mixed", "relibra", 1)]), config)
+    frame = load_results(tmp_path)["comm_sensitivity"].set_index("cell")
+    assert (frame.loc["a", "dispatcher"], bool(frame.loc["a", "ep_overlap"])) == ("deepep", True)
+    assert (frame.loc["b", "dispatcher"], bool(frame.loc["b", "ep_overlap"])) == ("alltoall", False)
