@@ -154,7 +154,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "top_k": counts.top_k,
             "trace": row["trace"],
             "model": model.name,
-            "replicas_in_home_node": bool(getattr(planner, "replicas_in_home_node", True)),
+            "replicas_in_home_node": planner.slot_budget.replicas_in_home_node,
             "routing": routing(cfg),
             "layout": str(cfg.workload.layout),
         }

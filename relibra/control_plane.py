@@ -81,6 +81,8 @@ from relibra.planner import (
     Reorderer,
     Reordering,
     Replicator,
+    SlotBudget,
+    StagedPlanner,
     home_assign,
     static_placement,
 )
@@ -583,11 +585,12 @@ class ControlPlane:
         self.cluster, self.model, self.cost = cluster, model, cost
         self.config = config or ControlPlaneConfig()
         self.replica_slots = int(replica_slots)
+        self.slot_budget = (
+            planner.slot_budget if planner is not None else SlotBudget(replica_slots=self.replica_slots)
+        )
+        """The slots of the planner it runs (a composition's: ``replica_slots`` of the buffer)."""
         self.per_layer = reorderer is not None
-        self.name = name or str(getattr(planner, "name", "control_plane"))
-        for attr in ("redundant_slots", "replicas_in_home_node"):
-            if planner is not None and hasattr(planner, attr):
-                setattr(self, attr, getattr(planner, attr))
+        self.name = name or (planner.name if planner is not None else "control_plane")
         self._kit = _Kit(
             cluster, model, cost, reorderer, replicator, None if reorderer else planner, replica_slots
         )
@@ -624,19 +627,20 @@ class ControlPlane:
         cost: CostModel,
         config: ControlPlaneConfig | None = None,
     ) -> ControlPlane:
-        """Wrap ``planner``: split per layer when it has ``reorderer`` and ``replicator`` (a
-        :class:`~relibra.planners.relibra.ComposedPlanner`), else run it as one whole-batch task."""
-        reorderer = getattr(planner, "reorderer", None)
-        replicator = getattr(planner, "replicator", None)
-        split = reorderer is not None and replicator is not None
+        """Wrap ``planner``: split per layer when it is a :class:`~relibra.planner.StagedPlanner` (a
+        reorderer then a replicator), else run it as one whole-batch task."""
+        reorderer: Reorderer | None = None
+        replicator: Replicator | None = None
+        if isinstance(planner, StagedPlanner):
+            reorderer, replicator = planner.reorderer, planner.replicator
         return cls(
             cluster,
             model,
             cost,
-            reorderer=reorderer if split else None,
-            replicator=replicator if split else None,
+            reorderer=reorderer,
+            replicator=replicator,
             planner=planner,
-            replica_slots=int(getattr(planner, "replica_slots", 0) or 0),
+            replica_slots=planner.slot_budget.replica_slots,
             name=str(planner.name),
             config=config,
         )

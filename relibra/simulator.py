@@ -35,7 +35,7 @@ from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.overlap import overlapped_time
-from relibra.planner import BatchContext, Planner, static_placement
+from relibra.planner import BatchContext, Planner, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
 from relibra.workload import gpu_token_stats, microbatch_loads
 
@@ -77,6 +77,9 @@ class Bound(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def slot_budget(self) -> SlotBudget: ...
+
     def bound(self, ctx: BatchContext) -> MoEBreakdown:
         """Breakdown with leading axes [Mb, L] for the batch's loads ``ctx.load`` [Mb, L, G, E]."""
         ...
@@ -92,8 +95,7 @@ class SimOptions:
     keep_plans: bool = False
     seed: int = 0
     check_plans: bool = False
-    """Run :func:`~relibra.invariants.check_plan` on every plan, with the planner's ``replica_slots``,
-    ``redundant_slots`` and ``replicas_in_home_node`` attributes (defaults 0, 0, True)."""
+    """Run :func:`~relibra.invariants.check_plan` on every plan, within the planner's ``slot_budget``."""
 
 
 @dataclass(frozen=True)
@@ -397,7 +399,8 @@ def simulate(
     totals = dict.fromkeys(
         ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes", "exposed"), 0.0
     )
-    slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
+    budget = planner.slot_budget
+    slots = {"buffer": budget.replica_slots, "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
     history: list[np.ndarray] = []
@@ -426,9 +429,9 @@ def simulate(
                 check_plan(
                     plan,
                     ctx,
-                    replica_slots=int(getattr(planner, "replica_slots", 0) or 0),
-                    redundant_slots=int(getattr(planner, "redundant_slots", 0) or 0),
-                    replicas_in_home_node=bool(getattr(planner, "replicas_in_home_node", True)),
+                    replica_slots=budget.replica_slots,
+                    redundant_slots=budget.redundant_slots,
+                    replicas_in_home_node=budget.replicas_in_home_node,
                 )
             priced = _price_plan(plan, ctx, cost, prev_home, opt.migration_bytes_per_param)
             prev_home = planner_prev = plan.home

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,11 @@ class FailingReplicator:
     """Raises on the layer whose expert-0 total is ``target``; the greedy elsewhere."""
 
     target: int
+    replica_slots: int = SLOTS
+    refill_aware: bool = False
+
+    def with_slots(self, replica_slots: int) -> FailingReplicator:
+        return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Planner
+from relibra.planner import BatchContext, Planner, SlotBudget
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
 from relibra.planners.relibra import PreviousReorderer, relibra, relibra_replicate_only
 from relibra.simulator import batch_context, predict_batch_time, simulate
@@ -80,6 +80,7 @@ class _Fixed:
 
     name: str
     plan_: BatchPlan
+    slot_budget: SlotBudget = field(default_factory=SlotBudget)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         return self.plan_

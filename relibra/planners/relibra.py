@@ -24,6 +24,7 @@ from relibra.planner import (
     Reorderer,
     Reordering,
     Replicator,
+    SlotBudget,
     reordered_load,
     static_placement,
 )
@@ -85,6 +86,10 @@ class ComposedPlanner:
     reorderer: Reorderer
     replicator: Replicator
     replica_slots: int
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()

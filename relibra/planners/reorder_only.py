@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.planner import BatchContext, home_assign, reordered_load
+from relibra.planner import BatchContext, SlotBudget, home_assign, reordered_load
 from relibra.planners.reorder import AnnealingReorderer
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
@@ -38,6 +38,10 @@ class ReorderOnlyPlanner:
         self.name = name
         self.replica_slots = 0
         self.reorderer = AnnealingReorderer(**params)
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget()
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """ctx.load [Mb, L, G, E] -> BatchPlan: annealed home [L, E], home-only assign [Mb, L, E, G]."""

@@ -45,7 +45,7 @@ costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -1136,6 +1136,9 @@ class GreedyReplicator:
     refill_aware: bool = True
     """Behind a planner, keep only copies that pay for their replica-buffer refill
     (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
+
+    def with_slots(self, replica_slots: int) -> GreedyReplicator:
+        return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
