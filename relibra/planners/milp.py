@@ -37,7 +37,7 @@ from ortools.linear_solver import pywraplp
 
 from relibra.cost import CostModel
 from relibra.planner import BatchContext, Replication
-from relibra.planners.replicate import ReplicationCoefficients, round_assign
+from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
 
 __all__ = ["MilpReplicator", "ReplicationSolution", "dispatch_routing", "solve_replication", "solve_split"]
 
