@@ -17,7 +17,7 @@ from relibra.cost import CostModel
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Reordering, Replication, static_placement
 from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
-from relibra.planners.reorder import AnnealingReorderer
+from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
@@ -137,11 +137,11 @@ RELIBRA = {"iterations": 50, "aggregate_warmup": 50, "locality": True}
 def test_relibra_with_locality_equals_the_serial_planner_for_any_worker_count():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    serial = relibra(replica_slots=SLOTS, reorder=RELIBRA).plan(ctx)
+    serial = relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)).plan(ctx)
     assert np.count_nonzero(serial.sample_gpu != ctx.sample_gpu) > 0, "fixture: the locality round must move"
     for workers in (0, 2):
         with ControlPlane.from_planner(
-            relibra(replica_slots=SLOTS, reorder=RELIBRA),
+            relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)),
             cluster,
             model,
             cost,
@@ -162,7 +162,7 @@ def test_relibra_with_locality_equals_the_serial_planner_for_any_worker_count():
 def test_place_then_locality_step_is_reorder():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    reorderer = AnnealingReorderer(**RELIBRA)
+    reorderer = AnnealingReorderer(AnnealConfig(**RELIBRA))
     whole = reorderer.reorder(ctx)
     rows = [
         reorderer.place(

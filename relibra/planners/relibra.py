@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -30,6 +29,7 @@ from relibra.planner import (
 )
 from relibra.planners.milp import MilpReplicator
 from relibra.planners.refill import replicate_batch
+from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
@@ -127,21 +127,19 @@ class ComposedPlanner:
 
 def relibra(
     replica_slots: int = 2,
-    reorder: dict[str, Any] | None = None,
+    reorder: AnnealConfig | None = None,
     split: SplitMethod = "waterfill",
     acceptance: Acceptance = "best",
     name: str = "relibra",
     polish_moves: int = 0,
     refill_aware: bool = True,
 ) -> ComposedPlanner:
-    """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication
+    """ReLibra: annealing reordering (``reorder``: its :class:`AnnealConfig`), then greedy replication
     (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`;
     ``refill_aware``: copies must pay for their buffer refill, see :mod:`relibra.planners.refill`)."""
-    from relibra.planners.reorder import AnnealingReorderer
-
     return ComposedPlanner(
         name=name,
-        reorderer=AnnealingReorderer(**dict(reorder or {})),
+        reorderer=AnnealingReorderer(reorder),
         replicator=GreedyReplicator(
             replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
         ),

@@ -44,8 +44,7 @@ import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numba import njit
@@ -75,7 +74,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class AnnealConfig:
-    """Parameters of :class:`AnnealingReorderer` (all have defaults; Hydra passes them as keyword args)."""
+    """Parameters of :class:`AnnealingReorderer`. These defaults are the only ones: the Hydra node
+    ``planner/reorder/anneal`` is generated from them (:mod:`experiments.planner_nodes`)."""
 
     iterations: int | None = None
     """Swap proposals per seed and layer on ``objective`` after the warm-up; None: the same work for every
@@ -131,6 +131,9 @@ class AnnealConfig:
     by replicas; for a reordering that intra-node replication follows (see the module docstring, 5.)."""
 
     def __post_init__(self) -> None:
+        # NOTE: Hydra hands a list (or one int); a tuple keeps the config hashable and its repr stable.
+        seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
+        object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
         if self.objective not in ("microbatch", "aggregate"):
             raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
         if (self.iterations is not None and self.iterations < 0) or self.aggregate_warmup < 0:
@@ -174,18 +177,6 @@ class AnnealConfig:
             raise ValueError(f"compute_level={self.compute_level!r}; expected 'gpu' or 'node'")
         if not (math.isfinite(self.comm_weight) and self.comm_weight >= 0):
             raise ValueError(f"comm_weight={self.comm_weight}; expected a finite number >= 0")
-
-    @classmethod
-    def from_params(cls, **params: Any) -> AnnealConfig:
-        """Build from keyword parameters (Hydra lists become tuples); unknown names are refused."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise TypeError(f"unknown reordering parameter(s) {unknown}; known: {sorted(known)}")
-        if "seeds" in params:
-            seeds = params["seeds"]
-            params["seeds"] = (int(seeds),) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
-        return cls(**params)
 
 
 # ----------------------------------------------------------------------------------------------- LPT
@@ -853,13 +844,11 @@ def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
 
 
 class AnnealingReorderer:
-    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`).
+    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`), with ``config`` (default:
+    :class:`AnnealConfig`'s defaults)."""
 
-    ``AnnealingReorderer(**params)`` takes the fields of :class:`AnnealConfig` as keyword arguments.
-    """
-
-    def __init__(self, **params: Any) -> None:
-        self.config = AnnealConfig.from_params(**params)
+    def __init__(self, config: AnnealConfig | None = None) -> None:
+        self.config = config if config is not None else AnnealConfig()
 
     @property
     def moves_samples(self) -> bool:
