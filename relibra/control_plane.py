@@ -90,7 +90,13 @@ from relibra.planners.refill import replicate_batch
 from relibra.relabel import relabel_plan
 from relibra.trace import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import LAYOUTS, SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
+from relibra.workload import (
+    LAYOUTS,
+    SampleLayout,
+    layout_samples,
+    microbatch_loads,
+    sample_context,
+)
 
 __all__ = [
     "ControlPlane",
@@ -329,27 +335,12 @@ class _Slice:
 
 
 def _context(kit: _Kit, part: _Slice) -> BatchContext:
-    num_mb, g = part.load.shape[0], kit.cluster.num_gpus
-    counts, tokens, local_mb = part.counts, part.sample_tokens, part.sample_mb
-
-    memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-
-    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # NOTE: remembers its last answer, so the locality task hands back the loads its round regrouped.
-        key = np.asarray(sample_gpu, dtype=np.int32).tobytes()
-        if key not in memo:
-            memo.clear()
-            load = microbatch_loads(counts, sample_gpu, local_mb, num_mb, g)
-            tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
-            memo[key] = (load, tok)
-        return memo[key]
-
-    return BatchContext(
+    return sample_context(
         batch=part.batch,
-        counts=counts,
-        sample_tokens=tokens,
+        counts=part.counts,
+        sample_tokens=part.sample_tokens,
         sample_gpu=part.sample_gpu,
-        sample_mb=local_mb,
+        sample_mb=part.sample_mb,
         load=part.load,
         cluster=kit.cluster,
         model=kit.model,
@@ -357,7 +348,6 @@ def _context(kit: _Kit, part: _Slice) -> BatchContext:
         prev_home=part.prev_home,
         history=part.history,
         seed=part.seed,
-        regroup=regroup,
     )
 
 

@@ -1,8 +1,8 @@
 """The simulated executor: runs a planner batch by batch over a workload and prices every plan.
 
 For each batch ``b`` the simulator builds a :class:`~relibra.planner.BatchContext` (oracle loads, the
-previous placement, recent history, a ``regroup`` closure), calls the planner, times it, and prices the
-plan with the :class:`~relibra.cost.CostModel`:
+previous placement, recent history, a ``regroup`` closure; :func:`relibra.workload.batch_context`), calls
+the planner, times it, and prices the plan with the :class:`~relibra.cost.CostModel`:
 
 * per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
   ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +
@@ -37,7 +37,7 @@ from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.overlap import overlapped_time
 from relibra.planner import BatchContext, Planner, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
-from relibra.workload import gpu_token_stats, microbatch_loads
+from relibra.workload import batch_context, gpu_token_stats
 
 __all__ = [
     "Bound",
@@ -146,52 +146,6 @@ def skewness(compute_tokens: np.ndarray) -> np.ndarray:
     t = np.asarray(compute_tokens, dtype=np.float64)
     mean = t.mean(axis=-1)
     return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
-
-
-def batch_context(
-    counts: SampleCounts,
-    workload: Workload,
-    batch: int,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    cost: CostModel,
-    *,
-    prev_home: np.ndarray | None = None,
-    history: tuple[np.ndarray, ...] = (),
-    seed: int = 0,
-) -> BatchContext:
-    """The :class:`BatchContext` of batch ``batch`` of a workload (also handy to build tests' contexts)."""
-    sl = counts.batch(batch)
-    mbs = workload.batch_microbatches(batch)
-    if mbs.size == 0:
-        raise ValueError(f"batch {batch} has no micro-batches in the workload")
-    first = int(mbs[0])
-    num_mb = int(mbs.size)
-    c = counts.counts[sl]
-    local_mb = (workload.sample_mb[sl] - first).astype(np.int32)
-    g = cluster.num_gpus
-    tokens = counts.tokens[sl]
-
-    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        load = microbatch_loads(c, sample_gpu, local_mb, num_mb, g)
-        tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
-        return load, tok
-
-    return BatchContext(
-        batch=batch,
-        counts=c,
-        sample_tokens=tokens,
-        sample_gpu=workload.sample_gpu[sl],
-        sample_mb=local_mb,
-        load=workload.load[first : first + num_mb],
-        cluster=cluster,
-        model=model,
-        cost=cost,
-        prev_home=prev_home,
-        history=history,
-        seed=seed + batch,
-        regroup=regroup,
-    )
 
 
 def _replicas_per_slot(plan: BatchPlan) -> np.ndarray:
