@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from relibra.cost import MoEBreakdown
-from relibra.planner import BatchContext
+from relibra.planner import BatchContext, SlotBudget
 
 __all__ = ["BalancedBound", "unavoidable_traffic"]
 
@@ -81,6 +81,10 @@ class BalancedBound:
     def __post_init__(self) -> None:
         if self.slots < 0:
             raise ValueError(f"planner.slots={self.slots}: expected >= 0")
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
 
     def bound(self, ctx: BatchContext) -> MoEBreakdown:
         """ctx.load [Mb, L, G, E] -> breakdown with leading axes [Mb, L] (per-GPU terms all equal)."""

@@ -38,7 +38,7 @@ from typing import Literal
 import numpy as np
 from ortools.graph.python import max_flow
 
-from relibra.planner import BatchContext
+from relibra.planner import BatchContext, SlotBudget
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -349,6 +349,10 @@ class EplbPlanner:
     def replicas_in_home_node(self) -> bool:
         """Whether every extra copy stays in its expert's home node (hierarchical: replication per node)."""
         return self.policy == "hierarchical"
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
     def weight(self, ctx: BatchContext) -> np.ndarray:
         """The loads EPLB balances: float64 [L, E] (oracle: this batch; history: moving average)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relibra.planner import BatchContext, static_placement
+from relibra.planner import BatchContext, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 
 __all__ = ["LlepPlanner", "LptPlan", "imbalance_ratio", "lpt_plan"]
@@ -211,6 +211,10 @@ class LlepPlanner:
 
     replicas_in_home_node = False
     """Spilled experts go to the least-loaded GPUs anywhere in the EP group."""
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
     def __post_init__(self) -> None:
         if self.routing_ratio is not None and self.routing_ratio <= 0:

@@ -36,7 +36,7 @@ import highspy
 import numpy as np
 
 from baselines.eplb import history_weight, rebalance_experts
-from relibra.planner import BatchContext, home_assign
+from relibra.planner import BatchContext, SlotBudget, home_assign
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -343,6 +343,10 @@ class LplbPlanner:
 
     replicas_in_home_node = False
     """Copies follow the topology's edges, which may cross nodes (torus, ring)."""
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """ctx.load [Mb, L, G, E] -> BatchPlan with home [L, E], redundant [L, G, R], assign [Mb, L, E, G]."""

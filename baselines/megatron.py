@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from relibra.planner import BatchContext, home_assign, static_placement
+from relibra.planner import BatchContext, SlotBudget, home_assign, static_placement
 from relibra.types import BatchPlan
 
 __all__ = ["MegatronPlanner"]
@@ -27,6 +27,10 @@ class MegatronPlanner:
             raise ValueError(
                 f"planner.replica_slots={self.replica_slots}: Megatron-LM has no replica slots; use 0"
             )
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """ctx.load [Mb, L, G, E] -> BatchPlan with home [L, E] and assign [Mb, L, E, G]."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from relibra.cost import BF16_BYTES
-from relibra.planner import BatchContext, home_assign, static_placement
+from relibra.planner import BatchContext, SlotBudget, home_assign, static_placement
 from relibra.types import BatchPlan
 
 __all__ = ["PopFetcherPlanner", "adjacent_layer_transition", "pull_threshold"]
@@ -116,6 +116,10 @@ class PopFetcherPlanner:
 
     replicas_in_home_node = False
     """Prefetched copies come from the expert's home on any node."""
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
     def predict(self, window: np.ndarray, current: np.ndarray) -> np.ndarray:
         """Predicted loads of one micro-batch.

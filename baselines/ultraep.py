@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relibra.planner import BatchContext, static_placement
+from relibra.planner import BatchContext, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 
 __all__ = ["DomainSolution", "UltraEPPlanner", "solve_domain", "split_sources"]
@@ -439,6 +439,10 @@ class UltraEPPlanner:
 
     replicas_in_home_node = True
     """Copies stay in the NVLink domain (here: the expert's home node)."""
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
     def __post_init__(self) -> None:
         if self.replica_slots < 0:

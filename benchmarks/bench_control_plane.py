@@ -38,6 +38,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.control_plane import ControlPlane, ControlPlaneConfig
 from relibra.cost import CostModel
 from relibra.planners.relibra import relibra
+from relibra.planners.reorder import AnnealConfig
 from relibra.synthetic import generate_counts
 
 ACTIVE_PARAMS = 22e9
@@ -103,7 +104,7 @@ def main() -> None:
     order = np.random.default_rng(args.seed).permutation(args.samples)
     for workers in (int(w) for w in args.workers.split(",")):
         cfg = ControlPlaneConfig(workers=workers, samples_per_microbatch=args.samples_per_microbatch)
-        planner = relibra(replica_slots=2, reorder={"locality": not args.no_locality})
+        planner = relibra(replica_slots=2, reorder=AnnealConfig(locality=not args.no_locality))
         with ControlPlane.from_planner(planner, cluster, model, cost, cfg) as cp:
             for chunk in np.array_split(order, 16):
                 cp.submit(counts.counts[chunk], counts.tokens[chunk], sample_ids=chunk)

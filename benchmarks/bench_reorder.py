@@ -237,11 +237,12 @@ def section_batch(full: bool) -> None:
     )
     for col in ("objective", "workers", "wall s", "CPU s*", "wall x 94/L", "CPU x 94/L", "gain vs LPT"):
         table.add_column(col, justify="right")
-    AnnealingReorderer(iterations=10, seeds=[0]).reorder(ctx)  # JIT warm-up (cached on disk afterwards)
+    # JIT warm-up (cached on disk afterwards)
+    AnnealingReorderer(AnnealConfig(iterations=10, seeds=(0,))).reorder(ctx)
     for objective in ("microbatch", "aggregate"):
         for workers in (1, 2):
             t0, c0 = time.perf_counter(), time.process_time()
-            r = AnnealingReorderer(objective=objective, workers=workers).reorder(ctx)
+            r = AnnealingReorderer(AnnealConfig(objective=objective, workers=workers)).reorder(ctx)
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             gain = 1 - r.stats["reorder_objective_s"] / r.stats["reorder_lpt_objective_s"]
             one = workers == 1
@@ -284,7 +285,7 @@ def effect_rows(label: str, ctx: BatchContext) -> list[list[str]]:
     }
     r = AnnealingReorderer().reorder(ctx)
     placements["anneal"] = (r.home, ctx.load)
-    rl = AnnealingReorderer(locality=True, locality_tolerance=0.1).reorder(ctx)
+    rl = AnnealingReorderer(AnnealConfig(locality=True, locality_tolerance=0.1)).reorder(ctx)
     assert ctx.regroup is not None
     placements["anneal+locality"] = (rl.home, ctx.regroup(rl.sample_gpu)[0])
     base = t_moe(ctx.cost, ctx.load, placements["megatron"][0])

@@ -184,11 +184,11 @@ def balance(full: bool, seed: int) -> None:
     for r in slots:
         table.add_column(f"T_MoE r={r}", justify="right")
     for nodes in (1, 2, 4, 8):
-        from relibra.planners.reorder import AnnealingReorderer
+        from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 
         ctx = synthetic_context(qwen, nodes, layers, mbs, seed)
         g = ctx.num_gpus
-        reo = AnnealingReorderer(workers=1).reorder(ctx)
+        reo = AnnealingReorderer(AnnealConfig(workers=1)).reorder(ctx)
         static = StaticReorderer().reorder(ctx)
         for label, reordering in (("megatron", static), ("relibra_reorder_only", reo)):
             a = home_assign(ctx.load, reordering.home, g)
@@ -204,7 +204,7 @@ def balance(full: bool, seed: int) -> None:
                     times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")
                 table.add_row(str(g), label, acceptance, *skews, *times)
         # planner=relibra_balance: both stages optimise compute balance instead of T_MoE
-        bal = AnnealingReorderer(workers=1, compute_level="node", comm_weight=0.0).reorder(ctx)
+        bal = AnnealingReorderer(AnnealConfig(workers=1, compute_level="node", comm_weight=0.0)).reorder(ctx)
         skews, times = [], []
         for r in slots:
             rep = GreedyReplicator(r, acceptance="compute")

@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,6 +24,7 @@ from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost import CostModel, load_calibration
 from relibra.fabric import DISPATCHERS
 from relibra.migration import migration_payload
+from relibra.planner import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace import RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
@@ -104,7 +104,7 @@ def planning(
     planner when ``control_plane.enabled=false``. A Bound (Balanced) is no plan and is never wrapped; a
     portfolio keeps its choice and gets one control plane per candidate."""
     cp_cfg = cfg.get("control_plane") or {}
-    if not bool(cp_cfg.get("enabled", True)) or not callable(getattr(planner, "plan", None)):
+    if not bool(cp_cfg.get("enabled", True)) or not isinstance(planner, Planner):
         yield planner
         return
     from relibra.control_plane import ControlPlane, ControlPlaneConfig
@@ -117,15 +117,13 @@ def planning(
         locality_deadline_s=None if locality_deadline is None else float(locality_deadline),
         seed=int(cfg.seed),
     )
-    from relibra.planners.portfolio import PortfolioPlanner
-
-    if isinstance(planner, PortfolioPlanner):  # each candidate behind its own control plane, then the choice
+    if isinstance(planner, PlannerPortfolio):  # each candidate behind its own control plane, then the choice
         with ExitStack() as stack:
             cps = tuple(
                 stack.enter_context(ControlPlane.from_planner(c, cluster, model, cost, config))
-                for c in planner.candidates
+                for c in planner.candidate_planners()
             )
-            yield replace(planner, candidates=cps)
+            yield planner.with_candidates(cps)
         return
     with ControlPlane.from_planner(planner, cluster, model, cost, config) as cp:
         yield cp

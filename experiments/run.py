@@ -122,7 +122,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "planner": result.planner,
         "nodes": cluster.nodes,
         "gpus_per_node": cluster.gpus_per_node,
-        "replica_slots": int(cfg.planner.get("replica_slots", 0) or 0),
+        "replica_slots": planner.slot_budget.replica_slots,
         "tokens": float(counts.tokens.sum()) / max(counts.num_batches, 1),
         "executor": str(cfg.executor.name),
         "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
@@ -148,13 +148,13 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "replica_slots": max(
                 [row["replica_slots"]] + [_foreign_experts(p) for p in result.plans if p.online]
             ),
-            "redundant_slots": int(cfg.planner.get("redundant_slots", 0) or 0),
+            "redundant_slots": planner.slot_budget.redundant_slots,
             "num_experts": model.num_experts,
             "num_layers": counts.num_layers,
             "top_k": counts.top_k,
             "trace": row["trace"],
             "model": model.name,
-            "replicas_in_home_node": bool(getattr(planner, "replicas_in_home_node", True)),
+            "replicas_in_home_node": planner.slot_budget.replicas_in_home_node,
             "routing": routing(cfg),
             "layout": str(cfg.workload.layout),
         }

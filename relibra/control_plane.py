@@ -81,6 +81,8 @@ from relibra.planner import (
     Reorderer,
     Reordering,
     Replicator,
+    SlotBudget,
+    StagedPlanner,
     home_assign,
     static_placement,
 )
@@ -88,7 +90,13 @@ from relibra.planners.refill import replicate_batch
 from relibra.relabel import relabel_plan
 from relibra.trace import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import LAYOUTS, SampleLayout, gpu_token_stats, layout_samples, microbatch_loads
+from relibra.workload import (
+    LAYOUTS,
+    SampleLayout,
+    layout_samples,
+    microbatch_loads,
+    sample_context,
+)
 
 __all__ = [
     "ControlPlane",
@@ -327,27 +335,12 @@ class _Slice:
 
 
 def _context(kit: _Kit, part: _Slice) -> BatchContext:
-    num_mb, g = part.load.shape[0], kit.cluster.num_gpus
-    counts, tokens, local_mb = part.counts, part.sample_tokens, part.sample_mb
-
-    memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-
-    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # NOTE: remembers its last answer, so the locality task hands back the loads its round regrouped.
-        key = np.asarray(sample_gpu, dtype=np.int32).tobytes()
-        if key not in memo:
-            memo.clear()
-            load = microbatch_loads(counts, sample_gpu, local_mb, num_mb, g)
-            tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
-            memo[key] = (load, tok)
-        return memo[key]
-
-    return BatchContext(
+    return sample_context(
         batch=part.batch,
-        counts=counts,
-        sample_tokens=tokens,
+        counts=part.counts,
+        sample_tokens=part.sample_tokens,
         sample_gpu=part.sample_gpu,
-        sample_mb=local_mb,
+        sample_mb=part.sample_mb,
         load=part.load,
         cluster=kit.cluster,
         model=kit.model,
@@ -355,7 +348,6 @@ def _context(kit: _Kit, part: _Slice) -> BatchContext:
         prev_home=part.prev_home,
         history=part.history,
         seed=part.seed,
-        regroup=regroup,
     )
 
 
@@ -583,11 +575,12 @@ class ControlPlane:
         self.cluster, self.model, self.cost = cluster, model, cost
         self.config = config or ControlPlaneConfig()
         self.replica_slots = int(replica_slots)
+        self.slot_budget = (
+            planner.slot_budget if planner is not None else SlotBudget(replica_slots=self.replica_slots)
+        )
+        """The slots of the planner it runs (a composition's: ``replica_slots`` of the buffer)."""
         self.per_layer = reorderer is not None
-        self.name = name or str(getattr(planner, "name", "control_plane"))
-        for attr in ("redundant_slots", "replicas_in_home_node"):
-            if planner is not None and hasattr(planner, attr):
-                setattr(self, attr, getattr(planner, attr))
+        self.name = name or (planner.name if planner is not None else "control_plane")
         self._kit = _Kit(
             cluster, model, cost, reorderer, replicator, None if reorderer else planner, replica_slots
         )
@@ -624,19 +617,20 @@ class ControlPlane:
         cost: CostModel,
         config: ControlPlaneConfig | None = None,
     ) -> ControlPlane:
-        """Wrap ``planner``: split per layer when it has ``reorderer`` and ``replicator`` (a
-        :class:`~relibra.planners.relibra.ComposedPlanner`), else run it as one whole-batch task."""
-        reorderer = getattr(planner, "reorderer", None)
-        replicator = getattr(planner, "replicator", None)
-        split = reorderer is not None and replicator is not None
+        """Wrap ``planner``: split per layer when it is a :class:`~relibra.planner.StagedPlanner` (a
+        reorderer then a replicator), else run it as one whole-batch task."""
+        reorderer: Reorderer | None = None
+        replicator: Replicator | None = None
+        if isinstance(planner, StagedPlanner):
+            reorderer, replicator = planner.reorderer, planner.replicator
         return cls(
             cluster,
             model,
             cost,
-            reorderer=reorderer if split else None,
-            replicator=replicator if split else None,
+            reorderer=reorderer,
+            replicator=replicator,
             planner=planner,
-            replica_slots=int(getattr(planner, "replica_slots", 0) or 0),
+            replica_slots=planner.slot_budget.replica_slots,
             name=str(planner.name),
             config=config,
         )

@@ -77,12 +77,29 @@ class Replication:
     """Replicator-specific scalars (an exact solver's ``milp_gap``, ...); empty for the greedy."""
 
 
+@dataclass(frozen=True)
+class SlotBudget:
+    """The expert slots a planner's plans may use beside each GPU's ``E / G`` home experts (DESIGN.md,
+    plan dump): what the plan checker bounds, the plan dump records and the simulator reports."""
+
+    replica_slots: int = 0
+    """Temporary per-layer slots per GPU (ReLibra's layer-shared buffer, PopFetcher's prefetch buffer)."""
+    redundant_slots: int = 0
+    """Permanent extra expert slots per GPU in every layer (EPLB+, LPLB+)."""
+    replicas_in_home_node: bool = True
+    """Whether every extra copy stays in its expert's home node."""
+
+
 @runtime_checkable
 class Planner(Protocol):
-    """Plans one batch. ``name`` is the result-table label (``relibra``, ``megatron``, ...)."""
+    """Plans one batch. ``name`` is the result-table label (``relibra``, ``megatron``, ...);
+    ``slot_budget`` the slots its plans may use."""
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def slot_budget(self) -> SlotBudget: ...
 
     def plan(self, ctx: BatchContext) -> BatchPlan: ...
 
@@ -92,8 +109,47 @@ class Reorderer(Protocol):
 
 
 class Replicator(Protocol):
+    @property
+    def replica_slots(self) -> int:
+        """``r``: replica slots per GPU that :meth:`replicate` may fill."""
+        ...
+
+    @property
+    def refill_aware(self) -> bool:
+        """Whether its copies must pay for their replica-buffer refill (:mod:`relibra.planners.refill`)."""
+        ...
+
+    def with_slots(self, replica_slots: int) -> Replicator:
+        """The same replicator with ``replica_slots`` slots per GPU."""
+        ...
+
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E] of one micro-batch, home [L, E] -> Replication with assign [L, E, G]."""
+        ...
+
+
+@runtime_checkable
+class StagedPlanner(Planner, Protocol):
+    """A planner that is a :class:`Reorderer` (per batch) followed by a :class:`Replicator` (per
+    micro-batch): the control plane runs the two stages as separate tasks."""
+
+    @property
+    def reorderer(self) -> Reorderer: ...
+
+    @property
+    def replicator(self) -> Replicator: ...
+
+
+@runtime_checkable
+class PlannerPortfolio(Planner, Protocol):
+    """A planner that chooses among candidate planners' plans: the control plane wraps each candidate."""
+
+    def candidate_planners(self) -> tuple[Planner, ...]:
+        """The candidates, in the order ties are broken."""
+        ...
+
+    def with_candidates(self, candidates: tuple[Planner, ...]) -> PlannerPortfolio:
+        """The same portfolio choosing among ``candidates`` (one per :meth:`candidate_planners` entry)."""
         ...
 
 

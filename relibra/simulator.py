@@ -1,8 +1,8 @@
 """The simulated executor: runs a planner batch by batch over a workload and prices every plan.
 
 For each batch ``b`` the simulator builds a :class:`~relibra.planner.BatchContext` (oracle loads, the
-previous placement, recent history, a ``regroup`` closure), calls the planner, times it, and prices the
-plan with the :class:`~relibra.cost.CostModel`:
+previous placement, recent history, a ``regroup`` closure; :func:`relibra.workload.batch_context`), calls
+the planner, times it, and prices the plan with the :class:`~relibra.cost.CostModel`:
 
 * per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
   ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +
@@ -35,9 +35,9 @@ from relibra.executor import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.overlap import overlapped_time
-from relibra.planner import BatchContext, Planner, static_placement
+from relibra.planner import BatchContext, Planner, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
-from relibra.workload import gpu_token_stats, microbatch_loads
+from relibra.workload import batch_context, gpu_token_stats
 
 __all__ = [
     "Bound",
@@ -77,6 +77,9 @@ class Bound(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def slot_budget(self) -> SlotBudget: ...
+
     def bound(self, ctx: BatchContext) -> MoEBreakdown:
         """Breakdown with leading axes [Mb, L] for the batch's loads ``ctx.load`` [Mb, L, G, E]."""
         ...
@@ -92,8 +95,7 @@ class SimOptions:
     keep_plans: bool = False
     seed: int = 0
     check_plans: bool = False
-    """Run :func:`~relibra.invariants.check_plan` on every plan, with the planner's ``replica_slots``,
-    ``redundant_slots`` and ``replicas_in_home_node`` attributes (defaults 0, 0, True)."""
+    """Run :func:`~relibra.invariants.check_plan` on every plan, within the planner's ``slot_budget``."""
 
 
 @dataclass(frozen=True)
@@ -144,52 +146,6 @@ def skewness(compute_tokens: np.ndarray) -> np.ndarray:
     t = np.asarray(compute_tokens, dtype=np.float64)
     mean = t.mean(axis=-1)
     return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
-
-
-def batch_context(
-    counts: SampleCounts,
-    workload: Workload,
-    batch: int,
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    cost: CostModel,
-    *,
-    prev_home: np.ndarray | None = None,
-    history: tuple[np.ndarray, ...] = (),
-    seed: int = 0,
-) -> BatchContext:
-    """The :class:`BatchContext` of batch ``batch`` of a workload (also handy to build tests' contexts)."""
-    sl = counts.batch(batch)
-    mbs = workload.batch_microbatches(batch)
-    if mbs.size == 0:
-        raise ValueError(f"batch {batch} has no micro-batches in the workload")
-    first = int(mbs[0])
-    num_mb = int(mbs.size)
-    c = counts.counts[sl]
-    local_mb = (workload.sample_mb[sl] - first).astype(np.int32)
-    g = cluster.num_gpus
-    tokens = counts.tokens[sl]
-
-    def regroup(sample_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        load = microbatch_loads(c, sample_gpu, local_mb, num_mb, g)
-        tok, _ = gpu_token_stats(tokens, sample_gpu, local_mb, num_mb, g)
-        return load, tok
-
-    return BatchContext(
-        batch=batch,
-        counts=c,
-        sample_tokens=tokens,
-        sample_gpu=workload.sample_gpu[sl],
-        sample_mb=local_mb,
-        load=workload.load[first : first + num_mb],
-        cluster=cluster,
-        model=model,
-        cost=cost,
-        prev_home=prev_home,
-        history=history,
-        seed=seed + batch,
-        regroup=regroup,
-    )
 
 
 def _replicas_per_slot(plan: BatchPlan) -> np.ndarray:
@@ -397,7 +353,8 @@ def simulate(
     totals = dict.fromkeys(
         ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes", "exposed"), 0.0
     )
-    slots = {"buffer": int(getattr(planner, "replica_slots", 0) or 0), "redundant": 0}
+    budget = planner.slot_budget
+    slots = {"buffer": budget.replica_slots, "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept: list[BatchPlan] = []
     history: list[np.ndarray] = []
@@ -426,9 +383,9 @@ def simulate(
                 check_plan(
                     plan,
                     ctx,
-                    replica_slots=int(getattr(planner, "replica_slots", 0) or 0),
-                    redundant_slots=int(getattr(planner, "redundant_slots", 0) or 0),
-                    replicas_in_home_node=bool(getattr(planner, "replicas_in_home_node", True)),
+                    replica_slots=budget.replica_slots,
+                    redundant_slots=budget.redundant_slots,
+                    replicas_in_home_node=budget.replicas_in_home_node,
                 )
             priced = _price_plan(plan, ctx, cost, prev_home, opt.migration_bytes_per_param)
             prev_home = planner_prev = plan.home

@@ -29,6 +29,8 @@ shares (a planner may move samples afterwards only if its method says so: ReLibr
 GPU) loads with one sorted segment sum over flattened keys (no Python loop over tokens or samples).
 :func:`layout_samples` runs the layout; :func:`assemble` reduces into a :class:`~relibra.types.Workload`;
 :func:`build_workload` does everything from a :class:`~relibra.types.SampleCounts`.
+:func:`sample_context` is the one builder of a planner's :class:`~relibra.planner.BatchContext` (the
+simulator's, through :func:`batch_context`, and the control plane's tasks').
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost import CostModel
+from relibra.planner import BatchContext
 from relibra.types import SampleCounts, Workload
 
 __all__ = [
@@ -486,3 +491,88 @@ def build_workload(
         counts.tokens, counts.batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch, layout
     )
     return assemble(counts, placed, num_gpus)
+
+
+def sample_context(
+    *,
+    batch: int,
+    counts: np.ndarray,
+    sample_tokens: np.ndarray,
+    sample_gpu: np.ndarray,
+    sample_mb: np.ndarray,
+    load: np.ndarray,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    prev_home: np.ndarray | None = None,
+    history: tuple[np.ndarray, ...] = (),
+    seed: int = 0,
+) -> BatchContext:
+    """A :class:`BatchContext` over one batch's samples, with the ``regroup`` closure that recomputes the
+    loads for a new sample assignment.
+
+    Args:
+        counts: int32 [Sb, L, E]; sample_tokens: int64 [Sb]; sample_gpu, sample_mb: int32 [Sb] (local
+            micro-batch); load: int32 [Mb, L, G, E] under them; prev_home: int32 [L, E] or None.
+    """
+    num_mb, g = int(np.shape(load)[0]), cluster.num_gpus
+    memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+
+    def regroup(new_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # NOTE: remembers its last answer, so that a locality round and the stage after it share one regroup.
+        key = np.asarray(new_gpu, dtype=np.int32).tobytes()
+        if key not in memo:
+            memo.clear()
+            tok, _ = gpu_token_stats(sample_tokens, new_gpu, sample_mb, num_mb, g)
+            memo[key] = (microbatch_loads(counts, new_gpu, sample_mb, num_mb, g), tok)
+        return memo[key]
+
+    return BatchContext(
+        batch=batch,
+        counts=counts,
+        sample_tokens=sample_tokens,
+        sample_gpu=sample_gpu,
+        sample_mb=sample_mb,
+        load=load,
+        cluster=cluster,
+        model=model,
+        cost=cost,
+        prev_home=prev_home,
+        history=history,
+        seed=seed,
+        regroup=regroup,
+    )
+
+
+def batch_context(
+    counts: SampleCounts,
+    workload: Workload,
+    batch: int,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    *,
+    prev_home: np.ndarray | None = None,
+    history: tuple[np.ndarray, ...] = (),
+    seed: int = 0,
+) -> BatchContext:
+    """The :class:`BatchContext` of batch ``batch`` of a workload (the simulator's; seed ``seed + batch``)."""
+    sl = counts.batch(batch)
+    mbs = workload.batch_microbatches(batch)
+    if mbs.size == 0:
+        raise ValueError(f"batch {batch} has no micro-batches in the workload")
+    first = int(mbs[0])
+    return sample_context(
+        batch=batch,
+        counts=counts.counts[sl],
+        sample_tokens=counts.tokens[sl],
+        sample_gpu=workload.sample_gpu[sl],
+        sample_mb=(workload.sample_mb[sl] - first).astype(np.int32),
+        load=workload.load[first : first + int(mbs.size)],
+        cluster=cluster,
+        model=model,
+        cost=cost,
+        prev_home=prev_home,
+        history=history,
+        seed=seed + batch,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ from relibra.cost import CostModel
 from relibra.invariants import check_plan
 from relibra.planner import BatchContext, Reordering, Replication, static_placement
 from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
-from relibra.planners.reorder import AnnealingReorderer
+from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
@@ -83,6 +83,11 @@ class FailingReplicator:
     """Raises on the layer whose expert-0 total is ``target``; the greedy elsewhere."""
 
     target: int
+    replica_slots: int = SLOTS
+    refill_aware: bool = False
+
+    def with_slots(self, replica_slots: int) -> FailingReplicator:
+        return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:
@@ -132,11 +137,11 @@ RELIBRA = {"iterations": 50, "aggregate_warmup": 50, "locality": True}
 def test_relibra_with_locality_equals_the_serial_planner_for_any_worker_count():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    serial = relibra(replica_slots=SLOTS, reorder=RELIBRA).plan(ctx)
+    serial = relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)).plan(ctx)
     assert np.count_nonzero(serial.sample_gpu != ctx.sample_gpu) > 0, "fixture: the locality round must move"
     for workers in (0, 2):
         with ControlPlane.from_planner(
-            relibra(replica_slots=SLOTS, reorder=RELIBRA),
+            relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)),
             cluster,
             model,
             cost,
@@ -157,7 +162,7 @@ def test_relibra_with_locality_equals_the_serial_planner_for_any_worker_count():
 def test_place_then_locality_step_is_reorder():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    reorderer = AnnealingReorderer(**RELIBRA)
+    reorderer = AnnealingReorderer(AnnealConfig(**RELIBRA))
     whole = reorderer.reorder(ctx)
     rows = [
         reorderer.place(

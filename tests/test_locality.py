@@ -9,6 +9,7 @@ import pytest
 
 from relibra.invariants import check_plan
 from relibra.planners.locality import cross_node_tokens, locality_round, per_gpu_slots
+from relibra.planners.reorder import AnnealConfig
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
 from tests.test_reorder import make_ctx
@@ -90,7 +91,9 @@ def test_locality_tolerance_outside_zero_one_is_refused(tolerance: float) -> Non
 
 def test_reorder_only_with_locality_satisfies_invariants() -> None:
     ctx = make_ctx(2, 4, 32, microbatches=2, samples_per_gpu=4, seed=8, alpha=0.2)
-    plan = ReorderOnlyPlanner(iterations=300, seeds=[0], locality=True, locality_tolerance=0.1).plan(ctx)
+    plan = ReorderOnlyPlanner(
+        reorder=AnnealConfig(iterations=300, seeds=(0,), locality=True, locality_tolerance=0.1)
+    ).plan(ctx)
     check_plan(plan, ctx, replica_slots=0)
     assert "locality_cross_node_after" in plan.stats
     assert plan.stats["locality_comm_after_s"] <= plan.stats["locality_comm_before_s"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -12,15 +12,16 @@ from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Planner
+from relibra.planner import BatchContext, Planner, SlotBudget
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
 from relibra.planners.relibra import PreviousReorderer, relibra, relibra_replicate_only
+from relibra.planners.reorder import AnnealConfig
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
-FAST_REORDER = {"iterations": 200, "seeds": [0], "workers": 1}
+FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,10 @@ def _candidates() -> list[Planner]:
     return [
         MegatronPlanner(),
         relibra_replicate_only(replica_slots=2),
-        relibra(replica_slots=2, reorder=FAST_REORDER),
+        relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)),
         relibra(
             replica_slots=2,
-            reorder={**FAST_REORDER, "comm_weight": 0.0, "compute_level": "node"},
+            reorder=AnnealConfig(**{**FAST_REORDER, "comm_weight": 0.0, "compute_level": "node"}),
             acceptance="compute",
             name="relibra_balance",
         ),
@@ -80,6 +81,7 @@ class _Fixed:
 
     name: str
     plan_: BatchPlan
+    slot_budget: SlotBudget = field(default_factory=SlotBudget)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         return self.plan_
@@ -131,16 +133,19 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
     keep = relibra_replicate_only(replica_slots=2, placement="previous", name="relibra_keep_placement")
     plan0 = keep.plan(first)  # no previous placement: Megatron-LM's static one
     np.testing.assert_array_equal(plan0.home, relibra_replicate_only(replica_slots=2).plan(first).home)
-    prev = relibra(replica_slots=2, reorder=FAST_REORDER).plan(first).home
+    prev = relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)).plan(first).home
     ctx = batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev)
     plan = keep.plan(ctx)
     np.testing.assert_array_equal(plan.home, prev)
     check_plan(plan, ctx, replica_slots=2, replicas_in_home_node=True)
-    moved = relibra(replica_slots=2, reorder=FAST_REORDER).plan(ctx)
+    moved = relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)).plan(ctx)
     assert (moved.home != prev).any()
     # With migration priced 1000x higher, keeping the placement must win the portfolio.
     chosen = PortfolioPlanner(
-        "p", (relibra(replica_slots=2, reorder=FAST_REORDER), keep), 2, migration_bytes_per_param=14e3
+        "p",
+        (relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)), keep),
+        2,
+        migration_bytes_per_param=14e3,
     ).plan(ctx)
     assert chosen.stats["portfolio_choice"] == 1.0
     np.testing.assert_array_equal(chosen.home, prev)

@@ -16,6 +16,7 @@ from relibra.cost import CostModel
 from relibra.invariants import check_plan
 from relibra.planner import Planner
 from relibra.planners.relibra import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
+from relibra.planners.reorder import AnnealConfig
 from relibra.planners.replicate import linear_objective
 from relibra.simulator import batch_context, skewness
 from relibra.synthetic import generate_counts
@@ -23,7 +24,7 @@ from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, tiny_context, tiny_model
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
-FAST_REORDER = {"iterations": 200, "seeds": [0], "workers": 1}
+FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_replicate_only_plan_is_valid_and_balances(ctx, r: int) -> None:
 
 
 def test_relibra_plan_is_valid_and_no_worse_than_replicate_only(ctx) -> None:
-    plan = relibra(replica_slots=2, reorder=FAST_REORDER).plan(ctx)
+    plan = relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)).plan(ctx)
     check_plan(plan, ctx, replica_slots=2, replicas_in_home_node=True)
     assert "reorder_moved_experts" in plan.stats
     assert _skew(plan) < _skew(MegatronPlanner().plan(ctx))
@@ -54,7 +55,7 @@ def test_relibra_plan_is_valid_and_no_worse_than_replicate_only(ctx) -> None:
 
 def test_relibra_with_locality_regroups_loads(ctx) -> None:
     reorder = {**FAST_REORDER, "locality": True}
-    plan = relibra(replica_slots=1, reorder=reorder).plan(ctx)
+    plan = relibra(replica_slots=1, reorder=AnnealConfig(**reorder)).plan(ctx)
     check_plan(plan, ctx, replica_slots=1, replicas_in_home_node=True)  # load recomputed for sample_gpu
 
 
@@ -100,10 +101,12 @@ def test_balance_planner_plan_is_valid_and_more_even() -> None:
     workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch=8)
     big = batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
     reorder = {**FAST_REORDER, "iterations": 1000, "comm_weight": 0.0, "compute_level": "node"}
-    balance = relibra(replica_slots=2, reorder=reorder, acceptance="compute", name="relibra_balance")
+    balance = relibra(
+        replica_slots=2, reorder=AnnealConfig(**reorder), acceptance="compute", name="relibra_balance"
+    )
     plan = balance.plan(big)
     check_plan(plan, big, replica_slots=2, replicas_in_home_node=True)
-    default = relibra(replica_slots=2, reorder={**FAST_REORDER, "iterations": 1000}).plan(big)
+    default = relibra(replica_slots=2, reorder=AnnealConfig(**{**FAST_REORDER, "iterations": 1000})).plan(big)
     assert _skew(plan) < _skew(default)
     assert _skew(plan) < 1.05
 

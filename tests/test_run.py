@@ -127,8 +127,8 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["planner.reorder.locality_tolerance=0"],
         ),
         (
-            ["planner=relibra_reorder_only", "planner.locality_tolerance=1.5"],
-            ["planner.locality_tolerance=1.5"],
+            ["planner=relibra_reorder_only", "planner.reorder.locality_tolerance=1.5"],
+            ["planner.reorder.locality_tolerance=1.5"],
         ),
         (
             ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.locality_tolerance=-1"],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ import pytest
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Planner, home_assign, static_placement
+from relibra.planner import BatchContext, Planner, SlotBudget, home_assign, static_placement
 from relibra.simulator import (
     METRIC_COLUMNS,
     Bound,
@@ -28,6 +28,7 @@ class SwapPlanner:
     """Swaps the homes of experts 0 and the last one in every layer from batch 1 on (a toy reorderer)."""
 
     name: str = "swap"
+    slot_budget: SlotBudget = field(default_factory=SlotBudget)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         num_layers, num_experts = ctx.counts.shape[1:]
@@ -48,6 +49,10 @@ class PeerReplicaPlanner:
 
     name: str = "peer"
     replica_slots: int = 1
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         base = MegatronPlanner().plan(ctx)

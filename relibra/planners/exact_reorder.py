@@ -6,7 +6,7 @@ for every micro-batch row ``m`` of a :class:`~relibra.planners.reorder.LayerProb
 
 MILP: binary ``y[e, g]`` (expert ``e`` homed on ``g``), ``sum_g y[e, g] = 1``, ``sum_e y[e, g] = E / G``.
 The traffic ``T[m, j, g] = sum_e x[m, e, j] * y[e, g]`` is linear in ``y``, so is every per-GPU link-class
-load (routing of :func:`~relibra.planners.reorder.link_routes`); each GPU's all-to-all time
+load (routing of :func:`~relibra.planners.links.link_routes`); each GPU's all-to-all time
 ``2 * (max(nvlink_dispatch, nic_dispatch) + max(nvlink_combine, nic_combine)) + latency`` and the two maxima
 over GPUs are epigraph variables. The model is exact for the linearised cost, so a proven optimum is the
 annealer's true optimum.
@@ -22,7 +22,8 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cluster import ClusterSpec
-from relibra.planners.reorder import NUM_LINKS, LayerProblem, link_routes, placement_objective
+from relibra.planners.links import NUM_LINKS, link_routes
+from relibra.planners.reorder import LayerProblem, placement_objective
 
 __all__ = ["ExactResult", "brute_force_reorder", "milp_reorder"]
 

@@ -12,7 +12,7 @@ ReLibra without it).
 
 The search is a randomised hill climb per micro-batch on the cost model's communication objective
 ``sum_l max_g T_comm(g)`` (home-only assignment, rail-optimized routing as in
-:func:`relibra.planners.reorder.link_routes`):
+:func:`relibra.planners.links.link_routes`):
 
 1. ``per_gpu[s, l, g]``: routed slots of sample ``s`` in layer ``l`` whose expert is homed on ``g``;
 2. propose moving a sample to a GPU on another node (or anywhere, with a small probability); if that GPU
@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from relibra.planner import BatchContext, home_assign
-from relibra.planners.reorder import NUM_LINKS, _comm_gpu, link_routes
+from relibra.planners.links import NUM_LINKS, comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 
 __all__ = ["cross_node_tokens", "locality_round", "per_gpu_slots"]
@@ -99,7 +99,7 @@ def _comm_total(link: np.ndarray, coef: np.ndarray, g_total: int) -> float:
     for l in range(link.shape[0]):
         mx = 0.0
         for g in range(g_total):
-            v = _comm_gpu(link[l], g, g_total, coef)
+            v = comm_gpu(link[l], g, g_total, coef)
             if v > mx:
                 mx = v
         total += mx

@@ -30,14 +30,14 @@ time limit and reports the proven bound; :func:`solve_split` solves the LP with 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cost import CostModel
 from relibra.planner import BatchContext, Replication
-from relibra.planners.replicate import ReplicationCoefficients, round_assign
+from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
 
 __all__ = ["MilpReplicator", "ReplicationSolution", "dispatch_routing", "solve_replication", "solve_split"]
 
@@ -344,6 +344,9 @@ class MilpReplicator:
     """Behind a planner, keep only copies that pay for their replica-buffer refill
     (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
     _routing: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    def with_slots(self, replica_slots: int) -> MilpReplicator:
+        return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""

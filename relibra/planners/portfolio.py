@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from relibra.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
-from relibra.planner import BatchContext, Planner
+from relibra.planner import BatchContext, Planner, SlotBudget
 from relibra.simulator import predict_batch_time
 from relibra.types import BatchPlan
 
@@ -49,6 +49,16 @@ class PortfolioPlanner:
         names = [c.name for c in self.candidates]
         if len(set(names)) != len(names):
             raise ValueError(f"{self.name}: candidate names must be distinct, got {names}")
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
+
+    def candidate_planners(self) -> tuple[Planner, ...]:
+        return self.candidates
+
+    def with_candidates(self, candidates: tuple[Planner, ...]) -> PortfolioPlanner:
+        return replace(self, candidates=candidates)
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()

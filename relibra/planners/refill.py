@@ -16,8 +16,6 @@ never makes a layer slower than Megatron-LM.
 
 from __future__ import annotations
 
-from dataclasses import fields, is_dataclass, replace
-
 import numpy as np
 
 from relibra.planner import BatchContext, Replication, Replicator
@@ -35,17 +33,6 @@ def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
         ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
     )
     return np.asarray(ctx.cost.attention_time(tokens, pairs).max(axis=-1), dtype=np.float64)
-
-
-def _slots(replicator: Replicator) -> int:
-    """Slots the selection may lower: the replicator's ``replica_slots`` when it is a dataclass with that
-    field and its ``refill_aware`` field (if any) is true; 0 (keep its answer as it is) otherwise."""
-    if not is_dataclass(replicator):
-        return 0
-    names = {f.name for f in fields(replicator)}
-    if "replica_slots" not in names or not getattr(replicator, "refill_aware", True):
-        return 0
-    return int(replicator.replica_slots)  # type: ignore[attr-defined]
 
 
 def _price(
@@ -68,8 +55,7 @@ def replicate_within_window(
     """One micro-batch's replication whose refill pays for itself.
 
     Args:
-        replicator: the replicator (a dataclass with ``replica_slots``; any other, or one whose
-            ``refill_aware`` field is false, is used as it is).
+        replicator: the replicator (one that is not ``refill_aware`` is used as it is).
         load: [L, G, E] of the micro-batch; home: [L, E]; ctx: the batch (its cost model prices answers).
         window_s: the micro-batch's attention seconds per layer (:func:`attention_window`).
     Returns:
@@ -81,7 +67,7 @@ def replicate_within_window(
     if not (np.isfinite(window) and window >= 0):
         raise ValueError(f"window_s={window_s!r}; expected attention seconds >= 0")
     rep = replicator.replicate(load, home, ctx)
-    slots = _slots(replicator)
+    slots = replicator.replica_slots if replicator.refill_aware else 0
     stats = dict(rep.stats)
     stats["refill_capped_layers"] = 0.0
     if slots == 0 or not rep.replicas.size:
@@ -96,7 +82,7 @@ def replicate_within_window(
     best = _price(sub_load, sub_home, Replication(assign[rows], replicas[rows]), ctx, window)
     capped = np.zeros(rows.size, dtype=bool)
     for k in range(slots - 1, -1, -1):
-        alt = replace(replicator, replica_slots=k).replicate(sub_load, sub_home, ctx)  # type: ignore[type-var]
+        alt = replicator.with_slots(k).replicate(sub_load, sub_home, ctx)
         t = _price(sub_load, sub_home, alt, ctx, window)
         better = t < best
         if better.any():

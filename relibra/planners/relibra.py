@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
@@ -24,11 +23,13 @@ from relibra.planner import (
     Reorderer,
     Reordering,
     Replicator,
+    SlotBudget,
     reordered_load,
     static_placement,
 )
 from relibra.planners.milp import MilpReplicator
 from relibra.planners.refill import replicate_batch
+from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
@@ -37,6 +38,7 @@ __all__ = [
     "ComposedPlanner",
     "PreviousReorderer",
     "StaticReorderer",
+    "composed",
     "relibra",
     "relibra_milp",
     "relibra_replicate_only",
@@ -86,6 +88,10 @@ class ComposedPlanner:
     replicator: Replicator
     replica_slots: int
 
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget(replica_slots=self.replica_slots)
+
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()
         reo = self.reorderer.reorder(ctx)
@@ -120,28 +126,27 @@ class ComposedPlanner:
         return replace(plan, plan_time_s=time.perf_counter() - t0)
 
 
+def composed(name: str, reorderer: Reorderer, replicator: Replicator) -> ComposedPlanner:
+    """``reorderer`` then ``replicator``, with the replicator's ``replica_slots`` (declared there only)."""
+    return ComposedPlanner(name, reorderer, replicator, replica_slots=replicator.replica_slots)
+
+
 def relibra(
     replica_slots: int = 2,
-    reorder: dict[str, Any] | None = None,
+    reorder: AnnealConfig | None = None,
     split: SplitMethod = "waterfill",
     acceptance: Acceptance = "best",
     name: str = "relibra",
     polish_moves: int = 0,
     refill_aware: bool = True,
 ) -> ComposedPlanner:
-    """ReLibra: annealing reordering (``reorder``: :class:`AnnealConfig` fields), then greedy replication
+    """ReLibra: annealing reordering (``reorder``: its :class:`AnnealConfig`), then greedy replication
     (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`;
     ``refill_aware``: copies must pay for their buffer refill, see :mod:`relibra.planners.refill`)."""
-    from relibra.planners.reorder import AnnealingReorderer
-
-    return ComposedPlanner(
-        name=name,
-        reorderer=AnnealingReorderer(**dict(reorder or {})),
-        replicator=GreedyReplicator(
-            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
-        ),
-        replica_slots=replica_slots,
+    greedy = GreedyReplicator(
+        replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
     )
+    return composed(name, AnnealingReorderer(reorder), greedy)
 
 
 def relibra_replicate_only(
@@ -159,14 +164,10 @@ def relibra_replicate_only(
     reorderers: dict[str, Reorderer] = {"static": StaticReorderer(), "previous": PreviousReorderer()}
     if placement not in reorderers:
         raise ValueError(f"{name}: placement={placement!r}; expected one of {sorted(reorderers)}")
-    return ComposedPlanner(
-        name=name,
-        reorderer=reorderers[placement],
-        replicator=GreedyReplicator(
-            replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
-        ),
-        replica_slots=replica_slots,
+    greedy = GreedyReplicator(
+        replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
     )
+    return composed(name, reorderers[placement], greedy)
 
 
 def relibra_milp(
@@ -179,15 +180,5 @@ def relibra_milp(
     refill_aware: bool = True,
 ) -> ComposedPlanner:
     """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem."""
-    return ComposedPlanner(
-        name=name,
-        reorderer=reorderer if reorderer is not None else StaticReorderer(),
-        replicator=MilpReplicator(
-            replica_slots=replica_slots,
-            solver=solver,
-            time_limit_s=time_limit_s,
-            relative_gap=relative_gap,
-            refill_aware=refill_aware,
-        ),
-        replica_slots=replica_slots,
-    )
+    milp = MilpReplicator(replica_slots, solver, time_limit_s, relative_gap, refill_aware)
+    return composed(name, reorderer if reorderer is not None else StaticReorderer(), milp)

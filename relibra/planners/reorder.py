@@ -44,8 +44,7 @@ import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numba import njit
@@ -54,6 +53,8 @@ from relibra.cluster import ClusterSpec
 from relibra.cost import CostModel
 from relibra.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.planner import BatchContext, Reordering, static_placement
+from relibra.planners.links import NUM_LINKS, comm_gpu, deepep_routes, link_routes
+from relibra.planners.locality import locality_round
 
 __all__ = [
     "AnnealConfig",
@@ -70,14 +71,11 @@ __all__ = [
     "solve_layer",
 ]
 
-NUM_LINKS = 8
-"""Per-GPU link-class loads tracked by the search, one-way tokens: dispatch (``0`` NVLink send, ``1`` NVLink
-receive, ``2`` NIC send, ``3`` NIC receive), then the same four for combine (the transposed exchange)."""
-
 
 @dataclass(frozen=True)
 class AnnealConfig:
-    """Parameters of :class:`AnnealingReorderer` (all have defaults; Hydra passes them as keyword args)."""
+    """Parameters of :class:`AnnealingReorderer`. These defaults are the only ones: the Hydra node
+    ``planner/reorder/anneal`` is generated from them (:mod:`experiments.planner_nodes`)."""
 
     iterations: int | None = None
     """Swap proposals per seed and layer on ``objective`` after the warm-up; None: the same work for every
@@ -133,6 +131,9 @@ class AnnealConfig:
     by replicas; for a reordering that intra-node replication follows (see the module docstring, 5.)."""
 
     def __post_init__(self) -> None:
+        # NOTE: Hydra hands a list (or one int); a tuple keeps the config hashable and its repr stable.
+        seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
+        object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
         if self.objective not in ("microbatch", "aggregate"):
             raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
         if (self.iterations is not None and self.iterations < 0) or self.aggregate_warmup < 0:
@@ -177,18 +178,6 @@ class AnnealConfig:
         if not (math.isfinite(self.comm_weight) and self.comm_weight >= 0):
             raise ValueError(f"comm_weight={self.comm_weight}; expected a finite number >= 0")
 
-    @classmethod
-    def from_params(cls, **params: Any) -> AnnealConfig:
-        """Build from keyword parameters (Hydra lists become tuples); unknown names are refused."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise TypeError(f"unknown reordering parameter(s) {unknown}; known: {sorted(known)}")
-        if "seeds" in params:
-            seeds = params["seeds"]
-            params["seeds"] = (int(seeds),) if isinstance(seeds, int) else tuple(int(s) for s in seeds)
-        return cls(**params)
-
 
 # ----------------------------------------------------------------------------------------------- LPT
 def lpt_placement(load_e: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -223,78 +212,6 @@ def lpt_placement(load_e: np.ndarray, num_gpus: int) -> np.ndarray:
         gpu_load[rows, g] += load[rows, e]
         gpu_count[rows, g] += 1
     return home[0] if squeeze else home
-
-
-# ------------------------------------------------------------------------------------- link routing
-def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where one token sent from source ``j`` to computing GPU ``g`` is counted, per the rail fabric.
-
-    Mirrors :meth:`CostModel.link_bytes` for the dispatch exchange ``j -> g`` and the combine exchange
-    ``g -> j``: intra-node traffic uses NVLink; same-rail inter-node traffic the rail NIC; cross-rail
-    inter-node traffic an NVLink hop to the proxy ``(node of sender, rail of receiver)`` and then that proxy's
-    NIC.
-
-    Returns:
-        idx int32 [G, G, 8]: flat index ``link * G + gpu`` into a per-GPU link state [8, G] (see
-        :data:`NUM_LINKS`), padded with -1; count int32 [G, G]: valid entries of ``idx[j, g]``.
-    """
-    g_total = nodes * gpus_per_node
-    idx = np.full((g_total, g_total, NUM_LINKS), -1, dtype=np.int32)
-    count = np.zeros((g_total, g_total), dtype=np.int32)
-    for j in range(g_total):
-        nj, rj = divmod(j, gpus_per_node)
-        for g in range(g_total):
-            ng, rg = divmod(g, gpus_per_node)
-            if j == g:
-                continue
-            entries: list[tuple[int, int]] = []
-            if nj == ng:  # intra-node, NVLink
-                entries += [(0, j), (1, g), (4, g), (5, j)]
-            elif rj == rg:  # same rail, NIC only
-                entries += [(2, j), (3, g), (6, g), (7, j)]
-            else:  # cross rail: NVLink hop on the sender's node, then the proxy's NIC
-                proxy_d = nj * gpus_per_node + rg  # dispatch j -> g
-                proxy_c = ng * gpus_per_node + rj  # combine g -> j
-                entries += [(0, j), (1, proxy_d), (2, proxy_d), (3, g)]
-                entries += [(4, g), (5, proxy_c), (6, proxy_c), (7, j)]
-            count[j, g] = len(entries)
-            for k, (link, gpu) in enumerate(entries):
-                idx[j, g, k] = link * g_total + gpu
-    return idx, count
-
-
-def deepep_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Where DeepEP's de-duplicated tokens are counted (:func:`relibra.fabric.deepep_link_tokens`).
-
-    A token of source ``j`` reaching GPU ``g`` over NVLink (``g`` is neither ``j`` nor the GPU that got it
-    over RDMA) is one dispatch NVLink receive at ``g`` and send at its sender (``j`` on ``j``'s node, else
-    ``(node of g, rail of j)``); a token of ``j`` reaching remote node ``b`` is one NIC send at ``j`` and
-    receive at ``(b, rail of j)``. Combine mirrors both (links 4-7 of :data:`NUM_LINKS`, send and receive
-    swapped).
-
-    Returns:
-        gidx int32 [G, G, 4], gcnt int32 [G, G] (4 or 0) for the GPU entries; nidx int32 [G, N, 4],
-        ncnt int32 [G, N] for the node entries; flat indices ``link * G + gpu`` as :func:`link_routes`.
-    """
-    gpn = gpus_per_node
-    g_total = nodes * gpn
-    j = np.arange(g_total)[:, None]
-    g = np.arange(g_total)[None, :]
-    same_node = j // gpn == g // gpn
-    forwarder = np.where(same_node, g == j, g % gpn == j % gpn)
-    sender = np.where(same_node, j, (g // gpn) * gpn + j % gpn)
-    gidx = np.stack(
-        [g_total + g + 0 * j, sender, 4 * g_total + g + 0 * j, 5 * g_total + sender], axis=-1
-    ).astype(np.int32)
-    gcnt = np.where(forwarder, 0, 4).astype(np.int32)
-    b = np.arange(nodes)[None, :]
-    recv = b * gpn + j % gpn  # [G, N]
-    jj = j + 0 * b
-    nidx = np.stack(
-        [2 * g_total + jj, 3 * g_total + recv, 6 * g_total + recv, 7 * g_total + jj], axis=-1
-    ).astype(np.int32)
-    ncnt = np.where(j // gpn == b, 0, 4).astype(np.int32)
-    return gidx, gcnt, nidx, ncnt
 
 
 # -------------------------------------------------------------------------------- one layer's problem
@@ -520,21 +437,6 @@ def _apply_swap_deepep(
 
 
 @njit(cache=True)
-def _comm_gpu(link_m: np.ndarray, g: int, g_total: int, coef: np.ndarray) -> float:
-    """Normalised all-to-all time of GPU ``g`` from its eight link loads (4 phases plus latency)."""
-    cn = coef[0]
-    ci = coef[1]
-    d = max(
-        cn * max(link_m[g], link_m[g_total + g]), ci * max(link_m[2 * g_total + g], link_m[3 * g_total + g])
-    )
-    c = max(
-        cn * max(link_m[4 * g_total + g], link_m[5 * g_total + g]),
-        ci * max(link_m[6 * g_total + g], link_m[7 * g_total + g]),
-    )
-    return 2.0 * (d + c) + coef[2]
-
-
-@njit(cache=True)
 def _evaluate(
     comp: np.ndarray,
     link: np.ndarray,
@@ -576,7 +478,7 @@ def _evaluate(
         kmax = -1.0
         ka = 0
         for g in range(g_total):
-            v = _comm_gpu(link[m], g, g_total, coef)
+            v = comm_gpu(link[m], g, g_total, coef)
             comm[g] = v
             if v > kmax:
                 kmax = v
@@ -942,13 +844,11 @@ def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
 
 
 class AnnealingReorderer:
-    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`).
+    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`), with ``config`` (default:
+    :class:`AnnealConfig`'s defaults)."""
 
-    ``AnnealingReorderer(**params)`` takes the fields of :class:`AnnealConfig` as keyword arguments.
-    """
-
-    def __init__(self, **params: Any) -> None:
-        self.config = AnnealConfig.from_params(**params)
+    def __init__(self, config: AnnealConfig | None = None) -> None:
+        self.config = config if config is not None else AnnealConfig()
 
     @property
     def moves_samples(self) -> bool:
@@ -1053,9 +953,6 @@ class AnnealingReorderer:
         cfg = self.config
         if not cfg.locality:
             return np.asarray(ctx.sample_gpu, dtype=np.int32), {}
-        # NOTE: imported here because the locality round reuses this module's link routing kernels.
-        from relibra.planners.locality import locality_round
-
         return locality_round(
             ctx,
             np.asarray(home, dtype=np.int32),

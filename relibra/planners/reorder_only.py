@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
-from relibra.planner import BatchContext, home_assign, reordered_load
-from relibra.planners.reorder import AnnealingReorderer
+from relibra.planner import BatchContext, SlotBudget, home_assign, reordered_load
+from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -23,13 +22,12 @@ __all__ = ["ReorderOnlyPlanner"]
 
 
 class ReorderOnlyPlanner:
-    """Reordering plus home-only assignment (implements :class:`relibra.planner.Planner`).
+    """Reordering plus home-only assignment (implements :class:`relibra.planner.Planner`); ``reorder``: the
+    annealer's :class:`~relibra.planners.reorder.AnnealConfig` (default: its defaults)."""
 
-    Keyword parameters other than ``name`` and ``replica_slots`` go to
-    :class:`~relibra.planners.reorder.AnnealingReorderer` (fields of ``AnnealConfig``).
-    """
-
-    def __init__(self, name: str = "relibra_reorder_only", replica_slots: int = 0, **params: Any) -> None:
+    def __init__(
+        self, name: str = "relibra_reorder_only", replica_slots: int = 0, reorder: AnnealConfig | None = None
+    ) -> None:
         if replica_slots != 0:
             raise ValueError(
                 f"planner.replica_slots={replica_slots}: relibra_reorder_only computes every expert at home; "
@@ -37,7 +35,11 @@ class ReorderOnlyPlanner:
             )
         self.name = name
         self.replica_slots = 0
-        self.reorderer = AnnealingReorderer(**params)
+        self.reorderer = AnnealingReorderer(reorder)
+
+    @property
+    def slot_budget(self) -> SlotBudget:
+        return SlotBudget()
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """ctx.load [Mb, L, G, E] -> BatchPlan: annealed home [L, E], home-only assign [Mb, L, E, G]."""

@@ -45,7 +45,7 @@ costs ``tokens + gemm_half_tokens`` on every GPU that holds it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -53,6 +53,7 @@ from numba import njit
 
 from relibra.cost import CostModel
 from relibra.planner import BatchContext, Replication
+from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
 
 SplitMethod = Literal["waterfill", "lp"]
 Acceptance = Literal["best", "comm", "compute"]
@@ -67,35 +68,6 @@ __all__ = [
     "replicate_greedy",
     "round_assign",
 ]
-
-
-@dataclass(frozen=True)
-class ReplicationCoefficients:
-    """The linearised cost model in token equivalents (compute seconds per token = 1)."""
-
-    fixed_tokens: float
-    """Token equivalents charged per expert copy a GPU computes (``compute_s_per_expert / per_token``)."""
-    nvlink_per_token: float
-    """Token equivalents per token crossing one NVLink direction in one all-to-all phase."""
-    nic_per_token: float
-    """Token equivalents per token crossing one rail NIC direction in one all-to-all phase."""
-    latency: float
-    """Token equivalents of the four all-to-all phases' fixed latency (a constant of the objective)."""
-    seconds_per_token: float
-    """Compute seconds per token: multiply token equivalents by this to get seconds."""
-
-    @staticmethod
-    def from_cost(cost: CostModel) -> ReplicationCoefficients:
-        lin = cost.linear()
-        c = lin.compute_s_per_token
-        lat = cost.cluster.hardware.alltoall_latency_s if cost.cluster.num_gpus > 1 else 0.0
-        return ReplicationCoefficients(
-            fixed_tokens=lin.compute_s_per_expert / c,
-            nvlink_per_token=lin.nvlink_s_per_token / 4.0 / c,
-            nic_per_token=lin.rdma_s_per_token / 4.0 / c,
-            latency=4.0 * lat / c,
-            seconds_per_token=c,
-        )
 
 
 # ----------------------------------------------------------------------------------------- compiled core
@@ -1053,6 +1025,7 @@ def replicate_greedy(
             f"polish_moves={polish_moves} must be >= 0 and polish_candidates={polish_candidates} >= 1"
         )
     if split == "lp":
+        # NOTE: imported on use, so that the default waterfill split never loads OR-Tools.
         from relibra.planners.milp import greedy_with_lp_split
 
         assign, replicas = greedy_with_lp_split(
@@ -1084,24 +1057,6 @@ def replicate_greedy(
         assign=assign.reshape(*lead, e_n, g_n).astype(np.int32),
         replicas=replicas.reshape(*lead, g_n, replica_slots).astype(np.int32),
     )
-
-
-def round_assign(assign: np.ndarray, totals: np.ndarray) -> np.ndarray:
-    """Round a fractional split to integers with exact per-expert totals (largest remainder).
-
-    assign float [..., E, G] (non-negative), totals int [..., E] -> int64 [..., E, G] with
-    ``out.sum(-1) == totals``. Positions holding nothing (``assign == 0``) never receive a token.
-    """
-    a = np.maximum(np.asarray(assign, dtype=np.float64), 0.0)
-    tot = np.asarray(totals, dtype=np.int64)
-    scale = np.divide(tot, a.sum(axis=-1), out=np.zeros(tot.shape), where=a.sum(axis=-1) > 0)
-    a = a * scale[..., None]  # NOTE: removes solver drift so that the remainders add up to an integer.
-    floor = np.floor(a)
-    out = floor.astype(np.int64)
-    rest = tot - out.sum(axis=-1)  # [..., E], in [0, G)
-    frac = np.where(a > 0, a - floor, -1.0)
-    rank = np.argsort(np.argsort(-frac, axis=-1, kind="stable"), axis=-1, kind="stable")
-    return out + (rank < rest[..., None])
 
 
 def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cost: CostModel) -> np.ndarray:
@@ -1136,6 +1091,9 @@ class GreedyReplicator:
     refill_aware: bool = True
     """Behind a planner, keep only copies that pay for their replica-buffer refill
     (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
+
+    def with_slots(self, replica_slots: int) -> GreedyReplicator:
+        return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""

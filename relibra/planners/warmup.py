@@ -17,7 +17,6 @@ second run only loads the cache.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
@@ -76,16 +75,17 @@ def compile_kernels(seed: int = 0) -> dict[str, float]:
     and ``reorder_only``; seconds of a step are compile time when the cache was cold, load time otherwise.
     """
     from relibra.planners.relibra import relibra
+    from relibra.planners.reorder import AnnealConfig
     from relibra.planners.reorder_only import ReorderOnlyPlanner
 
     ctx = tiny_context(seed)
-    reorder: dict[str, Any] = {"iterations": 20, "aggregate_warmup": 20, "locality": True, "seeds": [0]}
+    reorder = AnnealConfig(iterations=20, aggregate_warmup=20, locality=True, seeds=(0,))
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     relibra(replica_slots=2, reorder=reorder).plan(ctx)
     seconds["relibra"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ReorderOnlyPlanner(**reorder).plan(ctx)
+    ReorderOnlyPlanner(reorder=reorder).plan(ctx)
     seconds["reorder_only"] = time.perf_counter() - t0
     return seconds
 

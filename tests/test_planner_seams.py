@@ -1,0 +1,39 @@
+"""Every planner config instantiates to an object that declares its seams (no introspection needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import experiments  # noqa: F401  (registers the generated config nodes)
+from relibra.planner import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
+from relibra.simulator import Bound
+
+CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+NAMES = sorted(p.stem for p in (CONF / "planner").glob("*.yaml"))
+WHOLE_BATCH_RELIBRA = ("relibra_reorder_only", "relibra_reorder_no_locality", "relibra_portfolio")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_planner_declares_its_slot_budget(name: str) -> None:
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"planner={name}"]).planner
+    planner = instantiate(cfg, _convert_="all")
+    assert isinstance(planner, Planner) != isinstance(planner, Bound), name
+    budget = planner.slot_budget
+    assert isinstance(budget, SlotBudget)
+    assert budget.replica_slots == int(cfg.get("replica_slots", 0))
+    assert budget.redundant_slots == int(cfg.get("redundant_slots", 0))
+    staged = name.startswith("relibra") and name not in WHOLE_BATCH_RELIBRA
+    assert isinstance(planner, StagedPlanner) == staged
+    assert isinstance(planner, PlannerPortfolio) == (name == "relibra_portfolio")
+    if isinstance(planner, StagedPlanner):
+        assert planner.replicator.replica_slots == budget.replica_slots
+        assert planner.replicator.with_slots(0).replica_slots == 0
+    if isinstance(planner, PlannerPortfolio):
+        candidates = planner.candidate_planners()
+        assert len(candidates) == 3
+        assert planner.with_candidates(candidates[:1]).candidate_planners() == candidates[:1]
