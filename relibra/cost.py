@@ -222,31 +222,6 @@ class CostModel:
         )
         return self.deepep_comm_time(links)
 
-    def mean_link_comm_time(self, load: np.ndarray, assign: np.ndarray) -> np.ndarray:
-        """Per-GPU seconds [..., G] with every link direction at its mean over GPUs (all GPUs equal).
-
-        load [..., G, E], assign [..., E, G]: the dispatcher's link volumes, averaged over the GPUs, then
-        priced as usual (the communication of an ideal, perfectly spread plan: Balanced's under deepep).
-        """
-        x = np.asarray(load, dtype=np.float64)
-        c = self.cluster
-        if self.dispatcher == "alltoall":
-            traffic = self.traffic(x, assign)
-            dispatch = self.link_bytes(traffic)
-            combine = self.link_bytes(np.swapaxes(traffic, -1, -2))
-        else:
-            tokens = x.sum(axis=-1) / self.model.top_k
-            dispatch = deepep_link_tokens_estimate(x, self.share(assign), tokens, c.nodes, c.gpus_per_node)
-            combine = mirrored(dispatch)
-
-        def mean(links: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            return {k: np.broadcast_to(v.mean(axis=-1, keepdims=True), v.shape) for k, v in links.items()}
-
-        return self._four_phases(
-            self._phase_time(mean(dispatch), self.dispatch_token_bytes),
-            self._phase_time(mean(combine), self._token_bytes),
-        )
-
     def route_comm_time(self, dest_gpu: np.ndarray, src_gpu: np.ndarray) -> np.ndarray:
         """Per-GPU seconds [G] of one (micro-batch, layer) from exact per-token routes, by dispatcher.
 
