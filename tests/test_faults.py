@@ -254,9 +254,12 @@ def blackhole() -> str:
 
 
 def test_wandb_online_without_a_network_waits_once_and_keeps_results(
-    tmp_path, monkeypatch, blackhole
+    tmp_path, monkeypatch, blackhole, request
 ) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
+    # NOTE: wandb keeps the online settings in a process-wide singleton after the env is restored; tear it
+    # down so later tests in this process log offline again.
+    request.addfinalizer(wandb.teardown)
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_BASE_URL", blackhole)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
