@@ -45,6 +45,27 @@ compiled, one CPU core of a shared machine; docs/baselines.md). Upstream plans o
 all-reduce of the counts and publishes no figure: its time is at least this."""
 
 
+@njit(cache=True, inline="always")
+def _chunk(cap: int, load: int, remaining: int, min_tokens_per_gemm: int) -> int:
+    """Tokens a helper GPU holding ``load`` takes of ``remaining``: what fits under ``cap``; 0 when nothing
+    fits, or when the piece is below the minimum GEMM size and would not finish the expert."""
+    room = cap - load
+    if room <= 0:
+        return 0
+    chunk = min(remaining, room)
+    if chunk < min_tokens_per_gemm and remaining > chunk:
+        return 0
+    return chunk
+
+
+@njit(cache=True, inline="always")
+def _emit(out: np.ndarray, n: int, e: int, g: int, tokens: int, assigned: np.ndarray) -> int:
+    """Append the chunk (expert ``e``, GPU ``g``, ``tokens``) as row ``n`` of ``out``; returns ``n + 1``."""
+    out[n, 0], out[n, 1], out[n, 2] = e, g, tokens
+    assigned[g] += tokens
+    return n + 1
+
+
 @njit(cache=True)
 def _lpt(counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens_per_gemm: int):  # type: ignore[no-untyped-def]
     """``compute_llep_lpt_plan`` for one layer. counts int64 [E] ->
@@ -71,15 +92,11 @@ def _lpt(counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens
         pending[native] -= tokens
         native_room = cap - (assigned[native] + pending[native])
         if native_room >= tokens:  # case 1: all at home
-            out[n, 0], out[n, 1], out[n, 2] = e, native, tokens
-            n += 1
-            assigned[native] += tokens
+            n = _emit(out, n, e, native, tokens, assigned)
             continue
         remaining = tokens
         if native_room > 0:  # case 2: home takes what fits, chunks re-evaluated one at a time
-            out[n, 0], out[n, 1], out[n, 2] = e, native, native_room
-            n += 1
-            assigned[native] += native_room
+            n = _emit(out, n, e, native, native_room, assigned)
             remaining -= native_room
             while remaining > 0:
                 if num_gpus == 1:  # no helper: the home chunk takes the rest (upstream's edge case)
@@ -90,25 +107,15 @@ def _lpt(counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens
                 helpers = np.argsort(eff, kind="mergesort")
                 placed = False
                 for h in helpers:
-                    if h == native:
-                        continue
-                    room = cap - eff[h]
-                    if room <= 0:
-                        continue
-                    chunk = min(remaining, room)
-                    if chunk < min_tokens_per_gemm and remaining > chunk:
-                        continue
-                    out[n, 0], out[n, 1], out[n, 2] = e, h, chunk
-                    n += 1
-                    assigned[h] += chunk
-                    remaining -= chunk
-                    placed = True
-                    break
+                    chunk = 0 if h == native else _chunk(cap, eff[h], remaining, min_tokens_per_gemm)
+                    if chunk > 0:
+                        n = _emit(out, n, e, h, chunk, assigned)
+                        remaining -= chunk
+                        placed = True
+                        break
                 if not placed:
                     h = helpers[0] if helpers[0] != native else helpers[1]
-                    out[n, 0], out[n, 1], out[n, 2] = e, h, remaining
-                    n += 1
-                    assigned[h] += remaining
+                    n = _emit(out, n, e, h, remaining, assigned)
                     forced[h] = True
                     remaining = 0
             continue
@@ -123,21 +130,13 @@ def _lpt(counts: np.ndarray, num_gpus: int, max_tokens_factor: float, min_tokens
                 first = h
             if remaining <= 0:
                 break
-            room = cap - eff[h]
-            if room <= 0:
-                continue
-            chunk = min(remaining, room)
-            if chunk < min_tokens_per_gemm and remaining > chunk:
-                continue
-            out[n, 0], out[n, 1], out[n, 2] = e, h, chunk
-            n += 1
-            assigned[h] += chunk
-            remaining -= chunk
+            chunk = _chunk(cap, eff[h], remaining, min_tokens_per_gemm)
+            if chunk > 0:
+                n = _emit(out, n, e, h, chunk, assigned)
+                remaining -= chunk
         if remaining > 0:
             h = first if first >= 0 else native
-            out[n, 0], out[n, 1], out[n, 2] = e, h, remaining
-            n += 1
-            assigned[h] += remaining
+            n = _emit(out, n, e, h, remaining, assigned)
             forced[h] = first >= 0
     return out[:n].copy(), n, cap, forced
 
