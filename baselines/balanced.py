@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.cost import MoEBreakdown
-from relibra.planner import BatchContext, SlotBudget
+from relibra.cost.model import MoEBreakdown
+from relibra.planners.protocols import BatchContext, SlotBudget
 
 __all__ = ["BalancedBound", "unavoidable_traffic"]
 

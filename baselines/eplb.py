@@ -38,7 +38,7 @@ from typing import Literal
 import numpy as np
 from ortools.graph.python import max_flow
 
-from relibra.planner import BatchContext, SlotBudget
+from relibra.planners.protocols import BatchContext, SlotBudget
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -315,7 +315,8 @@ def history_weight(history: tuple[np.ndarray, ...], window: int, shape: tuple[in
 
 @dataclass(frozen=True)
 class EplbPlanner:
-    """EPLB+ as a :class:`~relibra.planner.Planner`: replicate, pack, split tokens evenly over copies.
+    """EPLB+ as a :class:`~relibra.planners.protocols.Planner`: replicate, pack, split tokens evenly over
+    copies.
 
     ``redundant_slots`` (R) extra physical slots per GPU in every layer; ``policy`` hierarchical, global or
     auto (EPLB's rule); ``num_groups`` expert groups (0: one group per expert, i.e. no group-limited

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relibra.planner import BatchContext, SlotBudget, static_placement
+from relibra.planners.protocols import BatchContext, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 
 __all__ = ["LlepPlanner", "LptPlan", "imbalance_ratio", "lpt_plan"]
@@ -186,7 +186,8 @@ def _assign_and_copies(chunks: np.ndarray, num_experts: int, num_gpus: int) -> t
 
 @dataclass(frozen=True)
 class LlepPlanner:
-    """LLEP as a :class:`~relibra.planner.Planner`: static placement, per-(micro-batch, layer) spills.
+    """LLEP as a :class:`~relibra.planners.protocols.Planner`: static placement, per-(micro-batch, layer)
+    spills.
 
     ``routing_ratio``: ``MOE_ADAPTIVE_LPT_ROUTING_RATIO`` (None: the LPT path always runs, as upstream with
     the variable unset); ``max_tokens_factor``: the capacity factor (``EP_MAX_TOKENS_FACTOR``, 1.1 as

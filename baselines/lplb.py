@@ -36,7 +36,7 @@ import highspy
 import numpy as np
 
 from baselines.eplb import history_weight, rebalance_experts
-from relibra.planner import BatchContext, SlotBudget, home_assign
+from relibra.planners.protocols import BatchContext, SlotBudget, home_assign
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -311,7 +311,7 @@ def ipm_split(
 
 @dataclass(frozen=True)
 class LplbPlanner:
-    """LPLB+ as a :class:`~relibra.planner.Planner`.
+    """LPLB+ as a :class:`~relibra.planners.protocols.Planner`.
 
     ``topology`` ring, cube, hypercube, torus or auto (:func:`auto_topology`); ``redundant_slots`` (R) a
     multiple of the topology's copies per GPU; ``solver`` highs (exact) or ipm (``ipm_iterations``

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from relibra.planner import BatchContext, SlotBudget, home_assign, static_placement
+from relibra.planners.protocols import BatchContext, SlotBudget, home_assign, static_placement
 from relibra.types import BatchPlan
 
 __all__ = ["MegatronPlanner"]

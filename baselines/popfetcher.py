@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.cost import BF16_BYTES
-from relibra.planner import BatchContext, SlotBudget, home_assign, static_placement
+from relibra.cost.model import BF16_BYTES
+from relibra.planners.protocols import BatchContext, SlotBudget, home_assign, static_placement
 from relibra.types import BatchPlan
 
 __all__ = ["PopFetcherPlanner", "adjacent_layer_transition", "pull_threshold"]
@@ -85,7 +85,8 @@ def _top_k_overlap(pred: np.ndarray, actual: np.ndarray, k: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PopFetcherPlanner:
-    """PopFetcher as a :class:`~relibra.planner.Planner`: static placement plus predicted prefetches.
+    """PopFetcher as a :class:`~relibra.planners.protocols.Planner`: static placement plus predicted
+    prefetches.
 
     ``replica_slots`` (r) prefetch buffer slots per GPU per layer; ``window`` iterations (micro-batches)
     in the sliding window; ``correlation_weight`` the weight of the adjacent-layer term; ``pull_ratio``

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relibra.planner import BatchContext, SlotBudget, static_placement
+from relibra.planners.protocols import BatchContext, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 
 __all__ = ["DomainSolution", "UltraEPPlanner", "solve_domain", "split_sources"]
@@ -419,7 +419,8 @@ def split_sources(
 
 @dataclass(frozen=True)
 class UltraEPPlanner:
-    """UltraEP as a :class:`~relibra.planner.Planner`: static placement, per-(micro-batch, layer) copies.
+    """UltraEP as a :class:`~relibra.planners.protocols.Planner`: static placement, per-(micro-batch, layer)
+    copies.
 
     ``replica_slots`` redundant slots per GPU shared by all layers (``num_local_redundant_experts``);
     ``balance_threshold``, ``oracle_eps``, ``min_tokens_per_replica``, ``allow_zero_master_quota``,

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from experiments.config import build_model
-from relibra.importers import load_olmoe_prefill_counts
+from relibra.trace.importers import load_olmoe_prefill_counts
 from relibra.types import SampleCounts
 
 ROOT = Path(__file__).resolve().parents[1]

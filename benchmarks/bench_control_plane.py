@@ -35,11 +35,11 @@ from rich.console import Console
 from rich.table import Table
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.control_plane import ControlPlane, ControlPlaneConfig
-from relibra.cost import CostModel
-from relibra.planners.relibra import relibra
-from relibra.planners.reorder import AnnealConfig
-from relibra.synthetic import generate_counts
+from relibra.control.plane import ControlPlane, ControlPlaneConfig
+from relibra.cost.model import CostModel
+from relibra.planners.compose import relibra
+from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.trace.synthetic import generate_counts
 
 ACTIVE_PARAMS = 22e9
 """Qwen3-235B-A22B's active parameters per token (model card)."""

@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config import load_counts
 from relibra.simulator import SimResult
-from relibra.synthetic import PRESETS, generate_counts
+from relibra.trace.synthetic import PRESETS, generate_counts
 from relibra.workload import LAYOUTS, gpu_token_stats, layout_samples, microbatch_balance
 
 PLANNERS = (

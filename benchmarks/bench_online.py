@@ -19,9 +19,9 @@ from rich.table import Table
 from baselines.llep import LlepPlanner
 from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.simulator import batch_context
-from relibra.synthetic import generate_counts
+from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
 
 

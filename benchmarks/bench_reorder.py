@@ -28,11 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
-from relibra.importers import load_olmoe_prefill_counts
-from relibra.planner import BatchContext, home_assign, static_placement
-from relibra.planners.exact_reorder import milp_reorder
-from relibra.planners.reorder import (
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, home_assign, static_placement
+from relibra.planners.reorder.anneal import (
     AnnealConfig,
     AnnealingReorderer,
     layer_problem,
@@ -42,8 +40,10 @@ from relibra.planners.reorder import (
     placement_objective,
     solve_layer,
 )
+from relibra.planners.reorder.exact import milp_reorder
 from relibra.simulator import batch_context
-from relibra.synthetic import generate_counts
+from relibra.trace.importers import load_olmoe_prefill_counts
+from relibra.trace.synthetic import generate_counts
 from relibra.types import SampleCounts
 from relibra.workload import build_workload
 

@@ -38,14 +38,14 @@ sys.path.insert(0, str(REPO))
 from _common import hardware, model  # noqa: E402
 
 from relibra.cluster import ClusterSpec, ModelSpec  # noqa: E402
-from relibra.cost import CostModel  # noqa: E402
-from relibra.planner import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
-from relibra.planners.milp import dispatch_routing, solve_replication  # noqa: E402
-from relibra.planners.relibra import ComposedPlanner, StaticReorderer  # noqa: E402
-from relibra.planners.replicate import GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
-from relibra.replica_buffer import PAPER_PARAM_FRACTION, buffer_footprint  # noqa: E402
+from relibra.cost.buffer_memory import PAPER_PARAM_FRACTION, buffer_footprint  # noqa: E402
+from relibra.cost.model import CostModel  # noqa: E402
+from relibra.planners.compose import ComposedPlanner, StaticReorderer  # noqa: E402
+from relibra.planners.protocols import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
+from relibra.planners.replicate.greedy import GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
+from relibra.planners.replicate.milp import dispatch_routing, solve_replication  # noqa: E402
 from relibra.simulator import batch_context, skewness  # noqa: E402
-from relibra.synthetic import generate_counts  # noqa: E402
+from relibra.trace.synthetic import generate_counts  # noqa: E402
 from relibra.workload import build_workload  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"
@@ -184,7 +184,7 @@ def balance(full: bool, seed: int) -> None:
     for r in slots:
         table.add_column(f"T_MoE r={r}", justify="right")
     for nodes in (1, 2, 4, 8):
-        from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
+        from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
 
         ctx = synthetic_context(qwen, nodes, layers, mbs, seed)
         g = ctx.num_gpus
@@ -218,7 +218,7 @@ def balance(full: bool, seed: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- speed
 def load_reference(path: Path) -> ModuleType:
-    """Import a frozen copy of replicate.py (e.g. ``git show REV:relibra/planners/replicate.py``)."""
+    """Import a frozen copy of replicate.py (e.g. ``git show REV:relibra/planners/replicate/greedy.py``)."""
     spec = importlib.util.spec_from_file_location("replicate_reference", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--reference {path} is not an importable Python file")
@@ -377,7 +377,7 @@ def main() -> None:
         default=None,
         help="speed: also time this frozen copy of replicate.py on the same problems (side by side, with "
         "a check that both give the same plans), e.g. one written by "
-        "`git show HEAD:relibra/planners/replicate.py > /tmp/replicate_ref.py`",
+        "`git show HEAD:relibra/planners/replicate/greedy.py > /tmp/replicate_ref.py`",
     )
     args = ap.parse_args()
     for name, fn in PARTS.items():

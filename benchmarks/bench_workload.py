@@ -17,8 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from relibra.importers import load_olmoe_decode
-from relibra.synthetic import generate_counts
+from relibra.trace.importers import load_olmoe_decode
+from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
 
 

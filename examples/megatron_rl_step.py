@@ -50,11 +50,11 @@ def make_planner(name: str, replica_slots: int) -> Any:
     # refill (priced at OLMoE-sized experts) to hide behind attention, so a refill-aware planner would copy
     # nothing; the example is here to show the replica path (relibra.planners.refill).
     if name == "relibra":
-        from relibra.planners.relibra import relibra
+        from relibra.planners.compose import relibra
 
         return relibra(replica_slots=replica_slots, refill_aware=False)
     if name == "relibra_replicate_only":
-        from relibra.planners.relibra import relibra_replicate_only
+        from relibra.planners.compose import relibra_replicate_only
 
         return relibra_replicate_only(replica_slots=replica_slots, refill_aware=False)
     if name == "megatron":
@@ -85,7 +85,7 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from relibra.megatron.model import TinyMoEModel, init_expert_parallel
     from relibra.megatron.planning import gpu_skew, microbatch_samples
     from relibra.megatron.replay import recorded_routes, recording, replaying
-    from relibra.planner import home_assign, static_placement
+    from relibra.planners.protocols import home_assign, static_placement
 
     init_expert_parallel(world)
     spec = TinyMoESpec(args.layers, args.hidden, args.ffn, args.experts, args.top_k, seed=args.seed)

@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel, load_calibration
-from relibra.fabric import DISPATCHERS
-from relibra.migration import migration_payload
-from relibra.planner import Planner, PlannerPortfolio
+from relibra.cost.fabric import DISPATCHERS
+from relibra.cost.migration import migration_payload
+from relibra.cost.model import CostModel, load_calibration
+from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
-from relibra.trace import RoutingTrace, TraceFormatError, load_trace
+from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
 from relibra.workload import LAYOUTS, build_workload
 
@@ -107,7 +107,7 @@ def planning(
     if not bool(cp_cfg.get("enabled", True)) or not isinstance(planner, Planner):
         yield planner
         return
-    from relibra.control_plane import ControlPlane, ControlPlaneConfig
+    from relibra.control.plane import ControlPlane, ControlPlaneConfig
 
     deadline = cp_cfg.get("deadline_s")
     locality_deadline = cp_cfg.get("locality_deadline_s")
@@ -148,7 +148,8 @@ def _read_trace(path: str, mtime_ns: int, size: int) -> RoutingTrace:
 
 
 def read_trace(path: str) -> RoutingTrace:
-    """The validated trace at ``path`` (:func:`relibra.trace.load_trace`), read once while it is unchanged."""
+    """The validated trace at ``path`` (:func:`relibra.trace.format.load_trace`), read once while it is
+    unchanged."""
     stat = Path(path).stat()
     return _read_trace(str(path), stat.st_mtime_ns, stat.st_size)
 
@@ -313,7 +314,7 @@ def validate(cfg: DictConfig) -> None:
     if path:
         problems += _trace_problems(cfg, str(path))
     else:
-        from relibra.synthetic import PRESETS
+        from relibra.trace.synthetic import PRESETS
 
         for key in ("trace.num_batches", "trace.samples_per_batch", "trace.max_tokens"):
             _int_key(cfg, key, problems)
@@ -386,7 +387,7 @@ def load_counts(cfg: DictConfig) -> SampleCounts:
     """Per-sample counts [S, L, E] of the run: ``trace.path`` if set, else the synthetic generator."""
     if cfg.trace.get("path"):
         return read_trace(str(cfg.trace.path)).to_counts()
-    from relibra.synthetic import generate_counts  # NOTE: imported late: optional until it exists.
+    from relibra.trace.synthetic import generate_counts  # NOTE: imported late: optional until it exists.
 
     return generate_counts(
         preset=str(cfg.trace.preset),

@@ -1,7 +1,7 @@
 """Config nodes generated from the planners' settings dataclasses, so that each default lives in the
 dataclass alone and every one of its keys can still be overridden on the command line.
 
-``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.AnnealConfig` with
+``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.anneal.AnnealConfig` with
 ``_target_``; ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
 (``planner.reorder.KEY=V``). Registered when :mod:`experiments` is imported, before any composition.
 """
@@ -12,7 +12,7 @@ from dataclasses import asdict
 
 from hydra.core.config_store import ConfigStore
 
-from relibra.planners.reorder import AnnealConfig
+from relibra.planners.reorder.anneal import AnnealConfig
 
 __all__ = ["register"]
 

@@ -126,8 +126,8 @@ def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
     source = shared / "olmoe-decode"
     if not source.is_dir():
         return None
-    from relibra.importers import load_olmoe_decode
-    from relibra.trace import save_trace
+    from relibra.trace.format import save_trace
+    from relibra.trace.importers import load_olmoe_decode
 
     out.parent.mkdir(parents=True, exist_ok=True)
     return save_trace(load_olmoe_decode(source, samples_per_batch=OLMOE_SAMPLES_PER_BATCH), out)

@@ -5,9 +5,9 @@ the quantity was a calibration input (its link rate was fitted to it) or an inde
 (each committed file under ``experiments/data`` names its origin and commit):
 
 * DeepEP / Hybrid-EP bottleneck bandwidths (``deepep_bandwidth.json``): calibration of the achievable
-  NVLink and RDMA rates (:mod:`relibra.linkrates`) and checks at EP 16;
+  NVLink and RDMA rates (:mod:`relibra.cost.linkrates`) and checks at EP 16;
 * DeepGEMM grouped-GEMM throughput (``deepgemm_grouped.json``): check of the small-count curve
-  ``eff(n) / eff(8192)`` of :meth:`relibra.cost.CostModel.expert_time`;
+  ``eff(n) / eff(8192)`` of :meth:`relibra.cost.model.CostModel.expert_time`;
 * DeepSeek-V3's public training profile (``deepseek_v3_train_profile.json``, extracted from
   deepseek-ai/profile-data ``train.json`` by ``--extract-profile``): per MoE layer DeepEP dispatch and
   combine kernel times and the expert grouped GEMMs, H800, EP 64, 4096 tokens per GPU, FP8 GEMMs and
@@ -35,9 +35,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.fabric import deepep_link_tokens
-from relibra.linkrates import (
+from relibra.cost.fabric import deepep_link_tokens
+from relibra.cost.linkrates import (
     BandwidthPoint,
     benchmark_routes,
     benchmark_volumes,
@@ -45,7 +44,8 @@ from relibra.linkrates import (
     load_points,
     predicted_bandwidth,
 )
-from relibra.route_estimate import estimate_error
+from relibra.cost.model import CostModel
+from relibra.cost.route_estimate import estimate_error
 
 __all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validation_table"]
 
@@ -270,7 +270,7 @@ def extract_profile(path: str | Path) -> dict[str, Any]:
 
 def estimate_error_table(traces: Path) -> pd.DataFrame:
     """Per (routes, EP shape): mean, min and max over layers of estimated / exact busiest DeepEP dispatch."""
-    from relibra import importers
+    from relibra.trace import importers
 
     hw = _hardware("hopper")
     cases: list[tuple[str, np.ndarray, np.ndarray, int, tuple[tuple[int, int], ...]]] = []
@@ -280,7 +280,7 @@ def estimate_error_table(traces: Path) -> pd.DataFrame:
     if (traces / "flame-moe-290m").is_dir():
         tr = importers.load_flame_moe(traces / "flame-moe-290m")
         cases.append(("flame-moe-prefill", tr.experts, tr.sample_offsets, 64, ((2, 4), (4, 2))))
-    from relibra.synthetic import generate_trace
+    from relibra.trace.synthetic import generate_trace
 
     for preset in ("reasoning", "mixed"):
         tr = generate_trace(preset, 128, 4, 8, 1, 64, seed=0, max_tokens=1024)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relibra.fabric import DISPATCHERS
+from relibra.cost.fabric import DISPATCHERS
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ClusterSpec:
     gpus_per_node: int
     hardware: HardwareSpec
     dispatcher: str = "alltoall"
-    """How tokens travel (:mod:`relibra.fabric`): ``alltoall`` (Megatron) or ``deepep``."""
+    """How tokens travel (:mod:`relibra.cost.fabric`): ``alltoall`` (Megatron) or ``deepep``."""
     ep_overlap: bool = False
     """Hide one micro-batch's all-to-all behind another's compute (Megatron's
     ``overlap_moe_expert_parallel_comm``)."""

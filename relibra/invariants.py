@@ -38,7 +38,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from relibra.planner import BatchContext
+from relibra.planners.protocols import BatchContext
 from relibra.types import BatchPlan
 
 __all__ = [

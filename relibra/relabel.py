@@ -1,8 +1,8 @@
 """Relabel a new placement to keep experts where they are, at no change of its step time.
 
 A planner that re-plans from scratch (ReLibra's annealer, EPLB+, LPLB+) finds one of many equivalent
-placements: the cost model (:mod:`relibra.cost`) prices a plan the same after any relabelling of GPUs that
-maps the fabric onto itself, applied to everything the plan puts on a GPU at once (home experts, replica
+placements: the cost model (:mod:`relibra.cost.model`) prices a plan the same after any relabelling of GPUs
+that maps the fabric onto itself, applied to everything the plan puts on a GPU at once (home experts, replica
 and redundant slots, token assignment, samples). On the rail-optimized fabric those relabellings are
 
 * a permutation ``pi`` of the nodes (every node is alike), together with
@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 from ortools.graph.python import linear_sum_assignment
 
-from relibra.planner import BatchContext, previous_home
+from relibra.planners.protocols import BatchContext, previous_home
 from relibra.types import BatchPlan
 
 __all__ = ["keep_in_place", "permute_plan", "relabel_for", "relabel_plan"]

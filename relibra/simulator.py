@@ -1,8 +1,8 @@
 """The simulated executor: runs a planner batch by batch over a workload and prices every plan.
 
-For each batch ``b`` the simulator builds a :class:`~relibra.planner.BatchContext` (oracle loads, the
-previous placement, recent history, a ``regroup`` closure; :func:`relibra.workload.batch_context`), calls
-the planner, times it, and prices the plan with the :class:`~relibra.cost.CostModel`:
+For each batch ``b`` the simulator builds a :class:`~relibra.planners.protocols.BatchContext` (oracle loads,
+the previous placement, recent history, a ``regroup`` closure; :func:`relibra.workload.batch_context`), calls
+the planner, times it, and prices the plan with the :class:`~relibra.cost.model.CostModel`:
 
 * per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
   ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +
@@ -11,7 +11,7 @@ the planner, times it, and prices the plan with the :class:`~relibra.cost.CostMo
   planning time on the critical path (``t_critical_path_s``) and its weight copies, priced on the fabric
   and charged as :class:`~relibra.types.OnlineCopies` says (after routing, not behind attention);
 * per batch: dense (non-MoE) layers, reordering migration of every expert whose home changed (weights,
-  and optimizer state, :class:`~relibra.migration.MigrationPayload`), and the gradient reduction plus
+  and optimizer state, :class:`~relibra.cost.migration.MigrationPayload`), and the gradient reduction plus
   weight broadcast of permanent redundant copies (EPLB+, LPLB+).
 
 A batch is one RL training step: ``step_time_s`` is the mean batch time and throughput is all tokens over
@@ -30,12 +30,12 @@ import numpy as np
 import pandas as pd
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel, MoEBreakdown
-from relibra.executor import ExecutionReport
+from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.cost.model import CostModel, MoEBreakdown
+from relibra.cost.overlap import overlapped_time
+from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
-from relibra.migration import DEFAULT_BYTES_PER_PARAM
-from relibra.overlap import overlapped_time
-from relibra.planner import BatchContext, Planner, SlotBudget, static_placement
+from relibra.planners.protocols import BatchContext, Planner, SlotBudget, static_placement
 from relibra.types import BatchPlan, OnlineCopies, SampleCounts, Workload
 from relibra.workload import batch_context, gpu_token_stats
 
@@ -185,7 +185,7 @@ def _redundant_sync_time(plan: BatchPlan, cost: CostModel) -> float:
 
 
 class CostModelExecutor:
-    """The cost model behind the :class:`~relibra.executor.Executor` seam (``executor=sim``)."""
+    """The cost model behind the :class:`~relibra.executors.protocol.Executor` seam (``executor=sim``)."""
 
     name = "sim"
 
@@ -214,7 +214,7 @@ class _Priced:
     buffer_slots: int = 0
     moved: int = 0
     migration_bytes: float = 0.0
-    """Bytes the EP group moves to re-home ``moved`` experts (payload: :mod:`relibra.migration`)."""
+    """Bytes the EP group moves to re-home ``moved`` experts (payload: :mod:`relibra.cost.migration`)."""
     t_migration: float = 0.0
     t_redundant: float = 0.0
     online: OnlineCopies | None = None
@@ -340,9 +340,9 @@ def simulate(
     """Run ``planner`` over every batch of ``workload`` and price it.
 
     Args:
-        planner: a :class:`~relibra.planner.Planner` (returns plans) or a :class:`Bound` (Balanced).
-        counts: per-sample counts [S, L, E] behind ``workload``; workload: loads [M, L, G, E] and layout.
-        cluster, model, cost: the EP group, the model shape and the cost model that prices plans.
+        planner: a :class:`~relibra.planners.protocols.Planner` (returns plans) or a :class:`Bound`
+        (Balanced). counts: per-sample counts [S, L, E] behind ``workload``; workload: loads [M, L, G, E] and
+        layout. cluster, model, cost: the EP group, the model shape and the cost model that prices plans.
     Returns:
         :class:`SimResult` with the DESIGN.md metrics and per-(micro-batch, layer) arrays [M, L].
     """

@@ -29,8 +29,8 @@ shares (a planner may move samples afterwards only if its method says so: ReLibr
 GPU) loads with one sorted segment sum over flattened keys (no Python loop over tokens or samples).
 :func:`layout_samples` runs the layout; :func:`assemble` reduces into a :class:`~relibra.types.Workload`;
 :func:`build_workload` does everything from a :class:`~relibra.types.SampleCounts`.
-:func:`sample_context` is the one builder of a planner's :class:`~relibra.planner.BatchContext` (the
-simulator's, through :func:`batch_context`, and the control plane's tasks').
+:func:`sample_context` is the one builder of a planner's :class:`~relibra.planners.protocols.BatchContext`
+(the simulator's, through :func:`batch_context`, and the control plane's tasks').
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import BatchContext
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext
 from relibra.types import SampleCounts, Workload
 
 __all__ = [

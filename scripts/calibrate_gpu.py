@@ -4,7 +4,7 @@ For each model of ``experiments/conf/model`` (its ``hidden`` and ``moe_ffn``), t
 (``--group`` experts of ``t`` tokens each, as one batched matmul per projection: gate, up, down, with SiLU)
 forward and backward in bf16, for ``t`` over ``--tokens``; report seconds per expert. Then time a
 device-to-device copy of replica-buffer-sized payloads (the replica refill; GPU 0 -> GPU 1 when two GPUs
-are visible, else a copy within GPU 0's memory). Writes a JSON file that ``relibra/cost.py`` can read
+are visible, else a copy within GPU 0's memory). Writes a JSON file that ``relibra/cost/model.py`` can read
 instead of its roofline (format in docs/executor.md)::
 
     {"provenance": {"gpu": ..., "driver": ..., "torch": ..., "cuda": ..., "date": ..., ...},
@@ -152,7 +152,7 @@ def calibrate(
             "tokens": list(tokens),
             "fwd_s": list(fwd),
             "bwd_s": list(bwd),
-            "seconds": [a + b for a, b in zip(fwd, bwd)],  # fwd + bwd: what relibra.cost reads
+            "seconds": [a + b for a, b in zip(fwd, bwd)],  # fwd + bwd: what relibra.cost.model reads
         }
     bw, kind = d2d_bandwidth(copy_mib << 20, repeats, device)
     return {

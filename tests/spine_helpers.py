@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import BatchContext
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext
 from relibra.simulator import batch_context
 from relibra.types import SampleCounts, Workload
 from relibra.workload import build_workload

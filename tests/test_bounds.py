@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from baselines.balanced import BalancedBound
 from baselines.force_balanced import uniform_routing
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.simulator import SimResult, simulate
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, random_counts, tiny_model

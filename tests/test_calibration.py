@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relibra.calibration import calibration_table, load_stats, lpt_placement, main
+from analysis.calibration import calibration_table, load_stats, lpt_placement, main
 from relibra.types import SampleCounts
 
 

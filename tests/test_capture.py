@@ -15,14 +15,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from relibra.capture import (  # noqa: E402
+from relibra.trace.capture import (  # noqa: E402
     CaptureError,
     RouteCapture,
     find_moe_routers,
     response_lengths,
     route_mismatch,
 )
-from relibra.trace import load_trace, save_trace  # noqa: E402
+from relibra.trace.format import load_trace, save_trace  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2
 _COMMON = dict(

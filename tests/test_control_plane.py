@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec
-from relibra.control_plane import ControlPlane, ControlPlaneConfig, Fallback, LocalityStatus, StagedReorderer
-from relibra.cost import CostModel
+from relibra.control.plane import ControlPlane, ControlPlaneConfig, Fallback, LocalityStatus, StagedReorderer
+from relibra.cost.model import CostModel
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Reordering, Replication, static_placement
-from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
-from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
-from relibra.planners.replicate import GreedyReplicator
+from relibra.planners.compose import StaticReorderer, relibra, relibra_replicate_only
+from relibra.planners.protocols import BatchContext, Reordering, Replication, static_placement
+from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, random_counts, tiny_model

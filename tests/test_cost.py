@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel, load_calibration
+from relibra.cost.model import CostModel, load_calibration
 
 HW = HardwareSpec(
     name="hand",

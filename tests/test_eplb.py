@@ -17,9 +17,9 @@ from baselines.eplb import (
     replicate_experts,
 )
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.invariants import check_plan, sample_loads
-from relibra.planner import BatchContext, static_placement
+from relibra.planners.protocols import BatchContext, static_placement
 from relibra.relabel import keep_in_place
 from relibra.types import BatchPlan
 from tests.spine_helpers import HOPPER

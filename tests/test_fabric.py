@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.fabric import (
+from relibra.cost.fabric import (
     LINK_KEYS,
     alltoall_traffic,
     deepep_link_tokens,
     deepep_link_tokens_estimate,
     rail_link_bytes,
 )
+from relibra.cost.model import CostModel
 
 # token 0: from GPU 0, experts on GPUs 2 and 3 (both on remote node 1)
 # token 1: from GPU 1, two experts on GPU 2

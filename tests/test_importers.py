@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relibra.importers import (
+from relibra.trace.format import TraceFormatError, load_trace, save_trace
+from relibra.trace.importers import (
     IncompleteTokensError,
     from_router_replay,
     from_sglang,
@@ -20,7 +21,6 @@ from relibra.importers import (
     load_olmoe_prefill_counts,
     load_qwen3_counts,
 )
-from relibra.trace import TraceFormatError, load_trace, save_trace
 
 
 def routes(seed: int, lengths: list[int], layers: int = 3, experts: int = 16, k: int = 4) -> list[np.ndarray]:

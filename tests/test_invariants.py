@@ -108,7 +108,7 @@ def test_home_balance(ctx, plan):
 
 
 def _home_only(load, home, g):
-    from relibra.planner import home_assign
+    from relibra.planners.protocols import home_assign
 
     return home_assign(load, home, g)
 

@@ -11,7 +11,7 @@ import pytest
 from baselines.llep import LlepPlanner, imbalance_ratio, lpt_plan
 from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump, check_token_capacity
 from relibra.simulator import simulate
-from relibra.trace import RoutingTrace, save_trace
+from relibra.trace.format import RoutingTrace, save_trace
 from tests.spine_helpers import tiny_setup
 from tests.test_eplb import make_ctx
 from tests.test_run import file_cfg

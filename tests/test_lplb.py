@@ -18,7 +18,7 @@ from baselines.lplb import (
     topology_edges,
 )
 from relibra.invariants import check_plan
-from relibra.planner import home_assign
+from relibra.planners.protocols import home_assign
 from tests.test_eplb import make_ctx
 
 

@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
 from relibra.invariants import check_plan
@@ -38,8 +38,8 @@ from relibra.megatron.adapter import (
 )
 from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
-from relibra.planner import BatchContext, static_placement
-from relibra.planners.relibra import ComposedPlanner, relibra, relibra_replicate_only
+from relibra.planners.compose import ComposedPlanner, relibra, relibra_replicate_only
+from relibra.planners.protocols import BatchContext, static_placement
 from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
@@ -194,7 +194,7 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
 
     from relibra.megatron.model import TinyMoEModel, TinyMoESpec, init_expert_parallel
     from relibra.megatron.replay import recorded_routes, recording, replaying, routes_to_trace, trace_routes
-    from relibra.trace import load_trace, save_trace
+    from relibra.trace.format import load_trace, save_trace
 
     init_expert_parallel(world)
     spec = TinyMoESpec(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, seed=3)

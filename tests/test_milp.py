@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.invariants import check_assignment
-from relibra.planner import static_placement
-from relibra.planners.milp import (
+from relibra.planners.protocols import static_placement
+from relibra.planners.replicate.greedy import linear_objective, replicate_greedy
+from relibra.planners.replicate.milp import (
     LINK_KEYS,
     MilpReplicator,
     dispatch_routing,
     solve_replication,
     solve_split,
 )
-from relibra.planners.replicate import linear_objective, replicate_greedy
 from tests.spine_helpers import HOPPER, tiny_context
 
 MODEL = ModelSpec("test-moe", 2, 2, 2048, 768, 8, 2, 16, 4, 128)

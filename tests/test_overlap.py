@@ -1,4 +1,4 @@
-"""Megatron's combined 1F1B all-to-all overlap (relibra.overlap) against hand-computed schedules."""
+"""Megatron's combined 1F1B all-to-all overlap (relibra.cost.overlap) against hand-computed schedules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from relibra.overlap import overlapped_time
+from relibra.cost.overlap import overlapped_time
 
 
 def test_two_microbatches_by_hand():

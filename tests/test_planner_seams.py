@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import experiments  # noqa: F401  (registers the generated config nodes)
-from relibra.planner import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
+from relibra.planners.protocols import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
 from relibra.simulator import Bound
 
 CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"

@@ -9,7 +9,7 @@ import pytest
 
 from baselines.popfetcher import PopFetcherPlanner, adjacent_layer_transition, pull_threshold
 from relibra.invariants import check_plan
-from relibra.planner import home_assign
+from relibra.planners.protocols import home_assign
 from tests.test_eplb import make_ctx
 
 

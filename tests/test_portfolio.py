@@ -12,10 +12,10 @@ from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Planner, SlotBudget
+from relibra.planners.compose import PreviousReorderer, relibra, relibra_replicate_only
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
-from relibra.planners.relibra import PreviousReorderer, relibra, relibra_replicate_only
-from relibra.planners.reorder import AnnealConfig
+from relibra.planners.protocols import BatchContext, Planner, SlotBudget
+from relibra.planners.reorder.anneal import AnnealConfig
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup

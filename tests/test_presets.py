@@ -35,8 +35,8 @@ def tiny(cfg_nodes: int) -> list[str]:
 @pytest.fixture(scope="module")
 def olmoe_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small synthetic trace with the OLMoE shape, standing in for the real one (which CI may lack)."""
-    from relibra.synthetic import generate_trace
-    from relibra.trace import save_trace
+    from relibra.trace.format import save_trace
+    from relibra.trace.synthetic import generate_trace
 
     trace = generate_trace(
         "mixed",
@@ -212,7 +212,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
     from experiments.reproduce import prepare_olmoe_trace
-    from relibra.trace import load_trace
+    from relibra.trace.format import load_trace
 
     path = prepare_olmoe_trace(shared_traces, tmp_path / "olmoe-decode.npz")
     assert path is not None

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from baselines.megatron import MegatronPlanner
-from relibra.cost import CostModel
-from relibra.planner import BatchContext, Replication, static_placement
+from relibra.cost.model import CostModel
+from relibra.planners.compose import relibra_replicate_only
+from relibra.planners.protocols import BatchContext, Replication, static_placement
 from relibra.planners.refill import attention_window, replicate_within_window
-from relibra.planners.relibra import relibra_replicate_only
-from relibra.planners.replicate import GreedyReplicator
+from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context, simulate
 from tests.spine_helpers import tiny_model, tiny_setup
 

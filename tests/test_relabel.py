@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
-from relibra.planner import static_placement
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import static_placement
 from relibra.relabel import keep_in_place, permute_plan, relabel_plan
 from relibra.simulator import batch_context, predict_batch_time
 from relibra.workload import build_workload

@@ -12,14 +12,14 @@ from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.invariants import check_plan
-from relibra.planner import Planner
-from relibra.planners.relibra import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
-from relibra.planners.reorder import AnnealConfig
-from relibra.planners.replicate import linear_objective
+from relibra.planners.compose import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
+from relibra.planners.protocols import Planner
+from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.replicate.greedy import linear_objective
 from relibra.simulator import batch_context, skewness
-from relibra.synthetic import generate_counts
+from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, tiny_context, tiny_model
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import BatchContext, home_assign
-from relibra.planners.exact_reorder import brute_force_reorder, milp_reorder
-from relibra.planners.reorder import (
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, home_assign
+from relibra.planners.reorder.anneal import (
     AnnealConfig,
     AnnealingReorderer,
     _apply_swap,
@@ -24,6 +23,7 @@ from relibra.planners.reorder import (
     lpt_placement,
     placement_objective,
 )
+from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
 from tests.spine_helpers import HOPPER
@@ -452,7 +452,7 @@ def test_deepep_objective_matches_cost_model(nodes: int, gpn: int) -> None:
 
 
 def test_deepep_annealer_state_stays_exact_after_swaps() -> None:
-    from relibra.planners.reorder import _apply_swap_deepep, deepep_routes, full_state_deepep
+    from relibra.planners.reorder.anneal import _apply_swap_deepep, deepep_routes, full_state_deepep
 
     ctx = make_ctx(2, 4, 32, microbatches=2)
     cost = _deepep(ctx.cost)

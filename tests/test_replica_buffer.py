@@ -9,7 +9,7 @@ import torch
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies
 from relibra.executors.torch_executor import launch
 from relibra.executors.torch_moe import EPMoEModel, ExpertShape, MicroBatchPlan, expert_init
-from relibra.planner import home_assign, static_placement
+from relibra.planners.protocols import home_assign, static_placement
 
 SHAPE = ExpertShape(hidden=4, ffn=2)
 

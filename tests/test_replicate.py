@@ -8,10 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
+from relibra.cost.buffer_memory import (
+    PAPER_BUFFER_MIB,
+    buffer_footprint,
+    per_gpu_parameter_bytes,
+    replica_buffer_bytes,
+)
+from relibra.cost.model import CostModel
 from relibra.invariants import check_assignment
-from relibra.planner import home_assign, static_placement
-from relibra.planners.replicate import (
+from relibra.planners.protocols import home_assign, static_placement
+from relibra.planners.replicate.greedy import (
     ALL_NODES,
     ReplicationCoefficients,
     _comm_lower_bound,
@@ -28,12 +34,6 @@ from relibra.planners.replicate import (
     linear_objective,
     replicate_greedy,
     round_assign,
-)
-from relibra.replica_buffer import (
-    PAPER_BUFFER_MIB,
-    buffer_footprint,
-    per_gpu_parameter_bytes,
-    replica_buffer_bytes,
 )
 from tests.spine_helpers import HOPPER
 
@@ -368,7 +368,7 @@ def test_polish_keeps_invariants_and_never_loses(nodes: int, gpn: int, r: int) -
 def test_polish_closes_part_of_the_gap_to_the_milp() -> None:
     # One heavy sender on one node of 8 (the synthetic case where the greedy is furthest from the optimum):
     # the exchange moves never lose and close a good part of the summed gap to the MILP's optimum.
-    from relibra.planners.milp import solve_replication
+    from relibra.planners.replicate.milp import solve_replication
 
     rng = np.random.default_rng(11)
     cost = _cost(1, 8)

@@ -17,7 +17,7 @@ from experiments.config import ConfigError, build_cluster, build_model
 from experiments.run import run
 from relibra.invariants import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
-from relibra.trace import RoutingTrace, load_trace, save_trace
+from relibra.trace.format import RoutingTrace, load_trace, save_trace
 
 CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
 REPO = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_spine_planners_instantiate(planner):
 
 
 def test_synthetic_default(tmp_path):
-    pytest.importorskip("relibra.synthetic")
+    pytest.importorskip("relibra.trace.synthetic")
     c = cfg(
         "model=olmoe-1b-7b",
         "trace.num_batches=1",
@@ -259,7 +259,7 @@ def test_cli_bad_config_exit_code(trace_file, tmp_path):
 @pytest.mark.shared_traces
 def test_real_olmoe_trace_plans_accepted(shared_traces, tmp_path):
     """The issue's acceptance command on the real OLMoE decode trace saved by another program."""
-    from relibra.importers import load_olmoe_decode
+    from relibra.trace.importers import load_olmoe_decode
 
     trace = load_olmoe_decode(
         shared_traces / "olmoe-decode", domains=["math", "coding"], samples_per_batch=25
@@ -359,7 +359,7 @@ def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planne
 
 def test_portfolio_candidates_each_get_a_control_plane():
     from experiments.config import build_cost, build_planner, planning
-    from relibra.control_plane import ControlPlane
+    from relibra.control.plane import ControlPlane
     from relibra.planners.portfolio import PortfolioPlanner
 
     c = cfg("planner=relibra_portfolio", "cluster.nodes=1")

@@ -10,7 +10,7 @@ import pytest
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from relibra.planner import BatchContext, Planner, SlotBudget, home_assign, static_placement
+from relibra.planners.protocols import BatchContext, Planner, SlotBudget, home_assign, static_placement
 from relibra.simulator import (
     METRIC_COLUMNS,
     Bound,
@@ -123,7 +123,7 @@ def test_reordering_migration_charged(setup):
 
 def test_distributed_optimizer_shards_the_migrated_state(setup):
     """With the optimizer state sharded over 4 expert-data-parallel ranks an EP group moves 2 + 12 / 4."""
-    from relibra.migration import MigrationPayload
+    from relibra.cost.migration import MigrationPayload
 
     counts, workload, cluster, model, cost = setup
     payload = MigrationPayload(optimizer_shards=4)
@@ -200,8 +200,8 @@ def test_check_plans_option(setup):
 def test_balanced_bounds_planners_under_deepep():
     from dataclasses import replace
 
-    from relibra.cost import CostModel
-    from relibra.planners.relibra import relibra
+    from relibra.cost.model import CostModel
+    from relibra.planners.compose import relibra
 
     counts, workload, cluster, model, _ = tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
     cluster = replace(cluster, dispatcher="deepep")

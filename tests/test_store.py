@@ -237,7 +237,7 @@ def _claiming_writer(root: str, log: str, writer: int) -> None:
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_result_files_respect_the_umask(tmp_path: Path, umask: int, monkeypatch) -> None:
     from relibra import atomic
-    from relibra.trace import save_trace
+    from relibra.trace.format import save_trace
     from tests.test_trace import make_trace
 
     old = os.umask(umask)

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from relibra.synthetic import PRESETS, generate_counts, generate_trace, get_preset
+from relibra.trace.synthetic import PRESETS, generate_counts, generate_trace, get_preset
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -31,7 +31,7 @@ from relibra.executors.torch_moe import (
     split_counts,
 )
 from relibra.invariants import PlanInvariantError
-from relibra.planner import home_assign, static_placement
+from relibra.planners.protocols import home_assign, static_placement
 from relibra.types import BatchPlan
 
 SHAPE = ExpertShape(hidden=8, ffn=4)
@@ -310,8 +310,8 @@ def _planners(gpus_per_node: int) -> list:
         ("baselines.lplb", "LplbPlanner", {"redundant_slots": 2, "topology": "ring"}),
         ("baselines.popfetcher", "PopFetcherPlanner", {"replica_slots": 1}),
         ("relibra.planners.reorder_only", "ReorderOnlyPlanner", {}),
-        ("relibra.planners.relibra", "ReLibraPlanner", {"replica_slots": 2}),
-        ("relibra.planners.relibra", "ReplicateOnlyPlanner", {"replica_slots": 2}),
+        ("relibra.planners.compose", "ReLibraPlanner", {"replica_slots": 2}),
+        ("relibra.planners.compose", "ReplicateOnlyPlanner", {"replica_slots": 2}),
     ]
     for module, cls, kwargs in candidates:
         try:
@@ -327,8 +327,8 @@ def planner_cases(rng: np.random.Generator, num_gpus: int, gpus_per_node: int) -
 
     A planner may move samples between GPUs (locality round); each rank then holds its plan's samples.
     """
-    from relibra.cost import CostModel
-    from relibra.planner import BatchContext
+    from relibra.cost.model import CostModel
+    from relibra.planners.protocols import BatchContext
 
     num_layers, num_experts, k = 2, 8, 2
     sample_routes = [

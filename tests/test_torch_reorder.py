@@ -9,7 +9,7 @@ import torch
 from relibra.executors.reorder_ops import moved_experts, reorder_experts
 from relibra.executors.torch_executor import launch
 from relibra.executors.torch_moe import EPMoEModel, ExpertShape, expert_init
-from relibra.planner import static_placement
+from relibra.planners.protocols import static_placement
 
 SHAPE = ExpertShape(hidden=4, ffn=2)
 L, E, G = 3, 8, 4

@@ -18,7 +18,7 @@ from relibra.executors.launch import DistEnv, main, plans_from_dump, slot_table
 from relibra.executors.plan_check import PlanRefused
 from relibra.executors.torch_moe import ExpertShape, dense_init, expert_init, reference_forward
 from relibra.invariants import PlanInvariantError, sample_loads
-from relibra.planner import home_assign, static_placement
+from relibra.planners.protocols import home_assign, static_placement
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = ExpertShape(hidden=8, ffn=4)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relibra.trace import RoutingTrace, TraceFormatError, load_trace, save_trace
+from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace, save_trace
 
 
 def make_trace(
@@ -72,7 +72,7 @@ def test_to_counts_matches_a_loop() -> None:
 def test_to_counts_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
     trace = make_trace(seed=4)
     whole = trace.to_counts().counts
-    monkeypatch.setattr("relibra.trace._MAX_KEYS_PER_CHUNK", 50)
+    monkeypatch.setattr("relibra.trace.format._MAX_KEYS_PER_CHUNK", 50)
     np.testing.assert_array_equal(trace.to_counts().counts, whole)
 
 

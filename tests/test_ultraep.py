@@ -135,7 +135,7 @@ def test_pricing_charges_the_critical_path() -> None:
 
 def test_entry_point_and_plan_dump(tmp_path) -> None:
     from experiments.run import run
-    from relibra.trace import RoutingTrace, save_trace
+    from relibra.trace.format import RoutingTrace, save_trace
 
     rng = np.random.default_rng(3)
     lens = rng.integers(30, 200, size=16)

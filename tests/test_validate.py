@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import validate
-from relibra.linkrates import benchmark_volumes, fit_rates, load_points, predicted_bandwidth
+from relibra.cost.linkrates import benchmark_volumes, fit_rates, load_points, predicted_bandwidth
 
 CALIBRATION_TOLERANCE = 0.05
 """Each calibration point is reproduced within 5 % by the rates in the cluster files."""

@@ -134,7 +134,7 @@ def test_balanced_layout_fills_every_gpu(seed: int, num_gpus: int, k: int | None
 def test_balanced_layout_balances_every_preset(preset: str) -> None:
     """The synthetic presets at EP 16 (256 rollouts, 2 per GPU per micro-batch): every micro-batch's
     per-GPU tokens stay near their mean with the balanced layout, not with the contiguous one."""
-    from relibra.synthetic import generate_counts
+    from relibra.trace.synthetic import generate_counts
 
     counts = generate_counts(preset, 16, 1, 2, num_batches=1, samples_per_batch=256, seed=3, max_tokens=8192)
     ratios = {}

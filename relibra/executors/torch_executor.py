@@ -1,6 +1,6 @@
 """The ``torch`` executor: runs batch plans on real processes (gloo on CPU, NCCL on GPUs) and times them.
 
-:class:`TorchExecutor` implements :class:`relibra.executor.Executor`. For a sequence of
+:class:`TorchExecutor` implements :class:`relibra.executors.protocol.Executor`. For a sequence of
 :class:`~relibra.types.BatchPlan` it
 
 1. refuses any plan that breaks an executor invariant (:mod:`relibra.executors.plan_check`) before a single
@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.executor import ExecutionReport
 from relibra.executors.plan_check import PlanRefused, check_plan
+from relibra.executors.protocol import ExecutionReport
 from relibra.executors.reorder_ops import reorder_experts
 from relibra.executors.torch_moe import EPMoEModel, ExpertShape, MicroBatchPlan, StageTimer
 from relibra.types import BatchPlan

@@ -1,9 +1,9 @@
 """The control plane between rollout and training: recorded routes -> batch context -> batch plan.
 
 Recorded routes of each sample (``[T_s, L, k]``, :func:`relibra.megatron.replay.recorded_routes`) become a
-:class:`~relibra.trace.RoutingTrace`, per-sample counts (:class:`~relibra.types.SampleCounts`), a
+:class:`~relibra.trace.format.RoutingTrace`, per-sample counts (:class:`~relibra.types.SampleCounts`), a
 :class:`~relibra.types.Workload` (samples balanced over GPUs and cut into micro-batches) and the
-:class:`~relibra.planner.BatchContext` any ReLibra planner takes. The training side then asks
+:class:`~relibra.planners.protocols.BatchContext` any ReLibra planner takes. The training side then asks
 :func:`microbatch_samples` which samples each rank trains in each micro-batch (the plan may move samples
 between GPUs) and replays their routes in that order.
 
@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import BatchContext, Planner
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, Planner
 from relibra.types import BatchPlan
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from relibra.trace import RoutingTrace
+from relibra.trace.format import RoutingTrace
 
 __all__ = [
     "check_replay_config",

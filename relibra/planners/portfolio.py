@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from relibra.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
-from relibra.planner import BatchContext, Planner, SlotBudget
+from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
+from relibra.planners.protocols import BatchContext, Planner, SlotBudget
 from relibra.simulator import predict_batch_time
 from relibra.types import BatchPlan
 
@@ -79,7 +79,7 @@ def portfolio(
     migration: Mapping[str, Any] | None = None,
 ) -> PortfolioPlanner:
     """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept); ``migration``:
-    the simulator's ``simulator.migration`` overrides (:func:`relibra.migration.migration_payload`)."""
+    the simulator's ``simulator.migration`` overrides (:func:`relibra.cost.migration.migration_payload`)."""
     for label, planner in candidates.items():
         if not isinstance(planner, Planner):
             raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")

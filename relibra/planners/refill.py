@@ -2,10 +2,10 @@
 
 The layer-shared buffer is refilled for every (micro-batch, layer): each copy's weights cross NVLink from
 the expert's home while the layer's attention runs, and its gradients go home during the backward
-attention; what attention does not hide is exposed (:meth:`relibra.cost.CostModel.exposed_refill`, charged
-by the simulator). A replicator minimises ``T_MoE`` alone, which is right wherever the refill is hidden
-(every quick and paper-scale preset: the exposed share of a step is below 0.1 %), but on short steps (the
-OLMoE decode trace: 12,800 tokens a step) a copy can cost more refill than it saves.
+attention; what attention does not hide is exposed (:meth:`relibra.cost.model.CostModel.exposed_refill`,
+charged by the simulator). A replicator minimises ``T_MoE`` alone, which is right wherever the refill is
+hidden (every quick and paper-scale preset: the exposed share of a step is below 0.1 %), but on short steps
+(the OLMoE decode trace: 12,800 tokens a step) a copy can cost more refill than it saves.
 
 :func:`replicate_within_window` keeps the replicator's answer wherever its refill is hidden, and elsewhere
 also solves those layers with fewer slots per GPU (``r - 1`` down to ``0``, i.e. every token at home) and
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from relibra.planner import BatchContext, Replication, Replicator
+from relibra.planners.protocols import BatchContext, Replication, Replicator
 from relibra.workload import gpu_token_stats
 
 __all__ = ["attention_window", "replicate_batch", "replicate_within_window"]
@@ -100,7 +100,7 @@ def replicate_batch(
     replicator: Replicator, load: np.ndarray, home: np.ndarray, ctx: BatchContext, sample_gpu: np.ndarray
 ) -> list[Replication]:
     """Every micro-batch of ``load`` [Mb, L, G, E] on ``home`` [L, E], each within its attention window
-    under ``sample_gpu`` [Sb] (what :class:`~relibra.planners.relibra.ComposedPlanner` and the control
+    under ``sample_gpu`` [Sb] (what :class:`~relibra.planners.compose.ComposedPlanner` and the control
     plane's replication tasks run)."""
     window = attention_window(ctx, sample_gpu)
     return [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(load.shape[0])]

@@ -1,6 +1,6 @@
 """Planner ``relibra_reorder_only``: ReLibra's inter-batch reordering without intra-batch replication.
 
-The middle row of the paper's ablation: the annealer of :mod:`relibra.planners.reorder` chooses each
+The middle row of the paper's ablation: the annealer of :mod:`relibra.planners.reorder.anneal` chooses each
 layer's placement (and, with ``locality=true``, a new sample-to-GPU assignment) once per batch; every token
 is then computed at its expert's home (no replica slots); the plan is relabelled to keep experts where they
 were (:func:`relibra.relabel.relabel_for`).
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from relibra.planner import BatchContext, SlotBudget, home_assign, reordered_load
-from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
+from relibra.planners.protocols import BatchContext, SlotBudget, home_assign, reordered_load
+from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -22,8 +22,9 @@ __all__ = ["ReorderOnlyPlanner"]
 
 
 class ReorderOnlyPlanner:
-    """Reordering plus home-only assignment (implements :class:`relibra.planner.Planner`); ``reorder``: the
-    annealer's :class:`~relibra.planners.reorder.AnnealConfig` (default: its defaults)."""
+    """Reordering plus home-only assignment (implements :class:`relibra.planners.protocols.Planner`);
+    ``reorder``: the annealer's :class:`~relibra.planners.reorder.anneal.AnnealConfig` (default: its
+    defaults)."""
 
     def __init__(
         self, name: str = "relibra_reorder_only", replica_slots: int = 0, reorder: AnnealConfig | None = None

@@ -21,8 +21,8 @@ import time
 import numpy as np
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import BatchContext
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext
 from relibra.simulator import batch_context
 from relibra.types import SampleCounts
 from relibra.workload import build_workload
@@ -74,8 +74,8 @@ def compile_kernels(seed: int = 0) -> dict[str, float]:
     Returns seconds per step: ``relibra`` (reordering with the locality round, then greedy replication)
     and ``reorder_only``; seconds of a step are compile time when the cache was cold, load time otherwise.
     """
-    from relibra.planners.relibra import relibra
-    from relibra.planners.reorder import AnnealConfig
+    from relibra.planners.compose import relibra
+    from relibra.planners.reorder.anneal import AnnealConfig
     from relibra.planners.reorder_only import ReorderOnlyPlanner
 
     ctx = tiny_context(seed)

@@ -1,12 +1,13 @@
 """ReLibra's planners: a Reorderer (per batch) composed with a Replicator (per micro-batch and layer).
 
-* ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.AnnealingReorderer`), then
-  the incremental greedy replication (:class:`relibra.planners.replicate.GreedyReplicator`);
+* ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.anneal.AnnealingReorderer`),
+then
+  the incremental greedy replication (:class:`relibra.planners.replicate.greedy.GreedyReplicator`);
 * ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
 * ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration;
   ``relibra_replicate_only(placement="previous")``);
 * ``relibra_milp``: static placement (or any reorderer), then the exact MILP per problem
-  (:class:`relibra.planners.milp.MilpReplicator`), a reference for small and medium instances.
+  (:class:`relibra.planners.replicate.milp.MilpReplicator`), a reference for small and medium instances.
 
 :class:`ComposedPlanner` is the generic composition; the three names are factory functions over it.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from relibra.planner import (
+from relibra.planners.protocols import (
     BatchContext,
     Reorderer,
     Reordering,
@@ -27,10 +28,10 @@ from relibra.planner import (
     reordered_load,
     static_placement,
 )
-from relibra.planners.milp import MilpReplicator
 from relibra.planners.refill import replicate_batch
-from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
-from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
+from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+from relibra.planners.replicate.greedy import Acceptance, GreedyReplicator, SplitMethod
+from relibra.planners.replicate.milp import MilpReplicator
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 

@@ -1,12 +1,13 @@
 """Exact references for one layer's reordering problem: a MILP (OR-Tools, SCIP) and brute force.
 
-Both minimise the same true objective as the annealer (:func:`relibra.planners.reorder.placement_objective`):
-for every micro-batch row ``m`` of a :class:`~relibra.planners.reorder.LayerProblem`,
+Both minimise the same true objective as the annealer
+(:func:`relibra.planners.reorder.anneal.placement_objective`): for every micro-batch row ``m`` of a
+:class:`~relibra.planners.reorder.anneal.LayerProblem`,
 ``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment.
 
 MILP: binary ``y[e, g]`` (expert ``e`` homed on ``g``), ``sum_g y[e, g] = 1``, ``sum_e y[e, g] = E / G``.
 The traffic ``T[m, j, g] = sum_e x[m, e, j] * y[e, g]`` is linear in ``y``, so is every per-GPU link-class
-load (routing of :func:`~relibra.planners.links.link_routes`); each GPU's all-to-all time
+load (routing of :func:`~relibra.planners.reorder.links.link_routes`); each GPU's all-to-all time
 ``2 * (max(nvlink_dispatch, nic_dispatch) + max(nvlink_combine, nic_combine)) + latency`` and the two maxima
 over GPUs are epigraph variables. The model is exact for the linearised cost, so a proven optimum is the
 annealer's true optimum.
@@ -22,8 +23,8 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cluster import ClusterSpec
-from relibra.planners.links import NUM_LINKS, link_routes
-from relibra.planners.reorder import LayerProblem, placement_objective
+from relibra.planners.reorder.anneal import LayerProblem, placement_objective
+from relibra.planners.reorder.links import NUM_LINKS, link_routes
 
 __all__ = ["ExactResult", "brute_force_reorder", "milp_reorder"]
 

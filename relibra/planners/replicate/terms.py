@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 
 __all__ = ["ReplicationCoefficients", "round_assign"]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace import RoutingTrace
+from relibra.trace.format import RoutingTrace
 
 __all__ = [
     "CaptureError",
@@ -300,7 +300,7 @@ class RouteCapture:
         eos_token_id: int | Sequence[int] | None = None,
         model_name: str | None = None,
     ) -> RoutingTrace:
-        """The captured samples as a one-batch :class:`~relibra.trace.RoutingTrace`.
+        """The captured samples as a one-batch :class:`~relibra.trace.format.RoutingTrace`.
 
         Samples with no recorded token (a one-token response without its prompt) are left out; their row
         indices are listed in ``meta["dropped_rows"]``. ``meta["rows"]`` maps trace samples to rows.

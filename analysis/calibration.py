@@ -1,4 +1,4 @@
-"""Calibration of the synthetic presets against real routing: ``python -m relibra.calibration``.
+"""Calibration of the synthetic presets against real routing: ``python -m analysis.calibration``.
 
 For each real trace found in ``../shared/traces`` (or ``--traces DIR``) and each generator preset, one
 row of load-fluctuation statistics, side by side (issue 2):
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from relibra.synthetic import PRESETS, generate_counts
+from relibra.trace.synthetic import PRESETS, generate_counts
 from relibra.types import SampleCounts
 from relibra.workload import microbatch_loads
 
@@ -155,7 +155,7 @@ def _subset(counts: SampleCounts, domain: int) -> SampleCounts:
 
 def real_workloads(root: Path) -> Iterator[tuple[str, SampleCounts]]:
     """(name, counts) of every real trace present under ``root`` (``../shared/traces`` layout)."""
-    from relibra import importers
+    from relibra.trace import importers
 
     loaders: list[tuple[str, Callable[[], SampleCounts]]] = []
     if (root / "olmoe-decode").is_dir():
@@ -257,10 +257,10 @@ def _print(table: pd.DataFrame, markdown: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print the calibration table (``python -m relibra.calibration --help``)."""
+    """Print the calibration table (``python -m analysis.calibration --help``)."""
     default = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
     parser = argparse.ArgumentParser(
-        prog="python -m relibra.calibration", description=__doc__.splitlines()[0]
+        prog="python -m analysis.calibration", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--traces", type=Path, default=default, help=f"real traces folder (default {default})"

@@ -15,7 +15,7 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
    an expert that GPU receives many remote tokens for, on the node's GPU with the least busy links (the
    receive side);
 3. keep a move only if the objective drops: the compute max (``"compute"``) or the linearised
-   ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.CostModel.linear`); ``"best"`` runs
+   ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.model.CostModel.linear`); ``"best"`` runs
    ``"comm"``, ``"comm"`` with the communication step first (where NVLink binds the busiest GPU), and
    ``"compute"`` cut where its ``T_MoE`` was lowest, and keeps the lowest ``T_MoE``;
 4. stop when no move improves the objective or no slot is left;
@@ -34,7 +34,7 @@ The split is solved two ways:
   are rebuilt, and a candidate whose compute max plus an O(G) lower bound on one GPU's communication
   already misses the threshold is rejected without the O(G^2) pass (docs/replicate.md).
 * ``split="lp"``: the general case. Every candidate's split is the LP of the paper's eq. 7 with the replica
-  set fixed (:func:`relibra.planners.milp.solve_split`), including the communication terms.
+  set fixed (:func:`relibra.planners.replicate.milp.solve_split`), including the communication terms.
 
 Tokens are then rounded to int32 per expert with the largest-remainder rule, so that
 ``assign[e, :].sum() == sum_j x[j, e]`` exactly; slots whose copy ends with no tokens are emptied.
@@ -51,9 +51,9 @@ from typing import Literal, NamedTuple
 import numpy as np
 from numba import njit
 
-from relibra.cost import CostModel
-from relibra.planner import BatchContext, Replication
-from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, Replication
+from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
 SplitMethod = Literal["waterfill", "lp"]
 Acceptance = Literal["best", "comm", "compute"]
@@ -221,7 +221,7 @@ def _deepep_link_totals(miss_log, tok, gpn):  # pragma: no cover - compiled
     ``miss_log`` [G(j), G(g)]: ``sum_e log(1 - x[j, e] / T_j) * share[e, g]`` (built like the traffic
     matrix, from ``log(1 - q)`` in place of ``x``); tok [G]: tokens per source. A token of ``j`` reaches
     GPU ``g`` with ``tok[j] * (1 - exp(miss_log[j, g]))`` tokens, a node with one minus the product of its
-    GPUs' miss probabilities (:func:`relibra.fabric.deepep_link_tokens_estimate`).
+    GPUs' miss probabilities (:func:`relibra.cost.fabric.deepep_link_tokens_estimate`).
     """
     g_n = miss_log.shape[0]
     acc = np.zeros((8, g_n))
@@ -1026,7 +1026,7 @@ def replicate_greedy(
         )
     if split == "lp":
         # NOTE: imported on use, so that the default waterfill split never loads OR-Tools.
-        from relibra.planners.milp import greedy_with_lp_split
+        from relibra.planners.replicate.milp import greedy_with_lp_split
 
         assign, replicas = greedy_with_lp_split(
             x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol
@@ -1079,7 +1079,8 @@ def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cos
 
 @dataclass(frozen=True)
 class GreedyReplicator:
-    """:class:`~relibra.planner.Replicator` running :func:`replicate_greedy` over a micro-batch's layers."""
+    """:class:`~relibra.planners.protocols.Replicator` running :func:`replicate_greedy` over a micro-batch's
+    layers."""
 
     replica_slots: int = 2
     split: SplitMethod = "waterfill"

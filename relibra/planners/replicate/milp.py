@@ -12,18 +12,19 @@ Variables, for every expert ``e`` and GPU ``g`` of ``e``'s home node:
   (``h = compute_s_per_expert / compute_s_per_token``, the grouped GEMM's small-count loss);
 * communication: under the proportional split rule the dispatch traffic ``j -> g`` is
   ``sum_e x[j, e] * a[e, g] / A[e]``, linear in ``a`` because ``A`` is fixed; every link load of
-  :meth:`relibra.cost.CostModel.link_bytes` is linear in the traffic, so ``p_dispatch[g]`` and
+  :meth:`relibra.cost.model.CostModel.link_bytes` is linear in the traffic, so ``p_dispatch[g]`` and
   ``p_combine[g]`` bound the four link classes of ``g`` in each exchange and
   ``t_comm >= 2 * (p_dispatch[g] + p_combine[g])`` (forward and backward);
 * objective: ``t_comp + t_comm`` (plus the constant all-to-all latency).
 
 This is exact for the cost model's ``alltoall`` communication and for its compute in the compute-bound
 regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token * (n + h)``). The link
-coefficients are taken from :meth:`~relibra.cost.CostModel.link_bytes` itself, so both can never drift apart.
+coefficients are taken from :meth:`~relibra.cost.model.CostModel.link_bytes` itself, so both can never drift
+apart.
 
 :func:`solve_replication` solves the MILP (OR-Tools ``pywraplp``: SCIP by default, CBC also works) with a
 time limit and reports the proven bound; :func:`solve_split` solves the LP with the replica set fixed
-(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate`). Neither models
+(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate.greedy`). Neither models
 ``cluster.dispatcher=deepep``, whose de-duplicated traffic is concave in the split: they refuse it.
 """
 
@@ -35,9 +36,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from relibra.cost import CostModel
-from relibra.planner import BatchContext, Replication
-from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, Replication
+from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
 __all__ = ["MilpReplicator", "ReplicationSolution", "dispatch_routing", "solve_replication", "solve_split"]
 
@@ -330,7 +331,7 @@ def greedy_with_lp_split(
 
 @dataclass(frozen=True)
 class MilpReplicator:
-    """:class:`~relibra.planner.Replicator` solving every (micro-batch, layer) problem exactly.
+    """:class:`~relibra.planners.protocols.Replicator` solving every (micro-batch, layer) problem exactly.
 
     Stats: ``milp_gap_mean`` / ``milp_gap_max`` (proven relative gaps), ``milp_optimal_fraction``,
     ``milp_objective_s`` / ``milp_bound_s`` (sums over the layers), ``milp_solve_s``.

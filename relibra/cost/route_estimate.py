@@ -1,8 +1,9 @@
 """How far the load-based DeepEP estimate is from exact per-token routes (``python -m experiments.validate``).
 
-:func:`relibra.fabric.deepep_link_tokens_estimate` sees only per-source loads ``x[j, e]`` (what per-sample
-counts give); :func:`relibra.fabric.deepep_link_tokens` counts each token's node and GPU set exactly. For
-routes ``experts[T, L, k]`` with samples laid out round-robin over the EP group's GPUs and a placement
+:func:`relibra.cost.fabric.deepep_link_tokens_estimate` sees only per-source loads ``x[j, e]`` (what
+per-sample counts give); :func:`relibra.cost.fabric.deepep_link_tokens` counts each token's node and GPU set
+exactly. For routes ``experts[T, L, k]`` with samples laid out round-robin over the EP group's GPUs and a
+placement
 ``home[E]``, :func:`estimate_error` compares, per layer, the busiest GPU's DeepEP dispatch phase (the
 quantity the cost model charges) of both.
 """
@@ -12,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from relibra.cost import CostModel
-from relibra.fabric import deepep_link_tokens, deepep_link_tokens_estimate
+from relibra.cost.fabric import deepep_link_tokens, deepep_link_tokens_estimate
+from relibra.cost.model import CostModel
 
 __all__ = ["estimate_error"]
 

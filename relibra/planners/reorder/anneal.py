@@ -8,7 +8,7 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
    a fixed cost per non-empty expert) and the exact rail-optimized link routing of
    :meth:`CostModel.link_bytes` for communication (``cluster.dispatcher=alltoall``). With
    ``dispatcher=deepep`` the communication term is the cost model's DeepEP estimate
-   (:func:`relibra.fabric.deepep_link_tokens_estimate`): the search keeps, per (micro-batch, source), the
+   (:func:`relibra.cost.fabric.deepep_link_tokens_estimate`): the search keeps, per (micro-batch, source), the
    probability that a token misses each GPU and each node, which a swap scales by one factor per source
    (O(Mb * G) per swap, as for alltoall). ``objective="microbatch"`` (the default) sums ``T_MoE``
    over the batch's ``Mb`` micro-batches, which is what the simulator charges; ``objective="aggregate"``
@@ -50,11 +50,11 @@ import numpy as np
 from numba import njit
 
 from relibra.cluster import ClusterSpec
-from relibra.cost import CostModel
-from relibra.migration import DEFAULT_BYTES_PER_PARAM
-from relibra.planner import BatchContext, Reordering, static_placement
-from relibra.planners.links import NUM_LINKS, comm_gpu, deepep_routes, link_routes
-from relibra.planners.locality import locality_round
+from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import BatchContext, Reordering, static_placement
+from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, link_routes
+from relibra.planners.reorder.locality import locality_round
 
 __all__ = [
     "AnnealConfig",
@@ -112,7 +112,8 @@ class AnnealConfig:
     migration_weight: float = 0.0
     """Weight of the migration time (seconds per batch) added to the objective; 0 disables it."""
     locality: bool = False
-    """Run the second round (sample re-assignment for data locality, :mod:`relibra.planners.locality`)."""
+    """Run the second round (sample re-assignment for data locality,
+    :mod:`relibra.planners.reorder.locality`)."""
     locality_tolerance: float = 0.05
     """Balance tolerance of the locality round, in (0, 1]: it may move samples only while every GPU of the
     micro-batch keeps at most ``(1 + tolerance)`` times the mean tokens and the mean causal attention pairs
@@ -233,7 +234,7 @@ class LayerProblem:
     """GPUs pooled in the compute term: 1 (per-GPU max) or ``gpus_per_node`` (per-node mean, then max)."""
     lq: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0)))
     """float64 [Mb, E, G(j)]: ``log(1 - x[m, j, e] / T_j)`` for the ``deepep`` dispatcher's estimate
-    (:func:`relibra.fabric.deepep_link_tokens_estimate`); empty for ``alltoall``."""
+    (:func:`relibra.cost.fabric.deepep_link_tokens_estimate`); empty for ``alltoall``."""
     tok: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     """float64 [Mb, G(j)]: tokens held by each source (``deepep``; empty for ``alltoall``)."""
 
@@ -844,8 +845,8 @@ def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
 
 
 class AnnealingReorderer:
-    """ReLibra's reorderer (implements :class:`relibra.planner.Reorderer`), with ``config`` (default:
-    :class:`AnnealConfig`'s defaults)."""
+    """ReLibra's reorderer (implements :class:`relibra.planners.protocols.Reorderer`), with ``config``
+    (default: :class:`AnnealConfig`'s defaults)."""
 
     def __init__(self, config: AnnealConfig | None = None) -> None:
         self.config = config if config is not None else AnnealConfig()
@@ -947,8 +948,8 @@ class AnnealingReorderer:
         """The second round alone: re-assign the whole batch's samples under placement ``home`` [L, E].
 
         Needs every layer (``ctx`` is the whole batch). Returns (``sample_gpu`` int32 [Sb], the
-        ``locality_*`` stats of :func:`relibra.planners.locality.locality_round`); the input assignment
-        and no stats when ``locality`` is off.
+        ``locality_*`` stats of :func:`relibra.planners.reorder.locality.locality_round`); the input
+        assignment and no stats when ``locality`` is off.
         """
         cfg = self.config
         if not cfg.locality:

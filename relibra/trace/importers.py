@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace import MAX_EXPERTS, RoutingTrace, TraceFormatError
+from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -93,7 +93,7 @@ def from_vllm(
 
     Args:
         routed_experts: S arrays of integer expert ids, each ``[T_s, L, k]`` with the same ``L`` and ``k``.
-        num_experts: ``E`` (ids must lie in ``[0, E)``; at most :data:`~relibra.trace.MAX_EXPERTS`).
+        num_experts: ``E`` (ids must lie in ``[0, E)``; at most :data:`~relibra.trace.format.MAX_EXPERTS`).
         batch_offsets: int [B + 1] or None (one batch).
         sample_domain: int [S] or None, indices into ``domain_names``.
         meta: extra JSON-serialisable metadata merged into the trace's ``meta``.

@@ -6,7 +6,7 @@ DeepEP (``docs/legacy.md``) and Hybrid-EP (branch ``hybrid-ep``, ``docs/README_H
 rank receives (its own included) over the kernel time. Neither is the bytes that cross a link, so a rate
 cannot be read off the tables. This module re-creates each benchmark's routing (the benchmarks' own router:
 group-limited top-k over ``|N(0, 1)| + 1`` scores for DeepEP, a uniform random top-k for Hybrid-EP; experts
-placed contiguously), counts with :func:`relibra.fabric.deepep_link_tokens` what crosses each link, and
+placed contiguously), counts with :func:`relibra.cost.fabric.deepep_link_tokens` what crosses each link, and
 turns each published number into the kernel time it implies and the per-link rate that time implies:
 
     t = logical tokens * bytes / reported bandwidth
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.fabric import deepep_link_tokens
+from relibra.cost.fabric import deepep_link_tokens
 
 __all__ = [
     "BandwidthPoint",

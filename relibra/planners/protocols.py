@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
+from relibra.cost.model import CostModel
 from relibra.types import BatchPlan
 
 

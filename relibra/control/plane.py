@@ -20,14 +20,15 @@ Stages of one batch, after :meth:`ControlPlane.seal`:
    plan), laid out over GPUs and micro-batches (:func:`relibra.workload.layout_samples`), loads
    ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`).
 2. **Placement per layer**: one task per MoE layer runs the planner's reorderer on a one-layer
-   :class:`~relibra.planner.BatchContext` (layers are independent in this round). A
-   :class:`StagedReorderer` (ReLibra's :class:`~relibra.planners.reorder.AnnealingReorderer`) runs only
+   :class:`~relibra.planners.protocols.BatchContext` (layers are independent in this round). A
+   :class:`StagedReorderer` (ReLibra's :class:`~relibra.planners.reorder.anneal.AnnealingReorderer`) runs only
    its per-layer round there (``place``), seeded by the batch and the layer's batch-wide index, so each
    layer gets exactly the row that the serial planner computes.
 3. **Locality round** (only when the reorderer ``moves_samples``; ReLibra's second round): once every
    layer's placement is in (or fell back), one whole-batch task re-assigns samples to GPUs under that
    placement (``locality_step``) and returns the loads regrouped under the new ``sample_gpu``.
-4. **Replication per layer**: one task per layer runs the :class:`~relibra.planner.Replicator` on every
+4. **Replication per layer**: one task per layer runs the :class:`~relibra.planners.protocols.Replicator` on
+every
    micro-batch of that layer, on the (regrouped) loads. Without a locality round a layer's replication
    starts as soon as its placement is in.
 
@@ -35,7 +36,7 @@ Tasks run in a pool of ``workers`` single-process executors (``concurrent.future
 lower layers first, each layer's replication before the next layer's reordering, so plans become ready
 layer by layer. A planner that is not a reorderer/replicator composition (the baselines) runs as one
 whole-batch task. With the same seeds the delivered plan equals the serial planner's
-(:class:`~relibra.planners.relibra.ComposedPlanner`) exactly, for any worker count.
+(:class:`~relibra.planners.compose.ComposedPlanner`) exactly, for any worker count.
 
 **Deadline and fallbacks.** :meth:`ControlPlane.plans` waits at most ``deadline_s``; then a layer whose
 reordering is not ready keeps the *previous placement* (the last delivered batch's, Megatron's static one
@@ -74,8 +75,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost import CostModel
-from relibra.planner import (
+from relibra.cost.model import CostModel
+from relibra.planners.protocols import (
     BatchContext,
     Planner,
     Reorderer,
@@ -88,7 +89,7 @@ from relibra.planner import (
 )
 from relibra.planners.refill import replicate_batch
 from relibra.relabel import relabel_plan
-from relibra.trace import RoutingTrace
+from relibra.trace.format import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
 from relibra.workload import (
     LAYOUTS,
@@ -138,7 +139,7 @@ class StagedReorderer(Protocol):
     """A reorderer whose per-layer round and whole-batch locality round can run as separate tasks.
 
     ``reorder(ctx)`` must equal ``place(ctx)`` followed, when ``moves_samples``, by
-    ``locality_step(ctx, home)`` (:class:`~relibra.planners.reorder.AnnealingReorderer` is one).
+    ``locality_step(ctx, home)`` (:class:`~relibra.planners.reorder.anneal.AnnealingReorderer` is one).
     """
 
     @property
@@ -551,8 +552,8 @@ class _Slot:
 class ControlPlane:
     """Plans batches in worker processes as samples arrive; hands out plans by a deadline (module doc).
 
-    Implements :class:`relibra.planner.Planner` too (:meth:`plan` takes a ready :class:`BatchContext`), so
-    the simulator and the entry point can use it in place of the planner it wraps.
+    Implements :class:`relibra.planners.protocols.Planner` too (:meth:`plan` takes a ready
+    :class:`BatchContext`), so the simulator and the entry point can use it in place of the planner it wraps.
     """
 
     def __init__(
@@ -617,8 +618,8 @@ class ControlPlane:
         cost: CostModel,
         config: ControlPlaneConfig | None = None,
     ) -> ControlPlane:
-        """Wrap ``planner``: split per layer when it is a :class:`~relibra.planner.StagedPlanner` (a
-        reorderer then a replicator), else run it as one whole-batch task."""
+        """Wrap ``planner``: split per layer when it is a :class:`~relibra.planners.protocols.StagedPlanner`
+        (a reorderer then a replicator), else run it as one whole-batch task."""
         reorderer: Reorderer | None = None
         replicator: Replicator | None = None
         if isinstance(planner, StagedPlanner):
@@ -725,7 +726,7 @@ class ControlPlane:
         return plan
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
-        """:class:`~relibra.planner.Planner` protocol: plan a ready context through the workers.
+        """:class:`~relibra.planners.protocols.Planner` protocol: plan a ready context through the workers.
 
         Uses the context's layout, loads, ``prev_home``, ``history``, ``batch`` and ``seed`` (the
         simulator's), so the plan equals the wrapped planner's ``plan(ctx)``, and waits

@@ -12,7 +12,7 @@ ReLibra without it).
 
 The search is a randomised hill climb per micro-batch on the cost model's communication objective
 ``sum_l max_g T_comm(g)`` (home-only assignment, rail-optimized routing as in
-:func:`relibra.planners.links.link_routes`):
+:func:`relibra.planners.reorder.links.link_routes`):
 
 1. ``per_gpu[s, l, g]``: routed slots of sample ``s`` in layer ``l`` whose expert is homed on ``g``;
 2. propose moving a sample to a GPU on another node (or anywhere, with a small probability); if that GPU
@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from relibra.planner import BatchContext, home_assign
-from relibra.planners.links import NUM_LINKS, comm_gpu, link_routes
+from relibra.planners.protocols import BatchContext, home_assign
+from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 
 __all__ = ["cross_node_tokens", "locality_round", "per_gpu_slots"]

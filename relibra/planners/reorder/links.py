@@ -3,7 +3,8 @@
 Each GPU tracks eight one-way token loads (:data:`NUM_LINKS`): for dispatch and for combine, NVLink send and
 receive and rail NIC send and receive. :func:`link_routes` (all-to-all) and :func:`deepep_routes` (DeepEP)
 say which of them one token adds to; :func:`comm_gpu` turns a GPU's eight loads into its normalised
-all-to-all time. Both :mod:`relibra.planners.reorder` and :mod:`relibra.planners.locality` use them.
+all-to-all time. Both :mod:`relibra.planners.reorder.anneal` and :mod:`relibra.planners.reorder.locality` use
+them.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def deepep_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Where DeepEP's de-duplicated tokens are counted (:func:`relibra.fabric.deepep_link_tokens`).
+    """Where DeepEP's de-duplicated tokens are counted (:func:`relibra.cost.fabric.deepep_link_tokens`).
 
     A token of source ``j`` reaching GPU ``g`` over NVLink (``g`` is neither ``j`` nor the GPU that got it
     over RDMA) is one dispatch NVLink receive at ``g`` and send at its sender (``j`` on ``j``'s node, else

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.trace import RoutingTrace
+from relibra.trace.format import RoutingTrace
 from relibra.types import SampleCounts
 
 __all__ = [

@@ -10,7 +10,7 @@ Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
   proportion to ``assign[e, :]`` (the proportional split rule). Same GPU: free. Same node: NVLink.
   Other node, same rail: the rail NIC (RDMA). Other node, other rail: an NVLink hop to the source node's GPU
   on the destination rail, then RDMA. ``T_comm(g)`` is the busiest link class (send or receive) of ``g``.
-  What crosses depends on ``cluster.dispatcher`` (:mod:`relibra.fabric`): ``alltoall`` sends one row per
+  What crosses depends on ``cluster.dispatcher`` (:mod:`relibra.cost.fabric`): ``alltoall`` sends one row per
   (token, expert) pair; ``deepep`` sends a token once per remote node over RDMA and once per GPU over
   NVLink. Achievable link rates are line rate times the calibrated efficiencies (docs/validation.md).
 
@@ -35,7 +35,7 @@ from os import PathLike
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.fabric import (
+from relibra.cost.fabric import (
     alltoall_traffic,
     deepep_link_tokens,
     deepep_link_tokens_estimate,
@@ -164,7 +164,7 @@ class CostModel:
         """Per-GPU bytes on each link class for a one-way exchange ``traffic_bytes`` [..., G(j), G(g)].
 
         Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G]
-        (:func:`relibra.fabric.rail_link_bytes`).
+        (:func:`relibra.cost.fabric.rail_link_bytes`).
         """
         return rail_link_bytes(traffic_bytes, self.cluster.nodes, self.cluster.gpus_per_node)
 
@@ -193,7 +193,7 @@ class CostModel:
 
     def deepep_comm_time(self, links: dict[str, np.ndarray]) -> np.ndarray:
         """Per-GPU seconds [..., G] of DeepEP's 4 phases for dispatch token counts ``links``
-        (:data:`relibra.fabric.LINK_KEYS`); combine mirrors dispatch (send and receive swapped)."""
+        (:data:`relibra.cost.fabric.LINK_KEYS`); combine mirrors dispatch (send and receive swapped)."""
         return self._four_phases(*self.deepep_phase_times(links))
 
     def deepep_phase_times(self, links: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -207,8 +207,8 @@ class CostModel:
         """Per-GPU all-to-all seconds [..., G] of load [..., G, E] under assign [..., E, G], by dispatcher.
 
         ``alltoall``: :meth:`traffic` then :meth:`comm_time`. ``deepep``: the per-source estimate
-        :func:`relibra.fabric.deepep_link_tokens_estimate` (each source holds ``sum_e x[j, e] / k`` tokens,
-        every token having ``k`` distinct experts) then :meth:`deepep_comm_time`.
+        :func:`relibra.cost.fabric.deepep_link_tokens_estimate` (each source holds ``sum_e x[j, e] / k``
+        tokens, every token having ``k`` distinct experts) then :meth:`deepep_comm_time`.
         """
         if self.dispatcher == "alltoall":
             return self.comm_time(self.traffic(load, assign))
