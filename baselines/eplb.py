@@ -3,7 +3,7 @@
 Source: deepseek-ai/EPLB, ``eplb.py`` (``balanced_packing``, ``replicate_experts``,
 ``rebalance_experts_hierarchical``, ``rebalance_experts``). This module re-implements the published
 algorithm in numpy with the same vocabulary and outputs, and pins the README's worked example in
-``tests/test_eplb.py``.
+``tests/baselines/test_eplb.py``.
 
 Vocabulary (EPLB's): a *logical* expert is one of the model's ``E`` experts; a *physical* expert is one
 slot holding a copy of a logical expert's weights. With ``R`` redundant slots per GPU there are

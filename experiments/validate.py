@@ -85,7 +85,7 @@ def _deepep_rows(points: list[BandwidthPoint]) -> tuple[list[dict[str, Any]], di
     h800 = _hardware("h800")
     hopper = _hardware("hopper")
     # The rates the cluster files carry (line rate x efficiency), not the fit itself: the table shows
-    # what the suite uses; tests/test_validate.py pins the files to the fit.
+    # what the suite uses; tests/experiments/test_validate.py pins the files to the fit.
     rates = {
         "H800": (
             h800.nvlink_bytes_per_s * h800.nvlink_efficiency,

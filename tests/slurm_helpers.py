@@ -1,4 +1,5 @@
-"""Helpers of the Slurm integration tests (tests/test_slurm.py): the test cluster, sweep commands, polling.
+"""Helpers of the Slurm integration tests (tests/experiments/test_slurm.py): the test cluster, sweep commands,
+polling.
 
 The cluster is the real single-node Slurm of ``slurm/start.sh`` (munged, MariaDB, slurmdbd, slurmctld,
 slurmd), in its own state directory and on its own ports so that it never meets a cluster a user started

@@ -7,7 +7,7 @@ Recorded routes of each sample (``[T_s, L, k]``, :func:`relibra.megatron.replay.
 :func:`microbatch_samples` which samples each rank trains in each micro-batch (the plan may move samples
 between GPUs) and replays their routes in that order.
 
-Used by ``examples/megatron_rl_step.py`` and the equivalence tests of ``tests/test_megatron.py``.
+Used by ``examples/megatron_rl_step.py`` and the equivalence tests of ``tests/executors/test_megatron.py``.
 """
 
 from __future__ import annotations

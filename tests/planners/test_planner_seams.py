@@ -12,7 +12,7 @@ import experiments  # noqa: F401  (registers the generated config nodes)
 from relibra.planners.protocols import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
 from relibra.simulator import Bound
 
-CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 NAMES = sorted(p.stem for p in (CONF / "planner").glob("*.yaml"))
 WHOLE_BATCH_RELIBRA = ("relibra_reorder_only", "relibra_reorder_no_locality", "relibra_portfolio")
 

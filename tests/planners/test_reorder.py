@@ -366,7 +366,7 @@ def _composed_planner(name: str):
 
     import experiments  # noqa: F401  (registers the generated planner/reorder/anneal node)
 
-    conf = Path(__file__).resolve().parents[1] / "experiments/conf"
+    conf = Path(__file__).resolve().parents[2] / "experiments/conf"
     with initialize_config_dir(str(conf), version_base="1.3"):
         return compose("config", overrides=[f"planner={name}"]).planner
 

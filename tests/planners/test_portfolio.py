@@ -20,7 +20,7 @@ from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
 
-CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
 FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}
 
 

@@ -19,8 +19,8 @@ from relibra.invariants import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
 from relibra.trace.format import RoutingTrace, load_trace, save_trace
 
-CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
-REPO = Path(__file__).resolve().parents[1]
+CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
+REPO = Path(__file__).resolve().parents[2]
 REQUIRED = [
     "model",
     "dataset",

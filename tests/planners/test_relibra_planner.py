@@ -23,7 +23,7 @@ from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, tiny_context, tiny_model
 
-CONF = str(Path(__file__).resolve().parents[1] / "experiments" / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
 FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}
 
 
@@ -120,7 +120,7 @@ def test_balance_first_meets_the_skewness_goal(nodes: int) -> None:
     from experiments.config import build_cluster, build_cost, build_model, load_counts
     from relibra.simulator import simulate
 
-    conf = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+    conf = Path(__file__).resolve().parents[2] / "experiments" / "conf"
     g = nodes * 8
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(

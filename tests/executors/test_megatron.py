@@ -51,7 +51,7 @@ NUM_MB = 2
 ATOL = 2e-5
 RTOL = 1e-5
 """Float32 summation order differs between the layouts (grads of hot experts sum hundreds of tokens)."""
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLANNED: dict[str, Callable[..., ComposedPlanner]] = {
     "relibra": relibra,
     "relibra_replicate_only": relibra_replicate_only,
@@ -143,7 +143,7 @@ def planned_batch(
     copying an expert costs more than the compute it saves, and the planners replicate nothing. At these
     sizes a copy's buffer refill (35 us) is not hidden by the micro-batch's attention either, so the
     planners run with ``refill_aware=False``: these tests check the adapter's replica path, which needs
-    copies (tests/test_refill.py checks that copies pay for their refill).
+    copies (tests/planners/test_refill.py checks that copies pay for their refill).
     """
     rng = np.random.default_rng(batch)
     sample_routes = [skewed_routes(rng, int(rng.integers(24, 64))) for _ in range(SAMPLES)]

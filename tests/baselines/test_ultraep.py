@@ -13,9 +13,9 @@ from baselines.megatron import MegatronPlanner
 from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
 from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump
 from relibra.simulator import SimOptions, simulate
+from tests.baselines.test_eplb import make_ctx
+from tests.experiments.test_run import file_cfg
 from tests.spine_helpers import tiny_setup
-from tests.test_eplb import make_ctx
-from tests.test_run import file_cfg
 
 
 def test_fast_oracle_worked_example() -> None:

@@ -12,7 +12,7 @@ from relibra.planners.reorder.anneal import AnnealConfig
 from relibra.planners.reorder.locality import cross_node_tokens, locality_round, per_gpu_slots
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
-from tests.test_reorder import make_ctx
+from tests.planners.test_reorder import make_ctx
 
 
 def test_per_gpu_slots_hand_example() -> None:

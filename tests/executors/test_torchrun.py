@@ -20,7 +20,7 @@ from relibra.executors.torch_moe import ExpertShape, dense_init, expert_init, re
 from relibra.invariants import PlanInvariantError, sample_loads
 from relibra.planners.protocols import home_assign, static_placement
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHAPE = ExpertShape(hidden=8, ffn=4)
 RTOL = 1e-5
 TINY = [

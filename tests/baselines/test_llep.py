@@ -12,9 +12,9 @@ from baselines.llep import LlepPlanner, imbalance_ratio, lpt_plan
 from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump, check_token_capacity
 from relibra.simulator import simulate
 from relibra.trace.format import RoutingTrace, save_trace
+from tests.baselines.test_eplb import make_ctx
+from tests.experiments.test_run import file_cfg
 from tests.spine_helpers import tiny_setup
-from tests.test_eplb import make_ctx
-from tests.test_run import file_cfg
 
 
 def test_spill_worked_example() -> None:
