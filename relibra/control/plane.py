@@ -28,8 +28,7 @@ Stages of one batch, after :meth:`ControlPlane.seal`:
    layer's placement is in (or fell back), one whole-batch task re-assigns samples to GPUs under that
    placement (``locality_step``) and returns the loads regrouped under the new ``sample_gpu``.
 4. **Replication per layer**: one task per layer runs the :class:`~relibra.planners.protocols.Replicator` on
-every
-   micro-batch of that layer, on the (regrouped) loads. Without a locality round a layer's replication
+   every micro-batch of that layer, on the (regrouped) loads. Without a locality round a layer's replication
    starts as soon as its placement is in.
 
 Tasks run in a pool of ``workers`` single-process executors (``concurrent.futures.ProcessPoolExecutor``),

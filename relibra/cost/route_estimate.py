@@ -3,9 +3,8 @@
 :func:`relibra.cost.fabric.deepep_link_tokens_estimate` sees only per-source loads ``x[j, e]`` (what
 per-sample counts give); :func:`relibra.cost.fabric.deepep_link_tokens` counts each token's node and GPU set
 exactly. For routes ``experts[T, L, k]`` with samples laid out round-robin over the EP group's GPUs and a
-placement
-``home[E]``, :func:`estimate_error` compares, per layer, the busiest GPU's DeepEP dispatch phase (the
-quantity the cost model charges) of both.
+placement ``home[E]``, :func:`estimate_error` compares, per layer, the busiest GPU's DeepEP dispatch
+phase (the quantity the cost model charges) of both.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """ReLibra's planners: a Reorderer (per batch) composed with a Replicator (per micro-batch and layer).
 
 * ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.anneal.AnnealingReorderer`),
-then
-  the incremental greedy replication (:class:`relibra.planners.replicate.greedy.GreedyReplicator`);
+  then the incremental greedy replication (:class:`relibra.planners.replicate.greedy.GreedyReplicator`);
 * ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
 * ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration;
   ``relibra_replicate_only(placement="previous")``);
