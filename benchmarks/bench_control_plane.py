@@ -35,7 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.control.plane import ControlPlane, ControlPlaneConfig
+from relibra.control.config import ControlPlaneConfig
+from relibra.control.plane import ControlPlane
 from relibra.cost.model import CostModel
 from relibra.planners.compose import relibra
 from relibra.planners.reorder.anneal import AnnealConfig

@@ -107,7 +107,8 @@ def planning(
     if not bool(cp_cfg.get("enabled", True)) or not isinstance(planner, Planner):
         yield planner
         return
-    from relibra.control.plane import ControlPlane, ControlPlaneConfig
+    from relibra.control.config import ControlPlaneConfig
+    from relibra.control.plane import ControlPlane
 
     deadline = cp_cfg.get("deadline_s")
     locality_deadline = cp_cfg.get("locality_deadline_s")

@@ -1,5 +1,12 @@
 """The control plane: plans each batch in worker processes while the trainer does post-rollout processing.
 
+NOTE: this module is longer than the others (about 700 lines) for one reason: :class:`ControlPlane` is one
+state machine whose methods all read or write the job table, the task heap and the worker slots under a
+single lock, from the trainer's thread and the coordinator thread; keeping its methods together keeps the
+locking protocol checkable in one place. What does not touch that state lives beside it: the worker side in
+:mod:`relibra.control.tasks`, a batch's bookkeeping in :mod:`relibra.control.jobs`, the settings in
+:mod:`relibra.control.config`, the report in :mod:`relibra.control.report`.
+
 The trainer's calls (DESIGN.md, "Pipeline")::
 
     cp = ControlPlane.from_planner(relibra(replica_slots=2), cluster, model, cost,
@@ -67,485 +74,45 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field, replace
-from enum import IntFlag, StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.control.config import ControlPlaneConfig
+from relibra.control.jobs import Assembled, Job, Slot, Task
+from relibra.control.report import Fallback, LocalityStatus, PlanReport
+from relibra.control.tasks import (
+    TaskKit,
+    TaskSlice,
+    init_worker,
+    locality_task,
+    plan_task,
+    reorder_task,
+    replicate_task,
+    warm_worker,
+)
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import (
     BatchContext,
     Planner,
     Reorderer,
-    Reordering,
     Replicator,
     SlotBudget,
     StagedPlanner,
     home_assign,
     static_placement,
 )
-from relibra.planners.refill import replicate_batch
 from relibra.relabel import relabel_plan
 from relibra.trace.format import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
 from relibra.workload import (
-    LAYOUTS,
     SampleLayout,
     layout_samples,
     microbatch_loads,
-    sample_context,
 )
 
-__all__ = [
-    "ControlPlane",
-    "ControlPlaneConfig",
-    "Fallback",
-    "LocalityStatus",
-    "PlanReport",
-    "StagedReorderer",
-]
-
-
-class Fallback(IntFlag):
-    """Per-layer fallback flags of a delivered plan (0: fully planned)."""
-
-    NONE = 0
-    PREVIOUS_PLACEMENT = 1
-    """Reordering not ready or failed: the layer keeps the previous batch's placement."""
-    NO_REPLICATION = 2
-    """Replication not ready or failed: every expert of the layer is computed at home."""
-
-
-class LocalityStatus(StrEnum):
-    """What became of a batch's locality round (the sample re-assignment after placement)."""
-
-    OFF = "off"
-    """The reorderer has no locality round: samples stay on their input GPUs by design."""
-    DONE = "done"
-    """The round ran: samples are on the GPUs it chose, loads regrouped accordingly."""
-    TIMED_OUT = "timed_out"
-    """Fallback: the round ran past ``locality_deadline_s``; samples keep their input GPUs."""
-    FAILED = "failed"
-    """Fallback: the round raised, or its worker died ``max_retries + 1`` times; input GPUs kept."""
-    NOT_READY = "not_ready"
-    """Fallback: :meth:`ControlPlane.plans`'s deadline came first; input GPUs kept."""
-
-
-@runtime_checkable
-class StagedReorderer(Protocol):
-    """A reorderer whose per-layer round and whole-batch locality round can run as separate tasks.
-
-    ``reorder(ctx)`` must equal ``place(ctx)`` followed, when ``moves_samples``, by
-    ``locality_step(ctx, home)`` (:class:`~relibra.planners.reorder.anneal.AnnealingReorderer` is one).
-    """
-
-    @property
-    def moves_samples(self) -> bool:
-        """Whether the locality round runs (it may move samples between GPUs)."""
-        ...
-
-    def reorder(self, ctx: BatchContext) -> Reordering: ...
-
-    def place(self, ctx: BatchContext, layers: Any = None) -> Reordering:
-        """Placement of ctx's layers (``layers``: their batch-wide indices); samples stay put."""
-        ...
-
-    def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
-        """Whole batch, placement ``home`` [L, E] -> (``sample_gpu`` int32 [Sb], stats)."""
-        ...
-
-
-@dataclass(frozen=True)
-class ControlPlaneConfig:
-    """How the control plane assembles workloads and runs its workers."""
-
-    workers: int = 2
-    """Worker processes; 0 plans inline in the coordinator thread (no processes; for debugging)."""
-    samples_per_microbatch: int | None = None
-    """``K`` samples per GPU per micro-batch (see :func:`relibra.workload.split_microbatches`)."""
-    tokens_per_microbatch: int | None = None
-    """Or a per-GPU token budget per micro-batch (at most one of the two)."""
-    layout: str = LAYOUTS[0]
-    """The sample layout (:data:`relibra.workload.LAYOUTS`: ``balanced`` or ``contiguous``)."""
-    max_retries: int = 1
-    """Re-runs of a task whose worker process died, before its layer falls back."""
-    deadline_s: float | None = None
-    """Default wait of :meth:`ControlPlane.plans` and :meth:`ControlPlane.plan` (None: until all ready)."""
-    mp_context: str = "spawn"
-    """Start method of worker processes. NOTE: ``spawn`` because a trainer process holds CUDA state and
-    threads, which ``fork`` does not copy safely."""
-    seed: int = 0
-    """Base seed of batches given through :meth:`ControlPlane.seal`: batch ``b`` plans with seed
-    ``seed + b`` (as :func:`relibra.simulator.batch_context` does); :meth:`ControlPlane.plan` uses the
-    context's own seed."""
-    locality_deadline_s: float | None = None
-    """Seconds the locality round may run once a worker started it (None: no own limit); past it, samples
-    keep their input GPUs (:attr:`LocalityStatus.TIMED_OUT`)."""
-    warm_up: bool = True
-    """Plan one small random layer in each worker at start-up (process start, imports, loading the numba
-    kernels from their on-disk cache, or compiling them when it is cold)."""
-
-    def __post_init__(self) -> None:
-        if self.workers < 0:
-            raise ValueError(f"workers={self.workers}; expected >= 0 (0 plans inline)")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries={self.max_retries}; expected >= 0")
-        if self.samples_per_microbatch is not None and self.tokens_per_microbatch is not None:
-            raise ValueError("give samples_per_microbatch or tokens_per_microbatch, not both")
-        if self.deadline_s is not None and self.deadline_s < 0:
-            raise ValueError(f"deadline_s={self.deadline_s}; expected >= 0 or None")
-        if self.locality_deadline_s is not None and self.locality_deadline_s < 0:
-            raise ValueError(f"locality_deadline_s={self.locality_deadline_s}; expected >= 0 or None")
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    """What happened while one batch was planned."""
-
-    batch: int
-    fallback: np.ndarray
-    """int8 [L]: :class:`Fallback` flags of each layer in the delivered plan."""
-    layer_ready_s: np.ndarray
-    """float64 [L]: seconds from the last arrival until the layer was fully planned (NaN: it was not)."""
-    time_to_first_plan_s: float
-    """Seconds from the last arrival until the first layer was fully planned (NaN: none was)."""
-    time_to_all_plans_s: float
-    """Seconds from the last arrival until every layer was planned or failed (NaN: cut by the deadline)."""
-    assemble_s: float
-    """Seconds spent on workload assembly."""
-    plan_cpu_s: float
-    """Sum of the finished tasks' run times in the workers."""
-    wait_s: float
-    """Seconds :meth:`ControlPlane.plans` blocked the trainer."""
-    retries: int
-    """Tasks re-run after their worker died."""
-    worker_crashes: int
-    """Worker processes that died while running one of this batch's tasks."""
-    errors: tuple[str, ...] = ()
-    """One line per failed task: ``layer L reorder: ...`` (``batch locality: ...`` for the locality round)."""
-    locality: LocalityStatus = LocalityStatus.OFF
-    """What became of the locality round (its fallback: every sample on its input GPU)."""
-    locality_s: float = math.nan
-    """Seconds the locality round ran in its worker (NaN: it did not finish)."""
-
-    @property
-    def locality_fallback(self) -> bool:
-        """The plan keeps the input sample assignment although a locality round was due."""
-        return self.locality in (LocalityStatus.TIMED_OUT, LocalityStatus.FAILED, LocalityStatus.NOT_READY)
-
-    @property
-    def previous_placement_layers(self) -> int:
-        return int(np.count_nonzero(self.fallback & Fallback.PREVIOUS_PLACEMENT))
-
-    @property
-    def no_replication_layers(self) -> int:
-        return int(np.count_nonzero(self.fallback & Fallback.NO_REPLICATION))
-
-
-# ------------------------------------------------------------------------------------ worker side
-@dataclass(frozen=True)
-class _Kit:
-    """What every task needs besides its arrays; sent once to each worker by its initializer."""
-
-    cluster: ClusterSpec
-    model: ModelSpec
-    cost: CostModel
-    reorderer: Reorderer | None
-    replicator: Replicator | None
-    planner: Planner | None
-    replica_slots: int
-
-    @property
-    def staged(self) -> bool:
-        """The reorderer's per-layer round runs alone in the layer tasks (:class:`StagedReorderer`)."""
-        return isinstance(self.reorderer, StagedReorderer)
-
-    @property
-    def locality(self) -> bool:
-        """A whole-batch locality round runs between placement and replication."""
-        return isinstance(self.reorderer, StagedReorderer) and bool(self.reorderer.moves_samples)
-
-
-_WORKER_KIT: _Kit | None = None
-"""The worker process's kit. NOTE: process-global by necessity (a ProcessPoolExecutor initializer's only
-way to hand state to later tasks); the coordinator process never sets it."""
-
-
-def _init_worker(kit: _Kit) -> None:
-    global _WORKER_KIT
-    _WORKER_KIT = kit
-
-
-def _warm(kit: _Kit | None = None) -> float:
-    """Plan one small random layer (and its locality round) once per worker at start-up, so that process
-    start, imports and loading (or compiling) the numba kernels are off the critical path. Returns its
-    seconds. Compilation itself is cached on disk: see :mod:`relibra.planners.warmup`."""
-    t0 = time.perf_counter()
-    kit = kit or _kit()
-    g, num_experts = kit.cluster.num_gpus, kit.model.num_experts
-    rng = np.random.default_rng(0)
-    counts = rng.integers(0, 8, size=(g, 1, num_experts)).astype(np.int32)
-    sample_gpu = np.arange(g, dtype=np.int32)
-    part = _Slice(
-        batch=0,
-        counts=counts,
-        sample_tokens=np.full(g, 8, dtype=np.int64),
-        sample_gpu=sample_gpu,
-        sample_mb=np.zeros(g, dtype=np.int32),
-        load=microbatch_loads(counts, sample_gpu, np.zeros(g, dtype=np.int32), 1, g),
-        prev_home=static_placement(1, num_experts, g),
-        seed=0,
-    )
-    if kit.reorderer is not None:
-        home, _, _ = _reorder_task(part, kit)
-        part = replace(part, home=home[None])
-        if kit.locality:
-            _locality_task(part, kit)
-        _replicate_task(part, kit)
-    return time.perf_counter() - t0
-
-
-@dataclass(frozen=True)
-class _Slice:
-    """The arrays of one batch a task needs (one layer, or every layer for a whole-batch planner)."""
-
-    batch: int
-    counts: np.ndarray
-    """int32 [Sb, L', E]."""
-    sample_tokens: np.ndarray
-    """int64 [Sb]."""
-    sample_gpu: np.ndarray
-    """int32 [Sb]."""
-    sample_mb: np.ndarray
-    """int32 [Sb] local micro-batch."""
-    load: np.ndarray
-    """int32 [Mb, L', G, E]."""
-    prev_home: np.ndarray | None
-    """int32 [L', E] or None."""
-    seed: int
-    layer: int = 0
-    """Batch-wide index of the slice's first layer."""
-    home: np.ndarray | None = None
-    """int32 [L', E]: the placement to replicate on (replication tasks), or to re-assign samples under (the
-    locality round)."""
-    history: tuple[np.ndarray, ...] = ()
-    """Loads [Mb', L, G, E] of earlier batches (whole-batch planners that use history)."""
-
-
-def _context(kit: _Kit, part: _Slice) -> BatchContext:
-    return sample_context(
-        batch=part.batch,
-        counts=part.counts,
-        sample_tokens=part.sample_tokens,
-        sample_gpu=part.sample_gpu,
-        sample_mb=part.sample_mb,
-        load=part.load,
-        cluster=kit.cluster,
-        model=kit.model,
-        cost=kit.cost,
-        prev_home=part.prev_home,
-        history=part.history,
-        seed=part.seed,
-    )
-
-
-def _kit() -> _Kit:
-    if _WORKER_KIT is None:
-        raise RuntimeError(
-            "control-plane task ran in a process without a kit (start it through ControlPlane)"
-        )
-    return _WORKER_KIT
-
-
-def _reorder_task(part: _Slice, kit: _Kit | None = None) -> tuple[np.ndarray, dict[str, float], float]:
-    """One layer's placement -> (home int32 [E], stats, seconds)."""
-    t0 = time.perf_counter()
-    kit = kit or _kit()
-    reorderer = kit.reorderer
-    assert reorderer is not None
-    ctx = _context(kit, part)
-    if isinstance(reorderer, StagedReorderer):
-        reo = reorderer.place(ctx, layers=(part.layer,))
-    else:
-        reo = reorderer.reorder(ctx)
-    if not np.array_equal(np.asarray(reo.sample_gpu), part.sample_gpu):
-        raise ValueError(
-            f"the reorderer {type(reorderer).__name__} moved samples in a one-layer task; a locality round "
-            "needs the whole batch: give the reorderer place() and locality_step() (StagedReorderer, as "
-            "AnnealingReorderer has) so that the control plane runs it once every layer is placed"
-        )
-    return np.asarray(reo.home, dtype=np.int32)[0], dict(reo.stats), time.perf_counter() - t0
-
-
-def _locality_task(
-    part: _Slice, kit: _Kit | None = None
-) -> tuple[np.ndarray, np.ndarray, dict[str, float], float]:
-    """The whole batch's locality round under ``part.home`` [L, E] -> (sample_gpu int32 [Sb], load int32
-    [Mb, L, G, E] regrouped under it, stats, seconds)."""
-    t0 = time.perf_counter()
-    kit = kit or _kit()
-    reorderer = kit.reorderer
-    assert isinstance(reorderer, StagedReorderer) and part.home is not None
-    ctx = _context(kit, part)
-    sample_gpu, stats = reorderer.locality_step(ctx, part.home)
-    sample_gpu = np.asarray(sample_gpu, dtype=np.int32)
-    if sample_gpu.shape != part.sample_gpu.shape:
-        raise ValueError(
-            f"locality_step returned sample_gpu of shape {sample_gpu.shape}; expected "
-            f"[Sb]={part.sample_gpu.shape}"
-        )
-    moved = not np.array_equal(sample_gpu, part.sample_gpu)
-    load = np.asarray(ctx.regroup(sample_gpu)[0] if moved and ctx.regroup else part.load, dtype=np.int32)
-    return sample_gpu, load, dict(stats), time.perf_counter() - t0
-
-
-def _replicate_task(
-    part: _Slice, kit: _Kit | None = None
-) -> tuple[np.ndarray, np.ndarray, dict[str, float], float]:
-    """One layer's replication for every micro-batch -> (assign [Mb, E, G], replicas [Mb, G, r], stats, s)."""
-    t0 = time.perf_counter()
-    kit = kit or _kit()
-    assert kit.replicator is not None and part.home is not None
-    ctx = _context(kit, part)
-    reps = replicate_batch(kit.replicator, part.load, part.home, ctx, part.sample_gpu)
-    assign = np.stack([r.assign[0] for r in reps]).astype(np.int32)
-    replicas = np.stack([r.replicas[0] for r in reps]).astype(np.int32)
-    stats: dict[str, float] = {}
-    for key in sorted({k for r in reps for k in r.stats}):
-        stats[key] = float(np.mean([r.stats[key] for r in reps if key in r.stats]))
-    return assign, replicas, stats, time.perf_counter() - t0
-
-
-def _plan_task(part: _Slice, kit: _Kit | None = None) -> tuple[BatchPlan, float]:
-    """A whole-batch planner's plan -> (plan, seconds)."""
-    t0 = time.perf_counter()
-    kit = kit or _kit()
-    assert kit.planner is not None
-    return kit.planner.plan(_context(kit, part)), time.perf_counter() - t0
-
-
-# ------------------------------------------------------------------------------- coordinator side
-_PHASE_ORDER = {"locality": 0, "reorder": 1, "replicate": 0, "batch": 0}
-"""Within one layer's priority, replication (finishing a layer) goes before the next layer's reordering;
-the locality round (layer -1) goes before the batch's replications, which wait for it."""
-
-
-@dataclass
-class _Task:
-    job: int
-    layer: int
-    """Batch-wide layer index (-1 for the locality round, 0 for a whole-batch plan)."""
-    phase: str
-    fn: Callable[..., Any]
-    part: _Slice
-    attempts: int = 0
-
-    def key(self) -> tuple[int, int, int]:
-        return (self.job, self.layer, _PHASE_ORDER[self.phase])
-
-
-@dataclass(frozen=True)
-class _Assembled:
-    """Stage 1's output for one batch."""
-
-    layout: SampleLayout
-    local_mb: np.ndarray
-    """int32 [Sb]: micro-batch of each sample local to the batch."""
-    load: np.ndarray
-    """int32 [Mb, L, G, E]."""
-    seconds: float
-
-
-@dataclass
-class _Job:
-    """Mutable planning state of one batch (guarded by the control plane's lock)."""
-
-    batch: int
-    """The control plane's batch index (the key of :meth:`ControlPlane.plans`)."""
-    counts: np.ndarray
-    """int32 [Sb, L, E] in planning (sample id) order."""
-    sample_tokens: np.ndarray
-    """int64 [Sb]."""
-    prev_home: np.ndarray
-    """int32 [L, E]: the placement in effect before this batch (the fallback)."""
-    t_arrival: float
-    seed: int
-    """The batch's planning seed (``BatchContext.seed``)."""
-    ctx_batch: int
-    """``BatchContext.batch`` of the batch's tasks (the simulator's index for :meth:`ControlPlane.plan`)."""
-    reorder_prev: np.ndarray | None
-    """int32 [L, E] or None: ``BatchContext.prev_home`` seen by the reorderer."""
-    given: _Assembled | None = None
-    """A layout and loads handed in with the batch (:meth:`ControlPlane.plan`)."""
-    history: tuple[np.ndarray, ...] = ()
-    asm: _Assembled | None = None
-    load: np.ndarray | None = None
-    """int32 [Mb, L, G, E]: the loads replication runs on (regrouped once the locality round is done)."""
-    sample_gpu: np.ndarray | None = None
-    """int32 [Sb]: the sample assignment of ``load``."""
-    home: np.ndarray | None = None
-    """int32 [L, E]: reordered layers' placement (the previous one elsewhere)."""
-    assign: np.ndarray | None = None
-    """int32 [Mb, L, E, G]."""
-    replicas: np.ndarray | None = None
-    """int32 [Mb, L, G, r]."""
-    whole: BatchPlan | None = None
-    reordered: np.ndarray | None = None
-    placed: np.ndarray | None = None
-    """bool [L]: the layer's placement is in (reordered, or its reordering failed)."""
-    done: np.ndarray | None = None
-    failed_reorder: np.ndarray | None = None
-    failed_replicate: np.ndarray | None = None
-    layer_ready: np.ndarray | None = None
-    locality: LocalityStatus = LocalityStatus.OFF
-    locality_pending: bool = False
-    """The locality round is due and has not ended (ran, failed or timed out) yet."""
-    locality_s: float = math.nan
-    reorder_stats: dict[str, float] = field(default_factory=dict)
-    locality_stats: dict[str, float] = field(default_factory=dict)
-    replicate_stats: list[dict[str, float]] = field(default_factory=list)
-    cpu_s: float = 0.0
-    retries: int = 0
-    crashes: int = 0
-    errors: list[str] = field(default_factory=list)
-    t_all: float = math.nan
-    delivered: bool = False
-    report: PlanReport | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None and bool(self.done.all())
-
-    def start(self, asm: _Assembled, replica_slots: int, num_gpus: int, locality: bool) -> None:
-        """Initial state after assembly: every layer on the previous placement, home only."""
-        num_mb, num_layers, _, num_experts = asm.load.shape
-        self.asm = asm
-        self.load = asm.load
-        self.sample_gpu = asm.layout.sample_gpu
-        self.home = self.prev_home.copy()
-        self.assign = home_assign(
-            asm.load, np.broadcast_to(self.home, (num_mb, num_layers, num_experts)), num_gpus
-        )
-        self.replicas = np.full((num_mb, num_layers, num_gpus, replica_slots), -1, dtype=np.int32)
-        self.reordered = np.zeros(num_layers, dtype=bool)
-        self.placed = np.zeros(num_layers, dtype=bool)
-        self.done = np.zeros(num_layers, dtype=bool)
-        self.failed_reorder = np.zeros(num_layers, dtype=bool)
-        self.failed_replicate = np.zeros(num_layers, dtype=bool)
-        self.layer_ready = np.full(num_layers, math.nan)
-        self.locality_pending = locality
-
-
-@dataclass
-class _Slot:
-    pool: ProcessPoolExecutor | None
-    task: _Task | None = None
-    started: float = math.nan
-    """When ``task`` was handed to the worker."""
-    generation: int = 0
-    """Bumped whenever the worker is replaced, so a replaced worker's late answer is ignored."""
+__all__ = ["ControlPlane"]
 
 
 class ControlPlane:
@@ -581,25 +148,25 @@ class ControlPlane:
         """The slots of the planner it runs (a composition's: ``replica_slots`` of the buffer)."""
         self.per_layer = reorderer is not None
         self.name = name or (planner.name if planner is not None else "control_plane")
-        self._kit = _Kit(
+        self._kit = TaskKit(
             cluster, model, cost, reorderer, replicator, None if reorderer else planner, replica_slots
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._events: queue.Queue[Any] = queue.Queue()
-        self._ready: list[tuple[tuple[int, int, int], int, _Task]] = []
+        self._ready: list[tuple[tuple[int, int, int], int, Task]] = []
         self._warm_futures: list[Future[Any]] = []
         self._tiebreak = itertools.count()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._open: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
         self._next_id = 0
         self._next_batch = 0
         self._placement = static_placement(model.num_moe_layers, model.num_experts, cluster.num_gpus)
         self._closed = False
         t0 = time.perf_counter()
-        self._slots = [_Slot(self._new_pool()) for _ in range(self.config.workers)] or [_Slot(None)]
+        self._slots = [Slot(self._new_pool()) for _ in range(self.config.workers)] or [Slot(None)]
         if self.config.warm_up:
-            for slot, fut in [(s, s.pool.submit(_warm)) for s in self._slots if s.pool is not None]:
+            for slot, fut in [(s, s.pool.submit(warm_worker)) for s in self._slots if s.pool is not None]:
                 if fut.exception() is not None:  # NOTE: a planner that fails here fails its tasks later.
                     self._kill(slot.pool)
                     slot.pool = self._new_pool()
@@ -688,7 +255,7 @@ class ControlPlane:
             t_arrival = max(t for _, _, _, t in self._open)
             self._open, self._next_id = [], 0
             perm = np.argsort(ids, kind="stable")
-            job = _Job(
+            job = Job(
                 batch=self._next_batch,
                 counts=counts[perm],
                 sample_tokens=tokens[perm],
@@ -733,7 +300,7 @@ class ControlPlane:
         """
         t0 = time.perf_counter()
         num_mb = int(np.shape(ctx.load)[0])
-        given = _Assembled(
+        given = Assembled(
             layout=SampleLayout(
                 sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32),
                 sample_mb=np.asarray(ctx.sample_mb, dtype=np.int32),
@@ -750,7 +317,7 @@ class ControlPlane:
             else static_placement(num_layers, num_experts, self.cluster.num_gpus)
         )
         with self._lock:
-            job = _Job(
+            job = Job(
                 batch=self._next_batch,
                 counts=np.asarray(ctx.counts),
                 sample_tokens=np.asarray(ctx.sample_tokens, dtype=np.int64),
@@ -795,11 +362,11 @@ class ControlPlane:
         return ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context(self.config.mp_context),
-            initializer=_init_worker,
+            initializer=init_worker,
             initargs=(self._kit,),
         )
 
-    def _replace_worker(self, slot: _Slot) -> None:
+    def _replace_worker(self, slot: Slot) -> None:
         """Kill ``slot``'s worker and start a fresh one (warmed in the background when configured)."""
         self._kill(slot.pool)
         slot.pool = self._new_pool()
@@ -808,7 +375,7 @@ class ControlPlane:
         if self.config.warm_up:
             # NOTE: queued ahead of the worker's next task; a failure there fails that task, not this call.
             self._warm_futures = [f for f in self._warm_futures if not f.done()]
-            self._warm_futures.append(slot.pool.submit(_warm))
+            self._warm_futures.append(slot.pool.submit(warm_worker))
 
     @staticmethod
     def _kill(pool: ProcessPoolExecutor | None) -> None:
@@ -823,7 +390,7 @@ class ControlPlane:
         for proc in procs:
             proc.join(timeout=5)
 
-    def _start(self, job: _Job) -> int:
+    def _start(self, job: Job) -> int:
         """Register ``job`` (lock held) and hand it to the coordinator."""
         self._jobs[job.batch] = job
         self._next_batch += 1
@@ -879,7 +446,7 @@ class ControlPlane:
                     job, LocalityStatus.TIMED_OUT, f"ran past locality_deadline_s={limit}"
                 )
 
-    def _assemble(self, job: _Job) -> _Assembled:
+    def _assemble(self, job: Job) -> Assembled:
         """Stage 1: layout and loads of ``job`` (or the ones it was given)."""
         if job.given is not None:
             return job.given
@@ -895,9 +462,9 @@ class ControlPlane:
         )
         local_mb = layout.local_mb()
         load = microbatch_loads(job.counts, layout.sample_gpu, local_mb, layout.num_microbatches, g)
-        return _Assembled(layout, local_mb, load, time.perf_counter() - t0)
+        return Assembled(layout, local_mb, load, time.perf_counter() - t0)
 
-    def _part(self, job: _Job, layers: slice, phase: str, home: np.ndarray | None = None) -> _Slice:
+    def _part(self, job: Job, layers: slice, phase: str, home: np.ndarray | None = None) -> TaskSlice:
         asm, load, sample_gpu = job.asm, job.load, job.sample_gpu
         assert asm is not None and load is not None and sample_gpu is not None
         first = layers.start or 0
@@ -906,7 +473,7 @@ class ControlPlane:
             # NOTE: a plain reorderer sees a one-layer context without its index: one seed per (batch, layer)
             # keeps layers apart, and a plan independent of how layers meet workers.
             seed = int(np.random.SeedSequence([job.seed, job.ctx_batch, first]).generate_state(1)[0])
-        return _Slice(
+        return TaskSlice(
             batch=job.ctx_batch,
             counts=np.ascontiguousarray(job.counts[:, layers]),
             sample_tokens=job.sample_tokens,
@@ -920,10 +487,10 @@ class ControlPlane:
             history=job.history if phase == "batch" else (),
         )
 
-    def _push(self, task: _Task) -> None:
+    def _push(self, task: Task) -> None:
         heapq.heappush(self._ready, (task.key(), next(self._tiebreak), task))
 
-    def _enqueue_first(self, job: _Job, asm: _Assembled) -> None:
+    def _enqueue_first(self, job: Job, asm: Assembled) -> None:
         if job.delivered:
             return
         job.start(asm, self.replica_slots, self.cluster.num_gpus, self.per_layer and self._kit.locality)
@@ -933,9 +500,9 @@ class ControlPlane:
         if self.per_layer:
             for layer in range(num_layers):
                 part = self._part(job, slice(layer, layer + 1), "reorder")
-                self._push(_Task(job.batch, layer, "reorder", _reorder_task, part))
+                self._push(Task(job.batch, layer, "reorder", reorder_task, part))
         else:
-            self._push(_Task(job.batch, 0, "batch", _plan_task, self._part(job, slice(None), "batch")))
+            self._push(Task(job.batch, 0, "batch", plan_task, self._part(job, slice(None), "batch")))
 
     def _dispatch(self) -> None:
         """Give ready tasks to idle workers (lock held)."""
@@ -964,13 +531,13 @@ class ControlPlane:
                 fut = slot.pool.submit(task.fn, task.part)
                 fut.add_done_callback(self._on_done(index, slot.generation, task))
 
-    def _on_done(self, index: int, generation: int, task: _Task) -> Callable[[Future[Any]], None]:
+    def _on_done(self, index: int, generation: int, task: Task) -> Callable[[Future[Any]], None]:
         def callback(fut: Future[Any]) -> None:
             self._events.put(("done", index, generation, task, fut))
 
         return callback
 
-    def _finish(self, index: int, generation: int, task: _Task, fut: Future[Any]) -> None:
+    def _finish(self, index: int, generation: int, task: Task, fut: Future[Any]) -> None:
         """A task ended (lock held): store its result, re-run it, or fall back."""
         slot = self._slots[index]
         if generation != slot.generation or slot.task is not task:
@@ -1034,7 +601,7 @@ class ControlPlane:
         if job.finished:
             job.t_all = now
 
-    def _placed(self, job: _Job, layer: int) -> None:
+    def _placed(self, job: Job, layer: int) -> None:
         """Layer ``layer``'s placement is in (lock held): replicate it, or, when a locality round is due,
         start that round once every layer is placed."""
         assert job.placed is not None and job.home is not None
@@ -1043,26 +610,26 @@ class ControlPlane:
             self._push_replicate(job, layer)
         elif job.placed.all():
             part = self._part(job, slice(None), "locality", home=job.home.copy())
-            self._push(_Task(job.batch, -1, "locality", _locality_task, part))
+            self._push(Task(job.batch, -1, "locality", locality_task, part))
 
-    def _locality_end(self, job: _Job, status: LocalityStatus) -> None:
+    def _locality_end(self, job: Job, status: LocalityStatus) -> None:
         """The locality round ended with ``status`` (lock held): replicate every layer on ``job.load``."""
         job.locality = status
         job.locality_pending = False
         for layer in range(job.prev_home.shape[0]):
             self._push_replicate(job, layer)
 
-    def _locality_fallback(self, job: _Job, status: LocalityStatus, why: str) -> None:
+    def _locality_fallback(self, job: Job, status: LocalityStatus, why: str) -> None:
         """Keep the input sample assignment (lock held); ``job.load`` is still the input loads."""
         job.errors.append(f"batch locality: {why}")
         self._locality_end(job, status)
 
-    def _push_replicate(self, job: _Job, layer: int) -> None:
+    def _push_replicate(self, job: Job, layer: int) -> None:
         assert job.home is not None
         part = self._part(job, slice(layer, layer + 1), "replicate", home=job.home[layer : layer + 1].copy())
-        self._push(_Task(job.batch, layer, "replicate", _replicate_task, part))
+        self._push(Task(job.batch, layer, "replicate", replicate_task, part))
 
-    def _fail(self, job: _Job, task: _Task, why: str) -> None:
+    def _fail(self, job: Job, task: Task, why: str) -> None:
         """Record a failed task (lock held); its layer falls back, a failed reordering is placed on the
         previous placement, a failed locality round keeps the input samples."""
         assert job.done is not None and job.failed_reorder is not None and job.failed_replicate is not None
@@ -1083,7 +650,7 @@ class ControlPlane:
         if job.finished:
             job.t_all = time.perf_counter()
 
-    def _deliver(self, job: _Job, waited: float) -> BatchPlan:
+    def _deliver(self, job: Job, waited: float) -> BatchPlan:
         """Freeze ``job`` into a plan with fallbacks (lock held)."""
         job.delivered = True
         now = time.perf_counter()

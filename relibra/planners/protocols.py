@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -187,3 +187,27 @@ def reordered_load(ctx: BatchContext, sample_gpu: np.ndarray, planner: str) -> n
             "control plane must provide regroup(sample_gpu) -> (load, tokens)"
         )
     return np.asarray(ctx.regroup(sample_gpu)[0])
+
+
+@runtime_checkable
+class StagedReorderer(Protocol):
+    """A reorderer whose per-layer round and whole-batch locality round can run as separate tasks.
+
+    ``reorder(ctx)`` must equal ``place(ctx)`` followed, when ``moves_samples``, by
+    ``locality_step(ctx, home)`` (:class:`~relibra.planners.reorder.anneal.AnnealingReorderer` is one).
+    """
+
+    @property
+    def moves_samples(self) -> bool:
+        """Whether the locality round runs (it may move samples between GPUs)."""
+        ...
+
+    def reorder(self, ctx: BatchContext) -> Reordering: ...
+
+    def place(self, ctx: BatchContext, layers: Any = None) -> Reordering:
+        """Placement of ctx's layers (``layers``: their batch-wide indices); samples stay put."""
+        ...
+
+    def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+        """Whole batch, placement ``home`` [L, E] -> (``sample_gpu`` int32 [Sb], stats)."""
+        ...

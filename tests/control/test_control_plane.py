@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec
-from relibra.control.plane import ControlPlane, ControlPlaneConfig, Fallback, LocalityStatus, StagedReorderer
+from relibra.control.config import ControlPlaneConfig
+from relibra.control.plane import ControlPlane
+from relibra.control.report import Fallback, LocalityStatus
 from relibra.cost.model import CostModel
 from relibra.invariants import check_plan
 from relibra.planners.compose import StaticReorderer, relibra, relibra_replicate_only
-from relibra.planners.protocols import BatchContext, Reordering, Replication, static_placement
+from relibra.planners.protocols import (
+    BatchContext,
+    Reordering,
+    Replication,
+    StagedReorderer,
+    static_placement,
+)
 from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
