@@ -351,7 +351,7 @@ def check_milp_coefficients(case: Case, routing: np.ndarray | None = None) -> No
 
 
 # ------------------------------------------------------------------------------------------- tests
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
@@ -427,7 +427,7 @@ ALLTOALL_ONLY = {"locality", "milp_coefficients"}
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(CHECKS)), data=st.data())
 def test_every_kernel_on_many_cases(name: str, data: st.DataObject) -> None:
     """The checks above on many more cases, big shapes (EP 16 and 64) included."""
