@@ -19,12 +19,13 @@ dispatchers:
 * the replication MILP (:mod:`relibra.planners.replicate.milp`, ``alltoall`` only: it refuses ``deepep``):
   its link coefficients at a random feasible split, and the communication term of a solved LP split.
 
-Tolerances, as each comparison holds them (measured over 1,500 random cases, EP 64 included): link
-loads summed from integer token counts are compared bitwise; float link loads (a fractional split, the
-``deepep`` estimate's ``expm1`` / ``exp`` of log-miss sums) at ``rtol=1e-12`` (observed 2e-14), and after
-20 ``deepep`` swaps, whose rescaled miss probabilities drift, at ``rtol=1e-10`` (observed 1.2e-13); seconds
-at ``rtol=1e-12`` (observed 8e-16), except ``_comm_lower_bound``, shrunk by design by its ``1e-9`` slack.
-The LP's objective holds to the solver's tolerance (``rtol=1e-6``).
+Tolerances, as each comparison holds them (observed over 1,000 random cases on the shapes below and EP
+16 / 64, both dispatchers): link loads summed from integer token counts are compared bitwise; float link
+loads (a fractional split, the ``deepep`` estimate's ``expm1`` / ``exp`` of log-miss sums) at
+``rtol=1e-12`` (observed 3e-14), and after 20 ``deepep`` swaps, whose rescaled miss probabilities drift, at
+``rtol=1e-10`` (observed 3e-13); seconds at ``rtol=1e-12`` (observed 8e-16), except
+``_comm_lower_bound``, shrunk by design by its ``1e-9`` slack. The LP's objective, read back from GLOP, at
+``rtol=1e-9`` (observed 5e-16).
 
 Known disagreement (pinned by a strict ``xfail``): the kernels price every phase at the mean of the
 dispatch and combine bytes per token (:meth:`CostModel.linear`), the cost model at each phase's own bytes.
@@ -83,6 +84,8 @@ FLOAT_RTOL = 1e-12
 DRIFT_RTOL = 1e-10
 """Float link loads after incremental ``deepep`` swaps (each rescales miss probabilities)."""
 SECONDS_RTOL = 1e-12
+LP_RTOL = 1e-9
+"""The LP split's objective, read back from the solver (observed 5e-16 with GLOP)."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,6 @@ def check_annealer_swaps(case: Case, swaps: int = 20) -> None:
     rng = np.random.default_rng(case.load.sum())
     problem, _, state = annealer_state(case, case.home)
     home = case.home.copy()
-    if case.num_gpus < 2:
-        return
     for _ in range(swaps):
         a = int(rng.integers(home.size))
         b = int(rng.choice(np.flatnonzero(home != home[a])))
@@ -309,15 +310,12 @@ def check_locality(case: Case) -> None:
     load = case.load  # [L, G(j), E]
     layers = load.shape[0]
     home_l = np.broadcast_to(case.home, (layers, case.home.size))
-    counts = load.transpose(1, 0, 2)  # [S = G, L, E]
-    slots = per_gpu_slots(counts, home_l, g)  # [S, L, G]
-    traffic = per_gpu_slots(load.transpose(1, 0, 2), home_l, g).transpose(1, 0, 2)  # [L, G(j), G(g)]
+    slots = per_gpu_slots(load.transpose(1, 0, 2), home_l, g)  # [S = G, L, G]: sample s's slots per home
+    traffic = slots.transpose(1, 0, 2)  # [L, G(j), G(g)], as the round builds it
     link = _link_state(np.ascontiguousarray(traffic), idx, cnt)
     assert_links(link.reshape(layers, 8, g), fabric_links(case, case.home_assign()), exact=True)
     want = case.cost.moe_comm_time(load, case.home_assign()).max(axis=-1).sum()
     np.testing.assert_allclose(_comm_total(link, coef, g), want, rtol=SECONDS_RTOL)
-    if g < 2:
-        return
     u, v = (int(i) for i in rng.choice(g, size=2, replace=False))
     _move(np.ascontiguousarray(slots[u]), u, v, link, idx, cnt)
     moved_load = load.copy()
@@ -401,7 +399,7 @@ def test_milp_split_objective_prices_communication_as_the_cost_model(nodes: int,
     sol = solve_split(case.load[0], case.home, c, copies)
     comm = sol.objective_s - sol.compute_tokens.max() * coef.seconds_per_token
     want = c.moe_comm_time(case.load[0], sol.assign).max()
-    np.testing.assert_allclose(comm, want, rtol=1e-6)
+    np.testing.assert_allclose(comm, want, rtol=LP_RTOL)
 
 
 @pytest.mark.xfail(
