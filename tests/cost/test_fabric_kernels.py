@@ -48,6 +48,7 @@ from relibra.cost.fabric import LINK_KEYS, deepep_link_tokens_estimate, mirrored
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import home_assign
 from relibra.planners.reorder.anneal import (
+    LayerProblem,
     _apply_swap,
     _apply_swap_deepep,
     full_state,
@@ -189,10 +190,11 @@ def assert_links(got: np.ndarray, want: np.ndarray, exact: bool, rtol: float = F
 
 
 # ------------------------------------------------------------------------------------------ annealer
-def annealer_state(case: Case, home: np.ndarray):
+def annealer_state(case: Case, home: np.ndarray) -> tuple[LayerProblem, np.ndarray, tuple[np.ndarray, ...]]:
     """(problem, link [Mb, 8, G], the state tuple) of the annealer from scratch for placement ``home``."""
     problem = layer_problem(case.load, case.cost)
     assert problem.deepep == case.deepep
+    state: tuple[np.ndarray, ...]
     if case.deepep:
         routes = deepep_routes(case.nodes, case.gpn)
         state = full_state_deepep(home, problem.lq, problem.tok, problem.w, routes, case.nodes, problem.mig)
