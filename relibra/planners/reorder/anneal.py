@@ -53,7 +53,7 @@ from relibra.cluster import ClusterSpec
 from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, Reordering, static_placement
-from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, link_routes
+from relibra.planners.reorder.links import NUM_LINKS, comm_coefficients, comm_gpu, deepep_routes, link_routes
 from relibra.planners.reorder.locality import locality_round
 
 __all__ = [
@@ -268,10 +268,9 @@ def layer_problem(
     tokens = load_l.sum(axis=1, dtype=np.float64)  # [Mb, E]
     w_s = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
     scale = float(w_s.sum() / (mb * g)) if w_s.sum() > 0 else 1.0
-    lat = 4.0 * cost.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
     if not (math.isfinite(comm_weight) and comm_weight >= 0):
         raise ValueError(f"comm_weight={comm_weight}; expected a finite number >= 0")
-    coef = comm_weight * np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat]) / scale
+    coef = comm_weight * comm_coefficients(cost) / scale
     mig = np.zeros((e, g))
     if prev_home is not None and migration_weight > 0:
         prev = np.asarray(prev_home, dtype=np.int64)

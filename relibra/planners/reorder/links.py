@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["NUM_LINKS", "comm_gpu", "deepep_routes", "link_routes"]
+from relibra.cost.model import CostModel
+
+__all__ = ["NUM_LINKS", "comm_coefficients", "comm_gpu", "deepep_routes", "link_routes"]
 
 NUM_LINKS = 8
 """Per-GPU link-class loads tracked by the search, one-way tokens: dispatch (``0`` NVLink send, ``1`` NVLink
@@ -88,6 +90,15 @@ def deepep_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarra
     ).astype(np.int32)
     ncnt = np.where(j // gpn == b, 0, 4).astype(np.int32)
     return gidx, gcnt, nidx, ncnt
+
+
+def comm_coefficients(cost: CostModel) -> np.ndarray:
+    """The ``coef`` of :func:`comm_gpu` in seconds: float64 [3], seconds per token on one NVLink direction
+    and on one rail NIC direction in one all-to-all phase (:meth:`CostModel.linear` over its 4 phases), and
+    the 4 phases' fixed latency (0 on one GPU)."""
+    lin = cost.linear()
+    lat = 4.0 * cost.cluster.hardware.alltoall_latency_s if cost.cluster.num_gpus > 1 else 0.0
+    return np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat])
 
 
 @njit(cache=True)

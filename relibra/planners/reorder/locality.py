@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from relibra.planners.protocols import BatchContext, home_assign
-from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, link_routes
+from relibra.planners.reorder.links import NUM_LINKS, comm_coefficients, comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 
 __all__ = ["cross_node_tokens", "locality_round", "per_gpu_slots"]
@@ -221,9 +221,7 @@ def locality_round(
     tokens = np.asarray(ctx.sample_tokens, dtype=np.float64)
     pairs = tokens * (tokens + 1.0) / 2.0
     load = np.asarray(ctx.load)
-    lin = ctx.cost.linear()
-    lat = 4.0 * ctx.cluster.hardware.alltoall_latency_s if g > 1 else 0.0
-    coef = np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat])
+    coef = comm_coefficients(ctx.cost)
     idx, cnt = link_routes(ctx.cluster.nodes, gpn)
     slots = per_gpu_slots(ctx.counts, home, g)  # [Sb, L, G]
     rng = np.random.default_rng(np.random.SeedSequence([seed, ctx.seed, ctx.batch]))
