@@ -42,7 +42,7 @@ from relibra.cost import CostModel  # noqa: E402
 from relibra.planner import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
 from relibra.planners.milp import dispatch_routing, solve_replication  # noqa: E402
 from relibra.planners.relibra import ComposedPlanner, StaticReorderer  # noqa: E402
-from relibra.planners.replicate import GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
+from relibra.planners.replicate import GreedyConfig, GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
 from relibra.replica_buffer import PAPER_PARAM_FRACTION, buffer_footprint  # noqa: E402
 from relibra.simulator import batch_context, skewness  # noqa: E402
 from relibra.synthetic import generate_counts  # noqa: E402
@@ -198,7 +198,7 @@ def balance(full: bool, seed: int) -> None:
             for acceptance in ("best", "compute"):
                 skews, times = [], []
                 for r in slots:
-                    rep = GreedyReplicator(r, acceptance=acceptance)  # type: ignore[arg-type]
+                    rep = GreedyReplicator(r, GreedyConfig(acceptance=acceptance))  # type: ignore[arg-type]
                     plan = ComposedPlanner(label, FixedReorderer(reordering), rep, r).plan(ctx)
                     skews.append(f"{mean_skew(plan.assign):.3f}")
                     times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")
@@ -207,7 +207,7 @@ def balance(full: bool, seed: int) -> None:
         bal = AnnealingReorderer(AnnealConfig(workers=1, compute_level="node", comm_weight=0.0)).reorder(ctx)
         skews, times = [], []
         for r in slots:
-            rep = GreedyReplicator(r, acceptance="compute")
+            rep = GreedyReplicator(r, GreedyConfig(acceptance="compute"))
             plan = ComposedPlanner("relibra_balance", FixedReorderer(bal), rep, r).plan(ctx)
             skews.append(f"{mean_skew(plan.assign):.3f}")
             times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")

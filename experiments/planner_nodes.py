@@ -1,9 +1,18 @@
 """Config nodes generated from the planners' settings dataclasses, so that each default lives in the
 dataclass alone and every one of its keys can still be overridden on the command line.
 
-``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.AnnealConfig` with
-``_target_``; ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
-(``planner.reorder.KEY=V``). Registered when :mod:`experiments` is imported, before any composition.
+* ``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.AnnealConfig`;
+  ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
+  (``planner.reorder.KEY=V``);
+* ``planner/replicate/greedy``: the greedy replication's :class:`~relibra.planners.replicate.GreedyConfig`;
+  ``planner=relibra`` and ``planner=relibra_replicate_only`` compose it as ``planner.replicate``
+  (``planner.replicate.KEY=V``);
+* ``planner/replicate/milp``: the exact replication's :class:`~relibra.planners.milp.MilpConfig`
+  (``planner=relibra_milp``).
+
+Each node carries ``_target_``, so ``hydra.utils.instantiate`` builds the dataclass; the replica slots are
+not among the settings: a planner declares ``replica_slots`` once, beside the nodes. Registered when
+:mod:`experiments` is imported, before any composition.
 """
 
 from __future__ import annotations
@@ -12,18 +21,27 @@ from dataclasses import asdict
 
 from hydra.core.config_store import ConfigStore
 
+from relibra.planners.milp import MilpConfig
 from relibra.planners.reorder import AnnealConfig
+from relibra.planners.replicate import GreedyConfig
 
-__all__ = ["register"]
+__all__ = ["NODES", "register"]
+
+NODES: dict[tuple[str, str], type] = {
+    ("planner/reorder", "anneal"): AnnealConfig,
+    ("planner/replicate", "greedy"): GreedyConfig,
+    ("planner/replicate", "milp"): MilpConfig,
+}
+"""(group, name) -> the settings dataclass its node is generated from (with that class's defaults)."""
 
 
-def _node(target: type, settings: object) -> dict[str, object]:
-    """``settings`` (a dataclass instance) as a config node that instantiates ``target``."""
-    return {"_target_": f"{target.__module__}.{target.__qualname__}", **asdict(settings)}  # type: ignore[call-overload]
+def _node(target: type) -> dict[str, object]:
+    """The defaults of ``target`` (a dataclass of scalars and tuples) as a node that instantiates it."""
+    return {"_target_": f"{target.__module__}.{target.__qualname__}", **asdict(target())}
 
 
 def register() -> None:
     """Store the generated nodes in Hydra's config store (idempotent)."""
-    ConfigStore.instance().store(
-        group="planner/reorder", name="anneal", node=_node(AnnealConfig, AnnealConfig())
-    )
+    store = ConfigStore.instance()
+    for (group, name), target in NODES.items():
+        store.store(group=group, name=name, node=_node(target))

@@ -40,6 +40,7 @@ from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patch
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
 from relibra.planner import BatchContext, static_placement
 from relibra.planners.relibra import ComposedPlanner, relibra, relibra_replicate_only
+from relibra.planners.replicate import GreedyConfig
 from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
@@ -142,8 +143,8 @@ def planned_batch(
     Samples hold 24 to 63 tokens: with fewer, the cost model (OLMoE-sized experts on Hopper) finds that
     copying an expert costs more than the compute it saves, and the planners replicate nothing. At these
     sizes a copy's buffer refill (35 us) is not hidden by the micro-batch's attention either, so the
-    planners run with ``refill_aware=False``: these tests check the adapter's replica path, which needs
-    copies (tests/test_refill.py checks that copies pay for their refill).
+    planners run with ``GreedyConfig(refill_aware=False)``: these tests check the adapter's replica path,
+    which needs copies (tests/test_refill.py checks that copies pay for their refill).
     """
     rng = np.random.default_rng(batch)
     sample_routes = [skewed_routes(rng, int(rng.integers(24, 64))) for _ in range(SAMPLES)]
@@ -155,7 +156,11 @@ def planned_batch(
         load_hardware(REPO / "experiments/conf/cluster/hopper.yaml"), WORLD, NUM_LAYERS, NUM_EXPERTS, TOP_K
     )
     plan, ctx = plan_routes(
-        sample_routes, PLANNED[planner](replica_slots=R, refill_aware=False), cluster, model, 2
+        sample_routes,
+        PLANNED[planner](replica_slots=R, replicate=GreedyConfig(refill_aware=False)),
+        cluster,
+        model,
+        2,
     )
     assert ctx.num_microbatches == NUM_MB
     routes, inputs = [], []
