@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel
 from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
@@ -42,6 +42,7 @@ from relibra.planner import BatchContext, static_placement
 from relibra.planners.relibra import ComposedPlanner, relibra, relibra_replicate_only
 from relibra.planners.replicate import GreedyConfig
 from relibra.types import BatchPlan
+from tests.spine_helpers import hand_hardware
 
 pytestmark = pytest.mark.megatron
 
@@ -65,7 +66,7 @@ SAMPLES = 16
 
 # ------------------------------------------------------------------------------------ case builders
 def _cluster() -> ClusterSpec:
-    return ClusterSpec(1, WORLD, HardwareSpec("cpu", 1e12, 1e11, 1e10, 1e9))
+    return ClusterSpec(1, WORLD, hand_hardware("cpu", 1e12, 1e11, 1e10, 1e9))
 
 
 def _model_spec() -> ModelSpec:
