@@ -8,10 +8,14 @@ dataclass alone and every one of its keys can still be overridden on the command
   ``planner=relibra`` and ``planner=relibra_replicate_only`` compose it as ``planner.replicate``
   (``planner.replicate.KEY=V``);
 * ``planner/replicate/milp``: the exact replication's :class:`~relibra.planners.milp.MilpConfig`
-  (``planner=relibra_milp``).
+  (``planner=relibra_milp``);
+* ``planner/base/<baseline>``: a baseline planner's dataclass (``baselines.eplb.EplbPlanner``, ...), every
+  field with its default; ``planner=eplb`` and its variants compose it into ``planner``
+  (``defaults: [base/eplb@_here_]``), so ``planner.KEY=V`` reaches the dataclass.
 
-Each node carries ``_target_``, so ``hydra.utils.instantiate`` builds the dataclass; the replica slots are
-not among the settings: a planner declares ``replica_slots`` once, beside the nodes. Registered when
+Each node carries ``_target_``, so ``hydra.utils.instantiate`` builds the dataclass. The stage settings hold
+no replica slots: a ReLibra planner declares ``replica_slots`` once, beside its stage nodes; a baseline's
+slot keys are fields of its dataclass, so they come with its node. Registered when
 :mod:`experiments` is imported, before any composition.
 """
 
@@ -21,6 +25,13 @@ from dataclasses import asdict
 
 from hydra.core.config_store import ConfigStore
 
+from baselines.balanced import BalancedBound
+from baselines.eplb import EplbPlanner
+from baselines.llep import LlepPlanner
+from baselines.lplb import LplbPlanner
+from baselines.megatron import MegatronPlanner
+from baselines.popfetcher import PopFetcherPlanner
+from baselines.ultraep import UltraEPPlanner
 from relibra.planners.milp import MilpConfig
 from relibra.planners.reorder import AnnealConfig
 from relibra.planners.replicate import GreedyConfig
@@ -31,6 +42,13 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/reorder", "anneal"): AnnealConfig,
     ("planner/replicate", "greedy"): GreedyConfig,
     ("planner/replicate", "milp"): MilpConfig,
+    ("planner/base", "balanced"): BalancedBound,
+    ("planner/base", "eplb"): EplbPlanner,
+    ("planner/base", "llep"): LlepPlanner,
+    ("planner/base", "lplb"): LplbPlanner,
+    ("planner/base", "megatron"): MegatronPlanner,
+    ("planner/base", "popfetcher"): PopFetcherPlanner,
+    ("planner/base", "ultraep"): UltraEPPlanner,
 }
 """(group, name) -> the settings dataclass its node is generated from (with that class's defaults)."""
 
