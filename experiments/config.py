@@ -189,13 +189,12 @@ def _planner_keys(node: Any, name: str, prefix: str = "planner") -> Iterator[tup
     """Every key ``name`` under a planner config (portfolio candidates included), with its dotted path."""
     if not isinstance(node, DictConfig):
         return
-    for key in node:
-        child = node.get(str(key))
-        path = f"{prefix}.{key}"
-        if str(key) == name:
-            yield path, child
+    for key in map(str, node):
+        child = node.get(key)
+        if key == name:
+            yield f"{prefix}.{key}", child
         else:
-            yield from _planner_keys(child, name, path)
+            yield from _planner_keys(child, name, f"{prefix}.{key}")
 
 
 SETTINGS_NODES = ("reorder", "replicate")
@@ -217,6 +216,22 @@ def _settings_problems(planner: DictConfig) -> list[str]:
                 # NOTE: the settings' own ValueErrors start with the field name (``split='x'; ...``).
                 sep = "." if isinstance(cause, ValueError) else ": "
                 problems.append(f"{key}{sep}{cause}")
+    return problems
+
+
+def _planner_problems(planner: DictConfig) -> list[str]:
+    """The stage settings (:func:`_settings_problems`), then the planner itself built as the run will build
+    it (cheap: planners plan only when called), so a baseline's refused knob stops the run before any work.
+    The planners' own messages name their key (``planner.solver='x'; ...``)."""
+    problems = _settings_problems(planner)
+    if problems:
+        return problems
+    try:
+        instantiate(planner, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        text = " ".join(str(cause).split())
+        problems.append(text if text.startswith("planner.") else f"planner ({planner.get('name')}): {text}")
     return problems
 
 
@@ -290,6 +305,8 @@ def validate(cfg: DictConfig) -> None:
                 raise ImportError(attr)
         except ImportError:
             problems.append(f"planner._target_={planner._target_}: unknown planner class")
+        else:
+            problems.extend(_planner_problems(planner))
     _int_key(cfg, "seed", problems, least=None)
     nodes = _int_key(cfg, "cluster.nodes", problems)
     gpn = _int_key(cfg, "cluster.gpus_per_node", problems)
@@ -321,7 +338,6 @@ def validate(cfg: DictConfig) -> None:
                     f"{key}={tolerance}: the locality round's balance tolerance must be in (0, 1] "
                     "(the per-GPU token slack it may trade for locality, relative to the mean)"
                 )
-        problems.extend(_settings_problems(planner))
         routing = planner.get("routing", ROUTINGS[0])
         if routing not in ROUTINGS:
             problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")

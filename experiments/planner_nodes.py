@@ -55,6 +55,9 @@ NODES: dict[tuple[str, str], type] = {
 
 def _node(target: type) -> dict[str, object]:
     """The defaults of ``target`` (a dataclass of scalars and tuples) as a node that instantiates it."""
+    # NOTE: the one place that reads a planner dataclass's fields, once at import to write its config; no
+    # caller reads a planner's fields at run time (they use its Protocol). OmegaConf.structured would type
+    # the node too, but it does not support the Literal fields the planners use.
     return {"_target_": f"{target.__module__}.{target.__qualname__}", **asdict(target())}
 
 

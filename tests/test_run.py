@@ -146,6 +146,12 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
         ),
         (["planner=relibra_milp", "planner.replicate.solver=GLOP"], ["planner.replicate.solver='GLOP'"]),
         (["planner=relibra", "planner.reorder.beta_stages=0"], ["planner.reorder.beta_stages=0"]),
+        (["planner=lplb", "planner.solver=simplex"], ["planner.solver='simplex'"]),
+        (["planner=eplb_history", "planner.history_window=0"], ["planner.history_window=0"]),
+        (
+            ["planner=relibra_keep_placement", "planner.placement=latest"],
+            ["planner (relibra_keep_placement)", "placement='latest'"],
+        ),
     ],
 )
 def test_bad_config_stops_before_work(trace_file, tmp_path, overrides, keys):
