@@ -54,10 +54,11 @@ def uniform_routing(counts: SampleCounts, seed: int) -> SampleCounts:
     return replace(counts, counts=drawn.reshape(s, num_layers, num_experts).astype(np.int32), meta=meta)
 
 
-def force_balanced(
-    name: str = "force_balanced", replica_slots: int = 0, routing: str = "uniform"
-) -> MegatronPlanner:
-    """Hydra factory: Megatron-LM's planner; ``routing`` must be ``uniform`` (the entry point applies it)."""
+def force_balanced(name: str, replica_slots: int, routing: str) -> MegatronPlanner:
+    """Hydra factory: Megatron-LM's planner; ``routing`` must be ``uniform`` (the entry point applies it).
+
+    No defaults: ``planner/force_balanced.yaml`` holds the keys, since the entry point reads
+    ``planner.routing`` from the config before it builds the planner."""
     if routing != "uniform":
         raise ValueError(f"planner.routing={routing!r}: force-balanced routes uniformly; use 'uniform'")
     return MegatronPlanner(name=name, replica_slots=replica_slots)

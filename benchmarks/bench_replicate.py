@@ -42,7 +42,12 @@ from relibra.cost.buffer_memory import PAPER_PARAM_FRACTION, buffer_footprint  #
 from relibra.cost.model import CostModel  # noqa: E402
 from relibra.planners.compose import ComposedPlanner, StaticReorderer  # noqa: E402
 from relibra.planners.protocols import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
-from relibra.planners.replicate.greedy import GreedyReplicator, linear_objective, replicate_greedy  # noqa: E402
+from relibra.planners.replicate.greedy import (  # noqa: E402
+    GreedyConfig,
+    GreedyReplicator,
+    linear_objective,
+    replicate_greedy,
+)
 from relibra.planners.replicate.milp import dispatch_routing, solve_replication  # noqa: E402
 from relibra.simulator import batch_context, skewness  # noqa: E402
 from relibra.trace.synthetic import generate_counts  # noqa: E402
@@ -198,7 +203,7 @@ def balance(full: bool, seed: int) -> None:
             for acceptance in ("best", "compute"):
                 skews, times = [], []
                 for r in slots:
-                    rep = GreedyReplicator(r, acceptance=acceptance)  # type: ignore[arg-type]
+                    rep = GreedyReplicator(r, GreedyConfig(acceptance=acceptance))  # type: ignore[arg-type]
                     plan = ComposedPlanner(label, FixedReorderer(reordering), rep, r).plan(ctx)
                     skews.append(f"{mean_skew(plan.assign):.3f}")
                     times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")
@@ -207,7 +212,7 @@ def balance(full: bool, seed: int) -> None:
         bal = AnnealingReorderer(AnnealConfig(workers=1, compute_level="node", comm_weight=0.0)).reorder(ctx)
         skews, times = [], []
         for r in slots:
-            rep = GreedyReplicator(r, acceptance="compute")
+            rep = GreedyReplicator(r, GreedyConfig(acceptance="compute"))
             plan = ComposedPlanner("relibra_balance", FixedReorderer(bal), rep, r).plan(ctx)
             skews.append(f"{mean_skew(plan.assign):.3f}")
             times.append(f"{ctx.cost.moe(plan.load, plan.assign).t_moe.mean() * 1e3:.3f}")

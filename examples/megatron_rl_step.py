@@ -49,14 +49,16 @@ def make_planner(name: str, replica_slots: int) -> Any:
     # NOTE: refill_aware=False: the example's samples (8-48 tokens) are far too short for a copy's buffer
     # refill (priced at OLMoE-sized experts) to hide behind attention, so a refill-aware planner would copy
     # nothing; the example is here to show the replica path (relibra.planners.refill).
+    from relibra.planners.replicate.greedy import GreedyConfig
+
     if name == "relibra":
         from relibra.planners.compose import relibra
 
-        return relibra(replica_slots=replica_slots, refill_aware=False)
+        return relibra(replica_slots=replica_slots, replicate=GreedyConfig(refill_aware=False))
     if name == "relibra_replicate_only":
         from relibra.planners.compose import relibra_replicate_only
 
-        return relibra_replicate_only(replica_slots=replica_slots, refill_aware=False)
+        return relibra_replicate_only(replica_slots=replica_slots, replicate=GreedyConfig(refill_aware=False))
     if name == "megatron":
         from baselines.megatron import MegatronPlanner
 

@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,6 +39,7 @@ __all__ = [
     "build_planner",
     "build_workload_for",
     "dataset_name",
+    "linear_comm_replicators",
     "load_counts",
     "read_trace",
     "refuse",
@@ -185,17 +187,65 @@ def path_given(cfg: DictConfig) -> bool:
     return bool(cfg.trace.get("path"))
 
 
-def _locality_tolerances(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """Every ``locality_tolerance`` key under a planner config (portfolio candidates included)."""
+def _planner_keys(node: Any, name: str, prefix: str = "planner") -> Iterator[tuple[str, Any]]:
+    """Every key ``name`` under a planner config (portfolio candidates included), with its dotted path."""
     if not isinstance(node, DictConfig):
         return
-    for key in node:
-        name = str(key)
-        child = node.get(name)
-        if name == "locality_tolerance":
-            yield f"{prefix}.{name}", child
+    for key in map(str, node):
+        child = node.get(key)
+        if key == name:
+            yield f"{prefix}.{key}", child
         else:
-            yield from _locality_tolerances(child, f"{prefix}.{name}")
+            yield from _planner_keys(child, name, f"{prefix}.{key}")
+
+
+SETTINGS_NODES = ("reorder", "replicate")
+"""The planner keys that hold a stage's settings dataclass (``experiments.planner_nodes``)."""
+
+
+def _settings_problems(planner: DictConfig) -> list[str]:
+    """Each stage's settings (``planner.reorder``, ``planner.replicate``, the candidates' too) built as the
+    planner will build them; a refused value is named by its key."""
+    problems: list[str] = []
+    for name in SETTINGS_NODES:
+        for key, node in _planner_keys(planner, name):
+            if not isinstance(node, DictConfig) or "_target_" not in node:
+                continue
+            try:
+                instantiate(node, _convert_="all")
+            except InstantiationException as exc:
+                cause = exc.__cause__ if exc.__cause__ is not None else exc
+                # NOTE: the settings' own ValueErrors start with the field name (``split='x'; ...``).
+                sep = "." if isinstance(cause, ValueError) else ": "
+                problems.append(f"{key}{sep}{cause}")
+    return problems
+
+
+def _planner_problems(planner: DictConfig) -> list[str]:
+    """The stage settings (:func:`_settings_problems`), then the planner itself built as the run will build
+    it (cheap: planners plan only when called), so a baseline's refused knob stops the run before any work.
+    The planners' own messages name their key (``planner.solver='x'; ...``)."""
+    problems = _settings_problems(planner)
+    if problems:
+        return problems
+    try:
+        instantiate(planner, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        text = " ".join(str(cause).split())
+        problems.append(text if text.startswith("planner.") else f"planner ({planner.get('name')}): {text}")
+    return problems
+
+
+def linear_comm_replicators(planner: Any) -> list[str]:
+    """Keys of the replicators under ``planner`` whose MILP or LP split models alltoall's linear
+    communication only (the exact MILP, ``split=lp``); they cannot price ``cluster.dispatcher=deepep``."""
+    return [
+        key
+        for key, node in _planner_keys(planner, "replicate")
+        if isinstance(node, DictConfig)
+        and (str(node.get("_target_", "")).endswith("MilpConfig") or node.get("split") == "lp")
+    ]
 
 
 def _comm_problems(cfg: DictConfig) -> list[str]:
@@ -216,13 +266,12 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                     f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
                     f"gives {mbs}"
                 )
-    planner = cfg.get("planner") or {}
-    if dispatcher == "deepep" and (
-        "milp" in str(planner.get("_target_", "")) or planner.get("split") == "lp"
-    ):
+    linear = linear_comm_replicators(cfg.get("planner"))
+    if dispatcher == "deepep" and linear:
         problems.append(
-            f"cluster.dispatcher=deepep with planner={planner.get('name')}: the MILP / LP split models "
-            "alltoall's linear communication only; use cluster.dispatcher=alltoall or a greedy planner"
+            f"cluster.dispatcher=deepep with planner={cfg.planner.get('name')} ({', '.join(linear)}): the "
+            "MILP / LP split models alltoall's linear communication only; use cluster.dispatcher=alltoall "
+            "or a greedy planner (planner.replicate.split=waterfill)"
         )
     path = cfg.cluster.get("calibration")
     if path:
@@ -258,6 +307,8 @@ def validate(cfg: DictConfig) -> None:
                 raise ImportError(attr)
         except ImportError:
             problems.append(f"planner._target_={planner._target_}: unknown planner class")
+        else:
+            problems.extend(_planner_problems(planner))
     _int_key(cfg, "seed", problems, least=None)
     nodes = _int_key(cfg, "cluster.nodes", problems)
     gpn = _int_key(cfg, "cluster.gpus_per_node", problems)
@@ -283,7 +334,7 @@ def validate(cfg: DictConfig) -> None:
     if layout not in LAYOUTS:
         problems.append(f"workload.layout={layout}: unknown sample layout; expected one of {list(LAYOUTS)}")
     if planner is not None:
-        for key, tolerance in _locality_tolerances(planner, "planner"):
+        for key, tolerance in _planner_keys(planner, "locality_tolerance"):
             if not (isinstance(tolerance, int | float) and 0 < tolerance <= 1):
                 problems.append(
                     f"{key}={tolerance}: the locality round's balance tolerance must be in (0, 1] "

@@ -9,7 +9,12 @@ from relibra.cost.fabric import DISPATCHERS
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``."""
+    """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``.
+
+    No field but ``fp8_flops`` has a default: the rates and efficiencies are measured or derived per
+    machine (the link efficiencies from DeepEP's published bandwidth tables, :mod:`relibra.cost.linkrates`),
+    so the cluster yaml is the one place they are written and a hand-built spec states every one of them.
+    """
 
     name: str
     bf16_flops: float
@@ -19,16 +24,18 @@ class HardwareSpec:
     """NVLink bandwidth per GPU per direction, bytes/s."""
     nic_bytes_per_s: float
     """Rail NIC bandwidth per GPU per direction, bytes/s (one NIC per GPU on its rail)."""
-    gemm_efficiency: float = 0.7
+    gemm_efficiency: float
     """Fraction of peak a large grouped GEMM reaches."""
-    gemm_half_tokens: float = 128.0
+    gemm_half_tokens: float
     """Tokens per expert at which a grouped GEMM reaches half of ``gemm_efficiency`` (small-count loss)."""
-    attention_efficiency: float = 0.5
+    attention_efficiency: float
     """Fraction of peak reached by attention and dense projections."""
-    alltoall_latency_s: float = 10e-6
+    alltoall_latency_s: float
     """Fixed latency of one all-to-all phase."""
-    nvlink_efficiency: float = 0.8
-    nic_efficiency: float = 0.8
+    nvlink_efficiency: float
+    """Achievable fraction of ``nvlink_bytes_per_s`` (the cost model's NVLink rate is the product)."""
+    nic_efficiency: float
+    """Achievable fraction of ``nic_bytes_per_s`` over RDMA."""
     fp8_flops: float = 0.0
     """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
 

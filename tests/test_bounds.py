@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from baselines.balanced import BalancedBound
 from baselines.force_balanced import uniform_routing
+from experiments.config import linear_comm_replicators
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.simulator import SimResult, simulate
@@ -40,7 +41,7 @@ def planner_config(name: str) -> Any:
 
 def _linear_comm_only(cfg: Any) -> bool:
     """Planners whose MILP or LP split models alltoall's linear traffic only (they refuse deepep)."""
-    return "milp" in str(cfg.get("_target_", "")) or cfg.get("split") == "lp"
+    return bool(linear_comm_replicators(cfg))
 
 
 def _at_least(ours: np.ndarray, bound: np.ndarray, what: str, name: str) -> None:

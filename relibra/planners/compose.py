@@ -1,7 +1,8 @@
 """ReLibra's planners: a Reorderer (per batch) composed with a Replicator (per micro-batch and layer).
 
 * ``relibra``: simulated-annealing reordering (:class:`relibra.planners.reorder.anneal.AnnealingReorderer`),
-  then the incremental greedy replication (:class:`relibra.planners.replicate.greedy.GreedyReplicator`);
+then
+  the incremental greedy replication (:class:`relibra.planners.replicate.greedy.GreedyReplicator`);
 * ``relibra_replicate_only``: Megatron-LM's static placement, then the greedy replication;
 * ``relibra_keep_placement``: the previous batch's placement, then the greedy replication (no migration;
   ``relibra_replicate_only(placement="previous")``);
@@ -29,8 +30,8 @@ from relibra.planners.protocols import (
 )
 from relibra.planners.refill import replicate_batch
 from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
-from relibra.planners.replicate.greedy import Acceptance, GreedyReplicator, SplitMethod
-from relibra.planners.replicate.milp import MilpReplicator
+from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
+from relibra.planners.replicate.milp import MilpConfig, MilpReplicator
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -132,30 +133,21 @@ def composed(name: str, reorderer: Reorderer, replicator: Replicator) -> Compose
 
 
 def relibra(
-    replica_slots: int = 2,
+    replica_slots: int,
     reorder: AnnealConfig | None = None,
-    split: SplitMethod = "waterfill",
-    acceptance: Acceptance = "best",
+    replicate: GreedyConfig | None = None,
     name: str = "relibra",
-    polish_moves: int = 0,
-    refill_aware: bool = True,
 ) -> ComposedPlanner:
-    """ReLibra: annealing reordering (``reorder``: its :class:`AnnealConfig`), then greedy replication
-    (``polish_moves > 0``: followed by that many exchange moves at most, see :func:`replicate_greedy`;
-    ``refill_aware``: copies must pay for their buffer refill, see :mod:`relibra.planners.refill`)."""
-    greedy = GreedyReplicator(
-        replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
-    )
-    return composed(name, AnnealingReorderer(reorder), greedy)
+    """ReLibra: annealing reordering (``reorder``: its :class:`AnnealConfig`), then greedy replication into
+    ``replica_slots`` slots per GPU (``replicate``: its :class:`GreedyConfig`; by default copies must pay for
+    their buffer refill, :mod:`relibra.planners.refill`)."""
+    return composed(name, AnnealingReorderer(reorder), _greedy(replica_slots, replicate))
 
 
 def relibra_replicate_only(
-    replica_slots: int = 2,
-    split: SplitMethod = "waterfill",
-    acceptance: Acceptance = "best",
+    replica_slots: int,
+    replicate: GreedyConfig | None = None,
     name: str = "relibra_replicate_only",
-    polish_moves: int = 0,
-    refill_aware: bool = True,
     placement: str = "static",
 ) -> ComposedPlanner:
     """Greedy replication on a placement that is not reordered: ``placement="static"``, Megatron-LM's (the
@@ -164,21 +156,20 @@ def relibra_replicate_only(
     reorderers: dict[str, Reorderer] = {"static": StaticReorderer(), "previous": PreviousReorderer()}
     if placement not in reorderers:
         raise ValueError(f"{name}: placement={placement!r}; expected one of {sorted(reorderers)}")
-    greedy = GreedyReplicator(
-        replica_slots, split, acceptance, polish_moves=polish_moves, refill_aware=refill_aware
-    )
-    return composed(name, reorderers[placement], greedy)
+    return composed(name, reorderers[placement], _greedy(replica_slots, replicate))
 
 
 def relibra_milp(
-    replica_slots: int = 2,
-    solver: str = "SCIP",
-    time_limit_s: float = 10.0,
-    relative_gap: float = 1e-3,
+    replica_slots: int,
+    replicate: MilpConfig | None = None,
     reorderer: Reorderer | None = None,
     name: str = "relibra_milp",
-    refill_aware: bool = True,
 ) -> ComposedPlanner:
-    """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem."""
-    milp = MilpReplicator(replica_slots, solver, time_limit_s, relative_gap, refill_aware)
+    """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem
+    (``replicate``: its :class:`MilpConfig`)."""
+    milp = MilpReplicator(replica_slots, replicate if replicate is not None else MilpConfig())
     return composed(name, reorderer if reorderer is not None else StaticReorderer(), milp)
+
+
+def _greedy(replica_slots: int, config: GreedyConfig | None) -> GreedyReplicator:
+    return GreedyReplicator(replica_slots, config if config is not None else GreedyConfig())

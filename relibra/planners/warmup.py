@@ -35,8 +35,15 @@ _HARDWARE = HardwareSpec(
     hbm_bytes_per_s=3.35e12,
     nvlink_bytes_per_s=450e9,
     nic_bytes_per_s=50e9,
+    gemm_efficiency=0.7,
+    gemm_half_tokens=128.0,
+    attention_efficiency=0.5,
+    alltoall_latency_s=10e-6,
+    nvlink_efficiency=0.8,
+    nic_efficiency=0.8,
 )
-"""Any hardware works: kernels are compiled per argument type, not per value."""
+"""Any hardware works: kernels are compiled per argument type, not per value (so these are round
+numbers, not the calibrated rates of ``experiments/conf/cluster/*.yaml``)."""
 
 
 def tiny_context(seed: int = 0) -> BatchContext:

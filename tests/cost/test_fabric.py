@@ -96,6 +96,7 @@ def test_estimate_conserves_totals_and_matches_exact_on_average(seed):
 def _cost(dispatcher: str) -> CostModel:
     hw = HardwareSpec(
         name="hand", bf16_flops=1e12, hbm_bytes_per_s=1e12, nvlink_bytes_per_s=200e9, nic_bytes_per_s=20e9,
+        gemm_efficiency=0.7, gemm_half_tokens=128.0, attention_efficiency=0.5,
         alltoall_latency_s=1e-6, nvlink_efficiency=0.5, nic_efficiency=0.5,
     )  # fmt: skip
     model = ModelSpec(

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
@@ -40,7 +40,9 @@ from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patch
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_replicate_only
 from relibra.planners.protocols import BatchContext, static_placement
+from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.types import BatchPlan
+from tests.spine_helpers import hand_hardware
 
 pytestmark = pytest.mark.megatron
 
@@ -64,7 +66,7 @@ SAMPLES = 16
 
 # ------------------------------------------------------------------------------------ case builders
 def _cluster() -> ClusterSpec:
-    return ClusterSpec(1, WORLD, HardwareSpec("cpu", 1e12, 1e11, 1e10, 1e9))
+    return ClusterSpec(1, WORLD, hand_hardware("cpu", 1e12, 1e11, 1e10, 1e9))
 
 
 def _model_spec() -> ModelSpec:
@@ -142,8 +144,8 @@ def planned_batch(
     Samples hold 24 to 63 tokens: with fewer, the cost model (OLMoE-sized experts on Hopper) finds that
     copying an expert costs more than the compute it saves, and the planners replicate nothing. At these
     sizes a copy's buffer refill (35 us) is not hidden by the micro-batch's attention either, so the
-    planners run with ``refill_aware=False``: these tests check the adapter's replica path, which needs
-    copies (tests/planners/test_refill.py checks that copies pay for their refill).
+    planners run with ``GreedyConfig(refill_aware=False)``: these tests check the adapter's replica path,
+    which needs copies (tests/planners/test_refill.py checks that copies pay for their refill).
     """
     rng = np.random.default_rng(batch)
     sample_routes = [skewed_routes(rng, int(rng.integers(24, 64))) for _ in range(SAMPLES)]
@@ -155,7 +157,11 @@ def planned_batch(
         load_hardware(REPO / "experiments/conf/cluster/hopper.yaml"), WORLD, NUM_LAYERS, NUM_EXPERTS, TOP_K
     )
     plan, ctx = plan_routes(
-        sample_routes, PLANNED[planner](replica_slots=R, refill_aware=False), cluster, model, 2
+        sample_routes,
+        PLANNED[planner](replica_slots=R, replicate=GreedyConfig(refill_aware=False)),
+        cluster,
+        model,
+        2,
     )
     assert ctx.num_microbatches == NUM_MB
     routes, inputs = [], []

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.executors.plan_check import PlanRefused, check_plan, routes_load
 from relibra.executors.reorder_ops import moved_experts, reorder_experts
 from relibra.executors.torch_executor import TorchExecutor, launch
@@ -33,6 +33,7 @@ from relibra.executors.torch_moe import (
 from relibra.invariants import PlanInvariantError
 from relibra.planners.protocols import home_assign, static_placement
 from relibra.types import BatchPlan
+from tests.spine_helpers import hand_hardware
 
 SHAPE = ExpertShape(hidden=8, ffn=4)
 RTOL = 1e-5
@@ -40,7 +41,7 @@ RTOL = 1e-5
 
 # ------------------------------------------------------------------------------------ case builders
 def _cluster(nodes: int, gpn: int) -> ClusterSpec:
-    return ClusterSpec(nodes, gpn, HardwareSpec("cpu", 1e12, 1e11, 1e10, 1e9))
+    return ClusterSpec(nodes, gpn, hand_hardware("cpu", 1e12, 1e11, 1e10, 1e9))
 
 
 def _tiny_model() -> ModelSpec:

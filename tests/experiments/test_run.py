@@ -135,6 +135,23 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["planner.candidates.t_moe.reorder.locality_tolerance=-1"],
         ),
         (["simulator.migration.optimizer_shards=0"], ["simulator.migration.optimizer_shards=0"]),
+        (["planner=relibra", "planner.replicate.split=simplex"], ["planner.replicate.split='simplex'"]),
+        (
+            ["planner=relibra_replicate_only", "planner.replicate.polish_moves=-1"],
+            ["planner.replicate.polish_moves=-1"],
+        ),
+        (
+            ["planner=relibra_portfolio", "planner.candidates.balance.replicate.acceptance=greedy"],
+            ["planner.candidates.balance.replicate.acceptance='greedy'"],
+        ),
+        (["planner=relibra_milp", "planner.replicate.solver=GLOP"], ["planner.replicate.solver='GLOP'"]),
+        (["planner=relibra", "planner.reorder.beta_stages=0"], ["planner.reorder.beta_stages=0"]),
+        (["planner=lplb", "planner.solver=simplex"], ["planner.solver='simplex'"]),
+        (["planner=eplb_history", "planner.history_window=0"], ["planner.history_window=0"]),
+        (
+            ["planner=relibra_keep_placement", "planner.placement=latest"],
+            ["planner (relibra_keep_placement)", "placement='latest'"],
+        ),
     ],
 )
 def test_bad_config_stops_before_work(trace_file, tmp_path, overrides, keys):
@@ -379,6 +396,7 @@ def test_portfolio_candidates_each_get_a_control_plane():
     [
         (["cluster.dispatcher=nccl"], "cluster.dispatcher=nccl"),
         (["cluster.dispatcher=deepep", "planner=relibra_milp"], "cluster.dispatcher=deepep"),
+        (["cluster.dispatcher=deepep", "planner=relibra", "planner.replicate.split=lp"], "planner.replicate"),
         (["cluster.ep_overlap=true", "workload.samples_per_microbatch=8"], "cluster.ep_overlap=true"),
     ],
 )

@@ -14,6 +14,7 @@ from relibra.planners.protocols import static_placement
 from relibra.planners.replicate.greedy import linear_objective, replicate_greedy
 from relibra.planners.replicate.milp import (
     LINK_KEYS,
+    MilpConfig,
     MilpReplicator,
     dispatch_routing,
     solve_replication,
@@ -118,7 +119,7 @@ def test_greedy_with_lp_split_is_valid() -> None:
 
 def test_milp_replicator_plan_and_stats() -> None:
     ctx = tiny_context(nodes=2, gpus_per_node=2, num_experts=8)
-    rep = MilpReplicator(replica_slots=1, time_limit_s=5.0)
+    rep = MilpReplicator(replica_slots=1, config=MilpConfig(time_limit_s=5.0))
     home = static_placement(ctx.counts.shape[1], 8, 4)
     out = rep.replicate(ctx.load[0], home, ctx)
     check_assignment(

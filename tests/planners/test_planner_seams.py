@@ -6,10 +6,14 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 
 import experiments  # noqa: F401  (registers the generated config nodes)
+from experiments.planner_nodes import NODES
 from relibra.planners.protocols import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
+from relibra.planners.replicate.greedy import GreedyConfig
+from relibra.planners.replicate.milp import MilpConfig
 from relibra.simulator import Bound
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
@@ -37,3 +41,27 @@ def test_planner_declares_its_slot_budget(name: str) -> None:
         candidates = planner.candidate_planners()
         assert len(candidates) == 3
         assert planner.with_candidates(candidates[:1]).candidate_planners() == candidates[:1]
+
+
+@pytest.mark.parametrize(("group", "node"), sorted(NODES))
+def test_generated_node_is_its_dataclass_with_its_defaults(group: str, node: str) -> None:
+    """The nodes of experiments/planner_nodes.py hold each default once: built, they equal the class's own."""
+    cfg = ConfigStore.instance().load(f"{group}/{node}.yaml").node
+    assert instantiate(cfg, _convert_="all") == NODES[(group, node)]()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("relibra", GreedyConfig()),
+        ("relibra_replicate_only", GreedyConfig()),
+        ("relibra_balance", GreedyConfig(acceptance="compute")),
+        ("relibra_milp", MilpConfig()),
+    ],
+)
+def test_replicate_block_is_the_dataclass_with_the_preset_overrides(name: str, expected: object) -> None:
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"planner={name}", "planner.replica_slots=3"]).planner
+    assert "replica_slots" not in cfg.replicate  # declared once, beside the stages
+    planner = instantiate(cfg, _convert_="all")
+    assert planner.replicator.config == expected and planner.replicator.replica_slots == 3

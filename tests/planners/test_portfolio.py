@@ -16,6 +16,7 @@ from relibra.planners.compose import PreviousReorderer, relibra, relibra_replica
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
 from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
@@ -37,7 +38,7 @@ def _candidates() -> list[Planner]:
         relibra(
             replica_slots=2,
             reorder=AnnealConfig(**{**FAST_REORDER, "comm_weight": 0.0, "compute_level": "node"}),
-            acceptance="compute",
+            replicate=GreedyConfig(acceptance="compute"),
             name="relibra_balance",
         ),
     ]
@@ -122,7 +123,7 @@ def test_portfolio_config_composes_the_three_candidates() -> None:
     assert (t_moe.name, balance.name, keep.name) == ("relibra", "relibra_balance", "relibra_keep_placement")
     assert t_moe.replica_slots == balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
     assert isinstance(keep.reorderer, PreviousReorderer)  # type: ignore[attr-defined]
-    assert balance.replicator.acceptance == "compute"  # type: ignore[attr-defined]
+    assert balance.replicator.config.acceptance == "compute"  # type: ignore[attr-defined]
     assert balance.reorderer.config.comm_weight == 0.0  # type: ignore[attr-defined]
     assert t_moe.reorderer.config.comm_weight == 1.0  # type: ignore[attr-defined]
 
@@ -152,4 +153,4 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
     with pytest.raises(ValueError, match="prev_home"):
         keep.plan(batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev[:, :-1]))
     with pytest.raises(ValueError, match="placement='latest'"):
-        relibra_replicate_only(placement="latest")
+        relibra_replicate_only(replica_slots=2, placement="latest")

@@ -12,7 +12,7 @@ from relibra.cost.model import CostModel
 from relibra.planners.compose import relibra_replicate_only
 from relibra.planners.protocols import BatchContext, Replication, static_placement
 from relibra.planners.refill import attention_window, replicate_within_window
-from relibra.planners.replicate.greedy import GreedyReplicator
+from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
 from relibra.simulator import batch_context, simulate
 from tests.spine_helpers import tiny_model, tiny_setup
 
@@ -135,11 +135,11 @@ def test_refill_aware_false_keeps_the_paper_behaviour() -> None:
     counts, workload, cluster, model, cost = _large_experts(1, 4, 8)
     ctx = batch_context(counts, workload, 0, cluster, model, cost)
     home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
-    replicator = GreedyReplicator(replica_slots=SLOTS, refill_aware=False)
+    replicator = GreedyReplicator(replica_slots=SLOTS, config=GreedyConfig(refill_aware=False))
     plain = replicator.replicate(ctx.load[0], home, ctx)
     out = replicate_within_window(replicator, ctx.load[0], home, ctx, window_s=0.0)
     assert (plain.replicas >= 0).any()
     np.testing.assert_array_equal(out.assign, plain.assign)
     np.testing.assert_array_equal(out.replicas, plain.replicas)
-    planner = relibra_replicate_only(replica_slots=SLOTS, refill_aware=False)
+    planner = relibra_replicate_only(replica_slots=SLOTS, replicate=GreedyConfig(refill_aware=False))
     assert isinstance(planner.replicator, GreedyReplicator) and not planner.replicator.refill_aware

@@ -17,7 +17,8 @@ from relibra.invariants import check_plan
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
 from relibra.planners.protocols import Planner
 from relibra.planners.reorder.anneal import AnnealConfig
-from relibra.planners.replicate.greedy import linear_objective
+from relibra.planners.replicate.greedy import GreedyConfig, linear_objective
+from relibra.planners.replicate.milp import MilpConfig
 from relibra.simulator import batch_context, skewness
 from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
@@ -62,7 +63,7 @@ def test_relibra_with_locality_regroups_loads(ctx) -> None:
 def test_milp_planner_no_worse_than_greedy() -> None:
     small = tiny_context(nodes=1, gpus_per_node=4, num_experts=8)
     greedy = relibra_replicate_only(replica_slots=1).plan(small)
-    exact = relibra_milp(replica_slots=1, time_limit_s=5.0).plan(small)
+    exact = relibra_milp(replica_slots=1, replicate=MilpConfig(time_limit_s=5.0)).plan(small)
     check_plan(exact, small, replica_slots=1, replicas_in_home_node=True)
     assert exact.stats["milp_optimal_fraction"] == 1.0
     home = np.broadcast_to(exact.home, exact.load.shape[:2] + exact.home.shape[-1:])
@@ -87,7 +88,7 @@ def test_balance_config_is_relibra_with_balance_objectives() -> None:
         cfg = compose(config_name="config", overrides=["planner=relibra_balance"])
     planner = instantiate(cfg.planner, _convert_="all")
     assert planner.name == "relibra_balance" and planner.replica_slots == 2
-    assert planner.replicator.acceptance == "compute"
+    assert planner.replicator.config.acceptance == "compute"
     reo = planner.reorderer.config
     assert (reo.comm_weight, reo.compute_level, reo.locality) == (0.0, "node", True)
 
@@ -102,7 +103,10 @@ def test_balance_planner_plan_is_valid_and_more_even() -> None:
     big = batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
     reorder = {**FAST_REORDER, "iterations": 1000, "comm_weight": 0.0, "compute_level": "node"}
     balance = relibra(
-        replica_slots=2, reorder=AnnealConfig(**reorder), acceptance="compute", name="relibra_balance"
+        replica_slots=2,
+        reorder=AnnealConfig(**reorder),
+        replicate=GreedyConfig(acceptance="compute"),
+        name="relibra_balance",
     )
     plan = balance.plan(big)
     check_plan(plan, big, replica_slots=2, replicas_in_home_node=True)

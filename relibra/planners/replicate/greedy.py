@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 from numba import njit
@@ -61,6 +61,7 @@ _MODES = {"compute": 0, "comm": 1, "best": 2}
 
 __all__ = [
     "Acceptance",
+    "GreedyConfig",
     "GreedyReplicator",
     "ReplicationCoefficients",
     "SplitMethod",
@@ -1078,35 +1079,70 @@ def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cos
 
 
 @dataclass(frozen=True)
-class GreedyReplicator:
-    """:class:`~relibra.planners.protocols.Replicator` running :func:`replicate_greedy` over a micro-batch's
-    layers."""
+class GreedyConfig:
+    """Settings of :class:`GreedyReplicator`. These defaults are the only ones: the Hydra node
+    ``planner/replicate/greedy`` is generated from them (:mod:`experiments.planner_nodes`); the arguments
+    are those of :func:`replicate_greedy`."""
 
-    replica_slots: int = 2
     split: SplitMethod = "waterfill"
+    """Token split: ``waterfill`` (compute-only closed form, compiled) or ``lp`` (eq. 7 LP with the
+    communication terms, slow)."""
     acceptance: Acceptance = "best"
+    """Which copies the greedy keeps: ``best`` (the better of the rules), ``comm`` (those lowering
+    ``T_comp max + T_comm max``) or ``compute`` (those lowering ``T_comp max``)."""
     sweeps: int = 3
     max_tries: int = 4
     polish_moves: int = 0
+    """Exchange moves after the greedy (drop one copy, add another in the node) while they lower ``T_MoE``;
+    0: off."""
     polish_candidates: int = 3
     refill_aware: bool = True
     """Behind a planner, keep only copies that pay for their replica-buffer refill
     (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
+
+    def __post_init__(self) -> None:
+        if self.split not in get_args(SplitMethod):
+            raise ValueError(f"split={self.split!r}; expected one of {list(get_args(SplitMethod))}")
+        if self.acceptance not in get_args(Acceptance):
+            raise ValueError(f"acceptance={self.acceptance!r}; expected one of {list(get_args(Acceptance))}")
+        counts = (
+            ("sweeps", self.sweeps, 1),
+            ("max_tries", self.max_tries, 0),
+            ("polish_moves", self.polish_moves, 0),
+            ("polish_candidates", self.polish_candidates, 1),
+        )
+        for key, value, least in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{key}={value!r}; expected an integer >= {least}")
+
+
+@dataclass(frozen=True)
+class GreedyReplicator:
+    """:class:`~relibra.planners.protocols.Replicator` running :func:`replicate_greedy` over a micro-batch's
+    layers, with ``replica_slots`` (``r``) slots per GPU and ``config`` (default: :class:`GreedyConfig`'s)."""
+
+    replica_slots: int
+    config: GreedyConfig = GreedyConfig()
+
+    @property
+    def refill_aware(self) -> bool:
+        return self.config.refill_aware
 
     def with_slots(self, replica_slots: int) -> GreedyReplicator:
         return replace(self, replica_slots=replica_slots)
 
     def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
+        c = self.config
         return replicate_greedy(
             load,
             home,
             ctx.cost,
             self.replica_slots,
-            split=self.split,
-            acceptance=self.acceptance,
-            sweeps=self.sweeps,
-            max_tries=self.max_tries,
-            polish_moves=self.polish_moves,
-            polish_candidates=self.polish_candidates,
+            split=c.split,
+            acceptance=c.acceptance,
+            sweeps=c.sweeps,
+            max_tries=c.max_tries,
+            polish_moves=c.polish_moves,
+            polish_candidates=c.polish_candidates,
         )

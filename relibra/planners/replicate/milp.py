@@ -40,7 +40,17 @@ from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, Replication
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
-__all__ = ["MilpReplicator", "ReplicationSolution", "dispatch_routing", "solve_replication", "solve_split"]
+__all__ = [
+    "MilpConfig",
+    "MilpReplicator",
+    "ReplicationSolution",
+    "dispatch_routing",
+    "solve_replication",
+    "solve_split",
+]
+
+MIP_SOLVERS = ("SCIP", "CBC")
+"""OR-Tools backends that solve the replication MILP (both ship with the ``ortools`` wheel)."""
 
 LINK_KEYS = ("nvlink_send", "nvlink_recv", "nic_send", "nic_recv")
 
@@ -330,21 +340,46 @@ def greedy_with_lp_split(
 
 
 @dataclass(frozen=True)
+class MilpConfig:
+    """Settings of :class:`MilpReplicator`. These defaults are the only ones: the Hydra node
+    ``planner/replicate/milp`` is generated from them (:mod:`experiments.planner_nodes`)."""
+
+    solver: str = "SCIP"
+    """OR-Tools MIP backend: ``SCIP`` or ``CBC``."""
+    time_limit_s: float = 10.0
+    """Solver time limit per (micro-batch, layer) problem."""
+    relative_gap: float = 1e-3
+    """Stop once the incumbent is proven within this relative gap of the bound."""
+    refill_aware: bool = True
+    """Behind a planner, keep only copies that pay for their replica-buffer refill
+    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
+
+    def __post_init__(self) -> None:
+        if self.solver not in MIP_SOLVERS:
+            raise ValueError(f"solver={self.solver!r}; expected one of {list(MIP_SOLVERS)}")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s={self.time_limit_s!r}; expected seconds > 0")
+        if not self.relative_gap >= 0:
+            raise ValueError(f"relative_gap={self.relative_gap!r}; expected >= 0")
+
+
+@dataclass(frozen=True)
 class MilpReplicator:
-    """:class:`~relibra.planners.protocols.Replicator` solving every (micro-batch, layer) problem exactly.
+    """:class:`~relibra.planners.protocols.Replicator` solving every (micro-batch, layer) problem exactly,
+    with
+    ``replica_slots`` (``r``) slots per GPU and ``config`` (default: :class:`MilpConfig`'s).
 
     Stats: ``milp_gap_mean`` / ``milp_gap_max`` (proven relative gaps), ``milp_optimal_fraction``,
     ``milp_objective_s`` / ``milp_bound_s`` (sums over the layers), ``milp_solve_s``.
     """
 
-    replica_slots: int = 2
-    solver: str = "SCIP"
-    time_limit_s: float = 10.0
-    relative_gap: float = 1e-3
-    refill_aware: bool = True
-    """Behind a planner, keep only copies that pay for their replica-buffer refill
-    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
+    replica_slots: int
+    config: MilpConfig = MilpConfig()
     _routing: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def refill_aware(self) -> bool:
+        return self.config.refill_aware
 
     def with_slots(self, replica_slots: int) -> MilpReplicator:
         return replace(self, replica_slots=replica_slots)
@@ -367,9 +402,9 @@ class MilpReplicator:
                 home[l],
                 ctx.cost,
                 self.replica_slots,
-                solver=self.solver,
-                time_limit_s=self.time_limit_s,
-                relative_gap=self.relative_gap,
+                solver=self.config.solver,
+                time_limit_s=self.config.time_limit_s,
+                relative_gap=self.config.relative_gap,
                 routing=routing,
             )
             sols.append(sol)
