@@ -23,6 +23,7 @@ smoothing); ``beta = inf`` is the hard max the simulator charges.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit
@@ -31,6 +32,8 @@ __all__ = [
     "BWD_COMPUTE",
     "FWD_COMPUTE",
     "PASS_COMM",
+    "OverlapNeighbours",
+    "best_chain",
     "layer_time",
     "microbatch_share",
     "overlapped_time",
@@ -105,6 +108,76 @@ def microbatch_share(comp: float, comm: float, neighbours: np.ndarray, beta: flo
     else:
         t += BWD_COMPUTE * comp + PASS_COMM * comm
     return t
+
+
+@dataclass(frozen=True)
+class OverlapNeighbours:
+    """What a per-micro-batch planner needs to price micro-batch ``m``'s layers under the overlap: the terms
+    of :func:`microbatch_share` that are not its own plan."""
+
+    attention: np.ndarray
+    """float64 [L]: ``m``'s attention seconds per layer (fwd + bwd, busiest GPU), part of its compute."""
+    neighbours: np.ndarray
+    """float64 [L, 4]: per layer ``(compute, comm)`` seconds of micro-batch ``m - 1``, then of ``m + 1``
+    (compute with attention), compute ``-1`` where there is none."""
+
+    def __post_init__(self) -> None:
+        a, n = np.shape(self.attention), np.shape(self.neighbours)
+        if len(a) != 1 or n != (a[0], 4):
+            raise ValueError(f"OverlapNeighbours: attention {a} must be [L] and neighbours {n} [L, 4]")
+
+    def rows(self, index: np.ndarray) -> OverlapNeighbours:
+        """The same for the layers ``index`` (int [L'])."""
+        return OverlapNeighbours(self.attention[index], self.neighbours[index])
+
+    @staticmethod
+    def of(compute: np.ndarray, comm: np.ndarray, attention: np.ndarray, m: int) -> OverlapNeighbours:
+        """Micro-batch ``m``'s neighbours in a step whose micro-batches have compute [M, L] (with attention)
+        and comm [M, L] seconds; attention [M, L] (or [M, 1]) is each micro-batch's own."""
+        comp, com = np.asarray(compute, dtype=np.float64), np.asarray(comm, dtype=np.float64)
+        num_layers = comp.shape[1]
+        nb = np.tile(np.array([-1.0, 0.0, -1.0, 0.0]), (num_layers, 1))
+        if m > 0:
+            nb[:, 0], nb[:, 1] = comp[m - 1], com[m - 1]
+        if m < comp.shape[0] - 1:
+            nb[:, 2], nb[:, 3] = comp[m + 1], com[m + 1]
+        own = np.broadcast_to(np.asarray(attention, dtype=np.float64)[m], (num_layers,))
+        return OverlapNeighbours(np.ascontiguousarray(own), nb)
+
+
+@njit(cache=True)
+def best_chain(comp: np.ndarray, comm: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """The candidate of each micro-batch whose combination minimises one layer's overlapped time.
+
+    comp, comm, extra [C, M]: candidate ``c``'s compute (with attention), all-to-all and other additive
+    seconds (exposed refill) for micro-batch ``m``. The layer's time is a chain of :func:`pair_time` terms,
+    so dynamic programming over ``m`` (C x C per step) finds the exact best mix. Returns int64 [M].
+    """
+    num_c, num_m = comp.shape
+    best = np.empty((num_m, num_c))
+    back = np.zeros((num_m, num_c), dtype=np.int64)
+    for c in range(num_c):
+        best[0, c] = FWD_COMPUTE * comp[c, 0] + PASS_COMM * comm[c, 0] + extra[c, 0]
+    for m in range(1, num_m):
+        for c in range(num_c):
+            top = math.inf
+            for d in range(num_c):
+                v = best[m - 1, d] + pair_time(comp[d, m - 1], comm[d, m - 1], comp[c, m], comm[c, m], math.inf)
+                if v < top:
+                    top = v
+                    back[m, c] = d
+            best[m, c] = top + extra[c, m]
+    last = num_m - 1
+    out = np.zeros(num_m, dtype=np.int64)
+    top = math.inf
+    for c in range(num_c):
+        v = best[last, c] + BWD_COMPUTE * comp[c, last] + PASS_COMM * comm[c, last]
+        if v < top:
+            top = v
+            out[last] = c
+    for m in range(last, 0, -1):
+        out[m - 1] = back[m, out[m]]
+    return out
 
 
 def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> tuple[float, float]:

@@ -15,6 +15,7 @@ from relibra.cluster import ClusterSpec
 from relibra.control_plane import ControlPlane, ControlPlaneConfig, Fallback, LocalityStatus, StagedReorderer
 from relibra.cost import CostModel
 from relibra.invariants import check_plan
+from relibra.overlap import OverlapNeighbours
 from relibra.planner import BatchContext, Reordering, Replication, static_placement
 from relibra.planners.relibra import StaticReorderer, relibra, relibra_replicate_only
 from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
@@ -89,10 +90,12 @@ class FailingReplicator:
     def with_slots(self, replica_slots: int) -> FailingReplicator:
         return replace(self, replica_slots=replica_slots)
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
+    def replicate(
+        self, load: np.ndarray, home: np.ndarray, ctx: BatchContext, overlap: OverlapNeighbours | None = None
+    ) -> Replication:
         if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:
             raise RuntimeError("replicator failed on purpose")
-        return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx)
+        return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx, overlap)
 
 
 @dataclass(frozen=True)

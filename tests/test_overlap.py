@@ -13,10 +13,10 @@ from hypothesis.extra.numpy import arrays
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost import CostModel
-from relibra.overlap import layer_time, microbatch_share, overlapped_time
-from relibra.planner import home_assign
+from relibra.overlap import OverlapNeighbours, best_chain, layer_time, microbatch_share, overlapped_time
+from relibra.planner import home_assign, static_placement
 from relibra.planners.exact_reorder import brute_force_reorder
-from relibra.planners.refill import attention_window
+from relibra.planners.refill import attention_window, replicate_batch, replicate_within_window
 from relibra.planners.reorder import (
     AnnealConfig,
     AnnealingReorderer,
@@ -28,7 +28,9 @@ from relibra.planners.reorder import (
     placement_objective,
     solve_layer,
 )
-from tests.spine_helpers import HOPPER
+from relibra.planners.replicate import GreedyReplicator
+from relibra.simulator import batch_context
+from tests.spine_helpers import HOPPER, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -235,3 +237,105 @@ def test_milp_reorder_refuses_an_overlapped_problem():
     cost = _overlap_cost(1, 2, 2)
     with pytest.raises(ValueError, match=r"cluster\.ep_overlap=true"):
         milp_reorder(layer_problem(np.ones((2, 2, 2), dtype=np.int64), cost), cost.cluster)
+
+
+# ------------------------------------------------------------------------------ the replication
+def test_best_chain_is_the_enumerated_best_mix():
+    import itertools
+
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        c, m = int(rng.integers(1, 4)), int(rng.integers(2, 6))
+        comp, comm, extra = rng.uniform(0, 3, (c, m)), rng.uniform(0, 3, (c, m)), rng.uniform(0, 0.5, (c, m))
+
+        def total(pick, comp=comp, comm=comm, extra=extra):
+            cols = np.arange(len(pick))
+            return layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf) + extra[pick, cols].sum()
+
+        best = min(total(np.array(p)) for p in itertools.product(range(c), repeat=m))
+        assert total(best_chain(comp, comm, extra)) == pytest.approx(best, rel=1e-12)
+
+
+def _overlap_setup(seed: int, nodes: int = 2, gpn: int = 2, experts: int = 8):
+    counts, workload, cluster, model, _ = tiny_setup(
+        nodes=nodes, gpus_per_node=gpn, num_experts=experts, samples_per_microbatch=1, seed=seed
+    )
+    cluster = replace(cluster, ep_overlap=True)
+    cost = CostModel(cluster, model)
+    return counts, workload, cluster, model, cost
+
+
+def _layer_times(ctx, load, home, reps) -> float:
+    """The overlapped MoE time plus exposed refill of the batch's replications, as the simulator prices it."""
+    window = attention_window(ctx, ctx.sample_gpu)
+    cost = ctx.cost
+    comp = np.stack([cost.moe(load[m], r.assign).t_compute + window[m] for m, r in enumerate(reps)])
+    comm = np.stack([cost.moe(load[m], r.assign).t_comm for m, r in enumerate(reps)])
+    exposed = sum(
+        cost.exposed_refill(cost.replica_refill_time(r.replicas, home), window[m]).sum() for m, r in enumerate(reps)
+    )
+    return overlapped_time(comp, comm)[0] + float(exposed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_overlap_replication_is_never_worse_than_the_sum_objective(seed):
+    """The guarantee of replicate_batch under the overlap: per layer the exact best mix of the first pass
+    (each micro-batch's own T_MoE, today's answer) and the second (its share of the overlapped time)."""
+    counts, workload, cluster, model, cost = _overlap_setup(seed)
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    assert ctx.num_microbatches >= 2
+    home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
+    replicator = GreedyReplicator(replica_slots=2)
+    window = attention_window(ctx, ctx.sample_gpu)
+    load = np.asarray(ctx.load)
+    first = [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(load.shape[0])]
+    out = replicate_batch(replicator, load, home, ctx, ctx.sample_gpu)
+    assert _layer_times(ctx, load, home, out) <= _layer_times(ctx, load, home, first) * (1 + 1e-12)
+    assert 0.0 <= out[0].stats["overlap_second_pass_share"] <= 1.0
+    for m, r in enumerate(out):  # every answer conserves the tokens
+        np.testing.assert_array_equal(r.assign.sum(axis=-1), load[m].sum(axis=-2))
+
+
+def test_greedy_under_overlap_never_raises_its_share():
+    """replicate_greedy keeps only moves that lower its objective, so under the overlap its answer's share
+    (linearised, as it prices it) is never above the home-only answer's."""
+    from relibra.planners.replicate import replicate_greedy
+    from relibra.planners.replication_terms import ReplicationCoefficients
+
+    counts, workload, cluster, model, cost = _overlap_setup(3, nodes=2, gpn=4, experts=16)
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
+    coef = ReplicationCoefficients.from_cost(cost)
+    rng = np.random.default_rng(0)
+    for m in range(ctx.num_microbatches):
+        load = np.asarray(ctx.load[m])
+        num_layers = load.shape[0]
+        nb = np.column_stack(
+            [rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2
+        )
+        nb[:, 0] = -1.0 if m == 0 else nb[:, 0]
+        overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb)
+        rep = replicate_greedy(load, home, cost, 2, overlap=overlap)
+
+        def share(assign, load=load, overlap=overlap):
+            a = np.asarray(assign, dtype=np.float64)
+            copies = (a > 0) | (np.arange(cluster.num_gpus) == home[..., None])
+            comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(axis=-1) * coef.seconds_per_token
+            comm = cost.moe_comm_time(load, assign).max(axis=-1)
+            return np.array(
+                [
+                    microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf)
+                    for l, (c, k) in enumerate(zip(comp, comm, strict=True))
+                ]
+            )
+
+        assert np.all(share(rep.assign) <= share(home_assign(load, home, cluster.num_gpus)) * (1 + 1e-9))
+
+
+def test_overlap_replication_refuses_the_lp_split():
+    from relibra.planners.replicate import replicate_greedy
+
+    cost = _overlap_cost(1, 2, 2)
+    overlap = OverlapNeighbours(np.zeros(1), np.array([[-1.0, 0.0, 1.0, 1.0]]))
+    with pytest.raises(ValueError, match="split='waterfill'"):
+        replicate_greedy(np.ones((1, 2, 2)), np.array([[0, 1]]), cost, 1, split="lp", overlap=overlap)

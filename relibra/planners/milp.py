@@ -36,6 +36,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cost import CostModel
+from relibra.overlap import OverlapNeighbours
 from relibra.planner import BatchContext, Replication
 from relibra.planners.replication_terms import ReplicationCoefficients, round_assign
 
@@ -348,8 +349,19 @@ class MilpReplicator:
     def with_slots(self, replica_slots: int) -> MilpReplicator:
         return replace(self, replica_slots=replica_slots)
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
-        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
+    def replicate(
+        self,
+        load: np.ndarray,
+        home: np.ndarray,
+        ctx: BatchContext,
+        overlap: OverlapNeighbours | None = None,
+    ) -> Replication:
+        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r].
+
+        ``overlap`` is not in the MILP's objective (each problem's own ``T_MoE``); under
+        ``cluster.ep_overlap`` :func:`relibra.planners.refill.replicate_batch` combines its answers by the
+        overlapped time.
+        """
         cluster = ctx.cluster
         key = (cluster.nodes, cluster.gpus_per_node)
         if key not in self._routing and cluster.num_gpus > 1:
