@@ -339,3 +339,26 @@ def test_overlap_replication_refuses_the_lp_split():
     overlap = OverlapNeighbours(np.zeros(1), np.array([[-1.0, 0.0, 1.0, 1.0]]))
     with pytest.raises(ValueError, match="split='waterfill'"):
         replicate_greedy(np.ones((1, 2, 2)), np.array([[0, 1]]), cost, 1, split="lp", overlap=overlap)
+
+
+# ------------------------------------------------------------------------------ the locality round
+@pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
+def test_locality_round_never_worse_under_overlap(dispatcher):
+    """The hill climb's proxy is alltoall's communication without overlap; its guard keeps the round only
+    where the simulator's price of the home-only plan (overlapped, the configured dispatcher) does not
+    grow, so the result is never worse than the input assignment."""
+    from relibra.planners.locality import _overlapped, locality_round
+    from tests.test_reorder import make_ctx
+
+    kept = 0
+    for seed in range(4):
+        base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2)
+        cost = CostModel(replace(base.cluster, ep_overlap=True, dispatcher=dispatcher), base.model)
+        ctx = replace(base, cluster=cost.cluster, cost=cost)
+        home = static_placement(2, 16, 4)
+        new_gpu, stats = locality_round(ctx, home, tolerance=0.2)
+        new_load = ctx.regroup(new_gpu)[0]
+        assert _overlapped(ctx, new_load, home, new_gpu) <= _overlapped(ctx, ctx.load, home, ctx.sample_gpu)
+        assert stats["locality_reverted"] in (0.0, 1.0)
+        kept += stats["locality_moved_samples"] > 0
+    assert kept > 0  # the round does move samples under the overlap
