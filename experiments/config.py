@@ -222,6 +222,11 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
             f"cluster.dispatcher=deepep with planner={planner.get('name')}: the MILP / LP split models "
             "alltoall's linear communication only; use cluster.dispatcher=alltoall or a greedy planner"
         )
+    if bool(cfg.cluster.get("ep_overlap", False)) and planner.get("split") == "lp":
+        problems.append(
+            f"cluster.ep_overlap=true with planner={planner.get('name')} split=lp: the LP split prices "
+            "T_MoE only; use planner.split=waterfill (whose greedy prices the overlap) or ep_overlap=false"
+        )
     path = cfg.cluster.get("calibration")
     if path:
         try:

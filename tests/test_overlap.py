@@ -362,3 +362,18 @@ def test_locality_round_never_worse_under_overlap(dispatcher):
         assert stats["locality_reverted"] in (0.0, 1.0)
         kept += stats["locality_moved_samples"] > 0
     assert kept > 0  # the round does move samples under the overlap
+
+
+def test_entry_point_refuses_the_lp_split_under_overlap():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.config import ConfigError, validate
+    from experiments.grid import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        bad = compose(
+            config_name="config",
+            overrides=["cluster.ep_overlap=true", "planner=relibra", "planner.split=lp", "cluster.nodes=1"],
+        )
+    with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true with planner=relibra split=lp"):
+        validate(bad)
