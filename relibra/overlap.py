@@ -162,7 +162,9 @@ def best_chain(comp: np.ndarray, comm: np.ndarray, extra: np.ndarray) -> np.ndar
         for c in range(num_c):
             top = math.inf
             for d in range(num_c):
-                v = best[m - 1, d] + pair_time(comp[d, m - 1], comm[d, m - 1], comp[c, m], comm[c, m], math.inf)
+                v = best[m - 1, d] + pair_time(
+                    comp[d, m - 1], comm[d, m - 1], comp[c, m], comm[c, m], math.inf
+                )
                 if v < top:
                     top = v
                     back[m, c] = d

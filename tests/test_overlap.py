@@ -107,7 +107,9 @@ def _overlap_cost(nodes: int, gpus_per_node: int, num_experts: int, top_k: int =
     return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER, ep_overlap=True), model)
 
 
-def _priced(load: np.ndarray, home: np.ndarray, cost: CostModel, attention: np.ndarray) -> tuple[float, float]:
+def _priced(
+    load: np.ndarray, home: np.ndarray, cost: CostModel, attention: np.ndarray
+) -> tuple[float, float]:
     """(sum of T_MoE + attention, overlapped time) of home-only placement ``home`` [E] for load [Mb, G, E],
     from the cost model (the simulator's pricing of one layer)."""
     a = home_assign(load, np.broadcast_to(home, load.shape[:1] + home.shape), load.shape[1])
@@ -152,7 +154,9 @@ def test_overlap_prefers_a_different_placement_by_hand():
 def _random_layer(seed: int, nodes: int, gpn: int, e: int, mb: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     topic = rng.dirichlet(np.full(e, 0.3), size=mb)  # [Mb, E]
-    return np.stack([rng.multinomial(int(rng.integers(500, 4000)), topic[m], size=nodes * gpn) for m in range(mb)])
+    return np.stack(
+        [rng.multinomial(int(rng.integers(500, 4000)), topic[m], size=nodes * gpn) for m in range(mb)]
+    )
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
@@ -181,7 +185,9 @@ def test_incremental_overlapped_objective_equals_recomputation(nodes, gpn, group
             _apply_swap(a, b, p, q, problem.x, problem.w, idx, cnt, problem.mig, comp, link, migr)
             home[a], home[b] = q, p
         arg = np.zeros((mb, 2), dtype=np.int64)
-        inc, _ = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs)
+        inc, _ = _evaluate(
+            comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs
+        )
         inc *= problem.scale
     else:
         inc = placement_objective(problem, home, cost.cluster)
@@ -224,7 +230,9 @@ def test_annealing_reorderer_reads_the_overlap_from_the_cost_model():
     for ctx, attn in ((base, None), (over, attention)):
         out = AnnealingReorderer(config).reorder(ctx)
         expect = sum(
-            placement_objective(layer_problem(ctx.load[:, l], ctx.cost, attention=attn), out.home[l], ctx.cluster)
+            placement_objective(
+                layer_problem(ctx.load[:, l], ctx.cost, attention=attn), out.home[l], ctx.cluster
+            )
             for l in range(2)
         )
         assert out.stats["reorder_objective_s"] == pytest.approx(expect, rel=1e-9)
@@ -250,7 +258,9 @@ def test_best_chain_is_the_enumerated_best_mix():
 
         def total(pick, comp=comp, comm=comm, extra=extra):
             cols = np.arange(len(pick))
-            return layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf) + extra[pick, cols].sum()
+            return (
+                layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf) + extra[pick, cols].sum()
+            )
 
         best = min(total(np.array(p)) for p in itertools.product(range(c), repeat=m))
         assert total(best_chain(comp, comm, extra)) == pytest.approx(best, rel=1e-12)
@@ -272,7 +282,8 @@ def _layer_times(ctx, load, home, reps) -> float:
     comp = np.stack([cost.moe(load[m], r.assign).t_compute + window[m] for m, r in enumerate(reps)])
     comm = np.stack([cost.moe(load[m], r.assign).t_comm for m, r in enumerate(reps)])
     exposed = sum(
-        cost.exposed_refill(cost.replica_refill_time(r.replicas, home), window[m]).sum() for m, r in enumerate(reps)
+        cost.exposed_refill(cost.replica_refill_time(r.replicas, home), window[m]).sum()
+        for m, r in enumerate(reps)
     )
     return overlapped_time(comp, comm)[0] + float(exposed)
 
@@ -310,9 +321,7 @@ def test_greedy_under_overlap_never_raises_its_share():
     for m in range(ctx.num_microbatches):
         load = np.asarray(ctx.load[m])
         num_layers = load.shape[0]
-        nb = np.column_stack(
-            [rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2
-        )
+        nb = np.column_stack([rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2)
         nb[:, 0] = -1.0 if m == 0 else nb[:, 0]
         overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb)
         rep = replicate_greedy(load, home, cost, 2, overlap=overlap)
@@ -320,7 +329,9 @@ def test_greedy_under_overlap_never_raises_its_share():
         def share(assign, load=load, overlap=overlap):
             a = np.asarray(assign, dtype=np.float64)
             copies = (a > 0) | (np.arange(cluster.num_gpus) == home[..., None])
-            comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(axis=-1) * coef.seconds_per_token
+            comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(
+                axis=-1
+            ) * coef.seconds_per_token
             comm = cost.moe_comm_time(load, assign).max(axis=-1)
             return np.array(
                 [

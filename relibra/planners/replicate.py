@@ -340,7 +340,9 @@ class _State(NamedTuple):
 
 
 @njit(cache=True)
-def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0, ov=_NO_OVERLAP):  # pragma: no cover
+def _problem(
+    x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0, ov=_NO_OVERLAP
+):  # pragma: no cover
     """``top_k > 0``: the ``deepep`` estimate with ``T_j = sum_e x[j, e] / top_k``; 0: ``alltoall``.
     ``ov``: :attr:`_Problem.ov`."""
     g_n, e_n = x.shape
@@ -1059,7 +1061,9 @@ def replicate_greedy(
                 f"overlap has {overlap.attention.shape[0]} rows; expected one per problem ({x.shape[0]})"
             )
         if split != "waterfill":
-            raise ValueError(f"overlap: split={split!r} prices T_MoE only; the overlap needs split='waterfill'")
+            raise ValueError(
+                f"overlap: split={split!r} prices T_MoE only; the overlap needs split='waterfill'"
+            )
         spt = coef.seconds_per_token
         ov = np.empty((x.shape[0], 6))
         ov[:, 0] = overlap.attention / spt
