@@ -288,23 +288,31 @@ def _layer_times(ctx, load, home, reps) -> float:
     return overlapped_time(comp, comm)[0] + float(exposed)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_overlap_replication_is_never_worse_than_the_sum_objective(seed):
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4)])
+def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
     """The guarantee of replicate_batch under the overlap: per layer the exact best mix of the first pass
-    (each micro-batch's own T_MoE, today's answer) and the second (its share of the overlapped time)."""
-    counts, workload, cluster, model, cost = _overlap_setup(seed)
-    ctx = batch_context(counts, workload, 0, cluster, model, cost)
-    assert ctx.num_microbatches >= 2
-    home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
-    replicator = GreedyReplicator(replica_slots=2)
-    window = attention_window(ctx, ctx.sample_gpu)
-    load = np.asarray(ctx.load)
-    first = [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(load.shape[0])]
-    out = replicate_batch(replicator, load, home, ctx, ctx.sample_gpu)
-    assert _layer_times(ctx, load, home, out) <= _layer_times(ctx, load, home, first) * (1 + 1e-12)
-    assert 0.0 <= out[0].stats["overlap_second_pass_share"] <= 1.0
-    for m, r in enumerate(out):  # every answer conserves the tokens
-        np.testing.assert_array_equal(r.assign.sum(axis=-1), load[m].sum(axis=-2))
+    (each micro-batch's own T_MoE, the answer without the overlap) and the second (its share of the
+    overlapped time), so never worse as the simulator prices it; and the second pass does get used."""
+    from tests.test_reorder import make_ctx
+
+    better = 0
+    for seed in range(3):
+        base = make_ctx(nodes, gpn, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
+        cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
+        ctx = replace(base, cluster=cost.cluster, cost=cost)
+        home = static_placement(2, 16, ctx.num_gpus)
+        replicator = GreedyReplicator(replica_slots=2)
+        window = attention_window(ctx, ctx.sample_gpu)
+        load = np.asarray(ctx.load)
+        first = [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(3)]
+        out = replicate_batch(replicator, load, home, ctx, ctx.sample_gpu)
+        before, after = _layer_times(ctx, load, home, first), _layer_times(ctx, load, home, out)
+        assert after <= before * (1 + 1e-12)
+        better += after < before * (1 - 1e-9)
+        assert 0.0 <= out[0].stats["overlap_second_pass_share"] <= 1.0
+        for m, r in enumerate(out):  # every answer conserves the tokens
+            np.testing.assert_array_equal(r.assign.sum(axis=-1), load[m].sum(axis=-2))
+    assert better > 0
 
 
 def test_greedy_under_overlap_never_raises_its_share():
