@@ -12,6 +12,10 @@ also solves those layers with fewer slots per GPU (``r - 1`` down to ``0``, i.e.
 keeps, per layer, the answer with the lowest ``T_MoE`` plus exposed refill, priced by the cost model as
 the simulator prices it. With the static placement the home-only answer is Megatron-LM's, so replication
 never makes a layer slower than Megatron-LM.
+
+Under ``cluster.ep_overlap`` :func:`replicate_batch` couples the micro-batches of a layer: a second pass
+prices each micro-batch's share of the overlapped layer time, and the exact best mix of the two passes is
+kept (:func:`replicate_batch`).
 """
 
 from __future__ import annotations

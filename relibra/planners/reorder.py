@@ -13,7 +13,10 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
    (O(Mb * G) per swap, as for alltoall). ``objective="microbatch"`` (the default) sums ``T_MoE``
    over the batch's ``Mb`` micro-batches, which is what the simulator charges; ``objective="aggregate"``
    evaluates one ``T_MoE`` on the batch's summed loads. The paper's O(G)-per-swap update is the aggregate
-   form; the per-micro-batch form costs O(Mb * G) per swap.
+   form; the per-micro-batch form costs O(Mb * G) per swap. Under ``cluster.ep_overlap`` (read from the
+   cost model) a layer's objective is its overlapped time over the micro-batches
+   (:func:`relibra.overlap.layer_time`, the simulator's rule), each micro-batch's compute maximum plus its
+   attention against its communication maximum; O(Mb) more per evaluation (docs/reorder.md).
 2. **Smoothing.** ``LSE_beta(z) = (1 / beta) * log(sum_k exp(beta * z_k))`` replaces each max over GPUs
    during the search, so a swap that relieves a non-maximal GPU still lowers the objective; ``beta`` grows
    geometrically toward the hard max. The best placement is kept by the TRUE (hard-max) objective.

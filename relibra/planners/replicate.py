@@ -18,7 +18,9 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
    ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.CostModel.linear`); ``"best"`` runs
    ``"comm"``, ``"comm"`` with the communication step first (where NVLink binds the busiest GPU), and
    ``"compute"`` cut where its ``T_MoE`` was lowest, and keeps the lowest ``T_MoE``;
-4. stop when no move improves the objective or no slot is left;
+4. stop when no move improves the objective or no slot is left (under ``cluster.ep_overlap`` the
+   objective is the micro-batch's share of the overlapped layer time given its neighbours,
+   :func:`relibra.overlap.microbatch_share`; see :mod:`relibra.planners.refill` and docs/replicate.md);
 5. optionally (``polish_moves > 0``) polish the result with exchange moves: drop one copy, add another in
    the same node, keep the first exchange that lowers the objective (:func:`_polish`).
 
