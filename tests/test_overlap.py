@@ -217,26 +217,31 @@ def test_annealer_reaches_the_overlapped_optimum_on_small_cases():
         assert placement_objective(problem, home, cost.cluster) == pytest.approx(obj, rel=1e-12)
 
 
-def test_annealing_reorderer_reads_the_overlap_from_the_cost_model():
+@pytest.mark.parametrize("objective", ["microbatch", "aggregate"])
+def test_annealing_reorderer_reads_the_overlap_from_the_cost_model(objective):
     """Under ep_overlap=true (on ctx.cost) the reorderer's objective is each layer's overlapped time with
-    the batch's attention; the same batch without the overlap gets the sum of T_MoE."""
+    the batch's attention (the aggregate form: the summed loads as equal micro-batches); the same batch
+    without the overlap gets the sum of T_MoE."""
     from tests.test_reorder import make_ctx
 
     base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=9, alpha=0.2)
     over_cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
     over = replace(base, cluster=over_cost.cluster, cost=over_cost)
-    config = AnnealConfig(seeds=(0,))
+    config = AnnealConfig(seeds=(0,), objective=objective)
     attention = attention_window(over, over.sample_gpu)
+    assert attention.min() > 0
     for ctx, attn in ((base, None), (over, attention)):
         out = AnnealingReorderer(config).reorder(ctx)
-        expect = sum(
-            placement_objective(
-                layer_problem(ctx.load[:, l], ctx.cost, attention=attn), out.home[l], ctx.cluster
-            )
-            for l in range(2)
-        )
+        expect = 0.0
+        for l in range(2):
+            load_l, attn_l = np.asarray(ctx.load[:, l]), attn
+            if objective == "aggregate":
+                load_l = load_l.sum(axis=0, keepdims=True)
+                attn_l = None if attn is None else attn.sum(keepdims=True)
+            problem = layer_problem(load_l, ctx.cost, attention=attn_l, microbatches=3)
+            assert problem.overlap_mbs == (3 if attn is not None else 0)
+            expect += placement_objective(problem, out.home[l], ctx.cluster)
         assert out.stats["reorder_objective_s"] == pytest.approx(expect, rel=1e-9)
-    assert attention.min() > 0
 
 
 def test_milp_reorder_refuses_an_overlapped_problem():
