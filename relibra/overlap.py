@@ -133,7 +133,7 @@ class OverlapNeighbours:
     @staticmethod
     def of(compute: np.ndarray, comm: np.ndarray, attention: np.ndarray, m: int) -> OverlapNeighbours:
         """Micro-batch ``m``'s neighbours in a step whose micro-batches have compute [M, L] (with attention)
-        and comm [M, L] seconds; attention [M, L] (or [M, 1]) is each micro-batch's own."""
+        and comm [M, L] seconds; attention [M] (or [M, L]) is each micro-batch's own per layer."""
         comp, com = np.asarray(compute, dtype=np.float64), np.asarray(comm, dtype=np.float64)
         num_layers = comp.shape[1]
         nb = np.tile(np.array([-1.0, 0.0, -1.0, 0.0]), (num_layers, 1))
