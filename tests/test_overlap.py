@@ -21,8 +21,11 @@ from relibra.planners.reorder import (
     AnnealConfig,
     AnnealingReorderer,
     _apply_swap,
+    _apply_swap_deepep,
     _evaluate,
+    deepep_routes,
     full_state,
+    full_state_deepep,
     layer_problem,
     link_routes,
     placement_objective,
@@ -178,19 +181,22 @@ def test_incremental_overlapped_objective_equals_recomputation(nodes, gpn, group
     home = rng.permutation(np.repeat(np.arange(g), e // g)).astype(np.int64)
     if dispatcher == "alltoall":
         comp, link, migr = full_state(home, problem.x, problem.w, idx, cnt, problem.mig)
-        for _ in range(300):
-            a = int(rng.integers(e))
-            b = int(rng.choice(np.flatnonzero(home != home[a])))
-            p, q = int(home[a]), int(home[b])
-            _apply_swap(a, b, p, q, problem.x, problem.w, idx, cnt, problem.mig, comp, link, migr)
-            home[a], home[b] = q, p
-        arg = np.zeros((mb, 2), dtype=np.int64)
-        inc, _ = _evaluate(
-            comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs
-        )
-        inc *= problem.scale
     else:
-        inc = placement_objective(problem, home, cost.cluster)
+        deepep_args = (problem.lq, problem.tok, problem.w, deepep_routes(nodes, gpn), nodes, problem.mig)
+        comp, link, migr, lg, ln = full_state_deepep(home, *deepep_args)
+    for _ in range(300):
+        a = int(rng.integers(e))
+        b = int(rng.choice(np.flatnonzero(home != home[a])))
+        p, q = int(home[a]), int(home[b])
+        if dispatcher == "alltoall":
+            _apply_swap(a, b, p, q, problem.x, problem.w, idx, cnt, problem.mig, comp, link, migr)
+        else:
+            _apply_swap_deepep(a, b, p, q, *deepep_args, comp, link, migr, lg, ln)
+        home[a], home[b] = q, p
+    arg = np.zeros((mb, 2), dtype=np.int64)
+    inc, _ = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs)
+    inc *= problem.scale
+    assert inc == pytest.approx(placement_objective(problem, home, cost.cluster), rel=1e-9)
     lin = cost.linear()
     tokens = load.sum(axis=1).astype(np.float64)  # [Mb, E]
     w = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
