@@ -5,20 +5,181 @@ micro-batch together with the backward of the previous one, layer by layer: the 
 combine all-to-all hide behind the backward's attention and expert computation, and the backward's
 behind the forward's. With ``M`` micro-batches in a step the pairs are ``(F[m + 1], B[m])`` for
 ``m < M - 1``; the first forward and the last backward run alone, so at least two micro-batches are
-needed for any overlap. Per layer and pair:
+needed for any overlap. Per layer and pair (:func:`pair_time`):
 
     t = max(comm_F[m + 1], comp_B[m]) + max(comm_B[m], comp_F[m + 1])
 
 where ``comp`` is the layer's expert GEMMs plus attention of that pass (forward a third of forward plus
 backward, backward two thirds, as the cost model counts FLOPs) and ``comm`` its two all-to-all phases
 (dispatch and combine; half of the four). What the compute does not cover is the exposed communication.
+
+This module is the one place of the rule: the simulator prices a step with :func:`overlapped_time`, and the
+planners' objectives call the same compiled functions (:func:`layer_time` for one layer's micro-batches,
+:func:`microbatch_share` for the terms one micro-batch enters, given its neighbours). With ``beta < inf``
+every ``max`` of two is the log-sum-exp ``max + log1p(exp(-beta |a - b|)) / beta`` (the annealer's
+smoothing); ``beta = inf`` is the hard max the simulator charges.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
+from dataclasses import dataclass
 
-__all__ = ["overlapped_time"]
+import numpy as np
+from numba import njit
+
+__all__ = [
+    "BWD_COMPUTE",
+    "FWD_COMPUTE",
+    "PASS_COMM",
+    "OverlapNeighbours",
+    "best_chain",
+    "layer_time",
+    "microbatch_share",
+    "overlapped_time",
+    "pair_time",
+]
+
+FWD_COMPUTE = 1.0 / 3.0
+"""Forward share of a layer's fwd + bwd compute (backward has twice the forward's FLOPs)."""
+BWD_COMPUTE = 2.0 / 3.0
+"""Backward share of a layer's fwd + bwd compute."""
+PASS_COMM = 0.5
+"""Share of a layer's four all-to-all phases in one pass (dispatch and combine)."""
+
+
+@njit(cache=True, inline="always")
+def _smax(a: float, b: float, beta: float) -> float:
+    """``max(a, b)``; for finite ``beta`` its log-sum-exp ``LSE_beta(a, b)`` (never below the max)."""
+    m = a if a > b else b
+    if beta == math.inf:
+        return m
+    return m + math.log1p(math.exp(-beta * abs(a - b))) / beta
+
+
+@njit(cache=True, inline="always")
+def pair_time(comp_b: float, comm_b: float, comp_f: float, comm_f: float, beta: float) -> float:
+    """Seconds of one overlapped pair: the backward of a micro-batch (``comp_b``, ``comm_b``: its fwd + bwd
+    compute and four-phase all-to-all) with the forward of the next (``comp_f``, ``comm_f``)."""
+    return _smax(PASS_COMM * comm_f, BWD_COMPUTE * comp_b, beta) + _smax(
+        PASS_COMM * comm_b, FWD_COMPUTE * comp_f, beta
+    )
+
+
+@njit(cache=True)
+def layer_time(comp: np.ndarray, comm: np.ndarray, microbatches: int, beta: float) -> float:
+    """Seconds of one layer over a step's micro-batches under the overlap.
+
+    comp [R], comm [R]: each row's fwd + bwd compute (expert GEMMs and attention) and four-phase all-to-all.
+    ``R == microbatches``: the rows are the step's micro-batches in order (the first forward and the last
+    backward alone, every other pass paired). ``R == 1`` with ``microbatches > 1``: the row is the sum of
+    ``microbatches`` micro-batches taken as equal (the annealer's aggregate objective), i.e.
+    ``(comp + comm + (microbatches - 1) * pair_time(comp, comm, comp, comm)) / microbatches``.
+    """
+    rows = comp.shape[0]
+    if rows == 1 and microbatches > 1:
+        c = comp[0]
+        k = comm[0]
+        return (c + k + (microbatches - 1) * pair_time(c, k, c, k, beta)) / microbatches
+    total = FWD_COMPUTE * comp[0] + PASS_COMM * comm[0]
+    for m in range(rows - 1):
+        total += pair_time(comp[m], comm[m], comp[m + 1], comm[m + 1], beta)
+    total += BWD_COMPUTE * comp[rows - 1] + PASS_COMM * comm[rows - 1]
+    return total
+
+
+@njit(cache=True)
+def microbatch_share(comp: float, comm: float, neighbours: np.ndarray, beta: float) -> float:
+    """The terms of :func:`layer_time` that micro-batch ``m`` enters, given its neighbours.
+
+    comp, comm: ``m``'s fwd + bwd compute and all-to-all seconds; neighbours [4]: ``(comp, comm)`` of
+    ``m - 1`` then of ``m + 1``, a negative ``comp`` where there is none (``m`` first or last). The rest of
+    the layer's time does not depend on ``m``, so minimising this over ``m``'s plan with its neighbours
+    fixed minimises :func:`layer_time`.
+    """
+    cp, kp, cn, kn = neighbours[0], neighbours[1], neighbours[2], neighbours[3]
+    t = 0.0
+    if cp >= 0.0:
+        t += pair_time(cp, kp, comp, comm, beta)
+    else:
+        t += FWD_COMPUTE * comp + PASS_COMM * comm
+    if cn >= 0.0:
+        t += pair_time(comp, comm, cn, kn, beta)
+    else:
+        t += BWD_COMPUTE * comp + PASS_COMM * comm
+    return t
+
+
+@dataclass(frozen=True)
+class OverlapNeighbours:
+    """What a per-micro-batch planner needs to price micro-batch ``m``'s layers under the overlap: the terms
+    of :func:`microbatch_share` that are not its own plan."""
+
+    attention: np.ndarray
+    """float64 [L]: ``m``'s attention seconds per layer (fwd + bwd, busiest GPU), part of its compute."""
+    neighbours: np.ndarray
+    """float64 [L, 4]: per layer ``(compute, comm)`` seconds of micro-batch ``m - 1``, then of ``m + 1``
+    (compute with attention), compute ``-1`` where there is none."""
+
+    def __post_init__(self) -> None:
+        a, n = np.shape(self.attention), np.shape(self.neighbours)
+        if len(a) != 1 or n != (a[0], 4):
+            raise ValueError(f"OverlapNeighbours: attention {a} must be [L] and neighbours {n} [L, 4]")
+
+    def rows(self, index: np.ndarray) -> OverlapNeighbours:
+        """The same for the layers ``index`` (int [L'])."""
+        return OverlapNeighbours(self.attention[index], self.neighbours[index])
+
+    @staticmethod
+    def of(compute: np.ndarray, comm: np.ndarray, attention: np.ndarray, m: int) -> OverlapNeighbours:
+        """Micro-batch ``m``'s neighbours in a step whose micro-batches have compute [M, L] (with attention)
+        and comm [M, L] seconds; attention [M] (or [M, L]) is each micro-batch's own per layer."""
+        comp, com = np.asarray(compute, dtype=np.float64), np.asarray(comm, dtype=np.float64)
+        num_layers = comp.shape[1]
+        nb = np.tile(np.array([-1.0, 0.0, -1.0, 0.0]), (num_layers, 1))
+        if m > 0:
+            nb[:, 0], nb[:, 1] = comp[m - 1], com[m - 1]
+        if m < comp.shape[0] - 1:
+            nb[:, 2], nb[:, 3] = comp[m + 1], com[m + 1]
+        own = np.broadcast_to(np.asarray(attention, dtype=np.float64)[m], (num_layers,))
+        return OverlapNeighbours(np.ascontiguousarray(own), nb)
+
+
+@njit(cache=True)
+def best_chain(comp: np.ndarray, comm: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """The candidate of each micro-batch whose combination minimises one layer's overlapped time.
+
+    comp, comm, extra [C, M]: candidate ``c``'s compute (with attention), all-to-all and other additive
+    seconds (exposed refill) for micro-batch ``m``. The layer's time is a chain of :func:`pair_time` terms,
+    so dynamic programming over ``m`` (C x C per step) finds the exact best mix. Returns int64 [M].
+    """
+    num_c, num_m = comp.shape
+    best = np.empty((num_m, num_c))
+    back = np.zeros((num_m, num_c), dtype=np.int64)
+    for c in range(num_c):
+        best[0, c] = FWD_COMPUTE * comp[c, 0] + PASS_COMM * comm[c, 0] + extra[c, 0]
+    for m in range(1, num_m):
+        for c in range(num_c):
+            top = math.inf
+            for d in range(num_c):
+                v = best[m - 1, d] + pair_time(
+                    comp[d, m - 1], comm[d, m - 1], comp[c, m], comm[c, m], math.inf
+                )
+                if v < top:
+                    top = v
+                    back[m, c] = d
+            best[m, c] = top + extra[c, m]
+    last = num_m - 1
+    out = np.zeros(num_m, dtype=np.int64)
+    top = math.inf
+    for c in range(num_c):
+        v = best[last, c] + BWD_COMPUTE * comp[c, last] + PASS_COMM * comm[c, last]
+        if v < top:
+            top = v
+            out[last] = c
+    for m in range(last, 0, -1):
+        out[m - 1] = back[m, out[m]]
+    return out
 
 
 def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> tuple[float, float]:
@@ -34,8 +195,14 @@ def overlapped_time(compute: np.ndarray, comm: np.ndarray) -> tuple[float, float
         raise ValueError(
             f"cluster.ep_overlap needs at least 2 micro-batches in a step to overlap; got {comp.shape[0]}"
         )
-    f_comp, b_comp = comp / 3.0, 2.0 * comp / 3.0
-    f_comm = b_comm = com / 2.0
-    pairs = np.maximum(f_comm[1:], b_comp[:-1]) + np.maximum(b_comm[:-1], f_comp[1:])  # [M - 1, L]
-    total = float(pairs.sum() + (f_comp[0] + f_comm[0]).sum() + (b_comp[-1] + b_comm[-1]).sum())
+    total = _step_time(np.ascontiguousarray(comp.T), np.ascontiguousarray(com.T))
     return total, total - float(comp.sum())
+
+
+@njit(cache=True)
+def _step_time(comp: np.ndarray, comm: np.ndarray) -> float:
+    """:func:`layer_time` (hard max) summed over layers; comp, comm [L, M]."""
+    total = 0.0
+    for layer in range(comp.shape[0]):
+        total += layer_time(comp[layer], comm[layer], comp.shape[1], math.inf)
+    return total

@@ -16,6 +16,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours
 from relibra.types import BatchPlan
 
 
@@ -123,8 +124,19 @@ class Replicator(Protocol):
         """The same replicator with ``replica_slots`` slots per GPU."""
         ...
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
-        """load [L, G, E] of one micro-batch, home [L, E] -> Replication with assign [L, E, G]."""
+    def replicate(
+        self,
+        load: np.ndarray,
+        home: np.ndarray,
+        ctx: BatchContext,
+        overlap: OverlapNeighbours | None = None,
+    ) -> Replication:
+        """load [L, G, E] of one micro-batch, home [L, E] -> Replication with assign [L, E, G].
+
+        ``overlap`` (under ``cluster.ep_overlap``, one row per layer): the micro-batch's attention and its
+        neighbours' terms, so that the replicator can minimise what the micro-batch adds to the overlapped
+        layer time (:mod:`relibra.planners.refill` passes it on its second pass); None: ``T_MoE``.
+        """
         ...
 
 

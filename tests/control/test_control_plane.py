@@ -16,6 +16,7 @@ from relibra.control.config import ControlPlaneConfig
 from relibra.control.plane import ControlPlane
 from relibra.control.report import Fallback, LocalityStatus
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours
 from relibra.invariants import check_plan
 from relibra.planners.compose import StaticReorderer, relibra, relibra_replicate_only
 from relibra.planners.protocols import (
@@ -97,10 +98,12 @@ class FailingReplicator:
     def with_slots(self, replica_slots: int) -> FailingReplicator:
         return replace(self, replica_slots=replica_slots)
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
+    def replicate(
+        self, load: np.ndarray, home: np.ndarray, ctx: BatchContext, overlap: OverlapNeighbours | None = None
+    ) -> Replication:
         if int(np.asarray(ctx.counts)[..., 0].sum()) == self.target:
             raise RuntimeError("replicator failed on purpose")
-        return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx)
+        return GreedyReplicator(replica_slots=SLOTS).replicate(load, home, ctx, overlap)
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from relibra.cost.overlap import overlapped_time
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours, best_chain, layer_time, microbatch_share, overlapped_time
+from relibra.planners.protocols import home_assign, static_placement
+from relibra.planners.refill import attention_window, replicate_batch, replicate_within_window
+from relibra.planners.reorder.anneal import (
+    AnnealConfig,
+    AnnealingReorderer,
+    _apply_swap,
+    _apply_swap_deepep,
+    _evaluate,
+    deepep_routes,
+    full_state,
+    full_state_deepep,
+    layer_problem,
+    link_routes,
+    placement_objective,
+    solve_layer,
+)
+from relibra.planners.reorder.exact import brute_force_reorder
+from relibra.planners.replicate.greedy import GreedyReplicator
+from relibra.simulator import batch_context
+from tests.spine_helpers import HOPPER, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -34,3 +59,385 @@ def test_overlap_is_bounded_by_compute_and_by_no_overlap(comp, comm):
     total, exposed = overlapped_time(comp, comm)
     assert comp.sum() - 1e-9 <= total <= comp.sum() + comm.sum() + 1e-9
     assert -1e-9 <= exposed <= comm.sum() + 1e-9
+
+
+# ------------------------------------------------------------------------------ the shared rule
+def test_layer_time_and_microbatch_share_are_the_simulators_rule():
+    rng = np.random.default_rng(4)
+    comp, comm = rng.uniform(0, 5, size=(5, 1)), rng.uniform(0, 5, size=(5, 1))
+    total, _ = overlapped_time(comp, comm)
+    assert layer_time(comp[:, 0], comm[:, 0], 5, math.inf) == pytest.approx(total, rel=1e-12)
+    # The terms micro-batch m enters, plus those it does not, give the layer's time for every m.
+    for m in range(5):
+        nb = np.array([-1.0, 0.0, -1.0, 0.0])
+        if m > 0:
+            nb[:2] = comp[m - 1, 0], comm[m - 1, 0]
+        if m < 4:
+            nb[2:] = comp[m + 1, 0], comm[m + 1, 0]
+        zero_c, zero_k = comp.copy(), comm.copy()
+        zero_c[m], zero_k[m] = 0.0, 0.0
+        # layer time = share of m + terms without m, so the change of m's share is the layer's change
+        share = microbatch_share(comp[m, 0], comm[m, 0], nb, math.inf)
+        share0 = microbatch_share(0.0, 0.0, nb, math.inf)
+        assert share - share0 == pytest.approx(total - overlapped_time(zero_c, zero_k)[0], rel=1e-9)
+    # Smoothed: never below the hard max, within log(2) / beta per max of two.
+    for beta in (1.0, 10.0, 100.0):
+        soft = layer_time(comp[:, 0], comm[:, 0], 5, beta)
+        assert total <= soft <= total + 2 * 4 * math.log(2) / beta + 1e-12
+
+
+def test_aggregate_row_is_equal_microbatches():
+    comp, comm = np.array([3.0, 3.0, 3.0]), np.array([5.0, 5.0, 5.0])
+    assert layer_time(np.array([9.0]), np.array([15.0]), 3, math.inf) == pytest.approx(
+        layer_time(comp, comm, 3, math.inf), rel=1e-12
+    )
+
+
+# ----------------------------------------------------------------------------- the annealer
+def _overlap_cost(nodes: int, gpus_per_node: int, num_experts: int, top_k: int = 1) -> CostModel:
+    model = ModelSpec(
+        name="test-moe",
+        num_layers=1,
+        num_moe_layers=1,
+        hidden=2048,
+        moe_ffn=768,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+    )
+    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER, ep_overlap=True), model)
+
+
+def _priced(
+    load: np.ndarray, home: np.ndarray, cost: CostModel, attention: np.ndarray
+) -> tuple[float, float]:
+    """(sum of T_MoE + attention, overlapped time) of home-only placement ``home`` [E] for load [Mb, G, E],
+    from the cost model (the simulator's pricing of one layer)."""
+    a = home_assign(load, np.broadcast_to(home, load.shape[:1] + home.shape), load.shape[1])
+    br = cost.moe(load, a)
+    comp = br.t_compute + attention
+    return float((comp + br.t_comm).sum()), overlapped_time(comp[:, None], br.t_comm[:, None])[0]
+
+
+def test_overlap_prefers_a_different_placement_by_hand():
+    # One node, 2 GPUs, experts a and b. Micro-batch 0: GPU 0 holds 4000 tokens for a, GPU 1 4000 for b;
+    # micro-batch 1: GPU 0 holds 4400 for b, GPU 1 4400 for a. Compute is the same for both placements
+    # (C = 168.8 and 185.2 us: 40.9 ns a token plus 5.2 us an expert); the communication sits in one
+    # micro-batch or the other (a 40 us latency floor where every token stays local):
+    #   P1 = (a on 0, b on 1): K = (40, 240.2) us; sum 634.2 us; overlapped
+    #        C0/3 + K0/2 + max(K1/2, 2 C0/3) + max(K0/2, C1/3) + 2 C1/3 + K1/2
+    #      = 56.3 + 20 + 120.1 + 61.7 + 123.4 + 120.1 = 501.7 us,
+    #   P2 = (b on 0, a on 1): K = (222.0, 40) us; sum 616.0 us; overlapped
+    #      = 56.3 + 111.0 + 112.5 + 111.0 + 123.4 + 20 = 534.3 us.
+    # The sum prefers P2 (less communication); the overlap P1, whose communication is in micro-batch 1's
+    # forward, hidden behind micro-batch 0's backward compute.
+    cost = _overlap_cost(1, 2, 2)
+    load = np.array([[[4000, 0], [0, 4000]], [[0, 4400], [4400, 0]]])
+    attention = np.zeros(2)
+    p1, p2 = np.array([0, 1]), np.array([1, 0])
+    s1, o1 = _priced(load, p1, cost, attention)
+    s2, o2 = _priced(load, p2, cost, attention)
+    assert (s1 * 1e6, o1 * 1e6) == pytest.approx((634.2, 501.7), abs=0.1)
+    assert (s2 * 1e6, o2 * 1e6) == pytest.approx((616.0, 534.3), abs=0.1)
+    problem = layer_problem(load, cost)
+    assert placement_objective(problem, p1, cost.cluster) == pytest.approx(o1, rel=1e-9)
+    assert placement_objective(problem, p2, cost.cluster) == pytest.approx(o2, rel=1e-9)
+    config = AnnealConfig(iterations=200, aggregate_warmup=0, seeds=(0,))
+    for start in (p1, p2):
+        home, obj, _ = solve_layer(load, cost, config, start=start)
+        assert home.tolist() == p1.tolist() and obj == pytest.approx(o1, rel=1e-9)
+    # Without the overlap the same annealer keeps P2.
+    plain = CostModel(replace(cost.cluster, ep_overlap=False), cost.model)
+    home, obj, _ = solve_layer(load, plain, config, start=p1)
+    assert home.tolist() == p2.tolist() and obj == pytest.approx(s2, rel=1e-9)
+
+
+def _random_layer(seed: int, nodes: int, gpn: int, e: int, mb: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    topic = rng.dirichlet(np.full(e, 0.3), size=mb)  # [Mb, E]
+    return np.stack(
+        [rng.multinomial(int(rng.integers(500, 4000)), topic[m], size=nodes * gpn) for m in range(mb)]
+    )
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
+@pytest.mark.parametrize(("nodes", "gpn", "group"), [(2, 2, 1), (2, 4, 1), (4, 2, 2), (1, 4, 1)])
+def test_incremental_overlapped_objective_equals_recomputation(nodes, gpn, group, dispatcher):
+    """Random swaps applied incrementally, then the kernel's overlapped objective against
+    :func:`overlapped_time` of the same placement recomputed from scratch (compute from the loads, the
+    communication from the cost model)."""
+    e, mb = 4 * nodes * gpn, 4
+    g = nodes * gpn
+    cost = _overlap_cost(nodes, gpn, e, top_k=2)
+    cost = CostModel(replace(cost.cluster, dispatcher=dispatcher), cost.model)
+    load = _random_layer(nodes * 100 + gpn, nodes, gpn, e, mb)
+    attention = np.random.default_rng(1).uniform(0, 2e-4, size=mb)
+    problem = layer_problem(load, cost, attention=attention, compute_level="node" if group > 1 else "gpu")
+    assert problem.overlap_mbs == mb
+    idx, cnt = link_routes(nodes, gpn)
+    rng = np.random.default_rng(2)
+    home = rng.permutation(np.repeat(np.arange(g), e // g)).astype(np.int64)
+    if dispatcher == "alltoall":
+        comp, link, migr = full_state(home, problem.x, problem.w, idx, cnt, problem.mig)
+    else:
+        deepep_args = (problem.lq, problem.tok, problem.w, deepep_routes(nodes, gpn), nodes, problem.mig)
+        comp, link, migr, lg, ln = full_state_deepep(home, *deepep_args)
+    for _ in range(300):
+        a = int(rng.integers(e))
+        b = int(rng.choice(np.flatnonzero(home != home[a])))
+        p, q = int(home[a]), int(home[b])
+        if dispatcher == "alltoall":
+            _apply_swap(a, b, p, q, problem.x, problem.w, idx, cnt, problem.mig, comp, link, migr)
+        else:
+            _apply_swap_deepep(a, b, p, q, *deepep_args, comp, link, migr, lg, ln)
+        home[a], home[b] = q, p
+    arg = np.zeros((mb, 2), dtype=np.int64)
+    inc, _ = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs)
+    inc *= problem.scale
+    assert inc == pytest.approx(placement_objective(problem, home, cost.cluster), rel=1e-9)
+    lin = cost.linear()
+    tokens = load.sum(axis=1).astype(np.float64)  # [Mb, E]
+    w = lin.compute_s_per_token * tokens + lin.compute_s_per_expert * (tokens > 0)
+    comp_g = np.stack([np.bincount(home, weights=w[m], minlength=g) for m in range(mb)])
+    comp_g = comp_g.reshape(mb, g // group, group).mean(axis=2)
+    t_comm = cost.moe(load, home_assign(load, np.broadcast_to(home, (mb, e)), g)).t_comm
+    ref, _ = overlapped_time((comp_g.max(axis=1) + attention)[:, None], t_comm[:, None])
+    assert inc == pytest.approx(ref, rel=1e-9)
+
+
+def test_annealer_reaches_the_overlapped_optimum_on_small_cases():
+    # NOTE: without the aggregate warm-up: the main phase then starts hot, and on these instances it reaches
+    # the enumerated optimum, of the sum objective as of the overlapped one.
+    cost = _overlap_cost(2, 2, 8, top_k=2)
+    config = AnnealConfig(seeds=(0, 1), aggregate_warmup=0)
+    for seed in range(4):
+        load = _random_layer(seed, 2, 2, 8, 3)
+        attention = np.full(3, 1e-4)
+        problem = layer_problem(load, cost, attention=attention)
+        brute = brute_force_reorder(problem, cost.cluster)
+        home, obj, start = solve_layer(load, cost, config, attention=attention)
+        assert obj <= start + 1e-15
+        assert obj == pytest.approx(brute.objective_s, rel=1e-9)
+        assert placement_objective(problem, home, cost.cluster) == pytest.approx(obj, rel=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["microbatch", "aggregate"])
+def test_annealing_reorderer_reads_the_overlap_from_the_cost_model(objective):
+    """Under ep_overlap=true (on ctx.cost) the reorderer's objective is each layer's overlapped time with
+    the batch's attention (the aggregate form: the summed loads as equal micro-batches); the same batch
+    without the overlap gets the sum of T_MoE."""
+    from tests.planners.test_reorder import make_ctx
+
+    base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=9, alpha=0.2)
+    over_cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
+    over = replace(base, cluster=over_cost.cluster, cost=over_cost)
+    config = AnnealConfig(seeds=(0,), objective=objective)
+    attention = attention_window(over, over.sample_gpu)
+    assert attention.min() > 0
+    for ctx, attn in ((base, None), (over, attention)):
+        out = AnnealingReorderer(config).reorder(ctx)
+        expect = 0.0
+        for l in range(2):
+            load_l, attn_l = np.asarray(ctx.load[:, l]), attn
+            if objective == "aggregate":
+                load_l = load_l.sum(axis=0, keepdims=True)
+                attn_l = None if attn is None else attn.sum(keepdims=True)
+            problem = layer_problem(load_l, ctx.cost, attention=attn_l, microbatches=3)
+            assert problem.overlap_mbs == (3 if attn is not None else 0)
+            expect += placement_objective(problem, out.home[l], ctx.cluster)
+        assert out.stats["reorder_objective_s"] == pytest.approx(expect, rel=1e-9)
+
+
+def test_milp_reorder_refuses_an_overlapped_problem():
+    from relibra.planners.reorder.exact import milp_reorder
+
+    cost = _overlap_cost(1, 2, 2)
+    with pytest.raises(ValueError, match=r"cluster\.ep_overlap=true"):
+        milp_reorder(layer_problem(np.ones((2, 2, 2), dtype=np.int64), cost), cost.cluster)
+
+
+# ------------------------------------------------------------------------------ the replication
+def test_best_chain_is_the_enumerated_best_mix():
+    import itertools
+
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        c, m = int(rng.integers(1, 4)), int(rng.integers(2, 6))
+        comp, comm, extra = rng.uniform(0, 3, (c, m)), rng.uniform(0, 3, (c, m)), rng.uniform(0, 0.5, (c, m))
+
+        def total(pick, comp=comp, comm=comm, extra=extra):
+            cols = np.arange(len(pick))
+            return (
+                layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf) + extra[pick, cols].sum()
+            )
+
+        best = min(total(np.array(p)) for p in itertools.product(range(c), repeat=m))
+        assert total(best_chain(comp, comm, extra)) == pytest.approx(best, rel=1e-12)
+
+
+def _overlap_setup(seed: int, nodes: int = 2, gpn: int = 2, experts: int = 8):
+    counts, workload, cluster, model, _ = tiny_setup(
+        nodes=nodes, gpus_per_node=gpn, num_experts=experts, samples_per_microbatch=1, seed=seed
+    )
+    cluster = replace(cluster, ep_overlap=True)
+    cost = CostModel(cluster, model)
+    return counts, workload, cluster, model, cost
+
+
+def _layer_times(ctx, load, home, reps) -> float:
+    """The overlapped MoE time plus exposed refill of the batch's replications, as the simulator prices it."""
+    window = attention_window(ctx, ctx.sample_gpu)
+    cost = ctx.cost
+    comp = np.stack([cost.moe(load[m], r.assign).t_compute + window[m] for m, r in enumerate(reps)])
+    comm = np.stack([cost.moe(load[m], r.assign).t_comm for m, r in enumerate(reps)])
+    exposed = sum(
+        cost.exposed_refill(cost.replica_refill_time(r.replicas, home), window[m]).sum()
+        for m, r in enumerate(reps)
+    )
+    return overlapped_time(comp, comm)[0] + float(exposed)
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4)])
+def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
+    """The guarantee of replicate_batch under the overlap: per layer the exact best mix of the first pass
+    (each micro-batch's own T_MoE, the answer without the overlap) and the second (its share of the
+    overlapped time), so never worse as the simulator prices it; and the second pass does get used."""
+    from tests.planners.test_reorder import make_ctx
+
+    better = 0
+    for seed in range(3):
+        base = make_ctx(nodes, gpn, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
+        cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
+        ctx = replace(base, cluster=cost.cluster, cost=cost)
+        home = static_placement(2, 16, ctx.num_gpus)
+        replicator = GreedyReplicator(replica_slots=2)
+        window = attention_window(ctx, ctx.sample_gpu)
+        load = np.asarray(ctx.load)
+        first = [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(3)]
+        out = replicate_batch(replicator, load, home, ctx, ctx.sample_gpu)
+        before, after = _layer_times(ctx, load, home, first), _layer_times(ctx, load, home, out)
+        assert after <= before * (1 + 1e-12)
+        better += after < before * (1 - 1e-9)
+        assert 0.0 <= out[0].stats["overlap_second_pass_share"] <= 1.0
+        for m, r in enumerate(out):  # every answer conserves the tokens
+            np.testing.assert_array_equal(r.assign.sum(axis=-1), load[m].sum(axis=-2))
+    assert better > 0
+
+
+def test_greedy_under_overlap_never_raises_its_share():
+    """replicate_greedy keeps only moves that lower its objective, so under the overlap its answer's share
+    (linearised, as it prices it) is never above the home-only answer's."""
+    from relibra.planners.replicate.greedy import replicate_greedy
+    from relibra.planners.replicate.terms import ReplicationCoefficients
+
+    counts, workload, cluster, model, cost = _overlap_setup(3, nodes=2, gpn=4, experts=16)
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
+    coef = ReplicationCoefficients.from_cost(cost)
+    rng = np.random.default_rng(0)
+    for m in range(ctx.num_microbatches):
+        load = np.asarray(ctx.load[m])
+        num_layers = load.shape[0]
+        nb = np.column_stack([rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2)
+        nb[:, 0] = -1.0 if m == 0 else nb[:, 0]
+        overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb)
+        rep = replicate_greedy(load, home, cost, 2, overlap=overlap)
+
+        def share(assign, load=load, overlap=overlap):
+            a = np.asarray(assign, dtype=np.float64)
+            copies = (a > 0) | (np.arange(cluster.num_gpus) == home[..., None])
+            comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(
+                axis=-1
+            ) * coef.seconds_per_token
+            comm = cost.moe_comm_time(load, assign).max(axis=-1)
+            return np.array(
+                [
+                    microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf)
+                    for l, (c, k) in enumerate(zip(comp, comm, strict=True))
+                ]
+            )
+
+        assert np.all(share(rep.assign) <= share(home_assign(load, home, cluster.num_gpus)) * (1 + 1e-9))
+
+
+def test_overlap_replication_refuses_the_lp_split():
+    from relibra.planners.replicate.greedy import replicate_greedy
+
+    cost = _overlap_cost(1, 2, 2)
+    overlap = OverlapNeighbours(np.zeros(1), np.array([[-1.0, 0.0, 1.0, 1.0]]))
+    with pytest.raises(ValueError, match="split='waterfill'"):
+        replicate_greedy(np.ones((1, 2, 2)), np.array([[0, 1]]), cost, 1, split="lp", overlap=overlap)
+
+
+# ------------------------------------------------------------------------------ the locality round
+@pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
+def test_locality_round_never_worse_under_overlap(dispatcher):
+    """The hill climb's proxy is alltoall's communication without overlap; its guard keeps the round only
+    where the simulator's price of the home-only plan (overlapped, the configured dispatcher) does not
+    grow, so the result is never worse than the input assignment."""
+    from relibra.planners.reorder.locality import _overlapped, locality_round
+    from tests.planners.test_reorder import make_ctx
+
+    kept = 0
+    for seed in range(4):
+        base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2)
+        cost = CostModel(replace(base.cluster, ep_overlap=True, dispatcher=dispatcher), base.model)
+        ctx = replace(base, cluster=cost.cluster, cost=cost)
+        home = static_placement(2, 16, 4)
+        new_gpu, stats = locality_round(ctx, home, tolerance=0.2)
+        new_load = ctx.regroup(new_gpu)[0]
+        assert _overlapped(ctx, new_load, home, new_gpu) <= _overlapped(ctx, ctx.load, home, ctx.sample_gpu)
+        assert stats["locality_reverted"] in (0.0, 1.0)
+        kept += stats["locality_moved_samples"] > 0
+    assert kept > 0  # the round does move samples under the overlap
+
+
+def test_entry_point_refuses_the_lp_split_under_overlap():
+    from hydra import compose, initialize_config_dir
+
+    from experiments.config import ConfigError, validate
+    from experiments.grid import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        bad = compose(
+            config_name="config",
+            overrides=[
+                "cluster.ep_overlap=true",
+                "planner=relibra",
+                "planner.replicate.split=lp",
+                "cluster.nodes=1",
+            ],
+        )
+    with pytest.raises(
+        ConfigError, match=r"cluster\.ep_overlap=true with planner=relibra \(planner\.replicate\)"
+    ):
+        validate(bad)
+
+
+def test_relibra_under_overlap_through_the_control_plane_equals_the_serial_planner():
+    """The control plane's per-layer tasks (placement slices, one replication task per layer with every
+    micro-batch) give the plan the serial planner gives under the overlap."""
+    from relibra.control.plane import ControlPlane, ControlPlaneConfig
+    from relibra.planners.compose import relibra
+    from tests.control.test_control_plane import RELIBRA, SLOTS, _ctx, _setup
+
+    counts, cluster, model, _ = _setup()
+    cluster = replace(cluster, ep_overlap=True)
+    cost = CostModel(cluster, model)
+    ctx = _ctx(counts, cluster, model, cost)
+    assert ctx.num_microbatches >= 2
+    serial = relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)).plan(ctx)
+    assert "overlap_second_pass_share" in serial.stats
+    with ControlPlane.from_planner(
+        relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)),
+        cluster,
+        model,
+        cost,
+        ControlPlaneConfig(workers=0),
+    ) as cp:
+        plan = cp.plan(ctx)
+    for name in ("home", "sample_gpu", "load", "assign", "replicas"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(serial, name), err_msg=name)
+    assert plan.stats["reorder_objective_s"] == pytest.approx(serial.stats["reorder_objective_s"])

@@ -13,7 +13,10 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
    (O(Mb * G) per swap, as for alltoall). ``objective="microbatch"`` (the default) sums ``T_MoE``
    over the batch's ``Mb`` micro-batches, which is what the simulator charges; ``objective="aggregate"``
    evaluates one ``T_MoE`` on the batch's summed loads. The paper's O(G)-per-swap update is the aggregate
-   form; the per-micro-batch form costs O(Mb * G) per swap.
+   form; the per-micro-batch form costs O(Mb * G) per swap. Under ``cluster.ep_overlap`` (read from the
+   cost model) a layer's objective is its overlapped time over the micro-batches
+   (:func:`relibra.cost.overlap.layer_time`, the simulator's rule), each micro-batch's compute maximum plus
+   its attention against its communication maximum; O(Mb) more per evaluation (docs/reorder.md).
 2. **Smoothing.** ``LSE_beta(z) = (1 / beta) * log(sum_k exp(beta * z_k))`` replaces each max over GPUs
    during the search, so a swap that relieves a non-maximal GPU still lowers the objective; ``beta`` grows
    geometrically toward the hard max. The best placement is kept by the TRUE (hard-max) objective.
@@ -52,7 +55,9 @@ from numba import njit
 from relibra.cluster import ClusterSpec
 from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import layer_time
 from relibra.planners.protocols import BatchContext, Reordering, static_placement
+from relibra.planners.refill import attention_window
 from relibra.planners.reorder.links import NUM_LINKS, comm_coefficients, comm_gpu, deepep_routes, link_routes
 from relibra.planners.reorder.locality import locality_round
 
@@ -237,6 +242,12 @@ class LayerProblem:
     (:func:`relibra.cost.fabric.deepep_link_tokens_estimate`); empty for ``alltoall``."""
     tok: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     """float64 [Mb, G(j)]: tokens held by each source (``deepep``; empty for ``alltoall``)."""
+    attn: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """float64 [Mb]: normalised attention (fwd + bwd, busiest GPU) of each row, which the overlap's compute
+    includes (``cluster.ep_overlap``); empty without the overlap."""
+    overlap_mbs: int = 0
+    """Micro-batches the rows stand for under ``cluster.ep_overlap`` (``Mb``, or the batch's count for the
+    aggregate row); 0: no overlap, the objective sums the rows' ``T_MoE``."""
 
     @property
     def deepep(self) -> bool:
@@ -251,12 +262,18 @@ def layer_problem(
     migration_weight: float = 0.0,
     compute_level: str = "gpu",
     comm_weight: float = 1.0,
+    attention: np.ndarray | None = None,
+    microbatches: int | None = None,
 ) -> LayerProblem:
     """Normalise one layer's loads ``load_l`` [Mb, G, E] (one row per micro-batch) into a problem.
 
     ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge;
     ``compute_level`` (``gpu`` or ``node``, see :class:`AnnealConfig`) the compute term, ``comm_weight``
-    the weight of the communication term (its latency constant included).
+    the weight of the communication term (its latency constant included). Under ``cluster.ep_overlap``
+    (read from ``cost``) the objective is :func:`relibra.cost.overlap.layer_time` of the rows: ``attention``
+    [Mb] seconds (fwd + bwd, busiest GPU; the placement does not change it, but the overlap's compute
+    holds it; default 0) join each row's compute, and ``microbatches`` (default ``Mb``) is how many
+    micro-batches the rows stand for (the batch's count for one aggregate row).
     """
     load_l = np.asarray(load_l)
     if load_l.ndim != 3:
@@ -288,6 +305,17 @@ def layer_problem(
         mig = migration_weight * mig / scale
     x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
     group = cost.cluster.gpus_per_node if compute_level == "node" else 1
+    attn, overlap_mbs = np.zeros(0), 0
+    if cost.cluster.ep_overlap:
+        overlap_mbs = mb if microbatches is None else int(microbatches)
+        if overlap_mbs < 2 or mb not in (1, overlap_mbs):
+            raise ValueError(
+                f"cluster.ep_overlap: load_l has {mb} rows standing for microbatches={overlap_mbs}; the "
+                "overlap needs at least 2 micro-batches, given one row each or as one aggregate row"
+            )
+        attn = np.zeros(mb) if attention is None else np.asarray(attention, dtype=np.float64) / scale
+        if attn.shape != (mb,):
+            raise ValueError(f"attention has shape {attn.shape}; expected one value per row [Mb]=({mb},)")
     lq, tok = np.zeros((0, 0, 0)), np.zeros((0, 0))
     if cost.dispatcher == "deepep":
         tok = load_l.sum(axis=2, dtype=np.float64) / cost.model.top_k  # [Mb, G]
@@ -302,6 +330,8 @@ def layer_problem(
         compute_group=group,
         lq=lq,
         tok=np.ascontiguousarray(tok),
+        attn=np.ascontiguousarray(attn),
+        overlap_mbs=overlap_mbs,
     )
 
 
@@ -445,12 +475,17 @@ def _evaluate(
     beta: float,
     arg: np.ndarray,
     group: int,
+    attn: np.ndarray,
+    overlap_mbs: int,
 ) -> tuple[float, float]:
     """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2].
 
     The compute term is the max over groups of ``group`` consecutive GPUs of their mean compute (``group=1``:
     the per-GPU max; ``group=gpus_per_node``: the per-node mean); its bottleneck GPU is the busiest GPU of
-    the bottleneck group. O(G) per micro-batch.
+    the bottleneck group. O(G) per micro-batch. ``overlap_mbs == 0``: the rows' ``T_MoE`` summed; else the
+    rows' compute plus attention ``attn`` [Mb] and communication combined by
+    :func:`relibra.cost.overlap.layer_time` over ``overlap_mbs`` micro-batches (its pair maxima smoothed at
+    ``beta`` too in the smoothed value).
     """
     mb, g_total = comp.shape
     n_groups = g_total // group
@@ -458,6 +493,11 @@ def _evaluate(
     cgrp = np.empty(n_groups)
     true = 0.0
     smooth = 0.0
+    rows = mb if overlap_mbs > 0 else 0
+    rows_c = np.empty(rows)
+    rows_k = np.empty(rows)
+    smooth_c = np.empty(rows)
+    smooth_k = np.empty(rows)
     for m in range(mb):
         cmax = -1.0
         ca = 0
@@ -494,10 +534,19 @@ def _evaluate(
             u = beta * (comm[g] - kmax)
             if u > -40.0:
                 sk += math.exp(u)
-        true += cmax + kmax
-        smooth += cmax + kmax + (math.log(sc) + math.log(sk)) / beta
+        if overlap_mbs > 0:
+            rows_c[m] = cmax + attn[m]
+            rows_k[m] = kmax
+            smooth_c[m] = cmax + attn[m] + math.log(sc) / beta
+            smooth_k[m] = kmax + math.log(sk) / beta
+        else:
+            true += cmax + kmax
+            smooth += cmax + kmax + (math.log(sc) + math.log(sk)) / beta
         arg[m, 0] = ca
         arg[m, 1] = ka
+    if overlap_mbs > 0:
+        true = layer_time(rows_c, rows_k, overlap_mbs, math.inf)
+        smooth = layer_time(smooth_c, smooth_k, overlap_mbs, beta)
     mmax = 0.0
     for g in range(g_total):
         if migr[g] > mmax:
@@ -560,6 +609,8 @@ def _anneal_kernel(
     lq: np.ndarray,
     tok: np.ndarray,
     droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    attn: np.ndarray,
+    overlap_mbs: int,
 ) -> tuple[np.ndarray, float, float, int]:
     """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
     mb, e_total, g_total = x.shape
@@ -587,7 +638,7 @@ def _anneal_kernel(
     arg = np.zeros((mb, 2), dtype=np.int64)
     arg_new = np.zeros((mb, 2), dtype=np.int64)
     beta = beta_start
-    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group)
+    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs)
     best = true0
     best_home = home.copy()
     if g_total < 2 or iterations == 0:
@@ -599,7 +650,7 @@ def _anneal_kernel(
         frac = it / iterations
         if it % stage_len == 0 and it > 0:
             beta = beta_start * (beta_end / beta_start) ** frac
-            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group)
+            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs)
         temp = t_scale * t_start * (t_end / t_start) ** frac
         # Step 1: the first expert, from a bottleneck GPU (guided) or uniformly.
         if rng.random() < guided_prob:
@@ -631,7 +682,7 @@ def _anneal_kernel(
             _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
         else:
             _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
-        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new, group)
+        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs)
         delta = new - cur
         if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
             comp, comp2 = comp2, comp
@@ -706,6 +757,8 @@ def anneal_layer(
         problem.lq,
         problem.tok,
         _droutes(problem, cluster),
+        problem.attn,
+        problem.overlap_mbs,
     )
     return best_home.astype(np.int32), best * problem.scale, start * problem.scale
 
@@ -726,7 +779,9 @@ def placement_objective(
     else:
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
-    true, _ = _evaluate(comp, link, migr, problem.coef, 1.0, arg, problem.compute_group)
+    true, _ = _evaluate(
+        comp, link, migr, problem.coef, 1.0, arg, problem.compute_group, problem.attn, problem.overlap_mbs
+    )
     return float(true * problem.scale)
 
 
@@ -745,6 +800,10 @@ class _LayerTask:
     seeds: tuple[int, ...]
     config: AnnealConfig = field(repr=False)
     cost: CostModel = field(repr=False)
+    attention: np.ndarray | None = None
+    """[Mb'] attention seconds per row (read under ``cluster.ep_overlap``)."""
+    microbatches: int | None = None
+    """Micro-batches the rows stand for (the batch's, for the aggregate objective)."""
 
 
 def main_iterations(config: AnnealConfig, rows: int, num_gpus: int) -> int:
@@ -765,13 +824,18 @@ def solve_layer(
     layer: int = 0,
     seeds: tuple[int, ...] | None = None,
     routes: tuple[np.ndarray, np.ndarray] | None = None,
+    attention: np.ndarray | None = None,
+    microbatches: int | None = None,
 ) -> tuple[np.ndarray, float, float]:
     """One layer, every seed, as :class:`AnnealingReorderer` runs it.
 
     Args:
-        load_l: [Mb, G, E] loads whose summed ``T_MoE`` is the objective (one row for the aggregate form).
+        load_l: [Mb, G, E] loads whose summed ``T_MoE`` is the objective (one row for the aggregate form);
+            under ``cluster.ep_overlap`` their overlapped layer time (:func:`layer_problem`).
         start: [E] start placement (default: LPT on the experts' compute); prev_home: [E] or None.
         layer: mixes into each seed's stream; seeds: default ``config.seeds``.
+        attention: [Mb] seconds per row and microbatches: the micro-batches the rows stand for, both only
+            read under ``cluster.ep_overlap`` (:func:`layer_problem`).
     Returns:
         (best home int32 [E], its true objective in seconds, the LPT / given start's objective in seconds).
     """
@@ -785,6 +849,8 @@ def solve_layer(
         migration_weight=cfg.migration_weight,
         compute_level=cfg.compute_level,
         comm_weight=cfg.comm_weight,
+        attention=attention,
+        microbatches=microbatches,
     )
     if start is None:
         start = lpt_placement(problem.w.sum(axis=0), g)
@@ -805,6 +871,8 @@ def solve_layer(
             migration_weight=cfg.migration_weight,
             compute_level=cfg.compute_level,
             comm_weight=cfg.comm_weight,
+            attention=None if attention is None else np.asarray(attention).sum(keepdims=True),
+            microbatches=problem.overlap_mbs or None,
         )
         agg_cfg = replace(cfg, iterations=cfg.aggregate_warmup)
         main_cfg = replace(cfg, temperature_start=cfg.warm_temperature_start)
@@ -838,6 +906,8 @@ def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
             layer=layer,
             seeds=task.seeds,
             routes=routes,
+            attention=task.attention,
+            microbatches=task.microbatches,
         )
         for i, layer in enumerate(task.layers)
     ]
@@ -900,8 +970,12 @@ class AnnealingReorderer:
             raise ValueError(
                 f"layers has {layer_ids.size} entries; expected one per layer of ctx.load ({num_layers})"
             )
+        mbs = load.shape[0]
+        # NOTE: attention is the same for every placement, but the overlap hides communication behind it.
+        attention = attention_window(ctx, ctx.sample_gpu) if ctx.cost.cluster.ep_overlap else None  # [Mb]
         if cfg.objective == "aggregate":
             load = load.sum(axis=0, keepdims=True, dtype=np.int64)
+            attention = None if attention is None else attention.sum(keepdims=True)
         prev = None if ctx.prev_home is None else np.asarray(ctx.prev_home, dtype=np.int32)
         if prev is not None and prev.shape != (num_layers, num_experts):
             raise ValueError(
@@ -926,6 +1000,8 @@ class AnnealingReorderer:
                 seeds=seeds,
                 config=cfg,
                 cost=ctx.cost,
+                attention=attention,
+                microbatches=mbs,
             )
             for c in chunks
         ]

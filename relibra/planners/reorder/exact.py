@@ -56,6 +56,11 @@ def milp_reorder(
     mb, e_total, g_total = problem.x.shape
     if e_total % g_total != 0:
         raise ValueError(f"E={e_total} experts is not divisible by G={g_total} GPUs")
+    if problem.overlap_mbs:
+        raise ValueError(
+            "milp_reorder models the sum of T_MoE over micro-batches; this problem prices "
+            "cluster.ep_overlap=true (the overlapped layer time): use brute_force_reorder or the annealer"
+        )
     if problem.deepep:
         raise ValueError(
             "milp_reorder models alltoall's communication (linear in the placement); this problem prices "

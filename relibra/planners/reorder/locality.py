@@ -21,8 +21,17 @@ The search is a randomised hill climb per micro-batch on the cost model's commun
 3. update the per-layer link-class loads of the two source GPUs incrementally (O(L * G) per move) and keep
    the change only if the objective drops. The result is never worse than the input assignment.
 
-The incremental objective is ``cluster.dispatcher=alltoall``'s. Under ``deepep`` the climb runs on that
-proxy and its result is kept only if the cost model's DeepEP communication of the batch does not grow.
+The incremental objective is ``cluster.dispatcher=alltoall``'s communication without overlap. Under
+``deepep`` the climb runs on that proxy and its result is kept only if the cost model's DeepEP
+communication of the batch does not grow. Under ``cluster.ep_overlap`` it is kept only if the batch's
+home-only MoE time, priced as the simulator prices it (:func:`relibra.cost.overlap.overlapped_time`: the
+configured dispatcher's communication, compute with the attention of the new assignment), does not grow;
+``locality_reverted`` says whether the guard undid the round. Why a proxy: the climb moves one sample at a
+time within a micro-batch and updates O(L * G) link loads per move; DeepEP's estimate needs the per-source
+miss probabilities of every (layer, GPU) pair (O(L * G^2) per move), and the overlap couples a micro-batch
+to its neighbours, so its exact price per move would re-evaluate the neighbours' pairs too. Fewer tokens
+crossing nodes lowers every dispatcher's traffic, and the guard makes the round never worse by the true
+price (``tests/cost/test_overlap.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from relibra.cost.overlap import overlapped_time
 from relibra.planners.protocols import BatchContext, home_assign
+from relibra.planners.refill import attention_window
 from relibra.planners.reorder.links import NUM_LINKS, comm_coefficients, comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 
@@ -266,10 +277,17 @@ def locality_round(
         return float(ctx.cost.moe_comm_time(x, home_assign(x, home, g)).max(axis=-1).sum())
 
     before_s, after_s = comm_s(load), comm_s(new_load)
-    if ctx.cost.dispatcher != "alltoall" and after_s > before_s:
-        # NOTE: the hill climb's incremental objective is alltoall's; under another dispatcher keep its
-        # result only where the cost model's own communication agrees it helps.
-        new_gpu, new_load, after_s = old_gpu.copy(), load, before_s
+    guarded = ctx.cost.dispatcher != "alltoall" or ctx.cost.cluster.ep_overlap
+    reverted = False
+    if guarded:
+        # NOTE: the hill climb's incremental objective is alltoall's communication without overlap; under
+        # another dispatcher or the overlap keep its result only where the cost model's own price agrees.
+        if ctx.cost.cluster.ep_overlap:
+            reverted = _overlapped(ctx, new_load, home, new_gpu) > _overlapped(ctx, load, home, old_gpu)
+        else:
+            reverted = after_s > before_s
+        if reverted:
+            new_gpu, new_load, after_s = old_gpu.copy(), load, before_s
     stats = {
         "locality_cross_node_before": cross_node_tokens(load, home, gpn),
         "locality_cross_node_after": cross_node_tokens(new_load, home, gpn),
@@ -277,4 +295,15 @@ def locality_round(
         "locality_comm_after_s": after_s,
         "locality_moved_samples": float(np.count_nonzero(new_gpu != old_gpu)),
     }
+    if guarded:
+        stats["locality_reverted"] = float(reverted)
     return new_gpu, stats
+
+
+def _overlapped(ctx: BatchContext, load: np.ndarray, home: np.ndarray, sample_gpu: np.ndarray) -> float:
+    """Seconds of the batch's MoE layers with every expert at home under ``cluster.ep_overlap``
+    (:func:`relibra.cost.overlap.overlapped_time`: compute with the attention of ``sample_gpu`` [Sb], the
+    dispatcher's communication), as the simulator prices the home-only plan; load [Mb, L, G, E]."""
+    br = ctx.cost.moe(load, home_assign(load, home, ctx.num_gpus))
+    attention = attention_window(ctx, sample_gpu)[:, None]  # [Mb, 1]
+    return overlapped_time(br.t_compute + attention, br.t_comm)[0]

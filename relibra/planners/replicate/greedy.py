@@ -18,7 +18,9 @@ copies of experts whose home is on the **same node**. The greedy (paper, "intra-
    ``T_comp_max + T_comm_max`` (``"comm"``; :meth:`relibra.cost.model.CostModel.linear`); ``"best"`` runs
    ``"comm"``, ``"comm"`` with the communication step first (where NVLink binds the busiest GPU), and
    ``"compute"`` cut where its ``T_MoE`` was lowest, and keeps the lowest ``T_MoE``;
-4. stop when no move improves the objective or no slot is left;
+4. stop when no move improves the objective or no slot is left (under ``cluster.ep_overlap`` the
+   objective is the micro-batch's share of the overlapped layer time given its neighbours,
+   :func:`relibra.cost.overlap.microbatch_share`; see :mod:`relibra.planners.refill` and docs/replicate.md);
 5. optionally (``polish_moves > 0``) polish the result with exchange moves: drop one copy, add another in
    the same node, keep the first exchange that lowers the objective (:func:`_polish`).
 
@@ -52,6 +54,7 @@ import numpy as np
 from numba import njit
 
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours, microbatch_share
 from relibra.planners.protocols import BatchContext, Replication
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
@@ -271,6 +274,8 @@ def _binds_nvlink(p, s, g):  # pragma: no cover - compiled
     return _binds_in(_deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g].copy(), p.nvl, p.nic)
 
 
+_NO_OVERLAP = np.zeros(0)
+"""``_Problem.ov`` without ``cluster.ep_overlap``."""
 BOUND_SLACK = 1e-9
 """Relative slack of :func:`_comm_lower_bound` against the rounding of a different summation order."""
 ALL_NODES = -1
@@ -307,6 +312,10 @@ class _Problem(NamedTuple):
     """float64 [G, E]: ``log(1 - x[j, e] / T_j)`` (deepep; unused otherwise)."""
     tok: np.ndarray = np.zeros(0)
     """float64 [G]: tokens per source GPU (deepep)."""
+    ov: np.ndarray = np.zeros(0)
+    """float64 [6] under ``cluster.ep_overlap`` (empty: the objective is ``T_MoE``), token equivalents: the
+    micro-batch's attention, the all-to-all latency, then ``(compute, comm)`` of the previous and of the
+    next micro-batch (compute negative where there is none); see :func:`_combine`."""
 
 
 class _State(NamedTuple):
@@ -334,8 +343,11 @@ class _State(NamedTuple):
 
 
 @njit(cache=True)
-def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0):  # pragma: no cover
-    """``top_k > 0``: the ``deepep`` estimate with ``T_j = sum_e x[j, e] / top_k``; 0: ``alltoall``."""
+def _problem(
+    x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0, ov=_NO_OVERLAP
+):  # pragma: no cover
+    """``top_k > 0``: the ``deepep`` estimate with ``T_j = sum_e x[j, e] / top_k``; 0: ``alltoall``.
+    ``ov``: :attr:`_Problem.ov`."""
     g_n, e_n = x.shape
     tot = np.zeros(e_n)
     tok = np.zeros(g_n)
@@ -352,7 +364,7 @@ def _problem(x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k
                 for e in range(e_n):
                     lq[j, e] = math.log1p(-min(x[j, e] / tok[j], 1.0 - 1e-12))
     return _Problem(
-        x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k > 0, lq, tok
+        x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k > 0, lq, tok, ov
     )
 
 
@@ -415,8 +427,20 @@ def _nvlink_bound(p):  # pragma: no cover - compiled
 
 
 @njit(cache=True, inline="always")
+def _combine(p, t_comp, t_comm):  # pragma: no cover - compiled
+    """The objective from the compute and communication maxima (token equivalents): ``t_comp + t_comm``,
+    or under ``cluster.ep_overlap`` (``p.ov``) the terms of the overlapped layer time this micro-batch
+    enters with its neighbours fixed (:func:`relibra.cost.overlap.microbatch_share`, attention and latency
+    added). Non-decreasing in both, so a lower bound on ``t_comm`` bounds it."""
+    if p.ov.size == 0:
+        return t_comp + t_comm
+    return microbatch_share(t_comp + p.ov[0], t_comm + p.ov[1], p.ov[2:], math.inf)
+
+
+@njit(cache=True, inline="always")
 def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
-    """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant).
+    """Linearised ``max_g comp + max_g comm`` (token equivalents, without the latency constant), or its
+    overlapped form (:func:`_combine`).
 
     ``thr``: the caller only needs to know whether the objective is under ``thr``. When a lower bound on
     the busiest GPU of the last full evaluation (``argmax comm``) already reaches it, that bound is
@@ -435,11 +459,11 @@ def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
     elif node >= 0:
         _sync_node(p, s, node)
     if thr < np.inf and not p.deepep:  # NOTE: the O(G) bound is alltoall's; deepep evaluates in full
-        bound = t_comp + _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm))
+        bound = _combine(p, t_comp, _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm)))
         if bound >= thr:
             return bound
     _comm_into(p, s)
-    return t_comp + s.comm.max()
+    return _combine(p, t_comp, s.comm.max())
 
 
 @njit(cache=True, inline="always")
@@ -915,9 +939,11 @@ def _polish(p, s, moves, cands):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _greedy_batch(
-    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands, top_k
+    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands, top_k, ov
 ):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
+
+    ``ov`` [P, 6] (:attr:`_Problem.ov` of each problem) under ``cluster.ep_overlap``, else [0, 6].
 
     ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 three runs, the best kept
     (mode 1, mode 1 with the communication-driven move tried first, and the compute-driven run returning its
@@ -927,7 +953,8 @@ def _greedy_batch(
     assign = np.zeros((p_n, e_n, g_n), np.int64)
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for q in range(p_n):
-        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k)
+        ov_q = ov[q] if ov.shape[0] > 0 else _NO_OVERLAP
+        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k, ov_q)
         s, obj = _greedy_one(p, mode >= 1, False, False)
         if mode == 2:
             # comm-first (only where NVLink binds: keeping a sender's tokens local saves no NIC time);
@@ -987,6 +1014,7 @@ def replicate_greedy(
     rel_tol: float = 1e-9,
     polish_moves: int = 0,
     polish_candidates: int = 3,
+    overlap: OverlapNeighbours | None = None,
 ) -> Replication:
     """Greedy replication of every problem in a stack.
 
@@ -1007,6 +1035,10 @@ def replicate_greedy(
         polish_moves: after the greedy, at most this many improving exchange moves (drop one copy, add
             another in the same node); 0 disables the polish (``"waterfill"`` only).
         polish_candidates: experts tried per rule and dropped copy by the polish.
+        overlap: under ``cluster.ep_overlap``, each problem's attention and neighbours (one row per problem,
+            in the order of ``load``'s leading axes): the objective becomes the terms of the overlapped layer
+            time the problem's micro-batch enters (:func:`relibra.cost.overlap.microbatch_share`) in place of
+            ``T_MoE`` (``"waterfill"`` only). None: ``T_MoE``.
 
     Returns:
         :class:`Replication` with ``assign`` int32 [..., E, G] and ``replicas`` int32 [..., G, r].
@@ -1025,6 +1057,21 @@ def replicate_greedy(
         raise ValueError(
             f"polish_moves={polish_moves} must be >= 0 and polish_candidates={polish_candidates} >= 1"
         )
+    ov = np.zeros((0, 6))
+    if overlap is not None:
+        if overlap.attention.shape != (x.shape[0],):
+            raise ValueError(
+                f"overlap has {overlap.attention.shape[0]} rows; expected one per problem ({x.shape[0]})"
+            )
+        if split != "waterfill":
+            raise ValueError(
+                f"overlap: split={split!r} prices T_MoE only; the overlap needs split='waterfill'"
+            )
+        spt = coef.seconds_per_token
+        ov = np.empty((x.shape[0], 6))
+        ov[:, 0] = overlap.attention / spt
+        ov[:, 1] = coef.latency
+        ov[:, 2:] = overlap.neighbours / spt
     if split == "lp":
         # NOTE: imported on use, so that the default waterfill split never loads OR-Tools.
         from relibra.planners.replicate.milp import greedy_with_lp_split
@@ -1050,6 +1097,7 @@ def replicate_greedy(
             polish_moves if replica_slots > 0 else 0,
             polish_candidates,
             cost.model.top_k if cost.dispatcher == "deepep" else 0,
+            ov,
         )
         replicas = replicas[..., :replica_slots]
     else:
@@ -1131,8 +1179,15 @@ class GreedyReplicator:
     def with_slots(self, replica_slots: int) -> GreedyReplicator:
         return replace(self, replica_slots=replica_slots)
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
-        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
+    def replicate(
+        self,
+        load: np.ndarray,
+        home: np.ndarray,
+        ctx: BatchContext,
+        overlap: OverlapNeighbours | None = None,
+    ) -> Replication:
+        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]; ``overlap``
+        (one row per layer): the overlapped objective (:func:`replicate_greedy`)."""
         c = self.config
         return replicate_greedy(
             load,
@@ -1145,4 +1200,5 @@ class GreedyReplicator:
             max_tries=c.max_tries,
             polish_moves=c.polish_moves,
             polish_candidates=c.polish_candidates,
+            overlap=overlap,
         )

@@ -37,6 +37,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours
 from relibra.planners.protocols import BatchContext, Replication
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
@@ -384,8 +385,19 @@ class MilpReplicator:
     def with_slots(self, replica_slots: int) -> MilpReplicator:
         return replace(self, replica_slots=replica_slots)
 
-    def replicate(self, load: np.ndarray, home: np.ndarray, ctx: BatchContext) -> Replication:
-        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r]."""
+    def replicate(
+        self,
+        load: np.ndarray,
+        home: np.ndarray,
+        ctx: BatchContext,
+        overlap: OverlapNeighbours | None = None,
+    ) -> Replication:
+        """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r].
+
+        ``overlap`` is not in the MILP's objective (each problem's own ``T_MoE``); under
+        ``cluster.ep_overlap`` :func:`relibra.planners.refill.replicate_batch` combines its answers by the
+        overlapped time.
+        """
         cluster = ctx.cluster
         key = (cluster.nodes, cluster.gpus_per_node)
         if key not in self._routing and cluster.num_gpus > 1:
