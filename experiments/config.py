@@ -214,14 +214,6 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                     f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
                     f"gives {mbs}"
                 )
-    planner = cfg.get("planner") or {}
-    if dispatcher == "deepep" and (
-        "milp" in str(planner.get("_target_", "")) or planner.get("split") == "lp"
-    ):
-        problems.append(
-            f"cluster.dispatcher=deepep with planner={planner.get('name')}: the MILP / LP split models "
-            "alltoall's linear communication only; use cluster.dispatcher=alltoall or a greedy planner"
-        )
     path = cfg.cluster.get("calibration")
     if path:
         try:

@@ -3,7 +3,9 @@ dataclass alone and every one of its keys can still be overridden on the command
 
 ``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.AnnealConfig` with
 ``_target_``; ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
-(``planner.reorder.KEY=V``). Registered when :mod:`experiments` is imported, before any composition.
+(``planner.reorder.KEY=V``). ``planner/majorize/mm``: the replication MILP's
+:class:`~relibra.planners.milp.MajorizeConfig` (``cluster.dispatcher=deepep``), composed by
+``planner=relibra_milp`` as ``planner.majorize`` (``planner.majorize.KEY=V``). Registered when :mod:`experiments` is imported, before any composition.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict
 
 from hydra.core.config_store import ConfigStore
 
+from relibra.planners.milp import MajorizeConfig
 from relibra.planners.reorder import AnnealConfig
 
 __all__ = ["register"]
@@ -26,4 +29,7 @@ def register() -> None:
     """Store the generated nodes in Hydra's config store (idempotent)."""
     ConfigStore.instance().store(
         group="planner/reorder", name="anneal", node=_node(AnnealConfig, AnnealConfig())
+    )
+    ConfigStore.instance().store(
+        group="planner/majorize", name="mm", node=_node(MajorizeConfig, MajorizeConfig())
     )

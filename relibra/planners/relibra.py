@@ -27,7 +27,7 @@ from relibra.planner import (
     reordered_load,
     static_placement,
 )
-from relibra.planners.milp import MilpReplicator
+from relibra.planners.milp import MajorizeConfig, MilpReplicator
 from relibra.planners.refill import replicate_batch
 from relibra.planners.reorder import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate import Acceptance, GreedyReplicator, SplitMethod
@@ -178,7 +178,16 @@ def relibra_milp(
     reorderer: Reorderer | None = None,
     name: str = "relibra_milp",
     refill_aware: bool = True,
+    majorize: MajorizeConfig | None = None,
 ) -> ComposedPlanner:
-    """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem."""
-    milp = MilpReplicator(replica_slots, solver, time_limit_s, relative_gap, refill_aware)
+    """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem
+    (``majorize``: its loop under ``cluster.dispatcher=deepep``; None: :class:`MajorizeConfig`'s defaults)."""
+    milp = MilpReplicator(
+        replica_slots,
+        solver,
+        time_limit_s,
+        relative_gap,
+        refill_aware,
+        majorize if majorize is not None else MajorizeConfig(),
+    )
     return composed(name, reorderer if reorderer is not None else StaticReorderer(), milp)
