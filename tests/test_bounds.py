@@ -104,7 +104,7 @@ def test_no_planner_beats_balanced(
         check_bounded(name, res, bal)
 
 
-MAIN = ["megatron", "eplb", "lplb", "popfetcher", "ultraep", "llep", "relibra", "force_balanced"]
+MAIN = ["megatron", "eplb", "lplb", "popfetcher", "ultraep", "llep", "relibra", "force_balanced", "relibra_milp"]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
