@@ -5,7 +5,8 @@ dataclass alone and every one of its keys can still be overridden on the command
 ``_target_``; ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
 (``planner.reorder.KEY=V``). ``planner/majorize/mm``: the replication MILP's
 :class:`~relibra.planners.milp.MajorizeConfig` (``cluster.dispatcher=deepep``), composed by
-``planner=relibra_milp`` as ``planner.majorize`` (``planner.majorize.KEY=V``). Registered when :mod:`experiments` is imported, before any composition.
+``planner=relibra_milp`` as ``planner.majorize`` (``planner.majorize.KEY=V``). Registered when
+:mod:`experiments` is imported, before any composition.
 """
 
 from __future__ import annotations

@@ -104,7 +104,17 @@ def test_no_planner_beats_balanced(
         check_bounded(name, res, bal)
 
 
-MAIN = ["megatron", "eplb", "lplb", "popfetcher", "ultraep", "llep", "relibra", "force_balanced", "relibra_milp"]
+MAIN = [
+    "megatron",
+    "eplb",
+    "lplb",
+    "popfetcher",
+    "ultraep",
+    "llep",
+    "relibra",
+    "force_balanced",
+    "relibra_milp",
+]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
