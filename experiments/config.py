@@ -25,6 +25,7 @@ from relibra.cost import CostModel, load_calibration
 from relibra.fabric import DISPATCHERS
 from relibra.migration import migration_payload
 from relibra.planner import Planner, PlannerPortfolio
+from relibra.planners.milp import MajorizeConfig
 from relibra.simulator import SimOptions
 from relibra.trace import RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
@@ -282,6 +283,12 @@ def validate(cfg: DictConfig) -> None:
         routing = planner.get("routing", ROUTINGS[0])
         if routing not in ROUTINGS:
             problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
+        majorize = planner.get("majorize")
+        if isinstance(majorize, DictConfig):
+            try:
+                MajorizeConfig(**{str(k): v for k, v in majorize.items() if k != "_target_"})
+            except (TypeError, ValueError) as exc:
+                problems.append(f"planner.majorize: {exc}")
     try:
         migration_payload((cfg.get("simulator") or {}).get("migration"))
     except ValueError as exc:

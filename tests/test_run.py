@@ -415,11 +415,17 @@ def test_validate_accepts_deepep_for_the_milp_and_the_lp_split(planner):
         assert built.replicator.majorize.max_iterations == (2 if len(planner) > 1 else 8)
 
 
-def test_bad_majorize_setting_names_the_key():
-    from hydra.errors import InstantiationException
-
-    with pytest.raises(InstantiationException, match=r"majorize\.rel_tol"):
-        instantiate(cfg("planner=relibra_milp", "planner.majorize.rel_tol=-1").planner, _convert_="all")
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("planner.majorize.rel_tol=-1", "majorize.rel_tol"),
+        ("planner.majorize.max_iterations=0", "max_iterations"),
+    ],
+)
+def test_bad_majorize_setting_stops_before_work(trace_file, tmp_path, override, key):
+    with pytest.raises(ConfigError, match=rf"planner\.majorize: .*{key}"):
+        run(file_cfg(trace_file, "planner=relibra_milp", override), run_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():
