@@ -263,7 +263,10 @@ def test_deepep_milp_never_worse_than_the_alltoall_proxy(
     x[0] *= heavy
     home = np.random.default_rng(seed).permutation(static_placement(1, e, g)[0])
     proxy = solve_replication(x, home, _cost(nodes, gpn), slots)
-    sol = solve_replication(x, home, cost, slots)
+    # NOTE: started from this very proxy plan: the alltoall MILP may return another of its tied optima
+    sol = solve_replication(x, home, cost, slots, start=proxy)
+    own = solve_replication(x, home, cost, slots)  # from the proxy it solves itself
+    assert own.objective_s <= own.iterates_s[0] * (1 + 1e-12)
     proxy_price = float(linear_objective(x, proxy.assign, home, cost))
     assert sol.objective_s == pytest.approx(float(linear_objective(x, sol.assign, home, cost)), rel=1e-9)
     comp = sol.compute_tokens.max() * cost.linear().compute_s_per_token
@@ -282,13 +285,24 @@ def test_deepep_milp_beats_the_alltoall_proxy_when_experts_share_a_gpu() -> None
     x = np.array([[0, 0, 300, 300], [300, 300, 0, 0]])
     home = np.array([0, 0, 1, 1])
     proxy = solve_replication(x, home, _cost(1, 2), 1)
-    sol = solve_replication(x, home, cost, 1)
+    sol = solve_replication(x, home, cost, 1, start=proxy)
     assert (proxy.copies & (np.arange(2) != home[:, None])).any()
     np.testing.assert_array_equal(sol.copies, np.arange(2) == home[:, None])
     proxy_price = float(linear_objective(x, proxy.assign, home, cost))
     assert sol.objective_s < proxy_price * (1 - 1e-3)
     fixed = cost.linear().compute_s_per_expert
     assert proxy_price - sol.objective_s == pytest.approx(fixed, rel=1e-6)  # the copy's fixed cost, no more
+
+
+def test_deepep_start_must_be_a_solution_of_the_problem() -> None:
+    cost = _deepep(1, 2)
+    x = np.array([[0, 0, 300, 300], [300, 300, 0, 0]])
+    home = np.array([0, 0, 1, 1])
+    proxy = solve_replication(x, home, _cost(1, 2), 1)
+    with pytest.raises(ValueError, match="start: its assign"):
+        solve_replication(x, home, cost, 1, start=replace(proxy, assign=proxy.assign * 0.5))
+    with pytest.raises(ValueError, match="replica_slots=0"):
+        solve_replication(x, home, cost, 0, start=proxy)
 
 
 def test_deepep_milp_replicator_and_lp_greedy_give_valid_plans() -> None:

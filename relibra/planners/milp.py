@@ -22,27 +22,27 @@ regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token
 coefficients are taken from :meth:`~relibra.cost.CostModel.link_bytes` itself, so both can never drift apart.
 
 ``cluster.dispatcher=deepep``: majorize-minimize (successive linearisation). The cost model prices DeepEP
-with :func:`relibra.fabric.deepep_link_tokens_estimate`: a token of source ``j`` reaches GPU ``g``
-``hit[j, g] = T_j * (1 - exp(u[j, g]))`` times, ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]``
-(``q = x / T``), and every DeepEP link load is a non-negative sum of such hits and of node hits. Since
-copies stay in the expert's home node, each expert's node share is fixed and the node hits (the RDMA
-volumes) are constants; only the NVLink hits depend on the split, each a concave function of the linear
-``u``. Its tangent at the incumbent split is an affine upper bound, exact there, and the communication
-time is non-decreasing in every link load, so the MILP with the tangents in place of the hits minimises a
-majorizer of the true objective that touches it at the incumbent. Hence
-``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every exactly solved iterate's true objective
-(linearised compute plus :meth:`~relibra.cost.CostModel.moe_comm_time`, the simulator's own price) is no
-higher than the last (Lange, Hunter and Yang 2000, "Optimization transfer using surrogate objective
-functions"; the same argument as the concave-convex procedure). The loop starts from the alltoall-proxy
-solution (the model above with alltoall's traffic), re-linearises at each new solution, and stops when a
-solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after
-:attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible only when a
-gap-limited MILP returns a worse incumbent than its hint) is not accepted, so the result is never worse
-than the alltoall-proxy plan priced under ``deepep``. The result is a fixed point of the linearisation,
-not a proven optimum: ``bound_s`` comes from a second model with each hit replaced by its chord over the
-range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this minorizes the true
-objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound proves the result
-within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every solve.
+with :func:`relibra.fabric.deepep_link_tokens_estimate`: a token of source ``j`` reaches GPU ``g`` ``hit[j,
+g] = T_j * (1 - exp(u[j, g]))`` times, ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]`` (``q = x / T``),
+and every DeepEP link load is a non-negative sum of such hits and of node hits. Since copies stay in the
+expert's home node, each expert's node share is fixed and the node hits (the RDMA volumes) are constants;
+only the NVLink hits depend on the split, each a concave function of the linear ``u``. Its tangent at the
+incumbent split is an affine upper bound, exact there, and the communication time is non-decreasing in every
+link load, so the MILP with the tangents in place of the hits minimises a majorizer of the true objective
+that touches it at the incumbent. Hence ``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every
+exactly solved iterate's true objective (linearised compute plus
+:meth:`~relibra.cost.CostModel.moe_comm_time`, the simulator's own price) is no higher than the last (Lange,
+Hunter and Yang 2000, "Optimization transfer using surrogate objective functions"; the same argument as the
+concave-convex procedure). The loop starts from the alltoall-proxy solution (the model above with alltoall's
+traffic) or a given ``start``, re-linearises at each new solution, and stops when a solve lowers the true
+objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after :attr:`MajorizeConfig.max_iterations`
+solves; a solve that does not lower it (possible only when a gap-limited MILP returns a worse incumbent than
+its hint) is not accepted, so the result is never worse than its start (the alltoall-proxy plan) priced under
+``deepep``. The result is a fixed point of the linearisation, not a proven optimum: ``bound_s`` comes from a
+second model with each hit replaced by its chord over the range ``[U, 0]`` that ``u`` can take (a concave
+function lies above its chord, so this minorizes the true objective everywhere) and is a valid lower bound;
+``optimal`` says whether that bound proves the result within ``relative_gap``. ``iterates_s`` lists the true
+objective of the start and of every solve.
 
 :func:`solve_replication` solves the MILP (OR-Tools ``pywraplp``: SCIP by default, CBC also works) with a
 time limit and reports the proven bound; :func:`solve_split` solves the LP with the replica set fixed
@@ -434,6 +434,24 @@ def _true_s(p: _Problem, cost: CostModel, raw: _Raw) -> float:
     return float(compute.max()) * p.coef.seconds_per_token + comm
 
 
+def _start(p: _Problem, start: ReplicationSolution, replica_slots: int) -> _Raw:
+    """A given solution as the loop's first incumbent (positions outside the home node dropped)."""
+    a = np.take_along_axis(np.asarray(start.assign, dtype=np.float64), p.gpu_of, axis=1)
+    held = (np.take_along_axis(np.asarray(start.copies, dtype=bool), p.gpu_of, axis=1) & p.active) | p.is_home
+    a = np.where(held, np.maximum(a, 0.0), 0.0)
+    if not np.allclose(a.sum(axis=1), p.tot, rtol=1e-9, atol=1e-6):
+        raise ValueError(
+            "start: its assign must hold every expert's tokens on copies in the expert's home node "
+            f"(start.assign sums {a.sum(axis=1).tolist()} there, loads {p.tot.tolist()})"
+        )
+    used = np.bincount(p.gpu_of[held & ~p.is_home], minlength=p.x.shape[0])
+    if p.mip and used.max(initial=0) > replica_slots:
+        raise ValueError(
+            f"start: a GPU holds {int(used.max())} replicas, more than replica_slots={replica_slots}"
+        )
+    return _Raw(a=a, held=held, value=np.nan, bound=np.nan, optimal=False)
+
+
 def _solve(
     x: np.ndarray,
     home: np.ndarray,
@@ -446,6 +464,7 @@ def _solve(
     routing: np.ndarray | None,
     comm: bool = True,
     majorize: MajorizeConfig | None = None,
+    start: ReplicationSolution | None = None,
 ) -> ReplicationSolution:
     t0 = time.perf_counter()
     p = _problem(x, home, cost, copies)
@@ -453,10 +472,10 @@ def _solve(
     model = None
     if comm and g_n > 1:
         model = _alltoall_model(p, dispatch_routing(cost) if routing is None else routing)
-    run = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
     scale = p.coef.seconds_per_token
     lat = p.coef.latency * scale if comm else 0.0
     if model is None or cost.dispatcher == "alltoall":
+        run = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
         assign, copies_out, compute = _full(p, run)
         return ReplicationSolution(
             assign=assign,
@@ -467,9 +486,13 @@ def _solve(
             optimal=run.optimal,
             wall_s=time.perf_counter() - t0,
         )
-    # deepep: majorize-minimize from the alltoall-proxy solution (module doc)
+    # deepep: majorize-minimize from the alltoall-proxy solution (module doc) or the given start
     mm = majorize if majorize is not None else MajorizeConfig()
-    best, best_s = run, _true_s(p, cost, run)
+    if start is None:
+        best = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
+    else:
+        best = _start(p, start, replica_slots)
+    best_s = _true_s(p, cost, best)
     iterates = [best_s]
     for _ in range(mm.max_iterations):
         tangent = _deepep_model(p, cost, cost.share(_full(p, best)[0]))
@@ -508,6 +531,7 @@ def solve_replication(
     routing: np.ndarray | None = None,
     comm: bool = True,
     majorize: MajorizeConfig | None = None,
+    start: ReplicationSolution | None = None,
 ) -> ReplicationSolution:
     """Optimal replicas and split of one problem (MILP). x [G, E], home [E].
 
@@ -515,10 +539,12 @@ def solve_replication(
     Past ``time_limit_s`` the best solution found is returned with ``optimal=False`` and its proven bound.
     ``comm=False`` drops the communication term (objective ``T_comp`` only; then ``objective_s`` and
     ``bound_s`` hold compute seconds). Under ``deepep`` every solve runs within ``time_limit_s``, and
-    ``majorize`` (None: :class:`MajorizeConfig`'s defaults) sets the majorize-minimize loop (module doc).
+    ``majorize`` (None: :class:`MajorizeConfig`'s defaults) sets the majorize-minimize loop (module doc),
+    which starts from ``start`` (a solution of this problem, e.g. the alltoall MILP's or the greedy's as
+    assign / copies) or, if None, from the alltoall-proxy solution it solves first.
     """
     return _solve(
-        x, home, cost, replica_slots, None, solver, time_limit_s, relative_gap, routing, comm, majorize
+        x, home, cost, replica_slots, None, solver, time_limit_s, relative_gap, routing, comm, majorize, start
     )
 
 
