@@ -22,27 +22,28 @@ regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token
 coefficients are taken from :meth:`~relibra.cost.CostModel.link_bytes` itself, so both can never drift apart.
 
 ``cluster.dispatcher=deepep``: majorize-minimize (successive linearisation). The cost model prices DeepEP
-with :func:`relibra.fabric.deepep_link_tokens_estimate`: a token of source ``j`` reaches GPU ``g`` ``hit[j,
-g] = T_j * (1 - exp(u[j, g]))`` times, ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]`` (``q = x / T``),
-and every DeepEP link load is a non-negative sum of such hits and of node hits. Since copies stay in the
-expert's home node, each expert's node share is fixed and the node hits (the RDMA volumes) are constants;
-only the NVLink hits depend on the split, each a concave function of the linear ``u``. Its tangent at the
-incumbent split is an affine upper bound, exact there, and the communication time is non-decreasing in every
-link load, so the MILP with the tangents in place of the hits minimises a majorizer of the true objective
-that touches it at the incumbent. Hence ``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every
-exactly solved iterate's true objective (linearised compute plus
-:meth:`~relibra.cost.CostModel.moe_comm_time`, the simulator's own price) is no higher than the last (Lange,
-Hunter and Yang 2000, "Optimization transfer using surrogate objective functions"; the same argument as the
-concave-convex procedure). The loop starts from the alltoall-proxy solution (the model above with alltoall's
-traffic) or a given ``start``, re-linearises at each new solution, and stops when a solve lowers the true
-objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after :attr:`MajorizeConfig.max_iterations`
-solves; a solve that does not lower it (possible only when a gap-limited MILP returns a worse incumbent than
-its hint) is not accepted, so the result is never worse than its start (the alltoall-proxy plan) priced under
-``deepep``. The result is a fixed point of the linearisation, not a proven optimum: ``bound_s`` comes from a
-second model with each hit replaced by its chord over the range ``[U, 0]`` that ``u`` can take (a concave
-function lies above its chord, so this minorizes the true objective everywhere) and is a valid lower bound;
-``optimal`` says whether that bound proves the result within ``relative_gap``. ``iterates_s`` lists the true
-objective of the start and of every solve.
+with :func:`relibra.fabric.deepep_link_tokens_estimate`: a token of source ``j`` reaches GPU ``g``
+``hit[j, g] = T_j * (1 - exp(u[j, g]))`` times, ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]``
+(``q = x / T``), and every DeepEP link load is a non-negative sum of such hits and of node hits. Since copies
+stay in the expert's home node, each expert's node share is fixed and the node hits (the RDMA volumes) are
+constants; only the NVLink hits depend on the split, each a concave function of the linear ``u``. Its tangent
+at the incumbent split is an affine upper bound, exact there, and the communication time is non-decreasing in
+every link load, so the MILP with the tangents in place of the hits minimises a majorizer of the true
+objective that touches it at the incumbent. Hence
+``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every exactly solved iterate's true objective
+(linearised compute plus :meth:`~relibra.cost.CostModel.moe_comm_time`, the simulator's own price) is no
+higher than the last (Lange, Hunter and Yang 2000, "Optimization transfer using surrogate objective
+functions"; the same argument as the concave-convex procedure). The loop starts from the alltoall-proxy
+solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each new solution,
+and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after
+:attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible only when a
+gap-limited MILP returns a worse incumbent than its hint) is not accepted, so the result is never worse than
+its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed point of the
+linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced by its
+chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
+minorizes the true objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound
+proves the result within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every
+solve.
 
 :func:`solve_replication` solves the MILP (OR-Tools ``pywraplp``: SCIP by default, CBC also works) with a
 time limit and reports the proven bound; :func:`solve_split` solves the LP with the replica set fixed
