@@ -115,8 +115,8 @@ class ReplicationSolution:
     """The solver proved ``objective_s`` within the relative gap of the optimum."""
     wall_s: float
     iterates_s: tuple[float, ...] = ()
-    """``deepep``: true objective (seconds) of the alltoall-proxy start and of every linearised solve, in
-    order (majorize-minimize); ``alltoall``: empty."""
+    """``deepep``: true objective (seconds) of the start (the alltoall-proxy solution or the given one) and
+    of every linearised solve, in order (majorize-minimize); ``alltoall``: empty."""
 
     @property
     def gap(self) -> float:
