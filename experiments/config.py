@@ -39,7 +39,6 @@ __all__ = [
     "build_planner",
     "build_workload_for",
     "dataset_name",
-    "linear_comm_replicators",
     "load_counts",
     "read_trace",
     "refuse",
@@ -199,7 +198,7 @@ def _planner_keys(node: Any, name: str, prefix: str = "planner") -> Iterator[tup
             yield from _planner_keys(child, name, f"{prefix}.{key}")
 
 
-SETTINGS_NODES = ("reorder", "replicate")
+SETTINGS_NODES = ("reorder", "replicate", "majorize")
 """The planner keys that hold a stage's settings dataclass (``experiments.planner_nodes``)."""
 
 
@@ -237,17 +236,6 @@ def _planner_problems(planner: DictConfig) -> list[str]:
     return problems
 
 
-def linear_comm_replicators(planner: Any) -> list[str]:
-    """Keys of the replicators under ``planner`` whose MILP or LP split models alltoall's linear
-    communication only (the exact MILP, ``split=lp``); they cannot price ``cluster.dispatcher=deepep``."""
-    return [
-        key
-        for key, node in _planner_keys(planner, "replicate")
-        if isinstance(node, DictConfig)
-        and (str(node.get("_target_", "")).endswith("MilpConfig") or node.get("split") == "lp")
-    ]
-
-
 def _comm_problems(cfg: DictConfig) -> list[str]:
     """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.calibration``."""
     problems: list[str] = []
@@ -266,13 +254,6 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                     f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
                     f"gives {mbs}"
                 )
-    linear = linear_comm_replicators(cfg.get("planner"))
-    if dispatcher == "deepep" and linear:
-        problems.append(
-            f"cluster.dispatcher=deepep with planner={cfg.planner.get('name')} ({', '.join(linear)}): the "
-            "MILP / LP split models alltoall's linear communication only; use cluster.dispatcher=alltoall "
-            "or a greedy planner (planner.replicate.split=waterfill)"
-        )
     lp_split = [
         key
         for key, node in _planner_keys(cfg.get("planner"), "replicate")

@@ -10,6 +10,9 @@ dataclass alone and every one of its keys can still be overridden on the command
   (``planner.replicate.KEY=V``);
 * ``planner/replicate/milp``: the exact replication's :class:`~relibra.planners.replicate.milp.MilpConfig`
   (``planner=relibra_milp``);
+* ``planner/majorize/mm``: the replication MILP's :class:`~relibra.planners.replicate.milp.MajorizeConfig`,
+  the majorize-minimize loop under ``cluster.dispatcher=deepep`` (``planner=relibra_milp``, as
+  ``planner.majorize``);
 * ``planner/base/<baseline>``: a baseline planner's dataclass (``baselines.eplb.EplbPlanner``, ...), every
   field with its default; ``planner=eplb`` and its variants compose it into ``planner``
   (``defaults: [base/eplb@_here_]``), so ``planner.KEY=V`` reaches the dataclass.
@@ -35,7 +38,7 @@ from baselines.popfetcher import PopFetcherPlanner
 from baselines.ultraep import UltraEPPlanner
 from relibra.planners.reorder.anneal import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
-from relibra.planners.replicate.milp import MilpConfig
+from relibra.planners.replicate.milp import MajorizeConfig, MilpConfig
 
 __all__ = ["NODES", "register"]
 
@@ -43,6 +46,7 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/reorder", "anneal"): AnnealConfig,
     ("planner/replicate", "greedy"): GreedyConfig,
     ("planner/replicate", "milp"): MilpConfig,
+    ("planner/majorize", "mm"): MajorizeConfig,
     ("planner/base", "balanced"): BalancedBound,
     ("planner/base", "eplb"): EplbPlanner,
     ("planner/base", "llep"): LlepPlanner,

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from baselines.balanced import BalancedBound
 from baselines.force_balanced import uniform_routing
-from experiments.config import linear_comm_replicators
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.simulator import SimResult, simulate
@@ -37,11 +36,6 @@ def planner_config(name: str) -> Any:
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="config", overrides=[f"planner={name}"]).planner
-
-
-def _linear_comm_only(cfg: Any) -> bool:
-    """Planners whose MILP or LP split models alltoall's linear traffic only (they refuse deepep)."""
-    return bool(linear_comm_replicators(cfg))
 
 
 def _at_least(ours: np.ndarray, bound: np.ndarray, what: str, name: str) -> None:
@@ -93,8 +87,6 @@ def test_no_planner_beats_balanced(
     )
     for name in PLANNERS:
         cfg = planner_config(name)
-        if dispatcher == "deepep" and _linear_comm_only(cfg):
-            continue  # NOTE: refused by the entry point (cluster.dispatcher names why)
         run_counts = uniform_routing(counts, seed) if cfg.get("routing") == "uniform" else counts
         work = build_workload(run_counts, g, samples_per_microbatch=2, layout=layout)
         # NOTE: the overlap needs two micro-batches in every step (the entry point refuses it otherwise)
@@ -112,7 +104,17 @@ def test_no_planner_beats_balanced(
         check_bounded(name, res, bal)
 
 
-MAIN = ["megatron", "eplb", "lplb", "popfetcher", "ultraep", "llep", "relibra", "force_balanced"]
+MAIN = [
+    "megatron",
+    "eplb",
+    "lplb",
+    "popfetcher",
+    "ultraep",
+    "llep",
+    "relibra",
+    "force_balanced",
+    "relibra_milp",
+]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])

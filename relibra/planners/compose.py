@@ -31,7 +31,7 @@ from relibra.planners.protocols import (
 from relibra.planners.refill import replicate_batch
 from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
 from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
-from relibra.planners.replicate.milp import MilpConfig, MilpReplicator
+from relibra.planners.replicate.milp import MajorizeConfig, MilpConfig, MilpReplicator
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -164,10 +164,16 @@ def relibra_milp(
     replicate: MilpConfig | None = None,
     reorderer: Reorderer | None = None,
     name: str = "relibra_milp",
+    majorize: MajorizeConfig | None = None,
 ) -> ComposedPlanner:
     """Reference: ``reorderer`` (static placement by default), then the exact MILP for every problem
-    (``replicate``: its :class:`MilpConfig`)."""
-    milp = MilpReplicator(replica_slots, replicate if replicate is not None else MilpConfig())
+    (``replicate``: its :class:`MilpConfig`; ``majorize``: its loop under ``cluster.dispatcher=deepep``,
+    None: :class:`MajorizeConfig`'s defaults)."""
+    milp = MilpReplicator(
+        replica_slots,
+        replicate if replicate is not None else MilpConfig(),
+        majorize if majorize is not None else MajorizeConfig(),
+    )
     return composed(name, reorderer if reorderer is not None else StaticReorderer(), milp)
 
 

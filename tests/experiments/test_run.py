@@ -395,8 +395,6 @@ def test_portfolio_candidates_each_get_a_control_plane():
     ("overrides", "key"),
     [
         (["cluster.dispatcher=nccl"], "cluster.dispatcher=nccl"),
-        (["cluster.dispatcher=deepep", "planner=relibra_milp"], "cluster.dispatcher=deepep"),
-        (["cluster.dispatcher=deepep", "planner=relibra", "planner.replicate.split=lp"], "planner.replicate"),
         (["cluster.ep_overlap=true", "workload.samples_per_microbatch=8"], "cluster.ep_overlap=true"),
     ],
 )
@@ -413,6 +411,38 @@ def test_calibration_file_for_another_model_is_refused(trace_file, tmp_path):
     other.write_text(json.dumps({"models": {"qwen3-30b-a3b": {"tokens": [1, 64], "seconds": [1e-5, 2e-5]}}}))
     with pytest.raises(ConfigError, match=r"cluster\.calibration=.*no entry for model olmoe-1b-7b"):
         run(file_cfg(trace_file, f"cluster.calibration={other}"), run_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "planner",
+    [
+        ["planner=relibra_milp"],
+        ["planner=relibra", "planner.replicate.split=lp"],
+        ["planner=relibra_milp", "planner.majorize.max_iterations=2"],
+    ],
+)
+def test_validate_accepts_deepep_for_the_milp_and_the_lp_split(planner):
+    """The replication MILP and the LP split price deepep by majorize-minimize: no refusal any more."""
+    from experiments.config import validate
+
+    c = cfg("cluster.dispatcher=deepep", *planner)
+    validate(c)
+    if "planner=relibra_milp" in planner:
+        built = instantiate(c.planner, _convert_="all")
+        assert built.replicator.majorize.max_iterations == (2 if len(planner) > 1 else 8)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("planner.majorize.rel_tol=-1", "rel_tol"),
+        ("planner.majorize.max_iterations=0", "max_iterations"),
+    ],
+)
+def test_bad_majorize_setting_stops_before_work(trace_file, tmp_path, override, key):
+    with pytest.raises(ConfigError, match=rf"planner\.majorize\.{key}="):
+        run(file_cfg(trace_file, "planner=relibra_milp", override), run_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():

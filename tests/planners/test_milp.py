@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
@@ -16,11 +19,13 @@ from relibra.planners.replicate.milp import (
     LINK_KEYS,
     MilpConfig,
     MilpReplicator,
+    deepep_link_model,
     dispatch_routing,
     solve_replication,
     solve_split,
 )
-from tests.spine_helpers import HOPPER, tiny_context
+from relibra.simulator import batch_context
+from tests.spine_helpers import HOPPER, tiny_context, tiny_setup
 
 MODEL = ModelSpec("test-moe", 2, 2, 2048, 768, 8, 2, 16, 4, 128)
 
@@ -134,3 +139,188 @@ def test_unknown_solver_is_refused() -> None:
     cost = _cost(1, 2)
     with pytest.raises(ValueError, match="NOPE"):
         solve_replication(_loads(0, 2, 4), static_placement(1, 4, 2)[0], cost, 1, solver="NOPE")
+
+
+# ----------------------------------------------------------------------------------------- deepep
+def _deepep(nodes: int, gpn: int) -> CostModel:
+    return CostModel(ClusterSpec(nodes, gpn, HOPPER, dispatcher="deepep"), MODEL)
+
+
+def _nic_s_per_token() -> float:
+    """Seconds per token on one rail NIC direction in one phase (bf16 hidden states)."""
+    return MODEL.hidden * 2.0 / (HOPPER.nic_bytes_per_s * HOPPER.nic_efficiency)
+
+
+def test_deepep_milp_prices_one_crossing_per_remote_node_by_hand() -> None:
+    """Two nodes of one GPU; both experts on node 1; each of GPU 0's 100 tokens picks both (top-2).
+
+    alltoall sends 200 rows over GPU 0's NIC, DeepEP 100 tokens (each crosses once, then is computed for
+    both experts on the same GPU); combine mirrors dispatch; forward and backward double it.
+    """
+    x = np.array([[100, 100], [0, 0]])
+    home = np.array([1, 1])
+    lat = 4 * HOPPER.alltoall_latency_s
+    for cost, rows in ((_cost(2, 1), 200), (_deepep(2, 1), 100)):
+        sol = solve_replication(x, home, cost, 0)
+        comp = sol.compute_tokens.max() * cost.linear().compute_s_per_token
+        want = 2 * (rows * _nic_s_per_token() + rows * _nic_s_per_token()) + lat
+        assert sol.objective_s - comp == pytest.approx(want, rel=1e-9)
+        assert cost.moe(x, sol.assign).t_comm == pytest.approx(want, rel=1e-9)
+
+
+def test_deepep_link_model_by_hand_on_a_shared_remote_node() -> None:
+    """GPU 0 (node 0, rail 0) holds 100 tokens, each picking e0 (on GPU 2) and e1 (on GPU 3), both on node
+    1: one RDMA crossing to GPU 2 (its rail), then one NVLink hop to GPU 3. alltoall would send 200 rows
+    over RDMA (GPU 0's own NIC and its proxy GPU 1's)."""
+    cost = _deepep(2, 2)
+    x = np.zeros((4, 4))
+    x[0, :2] = 100
+    home = np.array([2, 3, 0, 1])
+    share = np.eye(4)[home]
+    model = deepep_link_model(x, home, cost, share, copies=share.astype(bool))
+    lin = cost.linear()
+    w_nvl, w_nic = (s / 4 / lin.compute_s_per_token for s in (lin.nvlink_s_per_token, lin.rdma_s_per_token))
+    want = np.zeros((2, 4, 4))  # [dispatch / combine, LINK_KEYS, GPU]
+    want[0, LINK_KEYS.index("nic_send"), 0] = want[1, LINK_KEYS.index("nic_recv"), 0] = 100 * w_nic
+    want[0, LINK_KEYS.index("nic_recv"), 2] = want[1, LINK_KEYS.index("nic_send"), 2] = 100 * w_nic
+    want[0, LINK_KEYS.index("nvlink_send"), 2] = want[1, LINK_KEYS.index("nvlink_recv"), 2] = 100 * w_nvl
+    want[0, LINK_KEYS.index("nvlink_recv"), 3] = want[1, LINK_KEYS.index("nvlink_send"), 3] = 100 * w_nvl
+    a = np.take_along_axis(share * x.sum(axis=0)[:, None], (home // 2 * 2)[:, None] + np.arange(2), axis=1)
+    loads = model.const + np.einsum("pcoek,ek->pco", model.coef, a)
+    np.testing.assert_allclose(loads, want, rtol=1e-9, atol=1e-9 * want.max())
+    alltoall = cost.link_bytes(cost.traffic(x, share))
+    assert alltoall["nic_send"].sum() == pytest.approx(200.0)
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4)])
+def test_deepep_tangent_and_chord_bound_the_cost_model(nodes: int, gpn: int) -> None:
+    """The tangent model is exact at its point and above the cost model's DeepEP price at every split; the
+    chord model is below it (what makes the majorize-minimize step and the bound valid)."""
+    cost = _deepep(nodes, gpn)
+    g = nodes * gpn
+    x = _loads(3, g, 16)
+    home = static_placement(1, 16, g)[0]
+    rng = np.random.default_rng(0)
+    gpu_of = (home // gpn * gpn)[:, None] + np.arange(gpn)
+    lin = cost.linear()
+    lat = 4 * HOPPER.alltoall_latency_s
+
+    def split() -> tuple[np.ndarray, np.ndarray]:
+        a = rng.random(gpu_of.shape) * (rng.random(gpu_of.shape) < 0.6)
+        a[np.arange(16), home % gpn] += 0.1
+        a = a / a.sum(axis=1, keepdims=True) * x.sum(axis=0)[:, None]
+        full = np.zeros((16, g))
+        np.put_along_axis(full, gpu_of, a, axis=1)
+        return a, full
+
+    a0, full0 = split()
+    tangent = deepep_link_model(x, home, cost, CostModel.share(full0))
+    chord = deepep_link_model(x, home, cost, None)
+    s = lin.compute_s_per_token
+    np.testing.assert_allclose(tangent.comm_tokens(a0) * s + lat, cost.moe_comm_time(x, full0), rtol=1e-10)
+    for _ in range(20):
+        a, full = split()
+        true = cost.moe_comm_time(x, full)
+        assert np.all(tangent.comm_tokens(a) * s + lat >= true * (1 - 1e-12))
+        assert np.all(chord.comm_tokens(a) * s + lat <= true * (1 + 1e-12))
+
+
+@pytest.mark.parametrize(("nodes", "gpn", "seed"), [(1, 4, 0), (2, 2, 1), (2, 4, 2)])
+def test_deepep_majorize_minimize_never_raises_the_true_objective(nodes: int, gpn: int, seed: int) -> None:
+    """Solved exactly (gap 0, and the LP split), every iterate's true deepep objective is at most the last."""
+    cost = _deepep(nodes, gpn)
+    g = nodes * gpn
+    x = _loads(seed, g, 16)
+    x[0] *= 4
+    home = np.random.default_rng(seed).permutation(static_placement(1, 16, g)[0])
+    sols = [solve_replication(x, home, cost, 2, relative_gap=0.0, time_limit_s=30.0)]
+    sols.append(solve_split(x, home, cost, sols[0].copies | (np.arange(g) == home[:, None])))
+    for sol in sols:
+        it = np.array(sol.iterates_s)
+        assert it.size >= 2
+        assert np.all(np.diff(it) <= it[:-1] * 1e-9), it
+        assert sol.objective_s == pytest.approx(it.min(), rel=1e-12)
+        assert sol.bound_s <= sol.objective_s * (1 + 1e-12)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    shape=st.sampled_from([(1, 2), (1, 4), (2, 2), (2, 1)]),
+    per_gpu=st.sampled_from([1, 2]),
+    heavy=st.sampled_from([1, 4]),
+    slots=st.sampled_from([1, 2]),
+)
+def test_deepep_milp_never_worse_than_the_alltoall_proxy(
+    seed: int, shape: tuple[int, int], per_gpu: int, heavy: int, slots: int
+) -> None:
+    """Under deepep the MILP's plan, priced as the simulator prices communication, is never worse than the
+    alltoall-proxy MILP's plan priced the same way, and the value it reports is that price."""
+    nodes, gpn = shape
+    g = nodes * gpn
+    e = g * per_gpu
+    cost = _deepep(nodes, gpn)
+    x = _loads(seed, g, e, tokens=300)
+    x[0] *= heavy
+    home = np.random.default_rng(seed).permutation(static_placement(1, e, g)[0])
+    proxy = solve_replication(x, home, _cost(nodes, gpn), slots)
+    # NOTE: started from this very proxy plan: the alltoall MILP may return another of its tied optima
+    sol = solve_replication(x, home, cost, slots, start=proxy)
+    own = solve_replication(x, home, cost, slots)  # from the proxy it solves itself
+    assert own.objective_s <= own.iterates_s[0] * (1 + 1e-12)
+    proxy_price = float(linear_objective(x, proxy.assign, home, cost))
+    assert sol.objective_s == pytest.approx(float(linear_objective(x, sol.assign, home, cost)), rel=1e-9)
+    comp = sol.compute_tokens.max() * cost.linear().compute_s_per_token
+    assert sol.objective_s - comp == pytest.approx(float(cost.moe(x, sol.assign).t_comm), rel=1e-9)
+    assert sol.iterates_s[0] == pytest.approx(proxy_price, rel=1e-9)
+    assert sol.objective_s <= proxy_price * (1 + 1e-12)
+    assert sol.bound_s <= sol.objective_s * (1 + 1e-12)
+
+
+def test_deepep_milp_beats_the_alltoall_proxy_when_experts_share_a_gpu() -> None:
+    """One node of two GPUs; every token of GPU 0 picks e2 and e3 (both on GPU 1), every token of GPU 1 picks
+    e0 and e1 (on GPU 0). alltoall's MILP swaps a copy of e2 onto GPU 0 and of e0 onto GPU 1, saving one row
+    of every token; under DeepEP the token still crosses for its other expert, so those copies only add
+    their fixed compute. The deepep MILP keeps the experts at home and is strictly faster."""
+    cost = _deepep(1, 2)
+    x = np.array([[0, 0, 300, 300], [300, 300, 0, 0]])
+    home = np.array([0, 0, 1, 1])
+    proxy = solve_replication(x, home, _cost(1, 2), 1)
+    sol = solve_replication(x, home, cost, 1, start=proxy)
+    assert (proxy.copies & (np.arange(2) != home[:, None])).any()
+    np.testing.assert_array_equal(sol.copies, np.arange(2) == home[:, None])
+    proxy_price = float(linear_objective(x, proxy.assign, home, cost))
+    assert sol.objective_s < proxy_price * (1 - 1e-3)
+    fixed = cost.linear().compute_s_per_expert
+    assert proxy_price - sol.objective_s == pytest.approx(fixed, rel=1e-6)  # the copy's fixed cost, no more
+
+
+def test_deepep_start_must_be_a_solution_of_the_problem() -> None:
+    cost = _deepep(1, 2)
+    x = np.array([[0, 0, 300, 300], [300, 300, 0, 0]])
+    home = np.array([0, 0, 1, 1])
+    proxy = solve_replication(x, home, _cost(1, 2), 1)
+    with pytest.raises(ValueError, match="start: its assign"):
+        solve_replication(x, home, cost, 1, start=replace(proxy, assign=proxy.assign * 0.5))
+    with pytest.raises(ValueError, match="replica_slots=0"):
+        solve_replication(x, home, cost, 0, start=proxy)
+
+
+def test_deepep_milp_replicator_and_lp_greedy_give_valid_plans() -> None:
+    counts, workload, cluster, model, _ = tiny_setup(nodes=2, gpus_per_node=2, num_experts=8)
+    cluster = replace(cluster, dispatcher="deepep")
+    cost = CostModel(cluster, model)
+    ctx = batch_context(counts, workload, 0, cluster, model, cost)
+    home = static_placement(ctx.counts.shape[1], 8, 4)
+    out = MilpReplicator(1, MilpConfig(time_limit_s=5.0)).replicate(ctx.load[0], home, ctx)
+    check_assignment(
+        home, out.assign[None], ctx.load[:1], gpus_per_node=2, replica_slots=1, replicas=out.replicas[None]
+    )
+    assert out.stats["milp_bound_s"] <= out.stats["milp_objective_s"] * (1 + 1e-9)
+    x = np.asarray(ctx.load[0], dtype=np.float64)
+    rep = replicate_greedy(x, home, cost, 1, split="lp")
+    check_assignment(
+        home, rep.assign[None], ctx.load[:1], gpus_per_node=2, replica_slots=1, replicas=rep.replicas[None]
+    )
+    base = float(linear_objective(x, replicate_greedy(x, home, cost, 0).assign, home, cost).sum())
+    assert float(linear_objective(x, rep.assign, home, cost).sum()) <= base * (1 + 1e-6)

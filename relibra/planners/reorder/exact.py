@@ -11,6 +11,21 @@ load (routing of :func:`~relibra.planners.reorder.links.link_routes`); each GPU'
 ``2 * (max(nvlink_dispatch, nic_dispatch) + max(nvlink_combine, nic_combine)) + latency`` and the two maxima
 over GPUs are epigraph variables. The model is exact for the linearised cost, so a proven optimum is the
 annealer's true optimum.
+
+``cluster.dispatcher=deepep`` (the problem's ``lq`` / ``tok``): the annealer prices DeepEP with the cost
+model's estimate, a token of source ``j`` reaching GPU ``g`` ``T_j * (1 - prod_e (1 - q[e, j]) ** y[e, g])``
+times and node ``b`` ``T_j * (1 - prod_e (1 - q[e, j]) ** y_b[e])`` times (``y_b[e]``: ``e`` is homed on
+``b``), with every link load a non-negative sum of these hits
+(:func:`~relibra.planners.reorder.links.deepep_routes`). The function is concave in the continuous relaxation,
+but with binary placement each product is a chain
+``P_i = P_(i-1) * (1 - q_i * y_i)`` whose step is the product of a binary and a number in [0, 1]; four
+linear inequalities pin such a product exactly (Glover 1975, "Improved linear integer programming
+formulations of nonlinear integer problems"; McCormick's envelope, tight at binary points). So the model
+stays exact, with one continuous variable per (micro-batch, source, reached GPU or remote node, expert
+the source uses), and a proven optimum is again the annealer's true optimum. This was chosen over
+majorize-minimize (as :mod:`relibra.planners.replicate.milp` does for continuous splits), which would give a
+fixed point of the linearisation with no proof of optimality, while this module's purpose is to be the exact
+reference; the price is a larger model, fine for the small instances it is meant for.
 """
 
 from __future__ import annotations
@@ -18,13 +33,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cluster import ClusterSpec
 from relibra.planners.reorder.anneal import LayerProblem, placement_objective
-from relibra.planners.reorder.links import NUM_LINKS, link_routes
+from relibra.planners.reorder.links import NUM_LINKS, deepep_routes, link_routes
 
 __all__ = ["ExactResult", "brute_force_reorder", "milp_reorder"]
 
@@ -61,11 +77,6 @@ def milp_reorder(
             "milp_reorder models the sum of T_MoE over micro-batches; this problem prices "
             "cluster.ep_overlap=true (the overlapped layer time): use brute_force_reorder or the annealer"
         )
-    if problem.deepep:
-        raise ValueError(
-            "milp_reorder models alltoall's communication (linear in the placement); this problem prices "
-            "cluster.dispatcher=deepep, which is not: use brute_force_reorder or the annealer"
-        )
     if problem.compute_group != 1:
         raise ValueError(
             f"milp_reorder models the per-GPU compute term; this problem uses compute_group="
@@ -85,11 +96,8 @@ def milp_reorder(
         solver.Add(sum(y[e][g] for e in range(e_total)) == per_gpu)
     # NOTE: experts are interchangeable only when their loads are identical; no symmetry breaking here.
     idx, cnt = link_routes(cluster.nodes, cluster.gpus_per_node)
-    # route[j, g, link * G + gpu] = 1 when a token j -> g is counted on that GPU's link class.
-    route = np.zeros((g_total, g_total, NUM_LINKS * g_total))
-    for j in range(g_total):
-        for g in range(g_total):
-            route[j, g, idx[j, g, : cnt[j, g]]] = 1.0
+    route = _alltoall_route(idx, cnt) if not problem.deepep else None
+    droutes = deepep_routes(cluster.nodes, cluster.gpus_per_node) if problem.deepep else None
     cn, ci, lat = (float(v) for v in problem.coef)
     objective = []
     for m in range(mb):
@@ -98,18 +106,20 @@ def milp_reorder(
         objective += [c_max, k_max]
         for g in range(g_total):
             solver.Add(sum(float(problem.w[m, e]) * y[e][g] for e in range(e_total)) <= c_max)
-        # coeff[link * G + gpu, e, g]: tokens that homing e on g puts on that GPU's link class.
-        coeff = np.einsum("ej,jgk->keg", problem.x[m], route)
+        if droutes is None:
+            assert route is not None
+            terms = _alltoall_terms(problem.x[m], route, y)
+        else:
+            terms = _deepep_terms(solver, problem.lq[m], problem.tok[m], droutes, cluster, y, f"{m}")
         for gpu in range(g_total):
             halves = []
             for base in (0, 4):  # dispatch, combine
                 u = solver.NumVar(0.0, solver.infinity(), f"u_{m}_{gpu}_{base}")
                 halves.append(u)
                 for link, c in ((base, cn), (base + 1, cn), (base + 2, ci), (base + 3, ci)):
-                    k = coeff[link * g_total + gpu]
-                    nz = np.argwhere(k != 0.0)
-                    if nz.size:
-                        solver.Add(c * sum(float(k[e, g]) * y[e][g] for e, g in nz) <= u)
+                    on = terms[link * g_total + gpu]
+                    if on:
+                        solver.Add(c * sum(v * var for var, v in on) <= u)
             solver.Add(2.0 * (halves[0] + halves[1]) + lat <= k_max)
     if np.any(problem.mig):
         mig_max = solver.NumVar(0.0, solver.infinity(), "migmax")
@@ -137,6 +147,88 @@ def milp_reorder(
         optimal=optimal,
         solve_time_s=solver.wall_time() / 1000.0,
     )
+
+
+def _alltoall_route(idx: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """float64 [G(j), G(g), 8 * G]: 1 where a token ``j -> g`` is counted on that GPU's link class."""
+    g_total = idx.shape[0]
+    route = np.zeros((g_total, g_total, NUM_LINKS * g_total))
+    for j in range(g_total):
+        for g in range(g_total):
+            route[j, g, idx[j, g, : cnt[j, g]]] = 1.0
+    return route
+
+
+Terms = list[list[tuple[Any, float]]]
+"""Per flat link index ``link * G + gpu``: the (variable, tokens per unit) pairs of its load."""
+
+
+def _alltoall_terms(x_m: np.ndarray, route: np.ndarray, y: list[list[Any]]) -> Terms:
+    """alltoall: homing ``e`` on ``g`` puts ``sum_j x[e, j] * route[j, g]`` tokens on each link.
+
+    x_m [E, G(j)]."""
+    coeff = np.einsum("ej,jgk->keg", x_m, route)  # [8 * G, E, G]
+    return [[(y[e][g], float(k[e, g])) for e, g in np.argwhere(k != 0.0)] for k in coeff]
+
+
+def _product_chain(solver: Any, picks: list[Any], drop: np.ndarray, name: str) -> list[tuple[Any, float]]:
+    """``1 - prod_i (1 - drop[i]) ** picks[i]`` for binary ``picks`` (variables or sums of them), exactly.
+
+    ``P_0 = 1``, ``P_i = P_(i-1) - drop[i] * w_i`` with ``w_i = picks[i] * P_(i-1)``, the product of a
+    binary and a number in [0, 1], which four linear inequalities pin exactly (Glover 1975). Returns the
+    pairs ``(w_i, drop[i])``: ``1 - P_n = sum_i drop[i] * w_i``.
+    """
+    out: list[tuple[Any, float]] = []
+    for i, (pick, d) in enumerate(zip(picks, drop)):
+        prev = 1.0 - sum(float(dd) * w for w, dd in out) if out else 1.0
+        w = solver.NumVar(0.0, 1.0, f"w_{name}_{i}")
+        solver.Add(w <= pick)
+        solver.Add(w <= prev)
+        solver.Add(w >= prev - 1.0 + pick)
+        out.append((w, float(d)))
+    return out
+
+
+def _deepep_terms(
+    solver: Any,
+    lq_m: np.ndarray,
+    tok_m: np.ndarray,
+    droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    cluster: ClusterSpec,
+    y: list[list[Any]],
+    name: str,
+) -> Terms:
+    """deepep (the annealer's estimate, :func:`~relibra.planners.reorder.anneal.full_state_deepep`): a token
+    of
+    ``j`` reaches GPU ``g`` ``T_j * (1 - prod_e (1 - q[e, j]) ** y[e, g])`` times and node ``b``
+    ``T_j * (1 - prod_e (1 - q[e, j]) ** y_b[e])`` times, each product modelled exactly by
+    :func:`_product_chain`; lq_m [E, G(j)] (``log(1 - q)``), tok_m [G(j)]."""
+    gidx, gcnt, nidx, ncnt = droutes
+    g_total, gpn = cluster.num_gpus, cluster.gpus_per_node
+    terms: Terms = [[] for _ in range(NUM_LINKS * g_total)]
+    on_node = [
+        [sum(y[e][g] for g in range(b * gpn, (b + 1) * gpn)) for e in range(lq_m.shape[0])]
+        for b in range(cluster.nodes)
+    ]
+    for j in range(g_total):
+        used = np.flatnonzero(lq_m[:, j] < 0)
+        if tok_m[j] <= 0 or used.size == 0:
+            continue
+        drop = -np.expm1(lq_m[used, j])  # q of each used expert
+        chains = [
+            (gidx[j, g, : gcnt[j, g]], [y[e][g] for e in used], f"{name}_{j}_g{g}")
+            for g in range(g_total)
+            if gcnt[j, g]
+        ] + [
+            (nidx[j, b, : ncnt[j, b]], [on_node[b][e] for e in used], f"{name}_{j}_n{b}")
+            for b in range(cluster.nodes)
+            if ncnt[j, b]
+        ]
+        for flat, picks, label in chains:
+            pairs = _product_chain(solver, picks, drop, label)
+            for r in flat:
+                terms[r] += [(w, float(tok_m[j]) * d) for w, d in pairs]
+    return terms
 
 
 def brute_force_reorder(

@@ -22,14 +22,39 @@ regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token
 coefficients are taken from :meth:`~relibra.cost.model.CostModel.link_bytes` itself, so both can never drift
 apart.
 
+``cluster.dispatcher=deepep``: majorize-minimize (successive linearisation). The cost model prices DeepEP
+with :func:`relibra.cost.fabric.deepep_link_tokens_estimate`: a token of source ``j`` reaches GPU ``g``
+``hit[j, g] = T_j * (1 - exp(u[j, g]))`` times, ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]``
+(``q = x / T``), and every DeepEP link load is a non-negative sum of such hits and of node hits. Since copies
+stay in the expert's home node, each expert's node share is fixed and the node hits (the RDMA volumes) are
+constants; only the NVLink hits depend on the split, each a concave function of the linear ``u``. Its tangent
+at the incumbent split is an affine upper bound, exact there, and the communication time is non-decreasing in
+every link load, so the MILP with the tangents in place of the hits minimises a majorizer of the true
+objective that touches it at the incumbent. Hence
+``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every exactly solved iterate's true objective
+(linearised compute plus :meth:`~relibra.cost.model.CostModel.moe_comm_time`, the simulator's own price) is no
+higher than the last (Lange, Hunter and Yang 2000, "Optimization transfer using surrogate objective
+functions"; the same argument as the concave-convex procedure). The loop starts from the alltoall-proxy
+solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each new solution,
+and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after
+:attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible only when a
+gap-limited MILP returns a worse incumbent than its hint) is not accepted, so the result is never worse than
+its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed point of the
+linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced by its
+chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
+minorizes the true objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound
+proves the result within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every
+solve.
+
 :func:`solve_replication` solves the MILP (OR-Tools ``pywraplp``: SCIP by default, CBC also works) with a
 time limit and reports the proven bound; :func:`solve_split` solves the LP with the replica set fixed
-(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate.greedy`). Neither models
-``cluster.dispatcher=deepep``, whose de-duplicated traffic is concave in the split: they refuse it.
+(GLOP), the general-case token split of the greedy (:mod:`relibra.planners.replicate.greedy`), under either
+dispatcher.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -39,12 +64,16 @@ from ortools.linear_solver import pywraplp
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours
 from relibra.planners.protocols import BatchContext, Replication
+from relibra.planners.reorder.links import NUM_LINKS, deepep_routes
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 
 __all__ = [
+    "LinkModel",
+    "MajorizeConfig",
     "MilpConfig",
     "MilpReplicator",
     "ReplicationSolution",
+    "deepep_link_model",
     "dispatch_routing",
     "solve_replication",
     "solve_split",
@@ -54,6 +83,23 @@ MIP_SOLVERS = ("SCIP", "CBC")
 """OR-Tools backends that solve the replication MILP (both ship with the ``ortools`` wheel)."""
 
 LINK_KEYS = ("nvlink_send", "nvlink_recv", "nic_send", "nic_recv")
+
+
+@dataclass(frozen=True)
+class MajorizeConfig:
+    """Majorize-minimize settings for ``cluster.dispatcher=deepep`` (module doc). These defaults are the only
+    ones: the Hydra node ``planner/majorize/mm`` is generated from them (:mod:`experiments.planner_nodes`)."""
+
+    max_iterations: int = 8
+    """Linearised solves after the alltoall-proxy start, each re-linearised at the incumbent."""
+    rel_tol: float = 1e-4
+    """Stop once a solve lowers the true deepep objective by less than this fraction of it."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_iterations, int) and self.max_iterations >= 1):
+            raise ValueError(f"max_iterations={self.max_iterations!r}; expected an integer >= 1")
+        if not (math.isfinite(self.rel_tol) and self.rel_tol >= 0):
+            raise ValueError(f"rel_tol={self.rel_tol!r}; expected a finite number >= 0")
 
 
 @dataclass(frozen=True)
@@ -67,11 +113,16 @@ class ReplicationSolution:
     compute_tokens: np.ndarray
     """float64 [G]: linearised compute per GPU in token equivalents (fixed cost of every copy included)."""
     objective_s: float
-    """Linearised ``T_MoE`` of ``assign`` in seconds (latency included)."""
+    """``T_MoE`` of ``assign`` in seconds (latency included): linearised compute plus the cost model's
+    communication (:meth:`CostModel.moe_comm_time`, either dispatcher)."""
     bound_s: float
     """Proven lower bound on the optimum in seconds (``objective_s`` when solved to optimality as an LP)."""
     optimal: bool
+    """The solver proved ``objective_s`` within the relative gap of the optimum."""
     wall_s: float
+    iterates_s: tuple[float, ...] = ()
+    """``deepep``: true objective (seconds) of the start (the alltoall-proxy solution or the given one) and
+    of every linearised solve, in order (majorize-minimize); ``alltoall``: empty."""
 
     @property
     def gap(self) -> float:
@@ -97,6 +148,66 @@ def dispatch_routing(cost: CostModel) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class LinkModel:
+    """Affine link loads of one problem in token equivalents (per-token link time already applied):
+    ``load[ph, c, o] = const[ph, c, o] + sum_{e, k} coef[ph, c, o, e, k] * a[e, k]``."""
+
+    coef: np.ndarray
+    """float64 [2 (dispatch, combine), 4 (:data:`LINK_KEYS`), G(o), E, gpn]: per token of ``a[e, k]``."""
+    const: np.ndarray
+    """float64 [2, 4, G(o)]: the part that does not depend on the split."""
+
+    def comm_tokens(self, a: np.ndarray) -> np.ndarray:
+        """a [E, gpn] -> float64 [G]: ``2 * (busiest dispatch link + busiest combine link)`` of each GPU (the
+        four phases; latency excluded)."""
+        loads = self.const + np.einsum("pcoek,ek->pco", self.coef, a)
+        return 2.0 * loads.max(axis=1).sum(axis=0)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One (micro-batch, layer) problem, its copy positions, in the home node of every expert."""
+
+    x: np.ndarray
+    """float64 [G(j), E]."""
+    home: np.ndarray
+    """int64 [E]."""
+    tot: np.ndarray
+    """float64 [E]: ``A[e]``."""
+    gpu_of: np.ndarray
+    """int64 [E, gpn]: the GPUs of ``e``'s home node."""
+    is_home: np.ndarray
+    """bool [E, gpn]."""
+    active: np.ndarray
+    """bool [E, gpn]: positions that may compute ``e``."""
+    free: np.ndarray
+    """bool [E, gpn]: replica positions (a binary each in the MILP)."""
+    mip: bool
+    coef: ReplicationCoefficients
+
+
+def _problem(x: np.ndarray, home: np.ndarray, cost: CostModel, copies: np.ndarray | None) -> _Problem:
+    cluster = cost.cluster
+    g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    x = np.asarray(x, dtype=np.float64)
+    home = np.asarray(home, dtype=np.int64)
+    e_n = x.shape[1]
+    if x.shape != (g_n, e_n) or home.shape != (e_n,):
+        raise ValueError(f"x must be [G={g_n}, E] and home [E]; got {x.shape} and {home.shape}")
+    tot = x.sum(axis=0)  # [E]
+    gpu_of = (home // gpn * gpn)[:, None] + np.arange(gpn)  # [E, gpn]
+    is_home = gpu_of == home[:, None]
+    if copies is None:
+        active = np.broadcast_to((tot > 0)[:, None], (e_n, gpn)) | is_home
+    else:
+        active = np.take_along_axis(np.asarray(copies, dtype=bool), gpu_of, axis=1) | is_home
+    free = active & ~is_home & (tot[:, None] > 0)
+    return _Problem(
+        x, home, tot, gpu_of, is_home, active, free, copies is None, ReplicationCoefficients.from_cost(cost)
+    )
+
+
 def _link_coefficients(
     x: np.ndarray, tot: np.ndarray, gpu_of: np.ndarray, routing: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -108,50 +219,123 @@ def _link_coefficients(
     return np.take_along_axis(disp, idx, axis=-1), np.take_along_axis(comb, idx, axis=-1)
 
 
-def _solve(
+def _alltoall_model(p: _Problem, routing: np.ndarray) -> LinkModel:
+    """alltoall's link loads, linear in the split under the proportional split rule (module doc)."""
+    c = p.coef
+    weights = np.array([c.nvlink_per_token] * 2 + [c.nic_per_token] * 2)
+    kcs = [
+        kc * weights[:, None, None, None] * p.active
+        for kc in _link_coefficients(p.x, p.tot, p.gpu_of, routing)
+    ]
+    return LinkModel(coef=np.stack(kcs), const=np.zeros((2, 4, p.x.shape[0])))
+
+
+def _deepep_weights(cost: CostModel) -> np.ndarray:
+    """float64 [2, 4]: token equivalents per token on each link class in a dispatch and a combine phase,
+    read from :meth:`CostModel.deepep_phase_times` itself."""
+    out = np.empty((2, 4))
+    for c, key in enumerate(LINK_KEYS):
+        unit = {k: np.array([1.0 if k == key else 0.0]) for k in LINK_KEYS}
+        dispatch, combine = cost.deepep_phase_times(unit)
+        out[:, c] = dispatch[0], combine[0]
+    return out / ReplicationCoefficients.from_cost(cost).seconds_per_token
+
+
+def _deepep_model(p: _Problem, cost: CostModel, share: np.ndarray | None) -> LinkModel:
+    """DeepEP's link loads (the cost model's estimate) bounded by affine functions of the split.
+
+    A token of source ``j`` reaches GPU ``g`` ``hit[j, g] = T_j * (1 - exp(u[j, g]))`` times, with
+    ``u[j, g] = sum_e log(1 - q[j, e]) * a[e, g] / A[e]``
+    (:func:`relibra.cost.fabric.deepep_link_tokens_estimate`), concave in ``u``. ``share`` [E, G] given: its
+    tangent at ``u0 = u(share)``, an upper bound exact at ``share``; None: its chord over ``[U, 0]``,
+    ``U`` the least ``u`` any split reaches (every copy position of ``g`` at share 1), a lower bound.
+    Node hits do not depend on the split (copies stay in the home node).
+    """
+    cluster = cost.cluster
+    g_n, gpn, nodes = cluster.num_gpus, cluster.gpus_per_node, cluster.nodes
+    x, tot = p.x, p.tot
+    tok = x.sum(axis=1) / cost.model.top_k  # [G(j)]
+    q = np.minimum(np.divide(x, tok[:, None], out=np.zeros_like(x), where=tok[:, None] > 0), 1.0)
+    lq = np.log1p(-np.minimum(q, 1.0 - 1e-12))  # [G(j), E], as the fabric's estimate
+    if share is None:
+        reach = np.zeros((x.shape[1], g_n))
+        np.put_along_axis(reach, p.gpu_of, p.active.astype(np.float64), axis=1)
+        low = lq @ reach  # [G(j), G(g)]
+        neg = low < 0
+        c1 = np.where(neg, tok[:, None] * -np.expm1(low) / np.where(neg, low, -1.0), 0.0)
+        c0 = np.zeros_like(c1)
+    else:
+        u0 = lq @ np.asarray(share, dtype=np.float64)
+        e0 = np.exp(u0)
+        c1 = -tok[:, None] * e0  # f'(u0)
+        c0 = tok[:, None] * (1.0 - e0 * (1.0 - u0))  # f(u0) - f'(u0) * u0
+    node_share = np.zeros((x.shape[1], nodes))
+    node_share[np.arange(x.shape[1]), p.home // gpn] = tot > 0
+    hit_node = tok[:, None] * -np.expm1(lq @ node_share)  # [G(j), N]
+    gidx, gcnt, nidx, ncnt = deepep_routes(nodes, gpn)
+    rg = np.zeros((NUM_LINKS * g_n, g_n, g_n))  # [slot * G + o, j, g]
+    rn = np.zeros((NUM_LINKS * g_n, g_n, nodes))
+    for idx, cnt, r in ((gidx, gcnt, rg), (nidx, ncnt, rn)):
+        jj, gg = np.nonzero(cnt)
+        for k in range(idx.shape[-1]):
+            np.add.at(r, (idx[jj, gg, k], jj, gg), 1.0)
+    const = np.einsum("rjg,jg->r", rg, c0) + np.einsum("rjb,jb->r", rn, hit_node)
+    per_a = np.divide(lq, tot[None, :], out=np.zeros_like(lq), where=tot[None, :] > 0)  # du / da [G(j), E]
+    full = np.einsum("rjg,je->reg", rg * c1[None], per_a, optimize=True)  # [slot * G + o, E, G(g)]
+    idx_k = np.broadcast_to(p.gpu_of, full.shape[:1] + p.gpu_of.shape)
+    coef = np.take_along_axis(full, idx_k, axis=-1) * p.active  # [slot * G + o, E, gpn]
+    w = _deepep_weights(cost)[:, :, None]
+    return LinkModel(
+        coef=coef.reshape(2, 4, g_n, *p.gpu_of.shape) * w[..., None, None],
+        const=const.reshape(2, 4, g_n) * w,
+    )
+
+
+def deepep_link_model(
     x: np.ndarray,
     home: np.ndarray,
     cost: CostModel,
+    share: np.ndarray | None,
+    copies: np.ndarray | None = None,
+) -> LinkModel:
+    """The affine bounds of :func:`_deepep_model` for one problem: x [G, E], home [E], share [E, G] (the
+    tangent point; None: the chord, a lower bound), copies bool [E, G] (None: every GPU of the home node)."""
+    return _deepep_model(_problem(x, home, cost, copies), cost, share)
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """One solver run: the split on the copy positions and the solver's own values (token equivalents)."""
+
+    a: np.ndarray
+    """float64 [E, gpn]."""
+    held: np.ndarray
+    """bool [E, gpn]."""
+    value: float
+    bound: float
+    optimal: bool
+
+
+def _milp(
+    p: _Problem,
+    model: LinkModel | None,
     replica_slots: int,
-    copies: np.ndarray | None,
     solver_name: str,
     time_limit_s: float,
     relative_gap: float,
-    routing: np.ndarray | None,
-    comm: bool = True,
-) -> ReplicationSolution:
-    if comm and cost.dispatcher != "alltoall":
-        raise ValueError(
-            f"cluster.dispatcher={cost.dispatcher}: the replication MILP / LP split models alltoall's "
-            "communication, which is linear in the split; DeepEP's de-duplicated traffic is not (a token "
-            "reaches a GPU with probability 1 - prod (1 - q)^share, concave in the split). Use the greedy "
-            "(split=waterfill), which prices deepep exactly as the simulator does"
-        )
-    t0 = time.perf_counter()
-    cluster = cost.cluster
-    g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
-    x = np.asarray(x, dtype=np.float64)
-    home = np.asarray(home, dtype=np.int64)
-    e_n = x.shape[1]
-    if x.shape != (g_n, e_n) or home.shape != (e_n,):
-        raise ValueError(f"x must be [G={g_n}, E] and home [E]; got {x.shape} and {home.shape}")
-    coef = ReplicationCoefficients.from_cost(cost)
-    h = coef.fixed_tokens
-    tot = x.sum(axis=0)  # [E]
-    gpu_of = (home // gpn * gpn)[:, None] + np.arange(gpn)  # [E, gpn]
-    is_home = gpu_of == home[:, None]
-    if copies is None:
-        active = np.broadcast_to((tot > 0)[:, None], (e_n, gpn)) | is_home
-    else:
-        active = np.take_along_axis(np.asarray(copies, dtype=bool), gpu_of, axis=1) | is_home
-    free = active & ~is_home & (tot[:, None] > 0)  # replica positions
-    mip = copies is None
-
+    hint: _Raw | None = None,
+) -> _Raw:
+    """Build and solve the MILP (``p.mip``) or the LP of one problem with communication ``model``."""
+    g_n = p.x.shape[0]
+    e_n = p.x.shape[1]
+    h = p.coef.fixed_tokens
+    tot, gpu_of, active, free, mip = p.tot, p.gpu_of, p.active, p.free, p.mip
     solver = pywraplp.Solver.CreateSolver(solver_name)
     if solver is None:
         raise ValueError(f"OR-Tools solver {solver_name!r} is not available; use 'SCIP', 'CBC' or 'GLOP'")
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     inf = solver.infinity()
+    gpn = gpu_of.shape[1]
     a_var = np.empty((e_n, gpn), dtype=object)
     z_var = np.empty((e_n, gpn), dtype=object)
     for e, k in zip(*np.nonzero(active)):
@@ -175,7 +359,7 @@ def _solve(
             slot_ct[gpu_of[e, k]].SetCoefficient(z_var[e, k], 1.0)
     # compute: sum_e a[e, g] + h * (copies on g) <= t_comp
     fixed = np.zeros(g_n)
-    np.add.at(fixed, home, h)
+    np.add.at(fixed, p.home, h)
     if not mip:
         np.add.at(fixed, gpu_of[free], h)
     comp_ct = [solver.Constraint(-inf, -float(fixed[g])) for g in range(g_n)]
@@ -185,18 +369,16 @@ def _solve(
         comp_ct[gpu_of[e, k]].SetCoefficient(a_var[e, k], 1.0)
         if mip and free[e, k]:
             comp_ct[gpu_of[e, k]].SetCoefficient(z_var[e, k], h)
-    # communication
-    if comm and g_n > 1:
-        routing = dispatch_routing(cost) if routing is None else routing
-        weights = np.array([coef.nvlink_per_token] * 2 + [coef.nic_per_token] * 2)
-        for ph, kc in enumerate(_link_coefficients(x, tot, gpu_of, routing)):
-            kc = kc * weights[:, None, None, None] * active  # [4, G, E, gpn]
+    # communication: p[ph][o] >= each link load of GPU o in exchange ph; t_comm >= 2 (p[0][o] + p[1][o])
+    if model is not None:
+        for ph in range(2):
+            kc, cst = model.coef[ph], model.const[ph]
             for c in range(4):
                 for o in range(g_n):
                     nz = np.nonzero(kc[c, o])
-                    if nz[0].size == 0:
+                    if nz[0].size == 0 and cst[c, o] == 0.0:
                         continue
-                    ct = solver.Constraint(-inf, 0.0)
+                    ct = solver.Constraint(-inf, -float(cst[c, o]))
                     ct.SetCoefficient(p_var[ph][o], -1.0)
                     for e, k, v in zip(*nz, kc[c, o][nz]):
                         ct.SetCoefficient(a_var[e, k], float(v))
@@ -209,6 +391,13 @@ def _solve(
     obj.SetCoefficient(t_comp, 1.0)
     obj.SetCoefficient(t_comm, 1.0)
     obj.SetMinimization()
+    if hint is not None and mip:
+        pos = list(zip(*np.nonzero(active)))
+        rep = list(zip(*np.nonzero(free)))
+        solver.SetHint(
+            [a_var[e, k] for e, k in pos] + [z_var[e, k] for e, k in rep],
+            [float(hint.a[e, k]) for e, k in pos] + [float(hint.held[e, k]) for e, k in rep],
+        )
 
     params = pywraplp.MPSolverParameters()
     if mip:
@@ -225,24 +414,115 @@ def _solve(
     if mip:
         for e, k in zip(*np.nonzero(free)):
             held[e, k] = z_var[e, k].solution_value() > 0.5
-    a = np.where(held, np.maximum(a, 0.0), 0.0)
-    assign = np.zeros((e_n, g_n))
-    copies_out = np.zeros((e_n, g_n), dtype=bool)
-    np.put_along_axis(assign, gpu_of, a, axis=1)
-    np.put_along_axis(copies_out, gpu_of, held, axis=1)
-    compute = assign.sum(axis=0) + h * copies_out.sum(axis=0)
     value = obj.Value()
-    bound = obj.BestBound() if mip else value
-    scale = coef.seconds_per_token
-    lat = coef.latency * scale if comm else 0.0
+    return _Raw(
+        a=np.where(held, np.maximum(a, 0.0), 0.0),
+        held=held,
+        value=value,
+        bound=obj.BestBound() if mip else value,
+        optimal=status == pywraplp.Solver.OPTIMAL,
+    )
+
+
+def _full(p: _Problem, raw: _Raw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(assign float64 [E, G], copies bool [E, G], compute token equivalents float64 [G]) of a run."""
+    g_n = p.x.shape[0]
+    assign = np.zeros((p.x.shape[1], g_n))
+    copies = np.zeros((p.x.shape[1], g_n), dtype=bool)
+    np.put_along_axis(assign, p.gpu_of, raw.a, axis=1)
+    np.put_along_axis(copies, p.gpu_of, raw.held, axis=1)
+    return assign, copies, assign.sum(axis=0) + p.coef.fixed_tokens * copies.sum(axis=0)
+
+
+def _true_s(p: _Problem, cost: CostModel, raw: _Raw) -> float:
+    """Seconds of a run: linearised compute plus the cost model's communication (its dispatcher)."""
+    assign, _, compute = _full(p, raw)
+    comm = float(cost.moe_comm_time(p.x, assign).max())
+    return float(compute.max()) * p.coef.seconds_per_token + comm
+
+
+def _start(p: _Problem, start: ReplicationSolution, replica_slots: int) -> _Raw:
+    """A given solution as the loop's first incumbent (positions outside the home node dropped)."""
+    a = np.take_along_axis(np.asarray(start.assign, dtype=np.float64), p.gpu_of, axis=1)
+    held = (np.take_along_axis(np.asarray(start.copies, dtype=bool), p.gpu_of, axis=1) & p.active) | p.is_home
+    a = np.where(held, np.maximum(a, 0.0), 0.0)
+    if not np.allclose(a.sum(axis=1), p.tot, rtol=1e-9, atol=1e-6):
+        raise ValueError(
+            "start: its assign must hold every expert's tokens on copies in the expert's home node "
+            f"(start.assign sums {a.sum(axis=1).tolist()} there, loads {p.tot.tolist()})"
+        )
+    used = np.bincount(p.gpu_of[held & ~p.is_home], minlength=p.x.shape[0])
+    if p.mip and used.max(initial=0) > replica_slots:
+        raise ValueError(
+            f"start: a GPU holds {int(used.max())} replicas, more than replica_slots={replica_slots}"
+        )
+    return _Raw(a=a, held=held, value=np.nan, bound=np.nan, optimal=False)
+
+
+def _solve(
+    x: np.ndarray,
+    home: np.ndarray,
+    cost: CostModel,
+    replica_slots: int,
+    copies: np.ndarray | None,
+    solver_name: str,
+    time_limit_s: float,
+    relative_gap: float,
+    routing: np.ndarray | None,
+    comm: bool = True,
+    majorize: MajorizeConfig | None = None,
+    start: ReplicationSolution | None = None,
+) -> ReplicationSolution:
+    t0 = time.perf_counter()
+    p = _problem(x, home, cost, copies)
+    g_n = p.x.shape[0]
+    model = None
+    if comm and g_n > 1:
+        model = _alltoall_model(p, dispatch_routing(cost) if routing is None else routing)
+    scale = p.coef.seconds_per_token
+    lat = p.coef.latency * scale if comm else 0.0
+    if model is None or cost.dispatcher == "alltoall":
+        run = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
+        assign, copies_out, compute = _full(p, run)
+        return ReplicationSolution(
+            assign=assign,
+            copies=copies_out,
+            compute_tokens=compute,
+            objective_s=run.value * scale + lat,
+            bound_s=min(run.bound, run.value) * scale + lat,
+            optimal=run.optimal,
+            wall_s=time.perf_counter() - t0,
+        )
+    # deepep: majorize-minimize from the alltoall-proxy solution (module doc) or the given start
+    mm = majorize if majorize is not None else MajorizeConfig()
+    if start is None:
+        best = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
+    else:
+        best = _start(p, start, replica_slots)
+    best_s = _true_s(p, cost, best)
+    iterates = [best_s]
+    for _ in range(mm.max_iterations):
+        tangent = _deepep_model(p, cost, cost.share(_full(p, best)[0]))
+        cand = _milp(p, tangent, replica_slots, solver_name, time_limit_s, relative_gap, hint=best)
+        cand_s = _true_s(p, cost, cand)
+        iterates.append(cand_s)
+        improved = cand_s < best_s * (1.0 - mm.rel_tol)
+        if cand_s < best_s:
+            best, best_s = cand, cand_s
+        if not improved:
+            break
+    chord = _milp(p, _deepep_model(p, cost, None), replica_slots, solver_name, time_limit_s, relative_gap)
+    bound_s = min(chord.bound * scale + lat, best_s)
+    assign, copies_out, compute = _full(p, best)
     return ReplicationSolution(
         assign=assign,
         copies=copies_out,
         compute_tokens=compute,
-        objective_s=value * scale + lat,
-        bound_s=min(bound, value) * scale + lat,
-        optimal=status == pywraplp.Solver.OPTIMAL,
+        objective_s=best_s,
+        bound_s=bound_s,
+        optimal=best_s - bound_s <= relative_gap * best_s,
         wall_s=time.perf_counter() - t0,
+        iterates_s=tuple(iterates),
     )
 
 
@@ -257,15 +537,22 @@ def solve_replication(
     relative_gap: float = 1e-3,
     routing: np.ndarray | None = None,
     comm: bool = True,
+    majorize: MajorizeConfig | None = None,
+    start: ReplicationSolution | None = None,
 ) -> ReplicationSolution:
     """Optimal replicas and split of one problem (MILP). x [G, E], home [E].
 
     ``routing`` (from :func:`dispatch_routing`) may be passed to reuse it across problems of one cluster.
     Past ``time_limit_s`` the best solution found is returned with ``optimal=False`` and its proven bound.
     ``comm=False`` drops the communication term (objective ``T_comp`` only; then ``objective_s`` and
-    ``bound_s`` hold compute seconds).
+    ``bound_s`` hold compute seconds). Under ``deepep`` every solve runs within ``time_limit_s``, and
+    ``majorize`` (None: :class:`MajorizeConfig`'s defaults) sets the majorize-minimize loop (module doc),
+    which starts from ``start`` (a solution of this problem, e.g. the alltoall MILP's or the greedy's as
+    assign / copies) or, if None, from the alltoall-proxy solution it solves first.
     """
-    return _solve(x, home, cost, replica_slots, None, solver, time_limit_s, relative_gap, routing, comm)
+    return _solve(
+        x, home, cost, replica_slots, None, solver, time_limit_s, relative_gap, routing, comm, majorize, start
+    )
 
 
 def solve_split(
@@ -276,12 +563,14 @@ def solve_split(
     *,
     solver: str = "GLOP",
     routing: np.ndarray | None = None,
+    majorize: MajorizeConfig | None = None,
 ) -> ReplicationSolution:
     """Optimal token split (LP) for a fixed replica set. x [G, E], home [E], copies bool [E, G].
 
-    Copies outside the expert's home node are ignored (ReLibra replicates within the node only).
+    Copies outside the expert's home node are ignored (ReLibra replicates within the node only). Under
+    ``deepep`` the split is the majorize-minimize fixed point from the alltoall-proxy LP (module doc).
     """
-    return _solve(x, home, cost, 0, copies, solver, 60.0, 0.0, routing)
+    return _solve(x, home, cost, 0, copies, solver, 60.0, 0.0, routing, majorize=majorize)
 
 
 def greedy_with_lp_split(
@@ -348,7 +637,8 @@ class MilpConfig:
     solver: str = "SCIP"
     """OR-Tools MIP backend: ``SCIP`` or ``CBC``."""
     time_limit_s: float = 10.0
-    """Solver time limit per (micro-batch, layer) problem."""
+    """Solver time limit per solve (alltoall: one per (micro-batch, layer) problem; deepep: the start, each
+    linearised solve and the bound, so up to ``majorize.max_iterations + 2`` per problem)."""
     relative_gap: float = 1e-3
     """Stop once the incumbent is proven within this relative gap of the bound."""
     refill_aware: bool = True
@@ -376,6 +666,8 @@ class MilpReplicator:
 
     replica_slots: int
     config: MilpConfig = MilpConfig()
+    majorize: MajorizeConfig = field(default_factory=MajorizeConfig)
+    """The majorize-minimize loop under ``cluster.dispatcher=deepep`` (unused under ``alltoall``)."""
     _routing: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -418,6 +710,7 @@ class MilpReplicator:
                 time_limit_s=self.config.time_limit_s,
                 relative_gap=self.config.relative_gap,
                 routing=routing,
+                majorize=self.majorize,
             )
             sols.append(sol)
             assign[l] = round_assign(sol.assign, load[l].sum(axis=0))
