@@ -17,24 +17,19 @@ from relibra.cost.buffer_memory import (
 from relibra.cost.model import CostModel
 from relibra.invariants import check_assignment
 from relibra.planners.protocols import home_assign, static_placement
-from relibra.planners.replicate.greedy import (
+from relibra.planners.replicate.greedy import linear_objective, replicate_greedy
+from relibra.planners.replicate.links import _comm_lower_bound, _comm_per_gpu, _node_traffic
+from relibra.planners.replicate.moves import _receive_step, _waterfill
+from relibra.planners.replicate.state import (
     ALL_NODES,
-    ReplicationCoefficients,
-    _comm_lower_bound,
-    _comm_per_gpu,
     _home_state,
-    _node_traffic,
     _nvlink_bound,
     _objective,
     _Problem,
     _problem,
-    _receive_step,
     _State,
-    _waterfill,
-    linear_objective,
-    replicate_greedy,
-    round_assign,
 )
+from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
 from tests.spine_helpers import HOPPER
 
 MODEL = ModelSpec("test-moe", 4, 4, 2048, 768, 64, 8, 16, 4, 128)
