@@ -39,7 +39,7 @@ from relibra.control.config import ControlPlaneConfig
 from relibra.control.plane import ControlPlane
 from relibra.cost.model import CostModel
 from relibra.planners.compose import relibra
-from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.trace.synthetic import generate_counts
 
 ACTIVE_PARAMS = 22e9

@@ -30,17 +30,12 @@ from rich.table import Table
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, home_assign, static_placement
-from relibra.planners.reorder.anneal import (
-    AnnealConfig,
-    AnnealingReorderer,
-    layer_problem,
-    link_routes,
-    lpt_placement,
-    main_iterations,
-    placement_objective,
-    solve_layer,
-)
+from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
+from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.exact import milp_reorder
+from relibra.planners.reorder.kernels import placement_objective
+from relibra.planners.reorder.links import link_routes
+from relibra.planners.reorder.problem import layer_problem, lpt_placement
 from relibra.simulator import batch_context
 from relibra.trace.importers import load_olmoe_prefill_counts
 from relibra.trace.synthetic import generate_counts

@@ -189,7 +189,8 @@ def balance(full: bool, seed: int) -> None:
     for r in slots:
         table.add_column(f"T_MoE r={r}", justify="right")
     for nodes in (1, 2, 4, 8):
-        from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+        from relibra.planners.reorder.anneal import AnnealingReorderer
+        from relibra.planners.reorder.config import AnnealConfig
 
         ctx = synthetic_context(qwen, nodes, layers, mbs, seed)
         g = ctx.num_gpus

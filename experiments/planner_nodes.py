@@ -1,7 +1,7 @@
 """Config nodes generated from the planners' settings dataclasses, so that each default lives in the
 dataclass alone and every one of its keys can still be overridden on the command line.
 
-* ``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.anneal.AnnealConfig`;
+* ``planner/reorder/anneal``: the annealer's :class:`~relibra.planners.reorder.config.AnnealConfig`;
   ``planner=relibra`` and ``planner=relibra_reorder_only`` compose it as ``planner.reorder``
   (``planner.reorder.KEY=V``);
 * ``planner/replicate/greedy``: the greedy replication's
@@ -36,7 +36,7 @@ from baselines.lplb import LplbPlanner
 from baselines.megatron import MegatronPlanner
 from baselines.popfetcher import PopFetcherPlanner
 from baselines.ultraep import UltraEPPlanner
-from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.planners.replicate.milp import MajorizeConfig, MilpConfig
 

@@ -29,7 +29,8 @@ from relibra.planners.protocols import (
     static_placement,
 )
 from relibra.planners.refill import replicate_batch
-from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+from relibra.planners.reorder.anneal import AnnealingReorderer
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
 from relibra.planners.replicate.milp import MajorizeConfig, MilpConfig, MilpReplicator
 from relibra.relabel import relabel_for

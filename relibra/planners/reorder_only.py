@@ -14,7 +14,8 @@ from dataclasses import replace
 import numpy as np
 
 from relibra.planners.protocols import BatchContext, SlotBudget, home_assign, reordered_load
-from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+from relibra.planners.reorder.anneal import AnnealingReorderer
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
 
@@ -23,7 +24,7 @@ __all__ = ["ReorderOnlyPlanner"]
 
 class ReorderOnlyPlanner:
     """Reordering plus home-only assignment (implements :class:`relibra.planners.protocols.Planner`);
-    ``reorder``: the annealer's :class:`~relibra.planners.reorder.anneal.AnnealConfig` (default: its
+    ``reorder``: the annealer's :class:`~relibra.planners.reorder.config.AnnealConfig` (default: its
     defaults)."""
 
     def __init__(

@@ -82,7 +82,7 @@ def compile_kernels(seed: int = 0) -> dict[str, float]:
     and ``reorder_only``; seconds of a step are compile time when the cache was cold, load time otherwise.
     """
     from relibra.planners.compose import relibra
-    from relibra.planners.reorder.anneal import AnnealConfig
+    from relibra.planners.reorder.config import AnnealConfig
     from relibra.planners.reorder_only import ReorderOnlyPlanner
 
     ctx = tiny_context(seed)

@@ -26,7 +26,8 @@ from relibra.planners.protocols import (
     StagedReorderer,
     static_placement,
 )
-from relibra.planners.reorder.anneal import AnnealConfig, AnnealingReorderer
+from relibra.planners.reorder.anneal import AnnealingReorderer
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload

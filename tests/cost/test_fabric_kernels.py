@@ -47,17 +47,16 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.fabric import LINK_KEYS, deepep_link_tokens_estimate, mirrored, rail_link_bytes
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import home_assign
-from relibra.planners.reorder.anneal import (
-    LayerProblem,
+from relibra.planners.reorder.kernels import (
     _apply_swap,
     _apply_swap_deepep,
     full_state,
     full_state_deepep,
-    layer_problem,
     placement_objective,
 )
 from relibra.planners.reorder.links import comm_coefficients, comm_gpu, deepep_routes, link_routes
 from relibra.planners.reorder.locality import _comm_total, _link_state, _move, per_gpu_slots
+from relibra.planners.reorder.problem import LayerProblem, layer_problem
 from relibra.planners.replicate.links import _comm_lower_bound, _deepep_link_totals, _gpu_link_totals
 from relibra.planners.replicate.milp import _link_coefficients, dispatch_routing, solve_split
 from relibra.planners.replicate.state import ALL_NODES, _home_state, _objective, _problem

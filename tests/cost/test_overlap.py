@@ -16,21 +16,19 @@ from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours, best_chain, layer_time, microbatch_share, overlapped_time
 from relibra.planners.protocols import home_assign, static_placement
 from relibra.planners.refill import attention_window, replicate_batch, replicate_within_window
-from relibra.planners.reorder.anneal import (
-    AnnealConfig,
-    AnnealingReorderer,
+from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
+from relibra.planners.reorder.config import AnnealConfig
+from relibra.planners.reorder.exact import brute_force_reorder
+from relibra.planners.reorder.kernels import (
     _apply_swap,
     _apply_swap_deepep,
     _evaluate,
-    deepep_routes,
     full_state,
     full_state_deepep,
-    layer_problem,
-    link_routes,
     placement_objective,
-    solve_layer,
 )
-from relibra.planners.reorder.exact import brute_force_reorder
+from relibra.planners.reorder.links import deepep_routes, link_routes
+from relibra.planners.reorder.problem import layer_problem
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
 from tests.spine_helpers import HOPPER, tiny_setup

@@ -7,14 +7,10 @@ from dataclasses import replace
 import pytest
 
 from relibra.cost.model import CostModel
-from relibra.planners.reorder.anneal import (
-    AnnealConfig,
-    anneal_layer,
-    layer_problem,
-    lpt_placement,
-    placement_objective,
-)
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
+from relibra.planners.reorder.kernels import anneal_layer, placement_objective
+from relibra.planners.reorder.problem import layer_problem, lpt_placement
 from tests.planners.test_reorder import make_ctx
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from relibra.invariants import check_plan
-from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.locality import cross_node_tokens, locality_round, per_gpu_slots
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads

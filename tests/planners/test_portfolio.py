@@ -15,7 +15,7 @@ from relibra.invariants import check_plan
 from relibra.planners.compose import PreviousReorderer, relibra, relibra_replicate_only
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
-from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.simulator import batch_context, predict_batch_time, simulate
 from relibra.types import BatchPlan

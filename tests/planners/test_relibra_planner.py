@@ -16,7 +16,7 @@ from relibra.cost.model import CostModel
 from relibra.invariants import check_plan
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
 from relibra.planners.protocols import Planner
-from relibra.planners.reorder.anneal import AnnealConfig
+from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig, linear_objective
 from relibra.planners.replicate.milp import MilpConfig
 from relibra.simulator import batch_context, skewness

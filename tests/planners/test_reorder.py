@@ -11,19 +11,18 @@ import pytest
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, home_assign
-from relibra.planners.reorder.anneal import (
-    AnnealConfig,
-    AnnealingReorderer,
+from relibra.planners.reorder.anneal import AnnealingReorderer
+from relibra.planners.reorder.config import AnnealConfig
+from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
+from relibra.planners.reorder.kernels import (
     _apply_swap,
     _evaluate,
     anneal_layer,
     full_state,
-    layer_problem,
-    link_routes,
-    lpt_placement,
     placement_objective,
 )
-from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
+from relibra.planners.reorder.links import link_routes
+from relibra.planners.reorder.problem import layer_problem, lpt_placement
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
 from tests.spine_helpers import HOPPER
@@ -452,7 +451,8 @@ def test_deepep_objective_matches_cost_model(nodes: int, gpn: int) -> None:
 
 
 def test_deepep_annealer_state_stays_exact_after_swaps() -> None:
-    from relibra.planners.reorder.anneal import _apply_swap_deepep, deepep_routes, full_state_deepep
+    from relibra.planners.reorder.kernels import _apply_swap_deepep, full_state_deepep
+    from relibra.planners.reorder.links import deepep_routes
 
     ctx = make_ctx(2, 4, 32, microbatches=2)
     cost = _deepep(ctx.cost)

@@ -1,8 +1,8 @@
 """Exact references for one layer's reordering problem: a MILP (OR-Tools, SCIP) and brute force.
 
 Both minimise the same true objective as the annealer
-(:func:`relibra.planners.reorder.anneal.placement_objective`): for every micro-batch row ``m`` of a
-:class:`~relibra.planners.reorder.anneal.LayerProblem`,
+(:func:`relibra.planners.reorder.kernels.placement_objective`): for every micro-batch row ``m`` of a
+:class:`~relibra.planners.reorder.problem.LayerProblem`,
 ``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment.
 
 MILP: binary ``y[e, g]`` (expert ``e`` homed on ``g``), ``sum_g y[e, g] = 1``, ``sum_e y[e, g] = E / G``.
@@ -39,8 +39,9 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cluster import ClusterSpec
-from relibra.planners.reorder.anneal import LayerProblem, placement_objective
+from relibra.planners.reorder.kernels import placement_objective
 from relibra.planners.reorder.links import NUM_LINKS, deepep_routes, link_routes
+from relibra.planners.reorder.problem import LayerProblem
 
 __all__ = ["ExactResult", "brute_force_reorder", "milp_reorder"]
 
@@ -198,7 +199,7 @@ def _deepep_terms(
     y: list[list[Any]],
     name: str,
 ) -> Terms:
-    """deepep (the annealer's estimate, :func:`~relibra.planners.reorder.anneal.full_state_deepep`): a token
+    """deepep (the annealer's estimate, :func:`~relibra.planners.reorder.kernels.full_state_deepep`): a token
     of
     ``j`` reaches GPU ``g`` ``T_j * (1 - prod_e (1 - q[e, j]) ** y[e, g])`` times and node ``b``
     ``T_j * (1 - prod_e (1 - q[e, j]) ** y_b[e])`` times, each product modelled exactly by
