@@ -40,6 +40,7 @@ from _common import hardware, model  # noqa: E402
 from relibra.cluster import ClusterSpec, ModelSpec  # noqa: E402
 from relibra.cost.buffer_memory import PAPER_PARAM_FRACTION, buffer_footprint  # noqa: E402
 from relibra.cost.model import CostModel  # noqa: E402
+from relibra.cost.pricing import skewness  # noqa: E402
 from relibra.planners.compose import ComposedPlanner, StaticReorderer  # noqa: E402
 from relibra.planners.protocols import BatchContext, Reordering, Replication, home_assign, static_placement  # noqa: E402
 from relibra.planners.replicate.greedy import (  # noqa: E402
@@ -49,7 +50,7 @@ from relibra.planners.replicate.greedy import (  # noqa: E402
     replicate_greedy,
 )
 from relibra.planners.replicate.milp import dispatch_routing, solve_replication  # noqa: E402
-from relibra.simulator import batch_context, skewness  # noqa: E402
+from relibra.simulator import batch_context  # noqa: E402
 from relibra.trace.synthetic import generate_counts  # noqa: E402
 from relibra.workload import build_workload  # noqa: E402
 

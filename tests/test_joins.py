@@ -1,4 +1,5 @@
-"""The pricing join: :func:`relibra.simulator.predict_batch_time` is the batch time :func:`simulate` reports.
+"""The pricing join: :func:`relibra.cost.pricing.predict_batch_time` is the batch time :func:`simulate`
+reports.
 
 A planner that compares candidate plans (the portfolio) prices them with ``predict_batch_time``; the
 results table reports what ``simulate`` charged. Both must be the same number for every kind of plan:
@@ -28,7 +29,8 @@ from experiments.config import (
     sim_options,
 )
 from experiments.grid import CONF_DIR
-from relibra.simulator import batch_context, predict_batch_time, simulate
+from relibra.cost.pricing import predict_batch_time
+from relibra.simulator import batch_context, simulate
 
 CELL = [
     "model=olmoe-1b-7b",

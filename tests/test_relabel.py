@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
+from relibra.cost.pricing import predict_batch_time
 from relibra.planners.protocols import static_placement
 from relibra.relabel import keep_in_place, permute_plan, relabel_plan
-from relibra.simulator import batch_context, predict_batch_time
+from relibra.simulator import batch_context
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, random_counts, tiny_model
 

@@ -9,16 +9,10 @@ import pytest
 
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
+from relibra.cost.pricing import skewness
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, home_assign, static_placement
-from relibra.simulator import (
-    METRIC_COLUMNS,
-    Bound,
-    CostModelExecutor,
-    SimOptions,
-    simulate,
-    skewness,
-)
+from relibra.simulator import METRIC_COLUMNS, Bound, CostModelExecutor, SimOptions, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
 

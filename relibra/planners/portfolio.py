@@ -1,7 +1,7 @@
 """A portfolio planner: plan each batch with several candidate planners, keep the fastest predicted plan.
 
 Every candidate plans the batch; each plan is priced by the cost model the planner receives, exactly as
-the simulated executor prices it (:func:`relibra.simulator.predict_batch_time`: per-layer ``T_MoE``,
+the simulated executor prices it (:func:`relibra.cost.pricing.predict_batch_time`: per-layer ``T_MoE``,
 attention, exposed replica refill, dense layers and the migration from the previous placement), and the
 plan with the lowest predicted batch time is returned. ``planner=relibra_portfolio`` has three candidates:
 ReLibra's ``T_MoE`` configuration and its balance-first configuration (two objectives that win at
@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
+from relibra.cost.pricing import predict_batch_time
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
-from relibra.simulator import predict_batch_time
 from relibra.types import BatchPlan
 
 __all__ = ["PortfolioPlanner", "portfolio"]

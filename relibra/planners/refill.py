@@ -20,58 +20,13 @@ kept (:func:`replicate_batch`).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from relibra.cost.overlap import OverlapNeighbours, best_chain, microbatch_share
+from relibra.cost.overlap import OverlapNeighbours, best_chain
+from relibra.cost.pricing import attention_window, layer_price, layer_terms
 from relibra.planners.protocols import BatchContext, Replication, Replicator
-from relibra.workload import gpu_token_stats
 
-__all__ = ["attention_window", "replicate_batch", "replicate_within_window"]
-
-
-def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
-    """float64 [Mb]: one layer's attention seconds (fwd + bwd) on the busiest GPU of each micro-batch.
-
-    ``sample_gpu`` [Sb] is the assignment the plan runs with (after the locality round, if any).
-    """
-    tokens, pairs = gpu_token_stats(
-        ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
-    )
-    return np.asarray(ctx.cost.attention_time(tokens, pairs).max(axis=-1), dtype=np.float64)
-
-
-def _terms(
-    load: np.ndarray, home: np.ndarray, rep: Replication, ctx: BatchContext, window_s: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float64 [L] each: ``max_g T_comp``, ``max_g T_comm`` and the exposed refill of each layer, as the
-    simulator charges them."""
-    cost = ctx.cost
-    br = cost.moe(load, rep.assign)
-    refill = cost.replica_refill_time(rep.replicas, home)
-    return br.t_compute, br.t_comm, cost.exposed_refill(refill, window_s)
-
-
-def _price(
-    load: np.ndarray,
-    home: np.ndarray,
-    rep: Replication,
-    ctx: BatchContext,
-    window_s: float,
-    overlap: OverlapNeighbours | None = None,
-) -> np.ndarray:
-    """float64 [L]: ``T_comp + T_comm + exposed refill`` of each layer, as the simulator charges it; with
-    ``overlap`` the layer's share of the overlapped time (:func:`relibra.cost.overlap.microbatch_share`,
-    compute with attention) plus the exposed refill."""
-    comp, comm, exposed = _terms(load, home, rep, ctx, window_s)
-    if overlap is None:
-        return comp + comm + exposed
-    share = [
-        microbatch_share(c + a, k, nb, math.inf)
-        for c, k, a, nb in zip(comp, comm, overlap.attention, overlap.neighbours, strict=True)
-    ]
-    return np.asarray(share) + exposed
+__all__ = ["replicate_batch", "replicate_within_window"]
 
 
 def replicate_within_window(
@@ -112,11 +67,13 @@ def replicate_within_window(
     replicas = np.array(rep.replicas, dtype=np.int32)
     sub_load, sub_home = load[rows], home[rows]
     sub_overlap = None if overlap is None else overlap.rows(rows)
-    best = _price(sub_load, sub_home, Replication(assign[rows], replicas[rows]), ctx, window, sub_overlap)
+    best = layer_price(
+        sub_load, sub_home, Replication(assign[rows], replicas[rows]), ctx, window, sub_overlap
+    )
     capped = np.zeros(rows.size, dtype=bool)
     for k in range(slots - 1, -1, -1):
         alt = replicator.with_slots(k).replicate(sub_load, sub_home, ctx, sub_overlap)
-        t = _price(sub_load, sub_home, alt, ctx, window, sub_overlap)
+        t = layer_price(sub_load, sub_home, alt, ctx, window, sub_overlap)
         better = t < best
         if better.any():
             take = rows[better]
@@ -191,6 +148,6 @@ def _stack_terms(
     load: np.ndarray, home: np.ndarray, reps: list[Replication], ctx: BatchContext, window: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """float64 [Mb, L] each: compute with attention, all-to-all and exposed refill of every micro-batch."""
-    terms = [_terms(load[m], home, rep, ctx, window[m]) for m, rep in enumerate(reps)]
+    terms = [layer_terms(load[m], home, rep, ctx, window[m]) for m, rep in enumerate(reps)]
     comp = np.stack([t[0] + window[m] for m, t in enumerate(terms)])
     return comp, np.stack([t[1] for t in terms]), np.stack([t[2] for t in terms])

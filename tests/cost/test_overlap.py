@@ -14,8 +14,9 @@ from hypothesis.extra.numpy import arrays
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours, best_chain, layer_time, microbatch_share, overlapped_time
+from relibra.cost.pricing import attention_window
 from relibra.planners.protocols import home_assign, static_placement
-from relibra.planners.refill import attention_window, replicate_batch, replicate_within_window
+from relibra.planners.refill import replicate_batch, replicate_within_window
 from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.exact import brute_force_reorder

@@ -11,13 +11,14 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
+from relibra.cost.pricing import predict_batch_time
 from relibra.invariants import check_plan
 from relibra.planners.compose import PreviousReorderer, relibra, relibra_replicate_only
 from relibra.planners.portfolio import PortfolioPlanner, portfolio
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
-from relibra.simulator import batch_context, predict_batch_time, simulate
+from relibra.simulator import batch_context, simulate
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_setup
 

@@ -9,9 +9,10 @@ import pytest
 
 from baselines.megatron import MegatronPlanner
 from relibra.cost.model import CostModel
+from relibra.cost.pricing import attention_window
 from relibra.planners.compose import relibra_replicate_only
 from relibra.planners.protocols import BatchContext, Replication, static_placement
-from relibra.planners.refill import attention_window, replicate_within_window
+from relibra.planners.refill import replicate_within_window
 from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
 from relibra.simulator import batch_context, simulate
 from tests.spine_helpers import tiny_model, tiny_setup

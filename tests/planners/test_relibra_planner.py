@@ -13,13 +13,14 @@ from hydra.utils import instantiate
 from baselines.megatron import MegatronPlanner
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
+from relibra.cost.pricing import skewness
 from relibra.invariants import check_plan
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_milp, relibra_replicate_only
 from relibra.planners.protocols import Planner
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig, linear_objective
 from relibra.planners.replicate.milp import MilpConfig
-from relibra.simulator import batch_context, skewness
+from relibra.simulator import batch_context
 from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
 from tests.spine_helpers import HOPPER, tiny_context, tiny_model

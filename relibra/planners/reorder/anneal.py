@@ -51,8 +51,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from relibra.cost.model import CostModel
+from relibra.cost.pricing import attention_window
 from relibra.planners.protocols import BatchContext, Reordering, static_placement
-from relibra.planners.refill import attention_window
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.kernels import anneal_layer, placement_objective
 from relibra.planners.reorder.links import link_routes

@@ -40,8 +40,8 @@ import numpy as np
 from numba import njit
 
 from relibra.cost.overlap import overlapped_time
+from relibra.cost.pricing import attention_window
 from relibra.planners.protocols import BatchContext, home_assign
-from relibra.planners.refill import attention_window
 from relibra.planners.reorder.links import NUM_LINKS, comm_coefficients, comm_gpu, link_routes
 from relibra.workload import microbatch_loads
 

@@ -1,0 +1,241 @@
+"""The one place that prices a plan, as the simulator charges it and as planners that compare candidate
+answers price them (the portfolio, the refill check, the overlap chain).
+
+* per (micro-batch, layer): ``T_MoE`` (:meth:`~relibra.cost.model.CostModel.moe`), skewness, the
+  replica-buffer refill and the part attention does not hide (:func:`attention_window`,
+  :func:`layer_terms`, :func:`layer_price`);
+* per batch (:func:`price_plan`, then :func:`batch_times`): attention and dense layers from the tokens and
+  causal pairs each GPU holds, the MoE layers summed or overlapped (``cluster.ep_overlap``), the exposed
+  refill or an online planner's critical path and copies, the migration of every expert whose home changed
+  (:mod:`relibra.cost.migration`) and the gradient sync of permanent redundant copies;
+  :func:`predict_batch_time` is the batch's seconds, equal to :func:`relibra.simulator.simulate`'s
+  (``tests/test_joins.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.cost.model import CostModel, MoEBreakdown
+from relibra.cost.overlap import OverlapNeighbours, microbatch_share, overlapped_time
+from relibra.planners.protocols import BatchContext, Replication, static_placement
+from relibra.types import BatchPlan, OnlineCopies
+from relibra.workload import gpu_token_stats
+
+__all__ = [
+    "BatchTimes",
+    "Priced",
+    "attention_window",
+    "batch_times",
+    "layer_price",
+    "layer_terms",
+    "online_sync",
+    "predict_batch_time",
+    "price_plan",
+    "redundant_sync_time",
+    "replicas_per_slot",
+    "skewness",
+]
+
+
+def skewness(compute_tokens: np.ndarray) -> np.ndarray:
+    """``max_g / mean_g`` of per-GPU compute tokens [..., G] -> [...] (1.0 where nothing is computed)."""
+    t = np.asarray(compute_tokens, dtype=np.float64)
+    mean = t.mean(axis=-1)
+    return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
+
+
+def replicas_per_slot(plan: BatchPlan) -> np.ndarray:
+    """int32 [Mb, L, G, r]: the plan's replica slots, or the non-home experts it computes when unlisted."""
+    if plan.replicas is not None:
+        return np.asarray(plan.replicas)
+    g = plan.assign.shape[-1]
+    non_home = (plan.assign > 0) & (plan.home[None, :, :, None] != np.arange(g))  # [Mb, L, E, G]
+    if plan.redundant is not None:
+        # NOTE: copies in permanent redundant slots are not refilled per layer.
+        held = np.zeros(non_home.shape[1:], dtype=bool)  # [L, E, G]
+        l, gg, _ = np.nonzero(plan.redundant >= 0)
+        held[l, plan.redundant[plan.redundant >= 0], gg] = True
+        non_home &= ~held[None]
+    r = int(non_home.sum(axis=2).max()) if non_home.size else 0
+    out = np.full((*non_home.shape[:2], g, max(r, 0)), -1, dtype=np.int32)
+    if r:
+        m, l, e, gg = np.nonzero(non_home)
+        key = (m * non_home.shape[1] + l) * g + gg
+        order = np.argsort(key, kind="stable")
+        key, e = key[order], e[order]
+        start = np.r_[0, np.flatnonzero(np.diff(key)) + 1]
+        slot = np.arange(key.size) - np.repeat(start, np.diff(np.r_[start, key.size]))
+        out.reshape(-1, r)[key, slot] = e
+    return out
+
+
+def redundant_sync_time(plan: BatchPlan, cost: CostModel) -> float:
+    """Seconds per step to reduce redundant copies' gradients home and broadcast updated weights back."""
+    if plan.redundant is None or not (plan.redundant >= 0).any():
+        return 0.0
+    l, g, _ = np.nonzero(plan.redundant >= 0)
+    experts = plan.redundant[plan.redundant >= 0]
+    src = plan.home[l, experts]
+    grad_bytes = cost.expert_weight_bytes()  # bf16 gradients, like the weights
+    return 2.0 * cost.transfer_time(g, src, grad_bytes)
+
+
+@dataclass(frozen=True)
+class Priced:
+    """The costs of one batch beyond the MoE breakdown (internal)."""
+
+    br: MoEBreakdown
+    """Leading axes [Mb, L]."""
+    skew: np.ndarray
+    """float64 [Mb, L]."""
+    tokens: np.ndarray
+    """int64 [Mb, G]: tokens each GPU holds (after any sample re-assignment; a bound: float64, the mean)."""
+    pairs: np.ndarray
+    """float64 [Mb, G]: causal attention pairs each GPU holds."""
+    refill: np.ndarray
+    """float64 [Mb, L]: one-direction replica-buffer refill seconds."""
+    buffer_slots: int = 0
+    moved: int = 0
+    migration_bytes: float = 0.0
+    """Bytes the EP group moves to re-home ``moved`` experts (payload: :mod:`relibra.cost.migration`)."""
+    t_migration: float = 0.0
+    t_redundant: float = 0.0
+    online: OnlineCopies | None = None
+    """An online planner's critical-path record (UltraEP, LLEP); None: copies refilled behind attention."""
+
+
+def price_plan(
+    plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray, bytes_per_param: float
+) -> Priced:
+    br = cost.moe(plan.load, plan.assign)
+    tokens, pairs = gpu_token_stats(
+        ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+    )
+    reps = replicas_per_slot(plan)  # [Mb, L, G, r]
+    moved_l, moved_e = np.nonzero(plan.home != prev_home)
+    # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
+    fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
+    expert_bytes = ctx.model.expert_params * bytes_per_param
+    return Priced(
+        br=br,
+        skew=skewness(plan.assign.sum(axis=-2)),
+        tokens=tokens,
+        pairs=pairs,
+        refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
+        buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
+        moved=int(moved_l.size),
+        migration_bytes=float(moved_l.size * expert_bytes),
+        t_migration=cost.transfer_time(
+            prev_home[moved_l, moved_e], plan.home[moved_l, moved_e], expert_bytes
+        ),
+        t_redundant=redundant_sync_time(plan, cost),
+        online=plan.online,
+    )
+
+
+@dataclass(frozen=True)
+class BatchTimes:
+    attn: np.ndarray
+    """float64 [Mb, 1]: attention seconds per micro-batch and layer (the busiest GPU's)."""
+    sync: np.ndarray
+    """float64 [Mb, L]: exposed replica-buffer refill and gradient reduction."""
+    dense: float
+    """Seconds of the dense (non-MoE) layers."""
+    critical: float
+    """Planning seconds on the critical path (online planners), summed over (micro-batch, layer)."""
+    comm_exposed: float
+    """All-to-all seconds not hidden behind compute (all of them without ``cluster.ep_overlap``)."""
+    total: float
+    """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
+
+
+def batch_times(priced: Priced, cost: CostModel, dense_layers: int) -> BatchTimes:
+    attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
+    attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
+    sync = cost.exposed_refill(priced.refill, attn) if priced.online is None else online_sync(priced, attn)
+    critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
+    dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
+    comp = priced.br.t_compute + attn  # [Mb, L]
+    comm = float(priced.br.t_comm.sum())
+    if cost.cluster.ep_overlap:
+        moe, exposed = overlapped_time(comp, priced.br.t_comm)
+    else:
+        moe, exposed = float(comp.sum()) + comm, comm
+    total = moe + float(sync.sum()) + dense + priced.t_migration + priced.t_redundant + critical
+    return BatchTimes(attn=attn, sync=sync, dense=dense, critical=critical, comm_exposed=exposed, total=total)
+
+
+def online_sync(priced: Priced, attn: np.ndarray) -> np.ndarray:
+    """Exposed copy seconds [Mb, L] of an online planner: ``exposed_copies`` full passes after routing, plus
+    the excess of a gradient reduction that overlaps the backward attention (two thirds of fwd + bwd)."""
+    online = priced.online
+    assert online is not None
+    sync = online.exposed_copies * priced.refill
+    if online.overlapped_gradient_reduce:
+        sync = sync + np.maximum(priced.refill - 2 * attn / 3, 0)
+    return np.asarray(sync)
+
+
+def predict_batch_time(
+    plan: BatchPlan, ctx: BatchContext, bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
+) -> float:
+    """Seconds of one batch under ``plan``, priced by ``ctx.cost`` exactly as :func:`simulate` prices it.
+
+    The migration is charged from ``ctx.prev_home`` (Megatron's static placement when None, the first
+    batch), as the simulator does. A planner may call this to compare candidate plans of one batch
+    (:class:`relibra.planners.portfolio.PortfolioPlanner`).
+    """
+    prev = ctx.prev_home
+    if prev is None:
+        _, num_layers, _, num_experts = np.shape(ctx.load)
+        prev = static_placement(num_layers, num_experts, ctx.num_gpus)
+    priced = price_plan(plan, ctx, ctx.cost, np.asarray(prev), bytes_per_param)
+    return batch_times(priced, ctx.cost, ctx.model.num_layers - ctx.model.num_moe_layers).total
+
+
+def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
+    """float64 [Mb]: one layer's attention seconds (fwd + bwd) on the busiest GPU of each micro-batch.
+
+    ``sample_gpu`` [Sb] is the assignment the plan runs with (after the locality round, if any).
+    """
+    tokens, pairs = gpu_token_stats(
+        ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+    )
+    return np.asarray(ctx.cost.attention_time(tokens, pairs).max(axis=-1), dtype=np.float64)
+
+
+def layer_terms(
+    load: np.ndarray, home: np.ndarray, rep: Replication, ctx: BatchContext, window_s: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float64 [L] each: ``max_g T_comp``, ``max_g T_comm`` and the exposed refill of each layer, as the
+    simulator charges them."""
+    cost = ctx.cost
+    br = cost.moe(load, rep.assign)
+    refill = cost.replica_refill_time(rep.replicas, home)
+    return br.t_compute, br.t_comm, cost.exposed_refill(refill, window_s)
+
+
+def layer_price(
+    load: np.ndarray,
+    home: np.ndarray,
+    rep: Replication,
+    ctx: BatchContext,
+    window_s: float,
+    overlap: OverlapNeighbours | None = None,
+) -> np.ndarray:
+    """float64 [L]: ``T_comp + T_comm + exposed refill`` of each layer, as the simulator charges it; with
+    ``overlap`` the layer's share of the overlapped time (:func:`relibra.cost.overlap.microbatch_share`,
+    compute with attention) plus the exposed refill."""
+    comp, comm, exposed = layer_terms(load, home, rep, ctx, window_s)
+    if overlap is None:
+        return comp + comm + exposed
+    share = [
+        microbatch_share(c + a, k, nb, math.inf)
+        for c, k, a, nb in zip(comp, comm, overlap.attention, overlap.neighbours, strict=True)
+    ]
+    return np.asarray(share) + exposed
