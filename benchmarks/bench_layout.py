@@ -26,9 +26,10 @@ from _common import CONF, timed_simulation
 from hydra import compose, initialize_config_dir
 
 from experiments.config import load_counts
+from relibra.layout import LAYOUTS, layout_samples, microbatch_balance
 from relibra.simulator import SimResult
 from relibra.trace.synthetic import PRESETS, generate_counts
-from relibra.workload import LAYOUTS, gpu_token_stats, layout_samples, microbatch_balance
+from relibra.workload import gpu_token_stats
 
 PLANNERS = (
     "megatron",

@@ -25,11 +25,12 @@ from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import CostModel, load_calibration
+from relibra.layout import LAYOUTS
 from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
-from relibra.workload import LAYOUTS, build_workload
+from relibra.workload import build_workload
 
 __all__ = [
     "ConfigError",

@@ -52,10 +52,10 @@ from experiments.store import (
     stored_code_version,
 )
 from relibra.atomic import atomic_write
+from relibra.layout import unbalanceable_batches
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
-from relibra.workload import unbalanceable_batches
 
 __all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 

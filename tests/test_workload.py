@@ -7,20 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relibra.types import SampleCounts
-from relibra.workload import (
+from relibra.layout import (
     LAYOUTS,
     SampleLayout,
-    assemble,
     balance_samples,
-    build_workload,
-    gpu_token_stats,
     layout_samples,
     microbatch_balance,
-    microbatch_loads,
     split_microbatches,
     unbalanceable_batches,
 )
+from relibra.types import SampleCounts
+from relibra.workload import assemble, build_workload, gpu_token_stats, microbatch_loads
 
 
 def make_counts(

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relibra.workload import (
-    LAYOUTS,
-)
+from relibra.layout import LAYOUTS
 
 __all__ = ["ControlPlaneConfig"]
 
@@ -18,11 +16,11 @@ class ControlPlaneConfig:
     workers: int = 2
     """Worker processes; 0 plans inline in the coordinator thread (no processes; for debugging)."""
     samples_per_microbatch: int | None = None
-    """``K`` samples per GPU per micro-batch (see :func:`relibra.workload.split_microbatches`)."""
+    """``K`` samples per GPU per micro-batch (see :func:`relibra.layout.split_microbatches`)."""
     tokens_per_microbatch: int | None = None
     """Or a per-GPU token budget per micro-batch (at most one of the two)."""
     layout: str = LAYOUTS[0]
-    """The sample layout (:data:`relibra.workload.LAYOUTS`: ``balanced`` or ``contiguous``)."""
+    """The sample layout (:data:`relibra.layout.LAYOUTS`: ``balanced`` or ``contiguous``)."""
     max_retries: int = 1
     """Re-runs of a task whose worker process died, before its layer falls back."""
     deadline_s: float | None = None

@@ -13,13 +13,11 @@ import numpy as np
 
 from relibra.control.report import LocalityStatus, PlanReport
 from relibra.control.tasks import TaskSlice
+from relibra.layout import SampleLayout
 from relibra.planners.protocols import (
     home_assign,
 )
 from relibra.types import BatchPlan
-from relibra.workload import (
-    SampleLayout,
-)
 
 __all__ = ["PHASE_ORDER", "Assembled", "Job", "Slot", "Task"]
 

@@ -24,7 +24,7 @@ The trainer's calls (DESIGN.md, "Pipeline")::
 Stages of one batch, after :meth:`ControlPlane.seal`:
 
 1. **Workload assembly** (coordinator thread): samples sorted by their id (so arrival order never changes a
-   plan), laid out over GPUs and micro-batches (:func:`relibra.workload.layout_samples`), loads
+   plan), laid out over GPUs and micro-batches (:func:`relibra.layout.layout_samples`), loads
    ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`).
 2. **Placement per layer**: one task per MoE layer runs the planner's reorderer on a one-layer
    :class:`~relibra.planners.protocols.BatchContext` (layers are independent in this round). A
@@ -93,6 +93,7 @@ from relibra.control.tasks import (
     warm_worker,
 )
 from relibra.cost.model import CostModel
+from relibra.layout import SampleLayout, layout_samples
 from relibra.planners.protocols import (
     BatchContext,
     Planner,
@@ -106,11 +107,7 @@ from relibra.planners.protocols import (
 from relibra.relabel import relabel_plan
 from relibra.trace.format import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import (
-    SampleLayout,
-    layout_samples,
-    microbatch_loads,
-)
+from relibra.workload import microbatch_loads
 
 __all__ = ["ControlPlane"]
 

@@ -20,10 +20,7 @@ from relibra.planners.protocols import (
 )
 from relibra.planners.refill import replicate_batch
 from relibra.types import BatchPlan
-from relibra.workload import (
-    microbatch_loads,
-    sample_context,
-)
+from relibra.workload import microbatch_loads, sample_context
 
 __all__ = [
     "TaskKit",
