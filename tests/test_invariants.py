@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from baselines.megatron import MegatronPlanner
-from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump, sample_loads
+from relibra.invariants import PlanInvariantError, check_plan, sample_loads
+from relibra.plan_dump import check_plan_dump
 from relibra.types import BatchPlan
 from tests.spine_helpers import tiny_context
 

@@ -11,7 +11,7 @@ Rank, local rank and world size come from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE
 ``MASTER_PORT``), the process group from ``init_process_group(init_method="env://")``: NCCL with one CUDA
 device per local rank when CUDA is available, gloo on CPU otherwise (``--backend`` overrides).
 
-Each rank reads and checks the dump (:func:`relibra.invariants.check_plan_dump`), rebuilds one
+Each rank reads and checks the dump (:func:`relibra.plan_dump.check_plan_dump`), rebuilds one
 :class:`~relibra.types.BatchPlan` per batch (:func:`plans_from_dump`: a GPU's replica slots are the non-home
 experts it computes, ascending), refuses a plan the executor cannot run (:mod:`.plan_check`) before any
 communication, then runs every batch on a small expert shape (``--hidden``, ``--ffn``) with
@@ -49,7 +49,7 @@ from relibra.atomic import atomic_write
 from relibra.executors.plan_check import PlanRefused, check_plan
 from relibra.executors.torch_executor import RunOptions, run_batches
 from relibra.executors.torch_moe import ExpertShape
-from relibra.invariants import check_plan_dump
+from relibra.plan_dump import check_plan_dump
 from relibra.types import BatchPlan
 
 __all__ = ["DistEnv", "main", "plans_from_dump", "slot_table"]

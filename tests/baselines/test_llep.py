@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from baselines.llep import LlepPlanner, imbalance_ratio, lpt_plan
-from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump, check_token_capacity
+from relibra.invariants import PlanInvariantError, check_plan, check_token_capacity
+from relibra.plan_dump import check_plan_dump
 from relibra.simulator import simulate
 from relibra.trace.format import RoutingTrace, save_trace
 from tests.baselines.test_eplb import make_ctx

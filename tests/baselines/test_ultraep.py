@@ -11,7 +11,8 @@ import pytest
 
 from baselines.megatron import MegatronPlanner
 from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
-from relibra.invariants import PlanInvariantError, check_plan, check_plan_dump
+from relibra.invariants import PlanInvariantError, check_plan
+from relibra.plan_dump import check_plan_dump
 from relibra.simulator import SimOptions, simulate
 from tests.baselines.test_eplb import make_ctx
 from tests.experiments.test_run import file_cfg

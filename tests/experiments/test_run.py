@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 
 from experiments.config import ConfigError, build_cluster, build_model
 from experiments.run import run
-from relibra.invariants import check_plan_dump
+from relibra.plan_dump import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
 from relibra.trace.format import RoutingTrace, load_trace, save_trace
 
