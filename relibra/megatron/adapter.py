@@ -44,7 +44,6 @@ Limits: the EP group must be the whole default process group (ranks are GPUs); p
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,199 +56,18 @@ from torch import nn
 from relibra.executors.reorder_ops import param_state_tensors
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
 from relibra.executors.torch_moe import split_counts
+from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
+from relibra.megatron.router import ReplicatingRouter
 from relibra.types import BatchPlan
 
 __all__ = [
     "MegatronPlanAdapter",
-    "PhysicalLayout",
-    "ReplicatingRouter",
-    "log2phy",
-    "next_phy2log",
-    "replicating_router",
-    "slot_table",
 ]
 
 REDUCE_TAG_BASE = 1 << 13
 """P2P tags of replica-gradient reduction start here (fills use the slot index)."""
 MOVE_TAG_BASE = 1 << 14
 """P2P tags of placement moves start here."""
-
-
-@dataclass(frozen=True)
-class PhysicalLayout:
-    """How ``E`` logical experts, ``G`` ranks and ``r`` replica slots map onto Megatron's physical experts."""
-
-    num_experts: int
-    num_gpus: int
-    replica_slots: int
-
-    def __post_init__(self) -> None:
-        if self.num_gpus < 1 or self.num_experts % self.num_gpus:
-            raise ValueError(
-                f"num_experts={self.num_experts} must be a multiple of num_gpus={self.num_gpus} (>= 1)"
-            )
-        if self.replica_slots < 0:
-            raise ValueError(f"replica_slots={self.replica_slots}; expected >= 0")
-
-    @property
-    def experts_per_gpu(self) -> int:
-        """Home rows per rank (``E / G``)."""
-        return self.num_experts // self.num_gpus
-
-    @property
-    def slots_per_gpu(self) -> int:
-        """Physical experts per rank (``E / G + r``)."""
-        return self.experts_per_gpu + self.replica_slots
-
-    @property
-    def num_physical(self) -> int:
-        """Physical experts Megatron's dispatcher sees (``E + G * r``)."""
-        return self.num_gpus * self.slots_per_gpu
-
-    def home_id(self, gpu: np.ndarray | int, row: np.ndarray | int) -> np.ndarray | int:
-        return gpu * self.slots_per_gpu + row
-
-    def replica_id(self, gpu: np.ndarray | int, slot: np.ndarray | int) -> np.ndarray | int:
-        return gpu * self.slots_per_gpu + self.experts_per_gpu + slot
-
-    def static_phy2log(self, num_layers: int) -> np.ndarray:
-        """Megatron's contiguous placement: int64 [L, G, E / G] with ``phy2log[l, g, i] = g * E / G + i``."""
-        per_gpu = np.arange(self.num_experts, dtype=np.int64).reshape(self.num_gpus, self.experts_per_gpu)
-        return np.broadcast_to(per_gpu, (num_layers, *per_gpu.shape)).copy()
-
-
-def log2phy(layout: PhysicalLayout, phy2log: np.ndarray) -> np.ndarray:
-    """phy2log [L, G, E / G] -> int64 [L, E]: physical id of each expert's home row."""
-    num_layers, g, n = phy2log.shape
-    out = np.empty((num_layers, layout.num_experts), dtype=np.int64)
-    ids = np.asarray(layout.home_id(np.arange(g)[:, None], np.arange(n)[None, :]))  # [G, n]
-    np.put_along_axis(
-        out, phy2log.reshape(num_layers, -1), np.broadcast_to(ids.reshape(-1), (num_layers, g * n)), 1
-    )
-    return out
-
-
-def next_phy2log(phy2log: np.ndarray, new_home: np.ndarray) -> np.ndarray:
-    """Home rows after moving to placement new_home [L, E]: unmoved experts keep their rows, freed rows
-    (ascending) take the incoming experts (ascending). phy2log [L, G, n] -> int64 [L, G, n]."""
-    num_layers, g, n = phy2log.shape
-    counts = np.stack([(new_home == gpu).sum(axis=1) for gpu in range(g)], axis=1)  # [L, G]
-    if (counts != n).any():
-        layer, gpu = np.argwhere(counts != n)[0]
-        raise ValueError(
-            f"new home: layer {layer} puts {counts[layer, gpu]} experts on rank {gpu}; expected E / G = {n}"
-        )
-    out = np.array(phy2log, dtype=np.int64, copy=True)
-    for layer in range(num_layers):
-        for gpu in range(g):
-            stays = new_home[layer, out[layer, gpu]] == gpu  # [n]
-            incoming = np.setdiff1d(np.flatnonzero(new_home[layer] == gpu), out[layer, gpu][stays])
-            out[layer, gpu, np.flatnonzero(~stays)] = incoming
-    return out
-
-
-def slot_table(
-    layout: PhysicalLayout,
-    home_phys: np.ndarray,
-    home: np.ndarray,
-    replicas: np.ndarray | None,
-    split: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Where one source rank's tokens of each expert go, for one (micro-batch, layer).
-
-    home_phys [E] (``log2phy[l]``), home [E] (home rank), replicas [G, r] (-1 empty) or None, split [E, G]
-    (this source's row of :func:`split_counts`) -> ``phys`` int64 [E, G] (physical id of ``e``'s copy on
-    rank ``g``) and ``bound`` int64 [E, G] (``cumsum(split, axis=1)``: the copy of a token is the number of
-    bounds its rank among ``e``'s tokens reaches).
-    """
-    e_total, g_total = split.shape
-    phys = np.broadcast_to(np.asarray(home_phys, dtype=np.int64)[:, None], (e_total, g_total)).copy()
-    if replicas is not None:
-        gpu, slot = np.nonzero(replicas >= 0)
-        phys[replicas[gpu, slot], gpu] = layout.replica_id(gpu, slot)
-    held = np.asarray(home)[:, None] == np.arange(g_total)
-    if replicas is not None:
-        held[replicas[gpu, slot], gpu] = True
-    bad = (split > 0) & ~held
-    if bad.any():
-        e, g = np.argwhere(bad)[0]
-        raise ValueError(
-            f"the plan sends {split[e, g]} tokens of expert {e} to rank {g}, which is neither its home "
-            f"({home[e]}) nor holds a replica of it; assign and replicas must agree"
-        )
-    return phys, np.cumsum(split, axis=1).astype(np.int64)
-
-
-class ReplicatingRouter(nn.Module):
-    """Megatron's logical ``TopKRouter`` followed by the logical -> physical relabelling of its routes.
-
-    ``forward(hidden [S, B, H]) -> (probs [T, P], routing_map [T, P])`` over the ``P = E + G * r`` physical
-    experts. Without a micro-batch table every expert's tokens go to its home row (``log2phy``); with one
-    (:meth:`set_table`), each token goes to the copy the plan's split gives it.
-    """
-
-    def __init__(self, logical: nn.Module, layout: PhysicalLayout) -> None:
-        super().__init__()
-        self.logical: Any = logical
-        self.layout = layout
-        self.log2phy = torch.arange(layout.num_experts, dtype=torch.long)
-        """long [E]: physical id of each expert's home row (set by the adapter)."""
-        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(phys [E, G], bound [E, G]) of :func:`slot_table` for the current micro-batch, or None."""
-
-    @property
-    def router_replay(self) -> Any:
-        return getattr(self.logical, "router_replay", None)
-
-    def set_layer_number(self, layer_number: int) -> None:
-        self.logical.set_layer_number(layer_number)
-
-    def set_table(self, table: tuple[np.ndarray, np.ndarray] | None) -> None:
-        self.table = None if table is None else tuple(torch.as_tensor(a, dtype=torch.long) for a in table)  # type: ignore[assignment]
-
-    def forward(
-        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, mask = self.logical(hidden, padding_mask)  # [T, E] each
-        t, e_total = mask.shape
-        if self.table is None:
-            phys = self.log2phy.to(mask.device).expand(t, e_total)
-        else:
-            table, bound = (a.to(mask.device) for a in self.table)
-            got = mask.sum(dim=0)
-            if not torch.equal(got, bound[:, -1]):
-                e = int(torch.nonzero(got != bound[:, -1])[0, 0])
-                raise ValueError(
-                    f"this rank routes {int(got[e])} tokens to expert {e} but the plan's load says "
-                    f"{int(bound[e, -1])}; replay the routes the plan was made from "
-                    "(RouterReplay REPLAY_FORWARD)"
-                )
-            rank_in_expert = mask.long().cumsum(dim=0) - 1  # [T, E]: position among e's tokens
-            copy_idx = (rank_in_expert.unsqueeze(-1) >= bound.unsqueeze(0)).sum(dim=-1)  # [T, E]
-            copy_idx = copy_idx.clamp_(max=bound.shape[1] - 1)
-            phys = table.gather(1, copy_idx.T).T  # [T, E]
-        routing_map = mask.new_zeros((t, self.layout.num_physical)).scatter(1, phys, mask)
-        phys_probs = probs.new_zeros((t, self.layout.num_physical)).scatter(1, phys, probs)
-        return phys_probs, routing_map
-
-
-def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRouter]:
-    """A router builder for ``MoESubmodules(router=...)``: a logical ``TopKRouter`` over ``E`` experts
-    (the layer's config copied with ``num_moe_experts = E``) wrapped in a :class:`ReplicatingRouter`."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    def build(*, config: Any, pg_collection: Any = None) -> ReplicatingRouter:
-        if config.num_moe_experts != layout.num_physical:
-            raise ValueError(
-                f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer "
-                "needs "
-                f"the physical count E + G * r = {layout.num_physical}"
-            )
-        logical = copy.deepcopy(config)
-        logical.num_moe_experts = layout.num_experts
-        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection), layout)
-
-    return build
 
 
 class _OnBackward(torch.autograd.Function):

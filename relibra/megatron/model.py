@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from relibra.executors.torch_moe import ExpertShape, expert_init
-from relibra.megatron.adapter import MegatronPlanAdapter, PhysicalLayout, replicating_router
+from relibra.megatron.adapter import MegatronPlanAdapter
 from relibra.megatron.cpu_patches import apply_cpu_patches
+from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.router import replicating_router
 
 __all__ = ["TinyMoEModel", "TinyMoESpec", "expert_weights", "init_expert_parallel", "moe_config"]
 

@@ -29,15 +29,10 @@ from relibra.cost.model import CostModel
 from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
 from relibra.invariants import check_plan
-from relibra.megatron.adapter import (
-    PhysicalLayout,
-    ReplicatingRouter,
-    log2phy,
-    next_phy2log,
-    slot_table,
-)
 from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
+from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
+from relibra.megatron.router import ReplicatingRouter
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_replicate_only
 from relibra.planners.protocols import BatchContext, static_placement
 from relibra.planners.replicate.greedy import GreedyConfig

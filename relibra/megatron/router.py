@@ -1,0 +1,88 @@
+"""The router wrapper of the Megatron adapter: maps each routed (token, logical expert) to its home row or a
+replica slot by the plan's integer proportional split (:func:`relibra.executors.torch_moe.split_counts`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from relibra.megatron.physical import PhysicalLayout
+
+__all__ = ["ReplicatingRouter", "replicating_router"]
+
+
+class ReplicatingRouter(nn.Module):
+    """Megatron's logical ``TopKRouter`` followed by the logical -> physical relabelling of its routes.
+
+    ``forward(hidden [S, B, H]) -> (probs [T, P], routing_map [T, P])`` over the ``P = E + G * r`` physical
+    experts. Without a micro-batch table every expert's tokens go to its home row (``log2phy``); with one
+    (:meth:`set_table`), each token goes to the copy the plan's split gives it.
+    """
+
+    def __init__(self, logical: nn.Module, layout: PhysicalLayout) -> None:
+        super().__init__()
+        self.logical: Any = logical
+        self.layout = layout
+        self.log2phy = torch.arange(layout.num_experts, dtype=torch.long)
+        """long [E]: physical id of each expert's home row (set by the adapter)."""
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(phys [E, G], bound [E, G]) of :func:`slot_table` for the current micro-batch, or None."""
+
+    @property
+    def router_replay(self) -> Any:
+        return getattr(self.logical, "router_replay", None)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.logical.set_layer_number(layer_number)
+
+    def set_table(self, table: tuple[np.ndarray, np.ndarray] | None) -> None:
+        self.table = None if table is None else tuple(torch.as_tensor(a, dtype=torch.long) for a in table)  # type: ignore[assignment]
+
+    def forward(
+        self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, mask = self.logical(hidden, padding_mask)  # [T, E] each
+        t, e_total = mask.shape
+        if self.table is None:
+            phys = self.log2phy.to(mask.device).expand(t, e_total)
+        else:
+            table, bound = (a.to(mask.device) for a in self.table)
+            got = mask.sum(dim=0)
+            if not torch.equal(got, bound[:, -1]):
+                e = int(torch.nonzero(got != bound[:, -1])[0, 0])
+                raise ValueError(
+                    f"this rank routes {int(got[e])} tokens to expert {e} but the plan's load says "
+                    f"{int(bound[e, -1])}; replay the routes the plan was made from "
+                    "(RouterReplay REPLAY_FORWARD)"
+                )
+            rank_in_expert = mask.long().cumsum(dim=0) - 1  # [T, E]: position among e's tokens
+            copy_idx = (rank_in_expert.unsqueeze(-1) >= bound.unsqueeze(0)).sum(dim=-1)  # [T, E]
+            copy_idx = copy_idx.clamp_(max=bound.shape[1] - 1)
+            phys = table.gather(1, copy_idx.T).T  # [T, E]
+        routing_map = mask.new_zeros((t, self.layout.num_physical)).scatter(1, phys, mask)
+        phys_probs = probs.new_zeros((t, self.layout.num_physical)).scatter(1, phys, probs)
+        return phys_probs, routing_map
+
+
+def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRouter]:
+    """A router builder for ``MoESubmodules(router=...)``: a logical ``TopKRouter`` over ``E`` experts
+    (the layer's config copied with ``num_moe_experts = E``) wrapped in a :class:`ReplicatingRouter`."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def build(*, config: Any, pg_collection: Any = None) -> ReplicatingRouter:
+        if config.num_moe_experts != layout.num_physical:
+            raise ValueError(
+                f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer "
+                "needs "
+                f"the physical count E + G * r = {layout.num_physical}"
+            )
+        logical = copy.deepcopy(config)
+        logical.num_moe_experts = layout.num_experts
+        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection), layout)
+
+    return build
