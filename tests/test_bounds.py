@@ -8,9 +8,7 @@ and the step time must all be at least Balanced's.
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,19 +21,11 @@ from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.simulator import SimResult, simulate
 from relibra.workload import build_workload
-from tests.spine_helpers import HOPPER, random_counts, tiny_model
+from tests.builders import HOPPER, planner_config, random_counts, tiny_model
 
 CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
 PLANNERS = sorted(p.stem for p in (CONF / "planner").glob("*.yaml") if p.stem != "balanced")
 RTOL = 1e-9
-
-
-@cache
-def planner_config(name: str) -> Any:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"planner={name}"]).planner
 
 
 def _at_least(ours: np.ndarray, bound: np.ndarray, what: str, name: str) -> None:

@@ -13,7 +13,7 @@ from baselines.megatron import MegatronPlanner
 from relibra.invariants import PlanInvariantError, check_plan, sample_loads
 from relibra.plan_dump import check_plan_dump
 from relibra.types import BatchPlan
-from tests.spine_helpers import tiny_context
+from tests.builders import tiny_context
 
 
 @pytest.fixture
@@ -247,7 +247,7 @@ def test_every_configured_planner_keeps_the_invariants(name):
     from hydra.utils import instantiate
 
     from relibra.simulator import Bound, SimOptions, simulate
-    from tests.spine_helpers import tiny_setup
+    from tests.builders import tiny_setup
 
     conf_dir = Path(__file__).resolve().parents[1] / "experiments" / "conf"
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):

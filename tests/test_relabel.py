@@ -14,7 +14,7 @@ from relibra.planners.protocols import static_placement
 from relibra.relabel import keep_in_place, permute_plan, relabel_plan
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
-from tests.spine_helpers import HOPPER, random_counts, tiny_model
+from tests.builders import HOPPER, random_counts, tiny_model
 
 
 def _moved(home: np.ndarray, prev: np.ndarray) -> int:
@@ -68,7 +68,7 @@ def test_relabelled_plans_cost_the_same(name: str) -> None:
     planners' own plans come relabelled (at most as many moved experts as their plan as solved)."""
     from hydra.utils import instantiate
 
-    from tests.test_bounds import planner_config
+    from tests.builders import planner_config
 
     cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER)
     model = tiny_model(num_experts=8)

@@ -14,7 +14,7 @@ from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, home_assign, static_placement
 from relibra.simulator import METRIC_COLUMNS, Bound, CostModelExecutor, SimOptions, simulate
 from relibra.types import BatchPlan
-from tests.spine_helpers import tiny_setup
+from tests.builders import tiny_setup
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
 from relibra.invariants import check_plan
-from tests.spine_helpers import tiny_context
+from tests.builders import tiny_context
 
 
 @pytest.mark.parametrize(("nodes", "gpn", "experts"), [(1, 1, 4), (1, 4, 8), (2, 2, 8), (2, 4, 16)])

@@ -16,13 +16,11 @@ from baselines.eplb import (
     rebalance_experts,
     replicate_experts,
 )
-from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost.model import CostModel
-from relibra.invariants import check_plan, sample_loads
+from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, static_placement
 from relibra.relabel import keep_in_place
 from relibra.types import BatchPlan
-from tests.spine_helpers import HOPPER
+from tests.builders import make_ctx
 
 # deepseek-ai/EPLB README: two layers of twelve experts, 16 physical experts, 4 groups, 2 nodes x 4 GPUs.
 README_WEIGHT = np.array(
@@ -37,60 +35,6 @@ README_PHY2LOG = np.array(
         [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
     ]
 )
-
-
-def make_ctx(
-    *,
-    nodes: int = 2,
-    gpus_per_node: int = 4,
-    num_experts: int = 16,
-    num_layers: int = 3,
-    microbatches: int = 2,
-    samples: int = 32,
-    top_k: int = 2,
-    skew: float = 0.3,
-    seed: int = 0,
-    history: int = 0,
-) -> BatchContext:
-    """A small consistent BatchContext: skewed per-sample counts and the loads they give."""
-    rng = np.random.default_rng(seed)
-    g = nodes * gpus_per_node
-    popularity = rng.dirichlet(np.full(num_experts, skew), size=num_layers)  # [L, E]
-    tokens = rng.integers(20, 200, size=samples)
-    counts = np.stack(
-        [np.stack([rng.multinomial(t * top_k, popularity[l]) for l in range(num_layers)]) for t in tokens]
-    ).astype(np.int32)  # [S, L, E]
-    sample_gpu = (np.arange(samples) % g).astype(np.int32)
-    sample_mb = ((np.arange(samples) // g) % microbatches).astype(np.int32)
-    load = sample_loads(counts, sample_gpu, sample_mb, microbatches, g).astype(np.int32)
-    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER)
-    model = ModelSpec(
-        name="tiny",
-        num_layers=num_layers,
-        num_moe_layers=num_layers,
-        hidden=256,
-        moe_ffn=128,
-        num_experts=num_experts,
-        top_k=top_k,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-    )
-    past = tuple(
-        np.asarray(rng.poisson(load.astype(np.float64) + 1.0), dtype=np.int32) for _ in range(history)
-    )
-    return BatchContext(
-        batch=len(past),
-        counts=counts,
-        sample_tokens=tokens.astype(np.int64),
-        sample_gpu=sample_gpu,
-        sample_mb=sample_mb,
-        load=load,
-        cluster=cluster,
-        model=model,
-        cost=CostModel(cluster, model),
-        history=past,
-    )
 
 
 def check_redundant_plan(plan: BatchPlan, ctx: BatchContext, redundant_slots: int) -> None:

@@ -13,9 +13,7 @@ from relibra.invariants import PlanInvariantError, check_plan, check_token_capac
 from relibra.plan_dump import check_plan_dump
 from relibra.simulator import simulate
 from relibra.trace.format import RoutingTrace, save_trace
-from tests.baselines.test_eplb import make_ctx
-from tests.experiments.test_run import file_cfg
-from tests.spine_helpers import tiny_setup
+from tests.builders import file_cfg, make_ctx, tiny_setup
 
 
 def test_spill_worked_example() -> None:

@@ -19,7 +19,7 @@ from baselines.lplb import (
 )
 from relibra.invariants import check_plan
 from relibra.planners.protocols import home_assign
-from tests.baselines.test_eplb import make_ctx
+from tests.builders import make_ctx
 
 
 # ------------------------------------------------------------------------------------ topologies

@@ -10,7 +10,7 @@ import pytest
 from baselines.popfetcher import PopFetcherPlanner, adjacent_layer_transition, pull_threshold
 from relibra.invariants import check_plan
 from relibra.planners.protocols import home_assign
-from tests.baselines.test_eplb import make_ctx
+from tests.builders import make_ctx
 
 
 def test_transition_recovers_a_deterministic_chain() -> None:

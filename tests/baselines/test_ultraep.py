@@ -14,9 +14,7 @@ from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
 from relibra.invariants import PlanInvariantError, check_plan
 from relibra.plan_dump import check_plan_dump
 from relibra.simulator import SimOptions, simulate
-from tests.baselines.test_eplb import make_ctx
-from tests.experiments.test_run import file_cfg
-from tests.spine_helpers import tiny_setup
+from tests.builders import file_cfg, make_ctx, tiny_setup
 
 
 def test_fast_oracle_worked_example() -> None:

@@ -31,7 +31,7 @@ from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
 from relibra.workload import build_workload
-from tests.spine_helpers import HOPPER, random_counts, tiny_model
+from tests.builders import HOPPER, random_counts, tiny_model
 
 LAYERS = 4
 SLOTS = 2

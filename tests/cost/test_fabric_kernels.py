@@ -61,7 +61,7 @@ from relibra.planners.replicate.links import _comm_lower_bound, _deepep_link_tot
 from relibra.planners.replicate.milp import _link_coefficients, dispatch_routing, solve_split
 from relibra.planners.replicate.state import ALL_NODES, _home_state, _objective, _problem
 from relibra.planners.replicate.terms import ReplicationCoefficients
-from tests.spine_helpers import HOPPER
+from tests.builders import HOPPER
 
 SHAPES = ((1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (3, 2), (2, 8))
 """(nodes, gpus_per_node) of the default run: one node, square and flat shapes, an odd node count."""

@@ -32,7 +32,7 @@ from relibra.planners.reorder.links import deepep_routes, link_routes
 from relibra.planners.reorder.problem import layer_problem
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.simulator import batch_context
-from tests.spine_helpers import HOPPER, tiny_setup
+from tests.builders import HOPPER, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -227,9 +227,9 @@ def test_annealing_reorderer_reads_the_overlap_from_the_cost_model(objective):
     """Under ep_overlap=true (on ctx.cost) the reorderer's objective is each layer's overlapped time with
     the batch's attention (the aggregate form: the summed loads as equal micro-batches); the same batch
     without the overlap gets the sum of T_MoE."""
-    from tests.planners.test_reorder import make_ctx
+    from tests.builders import layer_ctx
 
-    base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=9, alpha=0.2)
+    base = layer_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=9, alpha=0.2)
     over_cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
     over = replace(base, cluster=over_cost.cluster, cost=over_cost)
     config = AnnealConfig(seeds=(0,), objective=objective)
@@ -303,11 +303,13 @@ def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
     """The guarantee of replicate_batch under the overlap: per layer the exact best mix of the first pass
     (each micro-batch's own T_MoE, the answer without the overlap) and the second (its share of the
     overlapped time), so never worse as the simulator prices it; and the second pass does get used."""
-    from tests.planners.test_reorder import make_ctx
+    from tests.builders import layer_ctx
 
     better = 0
     for seed in range(3):
-        base = make_ctx(nodes, gpn, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
+        base = layer_ctx(
+            nodes, gpn, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4
+        )
         cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
         ctx = replace(base, cluster=cost.cluster, cost=cost)
         home = static_placement(2, 16, ctx.num_gpus)
@@ -377,11 +379,11 @@ def test_locality_round_never_worse_under_overlap(dispatcher):
     where the simulator's price of the home-only plan (overlapped, the configured dispatcher) does not
     grow, so the result is never worse than the input assignment."""
     from relibra.planners.reorder.locality import _overlapped, locality_round
-    from tests.planners.test_reorder import make_ctx
+    from tests.builders import layer_ctx
 
     kept = 0
     for seed in range(4):
-        base = make_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2)
+        base = layer_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2)
         cost = CostModel(replace(base.cluster, ep_overlap=True, dispatcher=dispatcher), base.model)
         ctx = replace(base, cluster=cost.cluster, cost=cost)
         home = static_placement(2, 16, 4)

@@ -37,7 +37,7 @@ from relibra.planners.compose import ComposedPlanner, relibra, relibra_replicate
 from relibra.planners.protocols import BatchContext, static_placement
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.types import BatchPlan
-from tests.spine_helpers import hand_hardware
+from tests.builders import hand_hardware
 
 pytestmark = pytest.mark.megatron
 

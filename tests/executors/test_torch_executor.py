@@ -33,7 +33,7 @@ from relibra.executors.torch_moe import (
 from relibra.invariants import PlanInvariantError
 from relibra.planners.protocols import home_assign, static_placement
 from relibra.types import BatchPlan
-from tests.spine_helpers import hand_hardware
+from tests.builders import hand_hardware
 
 SHAPE = ExpertShape(hidden=8, ffn=4)
 RTOL = 1e-5

@@ -23,7 +23,7 @@ import experiments.run as run_module
 from experiments.config import ConfigError
 from experiments.run import run
 from experiments.store import ResultsStore, cell_key
-from tests.experiments.test_run import REPO, cfg, file_cfg
+from tests.builders import REPO, cfg, file_cfg
 
 TINY = [
     "model=olmoe-1b-7b",

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from experiments.config import ConfigError, build_cluster, build_model
 from experiments.run import run
 from relibra.plan_dump import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
-from relibra.trace.format import RoutingTrace, load_trace, save_trace
+from relibra.trace.format import load_trace, save_trace
+from tests.builders import cfg, file_cfg
 
 CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
 REPO = Path(__file__).resolve().parents[2]
@@ -31,47 +31,6 @@ REQUIRED = [
     "tokens",
     *METRIC_COLUMNS,
 ]
-
-
-def cfg(*overrides: str):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-@pytest.fixture(scope="module")
-def trace_file(tmp_path_factory) -> Path:
-    """A small OLMoE-shaped trace (16 layers, 64 experts, top-8) written by the trace module."""
-    rng = np.random.default_rng(1)
-    lens = rng.integers(4, 20, size=16)
-    num_layers, num_experts, k = 16, 64, 8
-    scores = rng.gumbel(size=(int(lens.sum()), num_layers, num_experts)) + np.log(
-        1.0 / np.arange(1, num_experts + 1)
-    )
-    experts = np.argsort(-scores, axis=-1)[..., :k].astype(np.int16)
-    trace = RoutingTrace(
-        experts=experts,
-        sample_offsets=np.r_[0, np.cumsum(lens)].astype(np.int64),
-        batch_offsets=np.array([0, 8, 16], dtype=np.int64),
-        meta={
-            "num_experts": num_experts,
-            "top_k": k,
-            "num_layers": num_layers,
-            "model": "olmoe",
-            "source": "test",
-        },
-    )
-    return save_trace(trace, tmp_path_factory.mktemp("trace") / "olmoe_test.npz")
-
-
-def file_cfg(trace_file: Path, *more: str):
-    return cfg(
-        f"trace.path={trace_file}",
-        "model=olmoe-1b-7b",
-        "cluster.nodes=2",
-        "cluster.gpus_per_node=8",
-        "workload.samples_per_microbatch=1",
-        *more,
-    )
 
 
 def test_megatron_on_trace_file_dumps_valid_plans(trace_file, tmp_path):

@@ -238,7 +238,7 @@ def _claiming_writer(root: str, log: str, writer: int) -> None:
 def test_result_files_respect_the_umask(tmp_path: Path, umask: int, monkeypatch) -> None:
     from relibra import atomic
     from relibra.trace.format import save_trace
-    from tests.trace.test_trace import make_trace
+    from tests.builders import make_trace
 
     old = os.umask(umask)
     atomic._umask.cache_clear()

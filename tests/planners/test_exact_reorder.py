@@ -11,7 +11,7 @@ from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
 from relibra.planners.reorder.kernels import anneal_layer, placement_objective
 from relibra.planners.reorder.problem import layer_problem, lpt_placement
-from tests.planners.test_reorder import make_ctx
+from tests.builders import layer_ctx
 
 
 def _deepep(cost: CostModel) -> CostModel:
@@ -21,7 +21,7 @@ def _deepep(cost: CostModel) -> CostModel:
 @pytest.mark.parametrize("seed", [12, 3])
 def test_deepep_milp_matches_brute_force_and_bounds_annealer(seed: int) -> None:
     """The product chains model DeepEP's estimate exactly: the MILP's optimum is brute force's."""
-    ctx = make_ctx(2, 2, 8, microbatches=2, seed=seed)
+    ctx = layer_ctx(2, 2, 8, microbatches=2, seed=seed)
     problem = layer_problem(ctx.load[:, 0], _deepep(ctx.cost))
     assert problem.deepep
     brute = brute_force_reorder(problem, ctx.cluster)
@@ -36,7 +36,7 @@ def test_deepep_milp_matches_brute_force_and_bounds_annealer(seed: int) -> None:
 def test_deepep_optimum_beats_alltoalls_optimum_priced_under_deepep() -> None:
     """On this instance the placement that is optimal for alltoall is not for DeepEP: pricing DeepEP in the
     MILP itself matters (the alltoall model is no proxy for it)."""
-    ctx = make_ctx(2, 2, 8, microbatches=2, seed=12)
+    ctx = layer_ctx(2, 2, 8, microbatches=2, seed=12)
     deepep = layer_problem(ctx.load[:, 0], _deepep(ctx.cost))
     alltoall = milp_reorder(layer_problem(ctx.load[:, 0], ctx.cost), ctx.cluster, time_limit_s=60)
     ours = milp_reorder(deepep, ctx.cluster, time_limit_s=60, hint=alltoall.home)
@@ -45,7 +45,7 @@ def test_deepep_optimum_beats_alltoalls_optimum_priced_under_deepep() -> None:
 
 def test_deepep_single_node_problem_has_no_node_terms() -> None:
     """One node: DeepEP sends over NVLink only, once per (token, GPU); the MILP still matches brute force."""
-    ctx = make_ctx(1, 4, 8, microbatches=1, seed=5)
+    ctx = layer_ctx(1, 4, 8, microbatches=1, seed=5)
     problem = layer_problem(ctx.load[:, 0], _deepep(ctx.cost))
     brute = brute_force_reorder(problem, ctx.cluster)
     milp = milp_reorder(problem, ctx.cluster, time_limit_s=60)

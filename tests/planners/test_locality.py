@@ -12,7 +12,7 @@ from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.locality import cross_node_tokens, locality_round, per_gpu_slots
 from relibra.planners.reorder_only import ReorderOnlyPlanner
 from relibra.workload import gpu_token_stats, microbatch_loads
-from tests.planners.test_reorder import make_ctx
+from tests.builders import layer_ctx
 
 
 def test_per_gpu_slots_hand_example() -> None:
@@ -33,7 +33,7 @@ def test_cross_node_tokens_hand_example() -> None:
 
 def test_locality_round_moves_samples_home() -> None:
     """Samples whose experts all sit on the other node are swapped over to it."""
-    ctx = make_ctx(2, 2, 8, num_layers=1, microbatches=2, samples_per_gpu=1, seed=0)
+    ctx = layer_ctx(2, 2, 8, num_layers=1, microbatches=2, samples_per_gpu=1, seed=0)
     sb = ctx.sample_mb.shape[0]
     counts = np.zeros_like(ctx.counts)
     home = np.array([[0, 0, 1, 1, 2, 2, 3, 3]], dtype=np.int32)  # experts 0-3 on node 0, 4-7 on node 1
@@ -62,7 +62,7 @@ def test_locality_round_moves_samples_home() -> None:
 
 def test_locality_round_respects_tolerance_and_never_hurts() -> None:
     tol = 0.1
-    ctx = make_ctx(2, 4, 32, microbatches=3, samples_per_gpu=4, seed=3, alpha=0.2)
+    ctx = layer_ctx(2, 4, 32, microbatches=3, samples_per_gpu=4, seed=3, alpha=0.2)
     home = np.stack([np.random.default_rng(l).permutation(np.repeat(np.arange(8), 4)) for l in range(2)])
     new_gpu, stats = locality_round(ctx, home.astype(np.int32), tolerance=tol)
     assert stats["locality_comm_after_s"] <= stats["locality_comm_before_s"]
@@ -83,14 +83,14 @@ def test_locality_round_respects_tolerance_and_never_hurts() -> None:
 
 @pytest.mark.parametrize("tolerance", [0.0, -0.1, 1.5])
 def test_locality_tolerance_outside_zero_one_is_refused(tolerance: float) -> None:
-    ctx = make_ctx(2, 2, 8, num_layers=1, microbatches=1, samples_per_gpu=1, seed=0)
+    ctx = layer_ctx(2, 2, 8, num_layers=1, microbatches=1, samples_per_gpu=1, seed=0)
     home = np.array([[0, 0, 1, 1, 2, 2, 3, 3]], dtype=np.int32)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         locality_round(ctx, home, tolerance=tolerance)
 
 
 def test_reorder_only_with_locality_satisfies_invariants() -> None:
-    ctx = make_ctx(2, 4, 32, microbatches=2, samples_per_gpu=4, seed=8, alpha=0.2)
+    ctx = layer_ctx(2, 4, 32, microbatches=2, samples_per_gpu=4, seed=8, alpha=0.2)
     plan = ReorderOnlyPlanner(
         reorder=AnnealConfig(iterations=300, seeds=(0,), locality=True, locality_tolerance=0.1)
     ).plan(ctx)
@@ -105,7 +105,7 @@ def test_reorder_only_with_locality_satisfies_invariants() -> None:
 
 
 def test_locality_improves_a_random_batch_and_is_deterministic() -> None:
-    ctx = make_ctx(2, 4, 32, microbatches=2, samples_per_gpu=3, seed=21, alpha=0.2)
+    ctx = layer_ctx(2, 4, 32, microbatches=2, samples_per_gpu=3, seed=21, alpha=0.2)
     home = np.stack([np.random.default_rng(l).permutation(np.repeat(np.arange(8), 4)) for l in range(2)])
     a, stats = locality_round(ctx, home.astype(np.int32), tolerance=0.2, seed=1)
     b, _ = locality_round(ctx, home.astype(np.int32), tolerance=0.2, seed=1)

@@ -25,7 +25,7 @@ from relibra.planners.replicate.milp import (
     solve_split,
 )
 from relibra.simulator import batch_context
-from tests.spine_helpers import HOPPER, tiny_context, tiny_setup
+from tests.builders import HOPPER, tiny_context, tiny_setup
 
 MODEL = ModelSpec("test-moe", 2, 2, 2048, 768, 8, 2, 16, 4, 128)
 

@@ -20,7 +20,7 @@ from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.simulator import batch_context, simulate
 from relibra.types import BatchPlan
-from tests.spine_helpers import tiny_setup
+from tests.builders import tiny_setup
 
 CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
 FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}

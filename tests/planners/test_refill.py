@@ -15,7 +15,7 @@ from relibra.planners.protocols import BatchContext, Replication, static_placeme
 from relibra.planners.refill import replicate_within_window
 from relibra.planners.replicate.greedy import GreedyConfig, GreedyReplicator
 from relibra.simulator import batch_context, simulate
-from tests.spine_helpers import tiny_model, tiny_setup
+from tests.builders import tiny_model, tiny_setup
 
 SLOTS = 2
 

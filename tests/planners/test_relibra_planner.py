@@ -23,7 +23,7 @@ from relibra.planners.replicate.milp import MilpConfig
 from relibra.simulator import batch_context
 from relibra.trace.synthetic import generate_counts
 from relibra.workload import build_workload
-from tests.spine_helpers import HOPPER, tiny_context, tiny_model
+from tests.builders import HOPPER, tiny_context, tiny_model
 
 CONF = str(Path(__file__).resolve().parents[2] / "experiments" / "conf")
 FAST_REORDER = {"iterations": 200, "seeds": (0,), "workers": 1}

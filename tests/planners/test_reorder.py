@@ -8,9 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
-from relibra.planners.protocols import BatchContext, home_assign
+from relibra.planners.protocols import home_assign
 from relibra.planners.reorder.anneal import AnnealingReorderer
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.reorder.exact import brute_force_reorder, milp_reorder
@@ -24,71 +23,7 @@ from relibra.planners.reorder.kernels import (
 from relibra.planners.reorder.links import link_routes
 from relibra.planners.reorder.problem import layer_problem, lpt_placement
 from relibra.planners.reorder_only import ReorderOnlyPlanner
-from relibra.workload import gpu_token_stats, microbatch_loads
-from tests.spine_helpers import HOPPER
-
-
-def make_cost(nodes: int, gpus_per_node: int, num_experts: int, num_layers: int = 2) -> CostModel:
-    model = ModelSpec(
-        name="test-moe",
-        num_layers=num_layers,
-        num_moe_layers=num_layers,
-        hidden=2048,
-        moe_ffn=768,
-        num_experts=num_experts,
-        top_k=4,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=128,
-    )
-    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER), model)
-
-
-def make_ctx(
-    nodes: int,
-    gpus_per_node: int,
-    num_experts: int,
-    *,
-    num_layers: int = 2,
-    microbatches: int = 3,
-    samples_per_gpu: int = 2,
-    seed: int = 0,
-    alpha: float = 0.3,
-    prev_home: np.ndarray | None = None,
-) -> BatchContext:
-    """A consistent BatchContext: Dirichlet-skewed per-sample counts, samples round-robin over GPUs."""
-    rng = np.random.default_rng(seed)
-    cost = make_cost(nodes, gpus_per_node, num_experts, num_layers)
-    g = cost.cluster.num_gpus
-    k = cost.model.top_k
-    sb = microbatches * g * samples_per_gpu
-    tokens = rng.integers(64, 512, size=sb).astype(np.int64)
-    topic = rng.dirichlet(np.full(num_experts, alpha), size=(4, num_layers))  # [topics, L, E]
-    which = rng.integers(0, 4, size=sb)
-    counts = np.stack(
-        [[rng.multinomial(tokens[s] * k, topic[which[s], l]) for l in range(num_layers)] for s in range(sb)]
-    ).astype(np.int32)
-    sample_gpu = (np.arange(sb) % g).astype(np.int32)
-    sample_mb = (np.arange(sb) // (g * samples_per_gpu)).astype(np.int32)
-
-    def regroup(new_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        load = microbatch_loads(counts, new_gpu, sample_mb, microbatches, g)
-        return load, gpu_token_stats(tokens, new_gpu, sample_mb, microbatches, g)[0]
-
-    return BatchContext(
-        batch=0,
-        counts=counts,
-        sample_tokens=tokens,
-        sample_gpu=sample_gpu,
-        sample_mb=sample_mb,
-        load=regroup(sample_gpu)[0],
-        cluster=cost.cluster,
-        model=cost.model,
-        cost=cost,
-        prev_home=prev_home,
-        seed=seed,
-        regroup=regroup,
-    )
+from tests.builders import layer_ctx
 
 
 def reference_objective(
@@ -145,7 +80,7 @@ def test_lpt_refuses_bad_sizes() -> None:
 @pytest.mark.parametrize("level", ["gpu", "node"])
 @pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4), (4, 2)])
 def test_objective_matches_cost_model(nodes: int, gpn: int, level: str) -> None:
-    ctx = make_ctx(nodes, gpn, 16, seed=nodes * 10 + gpn)
+    ctx = layer_ctx(nodes, gpn, 16, seed=nodes * 10 + gpn)
     rng = np.random.default_rng(1)
     g = nodes * gpn
     for l in range(2):
@@ -159,7 +94,7 @@ def test_objective_matches_cost_model(nodes: int, gpn: int, level: str) -> None:
 def test_node_level_ignores_intra_node_placement() -> None:
     # Swapping two experts within a node leaves the node-level compute term unchanged, but (on a skewed
     # instance) changes the per-GPU one; communication is excluded by comparing compute-only problems.
-    ctx = make_ctx(2, 4, 32, seed=3, alpha=0.1)
+    ctx = layer_ctx(2, 4, 32, seed=3, alpha=0.1)
     rng = np.random.default_rng(2)
     gpu_changed = 0
     for l in range(2):
@@ -193,7 +128,7 @@ def test_link_routes_counts() -> None:
 
 
 def test_incremental_state_equals_recomputation() -> None:
-    ctx = make_ctx(2, 4, 32, microbatches=4, seed=7)
+    ctx = layer_ctx(2, 4, 32, microbatches=4, seed=7)
     prev = np.random.default_rng(0).permutation(np.repeat(np.arange(8), 4))
     problem = layer_problem(ctx.load[:, 0], ctx.cost, prev_home=prev, migration_weight=3.0)
     idx, cnt = link_routes(2, 4)
@@ -221,7 +156,7 @@ def test_incremental_state_equals_recomputation() -> None:
 
 @pytest.mark.parametrize("group", [1, 2])
 def test_lse_bounds_the_hard_max(group: int) -> None:
-    ctx = make_ctx(2, 2, 16, seed=5)
+    ctx = layer_ctx(2, 2, 16, seed=5)
     problem = layer_problem(ctx.load[:, 1], ctx.cost)
     idx, cnt = link_routes(2, 2)
     home = lpt_placement(problem.w.sum(axis=0), 4).astype(np.int64)
@@ -251,7 +186,7 @@ def test_never_worse_than_lpt_and_invariants(
 ) -> None:
     from relibra.invariants import check_plan
 
-    ctx = make_ctx(nodes, gpn, 32, seed=nodes + gpn)
+    ctx = layer_ctx(nodes, gpn, 32, seed=nodes + gpn)
     config = AnnealConfig(
         iterations=800, seeds=(0, 1), objective=objective, aggregate_warmup=warmup, compute_level=level
     )
@@ -276,13 +211,13 @@ def test_never_worse_than_lpt_and_invariants(
 
 
 def test_annealing_improves_a_skewed_instance() -> None:
-    ctx = make_ctx(4, 2, 32, seed=2, alpha=0.1, microbatches=2)
+    ctx = layer_ctx(4, 2, 32, seed=2, alpha=0.1, microbatches=2)
     r = AnnealingReorderer(AnnealConfig(iterations=1500, seeds=(0,))).reorder(ctx)
     assert r.stats["reorder_objective_s"] < r.stats["reorder_lpt_objective_s"]
 
 
 def test_deterministic_and_workers_agree() -> None:
-    ctx = make_ctx(2, 4, 32, num_layers=3, seed=9)
+    ctx = layer_ctx(2, 4, 32, num_layers=3, seed=9)
     params = {"iterations": 400, "seeds": [3, 4]}
     a = AnnealingReorderer(AnnealConfig(**params)).reorder(ctx)
     b = AnnealingReorderer(AnnealConfig(**params)).reorder(ctx)
@@ -296,16 +231,16 @@ def test_deterministic_and_workers_agree() -> None:
 
 
 def test_more_seeds_never_worse() -> None:
-    ctx = make_ctx(2, 4, 32, seed=4)
+    ctx = layer_ctx(2, 4, 32, seed=4)
     one = AnnealingReorderer(AnnealConfig(iterations=300, seeds=(0,))).reorder(ctx)
     two = AnnealingReorderer(AnnealConfig(iterations=300, seeds=(0, 1))).reorder(ctx)
     assert two.stats["reorder_objective_s"] <= one.stats["reorder_objective_s"] * (1 + 1e-12)
 
 
 def test_migration_weight_keeps_previous_placement() -> None:
-    base = make_ctx(2, 4, 32, seed=6, alpha=0.2)
+    base = layer_ctx(2, 4, 32, seed=6, alpha=0.2)
     prev = np.stack([np.random.default_rng(l).permutation(np.repeat(np.arange(8), 4)) for l in range(2)])
-    ctx = make_ctx(2, 4, 32, seed=6, alpha=0.2, prev_home=prev.astype(np.int32))
+    ctx = layer_ctx(2, 4, 32, seed=6, alpha=0.2, prev_home=prev.astype(np.int32))
     free = AnnealingReorderer(AnnealConfig(iterations=600, seeds=(0,))).reorder(ctx)
     assert free.stats["reorder_moved_experts"] > 0
     pinned = AnnealingReorderer(AnnealConfig(iterations=600, seeds=(0,), migration_weight=1e6)).reorder(ctx)
@@ -331,7 +266,7 @@ def test_config_errors_name_the_parameter() -> None:
 
 # ------------------------------------------------------------------------------ exact references
 def test_milp_matches_brute_force_and_bounds_annealer() -> None:
-    ctx = make_ctx(2, 2, 8, microbatches=2, seed=12)
+    ctx = layer_ctx(2, 2, 8, microbatches=2, seed=12)
     problem = layer_problem(ctx.load[:, 0], ctx.cost)
     brute = brute_force_reorder(problem, ctx.cluster)
     milp = milp_reorder(problem, ctx.cluster, time_limit_s=30)
@@ -346,7 +281,7 @@ def test_milp_matches_brute_force_and_bounds_annealer() -> None:
 
 
 def test_milp_refuses_node_level_problem_brute_force_handles_it() -> None:
-    ctx = make_ctx(2, 2, 8, microbatches=2, seed=12)
+    ctx = layer_ctx(2, 2, 8, microbatches=2, seed=12)
     node = layer_problem(ctx.load[:, 0], ctx.cost, compute_level="node")
     with pytest.raises(ValueError, match="compute_group"):
         milp_reorder(node, ctx.cluster, time_limit_s=5)
@@ -355,7 +290,7 @@ def test_milp_refuses_node_level_problem_brute_force_handles_it() -> None:
 
 
 def test_brute_force_refuses_large() -> None:
-    ctx = make_ctx(2, 4, 32, seed=0)
+    ctx = layer_ctx(2, 4, 32, seed=0)
     with pytest.raises(ValueError, match="milp_reorder"):
         brute_force_reorder(layer_problem(ctx.load[:, 0], ctx.cost), ctx.cluster)
 
@@ -393,7 +328,7 @@ def test_relibra_config_reorder_block_is_the_dataclass() -> None:
 @pytest.mark.parametrize("weight", [0.0, 0.5, 2.0])
 def test_comm_weight_scales_the_communication_term(weight: float) -> None:
     # The objective with weight w is compute + w * (T_comm of the cost model), latency included.
-    ctx = make_ctx(2, 4, 32, seed=5)
+    ctx = layer_ctx(2, 4, 32, seed=5)
     load_l = ctx.load[:, 0]
     home = np.random.default_rng(3).permutation(np.repeat(np.arange(8), 4)).astype(np.int32)
     full = layer_problem(load_l, ctx.cost)
@@ -410,13 +345,13 @@ def test_comm_weight_refuses_bad_values(bad: float) -> None:
     with pytest.raises(ValueError, match="comm_weight"):
         AnnealConfig(comm_weight=bad)
     with pytest.raises(ValueError, match="comm_weight"):
-        layer_problem(make_ctx(1, 4, 8).load[:, 0], make_ctx(1, 4, 8).cost, comm_weight=bad)
+        layer_problem(layer_ctx(1, 4, 8).load[:, 0], layer_ctx(1, 4, 8).cost, comm_weight=bad)
 
 
 def test_balance_only_reordering_balances_nodes_better() -> None:
     # Pure compute balance (comm_weight=0, node level) leaves each micro-batch's node loads at least as
     # even as the T_MoE objective does; on this skewed two-node instance it removes over half the excess.
-    ctx = make_ctx(2, 4, 32, microbatches=4, seed=11, alpha=0.1)
+    ctx = layer_ctx(2, 4, 32, microbatches=4, seed=11, alpha=0.1)
 
     def node_skew(home: np.ndarray) -> float:
         a = home_assign(ctx.load, home, 8).sum(axis=-2)  # [Mb, L, G]
@@ -437,7 +372,7 @@ def _deepep(cost: CostModel) -> CostModel:
 
 @pytest.mark.parametrize(("nodes", "gpn"), [(2, 2), (2, 4), (4, 2)])
 def test_deepep_objective_matches_cost_model(nodes: int, gpn: int) -> None:
-    ctx = make_ctx(nodes, gpn, 16, microbatches=2)
+    ctx = layer_ctx(nodes, gpn, 16, microbatches=2)
     cost = _deepep(ctx.cost)
     rng = np.random.default_rng(1)
     for l in range(ctx.load.shape[1]):
@@ -454,7 +389,7 @@ def test_deepep_annealer_state_stays_exact_after_swaps() -> None:
     from relibra.planners.reorder.kernels import _apply_swap_deepep, full_state_deepep
     from relibra.planners.reorder.links import deepep_routes
 
-    ctx = make_ctx(2, 4, 32, microbatches=2)
+    ctx = layer_ctx(2, 4, 32, microbatches=2)
     cost = _deepep(ctx.cost)
     problem = layer_problem(ctx.load[:, 0], cost)
     routes = deepep_routes(2, 4)
@@ -474,7 +409,7 @@ def test_deepep_annealer_state_stays_exact_after_swaps() -> None:
 
 
 def test_deepep_annealer_improves_its_objective() -> None:
-    ctx = make_ctx(2, 4, 32, microbatches=2, alpha=0.1)
+    ctx = layer_ctx(2, 4, 32, microbatches=2, alpha=0.1)
     cost = _deepep(ctx.cost)
     problem = layer_problem(ctx.load[:, 0], cost)
     start = lpt_placement(problem.w.sum(axis=0), 8)

@@ -30,7 +30,7 @@ from relibra.planners.replicate.state import (
     _State,
 )
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
-from tests.spine_helpers import HOPPER
+from tests.builders import HOPPER
 
 MODEL = ModelSpec("test-moe", 4, 4, 2048, 768, 64, 8, 16, 4, 128)
 

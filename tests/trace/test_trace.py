@@ -10,23 +10,7 @@ import numpy as np
 import pytest
 
 from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace, save_trace
-
-
-def make_trace(
-    seed: int = 0, tokens: int = 300, layers: int = 3, experts: int = 8, k: int = 2
-) -> RoutingTrace:
-    rng = np.random.default_rng(seed)
-    # Distinct top-k per token: argsort of random keys.
-    routes = np.argsort(rng.random((tokens, layers, experts)), axis=-1)[..., :k].astype(np.int16)
-    cuts = np.sort(rng.choice(np.arange(1, tokens), 11, replace=False))
-    return RoutingTrace(
-        experts=routes,
-        sample_offsets=np.r_[0, cuts, tokens].astype(np.int64),
-        batch_offsets=np.array([0, 5, 12], dtype=np.int64),
-        sample_domain=(np.arange(12) % 2).astype(np.int16),
-        domain_names=("math", "code"),
-        meta={"num_experts": experts, "top_k": k, "num_layers": layers, "model": "toy", "source": "test"},
-    )
+from tests.builders import make_trace
 
 
 def test_round_trip(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 from relibra.trace.format import MAX_EXPERTS, TraceFormatError, load_trace, save_trace
 from relibra.trace.importers import from_router_replay, from_sglang, from_vllm
-from tests.trace.test_trace import make_trace
+from tests.builders import make_trace
 
 ARRAYS = ("experts", "sample_offsets", "batch_offsets", "sample_domain", "domain_names", "meta")
 NAMED = re.compile(
