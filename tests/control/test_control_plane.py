@@ -418,3 +418,26 @@ def test_bad_calls_name_the_problem():
             cp.seal()
     with pytest.raises(ValueError, match="workers"):
         ControlPlaneConfig(workers=-1)
+
+
+def test_relibra_under_overlap_through_the_control_plane_equals_the_serial_planner():
+    """The control plane's per-layer tasks (placement slices, one replication task per layer with every
+    micro-batch) give the plan the serial planner gives under the overlap."""
+    counts, cluster, model, _ = _setup()
+    cluster = replace(cluster, ep_overlap=True)
+    cost = CostModel(cluster, model)
+    ctx = _ctx(counts, cluster, model, cost)
+    assert ctx.num_microbatches >= 2
+    serial = relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)).plan(ctx)
+    assert "overlap_second_pass_share" in serial.stats
+    with ControlPlane.from_planner(
+        relibra(replica_slots=SLOTS, reorder=AnnealConfig(**RELIBRA)),
+        cluster,
+        model,
+        cost,
+        ControlPlaneConfig(workers=0),
+    ) as cp:
+        plan = cp.plan(ctx)
+    for name in ("home", "sample_gpu", "load", "assign", "replicas"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(serial, name), err_msg=name)
+    assert plan.stats["reorder_objective_s"] == pytest.approx(serial.stats["reorder_objective_s"])
