@@ -13,7 +13,6 @@ from hypothesis.extra.numpy import arrays
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
-from relibra.invariants import check_assignment
 from relibra.cost.overlap import (
     OverlapNeighbours,
     best_chain,
@@ -22,6 +21,7 @@ from relibra.cost.overlap import (
     overlapped_time,
     share_pieces,
 )
+from relibra.invariants import check_assignment
 from relibra.planners.protocols import home_assign, static_placement
 from relibra.planners.refill import attention_window, replicate_batch, replicate_within_window
 from relibra.planners.reorder.anneal import (
@@ -131,7 +131,9 @@ def test_share_pieces_are_microbatch_share(own, nb, first, last):
     assert np.all(pieces[..., :2] >= 0.0)  # non-decreasing in C and K: the epigraph form is exact
     c, k = own
     terms = pieces[..., 0] * c + pieces[..., 1] * k + pieces[..., 2]  # [4, 2]
-    assert terms.max(axis=1).sum() == pytest.approx(microbatch_share(c, k, nb, math.inf), rel=1e-12, abs=1e-12)
+    assert terms.max(axis=1).sum() == pytest.approx(
+        microbatch_share(c, k, nb, math.inf), rel=1e-12, abs=1e-12
+    )
     assert np.isinf(pieces[:2, 1, 2]).all() == first and np.isinf(pieces[2:, 1, 2]).all() == last
 
 
@@ -376,8 +378,8 @@ def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
 
 
 def test_greedy_under_overlap_never_raises_its_share():
-    """replicate_greedy (either split) keeps only moves that lower its objective, so under the overlap its share
-    (linearised, as it prices it) is never above the home-only answer's."""
+    """replicate_greedy (either split) keeps only moves that lower its objective, so under the overlap its
+    share (linearised, as it prices it) is never above the home-only answer's."""
     from relibra.planners.replicate.greedy import replicate_greedy
 
     counts, workload, cluster, model, cost = _overlap_setup(3, nodes=2, gpn=4, experts=16)
@@ -393,7 +395,12 @@ def test_greedy_under_overlap_never_raises_its_share():
         for split in ("waterfill", "lp"):
             rep = replicate_greedy(load, home, cost, 2, overlap=overlap, split=split)
             check_assignment(
-                home, rep.assign[None], load[None], gpus_per_node=4, replica_slots=2, replicas=rep.replicas[None]
+                home,
+                rep.assign[None],
+                load[None],
+                gpus_per_node=4,
+                replica_slots=2,
+                replicas=rep.replicas[None],
             )
             own = plan_share(load, rep.assign, home, cost, overlap)
             base = plan_share(load, home_assign(load, home, cluster.num_gpus), home, cost, overlap)
@@ -459,7 +466,12 @@ def test_entry_point_accepts_the_lp_split_under_overlap():
     from experiments.grid import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        overrides = ["cluster.ep_overlap=true", "planner=relibra", "planner.replicate.split=lp", "cluster.nodes=1"]
+        overrides = [
+            "cluster.ep_overlap=true",
+            "planner=relibra",
+            "planner.replicate.split=lp",
+            "cluster.nodes=1",
+        ]
         cfg = compose(config_name="config", overrides=overrides)
     validate(cfg)  # the LP split prices the overlap now: nothing to refuse
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

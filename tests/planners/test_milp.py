@@ -437,13 +437,16 @@ def test_milp_replicator_passes_the_overlap_per_layer() -> None:
     load = np.asarray(ctx.load[0])
     rng = np.random.default_rng(1)
     overlap = OverlapNeighbours(rng.uniform(0, 5e-5, load.shape[0]), rng.uniform(0, 3e-4, (load.shape[0], 4)))
-    out = MilpReplicator(1, MilpConfig(time_limit_s=5.0, relative_gap=0.0)).replicate(load, home, ctx, overlap)
+    out = MilpReplicator(1, MilpConfig(time_limit_s=5.0, relative_gap=0.0)).replicate(
+        load, home, ctx, overlap
+    )
     check_assignment(
         home, out.assign[None], ctx.load[:1], gpus_per_node=2, replica_slots=1, replicas=out.replicas[None]
     )
     want = sum(
-        solve_replication(load[l], home[l], cost, 1, overlap=overlap.rows(np.array([l])), relative_gap=0.0)
-        .objective_s
+        solve_replication(
+            load[l], home[l], cost, 1, overlap=overlap.rows(np.array([l])), relative_gap=0.0
+        ).objective_s
         for l in range(load.shape[0])
     )
     assert out.stats["milp_objective_s"] == pytest.approx(want, rel=1e-9)

@@ -40,15 +40,15 @@ objective that touches it at the incumbent. Hence
 ``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every exactly solved iterate's true objective
 (linearised compute plus :meth:`~relibra.cost.model.CostModel.moe_comm_time`, the simulator's own price) is no
 higher than the last (Lange, Hunter and Yang 2000, "Optimization transfer using surrogate objective
-functions"; the same argument as the concave-convex procedure). Under the overlap ``F`` is the share of
-the overlapped layer time, non-decreasing in the communication time, so the same holds. The loop starts from the alltoall-proxy
-solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each new solution,
-and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after
-:attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible only when a
-gap-limited MILP returns a worse incumbent than its hint) is not accepted, so the result is never worse than
-its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed point of the
-linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced by its
-chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
+functions"; the same argument as the concave-convex procedure). Under the overlap ``F`` is the share of the
+overlapped layer time, non-decreasing in the communication time, so the same holds. The loop starts from the
+alltoall-proxy solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each
+new solution, and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of
+it, or after :attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible when a
+gap-limited MILP returns a worse incumbent than its hint, or by a solver tolerance) is not accepted, so the
+result is never worse than its start (the alltoall-proxy plan) priced under ``deepep``. The result is a
+fixed point of the linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit
+replaced by its chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
 minorizes the true objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound
 proves the result within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every
 solve.
