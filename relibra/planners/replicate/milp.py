@@ -46,9 +46,9 @@ alltoall-proxy solution (the model above with alltoall's traffic) or a given ``s
 new solution, and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of
 it, or after :attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible when a
 gap-limited MILP returns a worse incumbent than its hint, or by a solver tolerance) is not accepted, so the
-result is never worse than its start (the alltoall-proxy plan) priced under ``deepep``. The result is a
-fixed point of the linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit
-replaced by its chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
+result is never worse than its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed
+point of the linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced
+by its chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
 minorizes the true objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound
 proves the result within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every
 solve.
