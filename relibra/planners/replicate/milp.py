@@ -198,16 +198,6 @@ class _Problem:
     """One row: the micro-batch's attention and neighbours (seconds) under ``cluster.ep_overlap``; None: the
     objective is ``T_MoE``."""
 
-    def share_pieces(self) -> np.ndarray:
-        """float64 [4, 2, 3]: :func:`relibra.cost.overlap.share_pieces` in token equivalents of
-        ``(t_comp, t_comm, 1)``, the attention and the all-to-all latency moved into the constants."""
-        assert self.overlap is not None
-        spt = self.coef.seconds_per_token
-        pieces = share_pieces(self.overlap.neighbours[0] / spt)
-        att = float(self.overlap.attention[0]) / spt
-        pieces[..., 2] += pieces[..., 0] * att + pieces[..., 1] * self.coef.latency
-        return pieces
-
     def price_s(self, compute_s: float, comm_s: float) -> float:
         """The objective in seconds of compute (linearised, busiest GPU) and all-to-all (latency included)
         seconds: their sum, or under the overlap the micro-batch's share."""
@@ -216,6 +206,17 @@ class _Problem:
         return microbatch_share(
             compute_s + float(self.overlap.attention[0]), comm_s, self.overlap.neighbours[0], math.inf
         )
+
+
+def _share_pieces(overlap: OverlapNeighbours, coef: ReplicationCoefficients) -> np.ndarray:
+    """float64 [4, 2, 3]: :func:`relibra.cost.overlap.share_pieces` of ``overlap``'s one row in token
+    equivalents of ``(t_comp, t_comm, 1)``, the attention and the all-to-all latency moved into the
+    constants."""
+    spt = coef.seconds_per_token
+    pieces = share_pieces(overlap.neighbours[0] / spt)
+    att = float(overlap.attention[0]) / spt
+    pieces[..., 2] += pieces[..., 0] * att + pieces[..., 1] * coef.latency
+    return pieces
 
 
 def _problem(
@@ -432,7 +433,7 @@ def _milp(
         obj.SetCoefficient(t_comm, 1.0)
     else:  # the share: sum over pieces of max_i (a_i t_comp + b_i t_comm + c_i) (relibra.cost.overlap)
         w_comp = w_comm = 0.0
-        for i, piece in enumerate(p.share_pieces()):
+        for i, piece in enumerate(_share_pieces(p.overlap, p.coef)):
             args = piece[np.isfinite(piece[:, 2])]
             if args.shape[0] == 1:  # no max: the affine term itself
                 w_comp, w_comm, const = w_comp + args[0, 0], w_comm + args[0, 1], const + args[0, 2]
@@ -540,7 +541,7 @@ def _solve(
     if comm and g_n > 1:
         model = _alltoall_model(p, dispatch_routing(cost) if routing is None else routing)
     scale = p.coef.seconds_per_token
-    # NOTE: under the overlap the latency is inside the share's pieces (:meth:`_Problem.share_pieces`).
+    # NOTE: under the overlap the latency is inside the share's pieces (:func:`_share_pieces`).
     lat = p.coef.latency * scale if comm and overlap is None else 0.0
     if model is None or cost.dispatcher == "alltoall":
         run = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
