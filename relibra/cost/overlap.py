@@ -15,7 +15,9 @@ backward, backward two thirds, as the cost model counts FLOPs) and ``comm`` its 
 
 This module is the one place of the rule: the simulator prices a step with :func:`overlapped_time`, and the
 planners' objectives call the same compiled functions (:func:`layer_time` for one layer's micro-batches,
-:func:`microbatch_share` for the terms one micro-batch enters, given its neighbours). With ``beta < inf``
+:func:`microbatch_share` for the terms one micro-batch enters, given its neighbours; :func:`share_pieces`
+for the same terms as affine pieces, which the replication MILP and LP minimise). Every one of them evaluates
+the coefficients of :func:`share_term`, the rule's single statement. With ``beta < inf``
 every ``max`` of two is the log-sum-exp ``max + log1p(exp(-beta |a - b|)) / beta`` (the annealer's
 smoothing); ``beta = inf`` is the hard max the simulator charges.
 """
