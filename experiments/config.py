@@ -255,17 +255,6 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                     f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
                     f"gives {mbs}"
                 )
-    lp_split = [
-        key
-        for key, node in _planner_keys(cfg.get("planner"), "replicate")
-        if isinstance(node, DictConfig) and node.get("split") == "lp"
-    ]
-    if bool(cfg.cluster.get("ep_overlap", False)) and lp_split:
-        problems.append(
-            f"cluster.ep_overlap=true with planner={cfg.planner.get('name')} ({', '.join(lp_split)}): the LP "
-            "split prices T_MoE only; use planner.replicate.split=waterfill (whose greedy prices the "
-            "overlap) or cluster.ep_overlap=false"
-        )
     path = cfg.cluster.get("calibration")
     if path:
         try:

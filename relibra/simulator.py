@@ -2,8 +2,8 @@
 
 For each batch ``b`` the simulator builds a :class:`~relibra.planners.protocols.BatchContext` (oracle loads,
 the previous placement, recent history, a ``regroup`` closure; :func:`relibra.workload.batch_context`), calls
-the planner, times it, and prices the plan with :mod:`relibra.cost.pricing` (the one place plans are priced,
-with the :class:`~relibra.cost.model.CostModel`):
+the planner, times it, and prices the plan with :mod:`relibra.cost.pricing` (the one place plans are
+priced, with the :class:`~relibra.cost.model.CostModel`):
 
 * per (micro-batch, layer): ``T_MoE = max_g T_comp + max_g T_comm`` (:meth:`CostModel.moe`), attention
   ``max_g T_attn(g)``, and the exposed replica-buffer refill ``max(0, refill - attn_fwd) +

@@ -4,6 +4,7 @@ hand-made traces and planner contexts, and Hydra-composed configs. Fixtures buil
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,10 @@ from hydra import compose, initialize_config_dir
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.model import CostModel
+from relibra.cost.overlap import OverlapNeighbours, microbatch_share
 from relibra.invariants import sample_loads
 from relibra.planners.protocols import BatchContext
+from relibra.planners.replicate.terms import ReplicationCoefficients
 from relibra.simulator import batch_context
 from relibra.trace.format import RoutingTrace
 from relibra.types import SampleCounts, Workload
@@ -265,3 +268,22 @@ def make_cost(nodes: int, gpus_per_node: int, num_experts: int, num_layers: int 
         head_dim=128,
     )
     return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER), model)
+
+
+def plan_share(
+    load: np.ndarray, assign: np.ndarray, home: np.ndarray, cost: CostModel, overlap: OverlapNeighbours
+) -> np.ndarray:
+    """float64 [P]: each problem's share of the overlapped layer time (:func:`microbatch_share`) of a plan,
+    priced by the cost model's functions: linearised compute (busiest GPU, attention added) and the
+    dispatcher's communication (latency included). load [P, G, E], assign [P, E, G], home [P, E]."""
+    coef = ReplicationCoefficients.from_cost(cost)
+    a = np.asarray(assign, dtype=np.float64)
+    copies = (a > 0) | (np.arange(cost.cluster.num_gpus) == np.asarray(home)[..., None])
+    comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(axis=-1) * coef.seconds_per_token
+    comm = cost.moe_comm_time(load, assign).max(axis=-1)
+    return np.array(
+        [
+            microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf)
+            for l, (c, k) in enumerate(zip(comp, comm, strict=True))
+        ]
+    )

@@ -15,7 +15,9 @@ backward, backward two thirds, as the cost model counts FLOPs) and ``comm`` its 
 
 This module is the one place of the rule: the simulator prices a step with :func:`overlapped_time`, and the
 planners' objectives call the same compiled functions (:func:`layer_time` for one layer's micro-batches,
-:func:`microbatch_share` for the terms one micro-batch enters, given its neighbours). With ``beta < inf``
+:func:`microbatch_share` for the terms one micro-batch enters, given its neighbours; :func:`share_pieces`
+for the same terms as affine pieces, which the replication MILP and LP minimise). Every one of them evaluates
+the coefficients of :func:`share_term`, the rule's single statement. With ``beta < inf``
 every ``max`` of two is the log-sum-exp ``max + log1p(exp(-beta |a - b|)) / beta`` (the annealer's
 smoothing); ``beta = inf`` is the hard max the simulator charges.
 """
@@ -38,6 +40,8 @@ __all__ = [
     "microbatch_share",
     "overlapped_time",
     "pair_time",
+    "share_pieces",
+    "share_term",
 ]
 
 FWD_COMPUTE = 1.0 / 3.0
@@ -58,12 +62,54 @@ def _smax(a: float, b: float, beta: float) -> float:
 
 
 @njit(cache=True, inline="always")
+def share_term(side: int, piece: int, arg: int, comp_nb: float, comm_nb: float) -> tuple[float, float, float]:
+    """The one statement of the overlap rule: coefficients ``(of C, of K, constant)`` of argument ``arg``
+    (0 or 1) of the ``piece``-th (0 or 1) max of two in the terms micro-batch ``m`` (compute ``C``,
+    all-to-all ``K``) enters on ``side``: 0 its forward beside the backward of ``m - 1``, 1 its backward
+    beside the forward of ``m + 1``. ``(comp_nb, comm_nb)``: that neighbour's compute and all-to-all; a
+    negative ``comp_nb`` where there is none (the pass runs alone: ``C/3 + K/2`` or ``2 C/3 + K/2``, no max).
+    A constant of ``-inf`` marks an argument that does not exist (the max is its other argument).
+
+    side 0: ``max(K/2, 2 C[m-1]/3) + max(K[m-1]/2, C/3)``; side 1: ``max(K[m+1]/2, 2 C/3) + max(K/2,
+    C[m+1]/3)``. Every coefficient is >= 0, so the terms are non-decreasing in ``C`` and ``K``.
+    """
+    if comp_nb < 0.0:
+        if arg == 1:
+            return 0.0, 0.0, -math.inf
+        if piece == 1:
+            return 0.0, 0.0, 0.0
+        return (FWD_COMPUTE if side == 0 else BWD_COMPUTE), PASS_COMM, 0.0
+    if side == 0:
+        if piece == 0:
+            return (0.0, PASS_COMM, 0.0) if arg == 0 else (0.0, 0.0, BWD_COMPUTE * comp_nb)
+        return (0.0, 0.0, PASS_COMM * comm_nb) if arg == 0 else (FWD_COMPUTE, 0.0, 0.0)
+    if piece == 0:
+        return (0.0, 0.0, PASS_COMM * comm_nb) if arg == 0 else (BWD_COMPUTE, 0.0, 0.0)
+    return (0.0, PASS_COMM, 0.0) if arg == 0 else (0.0, 0.0, FWD_COMPUTE * comp_nb)
+
+
+@njit(cache=True, inline="always")
+def _side(side: int, comp_nb: float, comm_nb: float, comp: float, comm: float, beta: float) -> float:
+    """Seconds of the terms of :func:`share_term` on ``side`` at ``(comp, comm)``."""
+    t = 0.0
+    for piece in range(2):
+        a0, b0, c0 = share_term(side, piece, 0, comp_nb, comm_nb)
+        a1, b1, c1 = share_term(side, piece, 1, comp_nb, comm_nb)
+        t += _smax(a0 * comp + b0 * comm + c0, a1 * comp + b1 * comm + c1, beta)
+    return t
+
+
+@njit(cache=True, inline="always")
 def pair_time(comp_b: float, comm_b: float, comp_f: float, comm_f: float, beta: float) -> float:
     """Seconds of one overlapped pair: the backward of a micro-batch (``comp_b``, ``comm_b``: its fwd + bwd
     compute and four-phase all-to-all) with the forward of the next (``comp_f``, ``comm_f``)."""
-    return _smax(PASS_COMM * comm_f, BWD_COMPUTE * comp_b, beta) + _smax(
-        PASS_COMM * comm_b, FWD_COMPUTE * comp_f, beta
-    )
+    return _side(0, comp_b, comm_b, comp_f, comm_f, beta)
+
+
+@njit(cache=True, inline="always")
+def _alone(side: int, comp: float, comm: float, beta: float) -> float:
+    """Seconds of the first forward (``side`` 0) or the last backward (1), which run without a partner."""
+    return _side(side, -1.0, 0.0, comp, comm, beta)
 
 
 @njit(cache=True)
@@ -81,10 +127,10 @@ def layer_time(comp: np.ndarray, comm: np.ndarray, microbatches: int, beta: floa
         c = comp[0]
         k = comm[0]
         return (c + k + (microbatches - 1) * pair_time(c, k, c, k, beta)) / microbatches
-    total = FWD_COMPUTE * comp[0] + PASS_COMM * comm[0]
+    total = _alone(0, comp[0], comm[0], beta)
     for m in range(rows - 1):
         total += pair_time(comp[m], comm[m], comp[m + 1], comm[m + 1], beta)
-    total += BWD_COMPUTE * comp[rows - 1] + PASS_COMM * comm[rows - 1]
+    total += _alone(1, comp[rows - 1], comm[rows - 1], beta)
     return total
 
 
@@ -97,17 +143,29 @@ def microbatch_share(comp: float, comm: float, neighbours: np.ndarray, beta: flo
     the layer's time does not depend on ``m``, so minimising this over ``m``'s plan with its neighbours
     fixed minimises :func:`layer_time`.
     """
-    cp, kp, cn, kn = neighbours[0], neighbours[1], neighbours[2], neighbours[3]
-    t = 0.0
-    if cp >= 0.0:
-        t += pair_time(cp, kp, comp, comm, beta)
-    else:
-        t += FWD_COMPUTE * comp + PASS_COMM * comm
-    if cn >= 0.0:
-        t += pair_time(comp, comm, cn, kn, beta)
-    else:
-        t += BWD_COMPUTE * comp + PASS_COMM * comm
-    return t
+    return _side(0, neighbours[0], neighbours[1], comp, comm, beta) + _side(
+        1, neighbours[2], neighbours[3], comp, comm, beta
+    )
+
+
+@njit(cache=True)
+def share_pieces(neighbours: np.ndarray) -> np.ndarray:
+    """:func:`microbatch_share` (hard max) as a sum of maxima of affine terms, for a linear program.
+
+    neighbours [4] as :func:`microbatch_share`'s. Returns float64 [4, 2, 3]: piece ``p`` (two per side, in
+    order) is ``max_i (out[p, i, 0] * C + out[p, i, 1] * K + out[p, i, 2])``, the share their sum; a
+    constant ``-inf`` marks an argument that does not exist (:func:`share_term`). Each max becomes an
+    epigraph variable ``t_p >= term_i`` in the MILP and LP of :mod:`relibra.planners.replicate.milp`.
+    """
+    out = np.empty((4, 2, 3))
+    for side in range(2):
+        for piece in range(2):
+            for arg in range(2):
+                a, b, c = share_term(side, piece, arg, neighbours[2 * side], neighbours[2 * side + 1])
+                out[2 * side + piece, arg, 0] = a
+                out[2 * side + piece, arg, 1] = b
+                out[2 * side + piece, arg, 2] = c
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,7 +215,7 @@ def best_chain(comp: np.ndarray, comm: np.ndarray, extra: np.ndarray) -> np.ndar
     best = np.empty((num_m, num_c))
     back = np.zeros((num_m, num_c), dtype=np.int64)
     for c in range(num_c):
-        best[0, c] = FWD_COMPUTE * comp[c, 0] + PASS_COMM * comm[c, 0] + extra[c, 0]
+        best[0, c] = _alone(0, comp[c, 0], comm[c, 0], math.inf) + extra[c, 0]
     for m in range(1, num_m):
         for c in range(num_c):
             top = math.inf
@@ -173,7 +231,7 @@ def best_chain(comp: np.ndarray, comm: np.ndarray, extra: np.ndarray) -> np.ndar
     out = np.zeros(num_m, dtype=np.int64)
     top = math.inf
     for c in range(num_c):
-        v = best[last, c] + BWD_COMPUTE * comp[c, last] + PASS_COMM * comm[c, last]
+        v = best[last, c] + _alone(1, comp[c, last], comm[c, last], math.inf)
         if v < top:
             top = v
             out[last] = c

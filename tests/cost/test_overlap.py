@@ -13,8 +13,16 @@ from hypothesis.extra.numpy import arrays
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
-from relibra.cost.overlap import OverlapNeighbours, best_chain, layer_time, microbatch_share, overlapped_time
+from relibra.cost.overlap import (
+    OverlapNeighbours,
+    best_chain,
+    layer_time,
+    microbatch_share,
+    overlapped_time,
+    share_pieces,
+)
 from relibra.cost.pricing import attention_window
+from relibra.invariants import check_assignment
 from relibra.planners.protocols import home_assign, static_placement
 from relibra.planners.refill import replicate_batch, replicate_within_window
 from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
@@ -31,8 +39,9 @@ from relibra.planners.reorder.kernels import (
 from relibra.planners.reorder.links import deepep_routes, link_routes
 from relibra.planners.reorder.problem import layer_problem
 from relibra.planners.replicate.greedy import GreedyReplicator
+from relibra.planners.replicate.milp import MilpConfig, MilpReplicator
 from relibra.simulator import batch_context
-from tests.builders import HOPPER, tiny_setup
+from tests.builders import HOPPER, plan_share, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -83,6 +92,28 @@ def test_layer_time_and_microbatch_share_are_the_simulators_rule():
     for beta in (1.0, 10.0, 100.0):
         soft = layer_time(comp[:, 0], comm[:, 0], 5, beta)
         assert total <= soft <= total + 2 * 4 * math.log(2) / beta + 1e-12
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    own=arrays(np.float64, 2, elements=st.floats(0, 10)),
+    nb=arrays(np.float64, 4, elements=st.floats(0, 10)),
+    first=st.booleans(),
+    last=st.booleans(),
+)
+def test_share_pieces_are_microbatch_share(own, nb, first, last):
+    """The affine pieces the MILP and LP minimise (one epigraph variable per max) sum to the share."""
+    nb = nb.copy()
+    nb[0] = -1.0 if first else nb[0]
+    nb[2] = -1.0 if last else nb[2]
+    pieces = share_pieces(nb)
+    assert np.all(pieces[..., :2] >= 0.0)  # non-decreasing in C and K: the epigraph form is exact
+    c, k = own
+    terms = pieces[..., 0] * c + pieces[..., 1] * k + pieces[..., 2]  # [4, 2]
+    assert terms.max(axis=1).sum() == pytest.approx(
+        microbatch_share(c, k, nb, math.inf), rel=1e-12, abs=1e-12
+    )
+    assert np.isinf(pieces[:2, 1, 2]).all() == first and np.isinf(pieces[2:, 1, 2]).all() == last
 
 
 def test_aggregate_row_is_equal_microbatches():
@@ -328,15 +359,13 @@ def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
 
 
 def test_greedy_under_overlap_never_raises_its_share():
-    """replicate_greedy keeps only moves that lower its objective, so under the overlap its answer's share
-    (linearised, as it prices it) is never above the home-only answer's."""
+    """replicate_greedy (either split) keeps only moves that lower its objective, so under the overlap its
+    share (linearised, as it prices it) is never above the home-only answer's."""
     from relibra.planners.replicate.greedy import replicate_greedy
-    from relibra.planners.replicate.terms import ReplicationCoefficients
 
     counts, workload, cluster, model, cost = _overlap_setup(3, nodes=2, gpn=4, experts=16)
     ctx = batch_context(counts, workload, 0, cluster, model, cost)
     home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
-    coef = ReplicationCoefficients.from_cost(cost)
     rng = np.random.default_rng(0)
     for m in range(ctx.num_microbatches):
         load = np.asarray(ctx.load[m])
@@ -344,32 +373,48 @@ def test_greedy_under_overlap_never_raises_its_share():
         nb = np.column_stack([rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2)
         nb[:, 0] = -1.0 if m == 0 else nb[:, 0]
         overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb)
-        rep = replicate_greedy(load, home, cost, 2, overlap=overlap)
-
-        def share(assign, load=load, overlap=overlap):
-            a = np.asarray(assign, dtype=np.float64)
-            copies = (a > 0) | (np.arange(cluster.num_gpus) == home[..., None])
-            comp = (a.sum(axis=-2) + coef.fixed_tokens * copies.sum(axis=-2)).max(
-                axis=-1
-            ) * coef.seconds_per_token
-            comm = cost.moe_comm_time(load, assign).max(axis=-1)
-            return np.array(
-                [
-                    microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf)
-                    for l, (c, k) in enumerate(zip(comp, comm, strict=True))
-                ]
+        for split in ("waterfill", "lp"):
+            rep = replicate_greedy(load, home, cost, 2, overlap=overlap, split=split)
+            check_assignment(
+                home,
+                rep.assign[None],
+                load[None],
+                gpus_per_node=4,
+                replica_slots=2,
+                replicas=rep.replicas[None],
             )
+            own = plan_share(load, rep.assign, home, cost, overlap)
+            base = plan_share(load, home_assign(load, home, cluster.num_gpus), home, cost, overlap)
+            assert np.all(own <= base * (1 + 1e-9)), split
 
-        assert np.all(share(rep.assign) <= share(home_assign(load, home, cluster.num_gpus)) * (1 + 1e-9))
 
+@pytest.mark.slow
+def test_milp_overlap_replication_is_never_worse_than_before():
+    """relibra_milp's replicator through replicate_batch under the overlap: the second pass now minimises
+    each micro-batch's share with the MILP; the batch is never worse, as the simulator prices it (layer
+    overlapped time plus exposed refill), than the first pass alone, i.e. the MILP on each problem's own
+    T_MoE, which is what the MILP answered before it priced the overlap."""
+    from tests.planners.test_reorder import make_ctx
 
-def test_overlap_replication_refuses_the_lp_split():
-    from relibra.planners.replicate.greedy import replicate_greedy
-
-    cost = _overlap_cost(1, 2, 2)
-    overlap = OverlapNeighbours(np.zeros(1), np.array([[-1.0, 0.0, 1.0, 1.0]]))
-    with pytest.raises(ValueError, match="split='waterfill'"):
-        replicate_greedy(np.ones((1, 2, 2)), np.array([[0, 1]]), cost, 1, split="lp", overlap=overlap)
+    better = 0
+    for seed in range(2):
+        # NOTE: one node: at 2 x 2 these problems are so communication-bound that the overlap hides all of
+        # the compute and the share's optimum is the T_MoE plan's
+        base = make_ctx(1, 4, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
+        cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
+        ctx = replace(base, cluster=cost.cluster, cost=cost)
+        home = static_placement(2, 16, ctx.num_gpus)
+        replicator = MilpReplicator(2, MilpConfig(time_limit_s=5.0))
+        window = attention_window(ctx, ctx.sample_gpu)
+        load = np.asarray(ctx.load)
+        first = [replicate_within_window(replicator, load[m], home, ctx, window[m]) for m in range(3)]
+        out = replicate_batch(replicator, load, home, ctx, ctx.sample_gpu)
+        before, after = _layer_times(ctx, load, home, first), _layer_times(ctx, load, home, out)
+        assert after <= before * (1 + 1e-12)
+        better += after < before * (1 - 1e-9)
+        for m, r in enumerate(out):
+            np.testing.assert_array_equal(r.assign.sum(axis=-1), load[m].sum(axis=-2))
+    assert better > 0
 
 
 # ------------------------------------------------------------------------------ the locality round
@@ -395,25 +440,22 @@ def test_locality_round_never_worse_under_overlap(dispatcher):
     assert kept > 0  # the round does move samples under the overlap
 
 
-def test_entry_point_refuses_the_lp_split_under_overlap():
+def test_entry_point_accepts_the_lp_split_under_overlap():
     from hydra import compose, initialize_config_dir
 
     from experiments.config import ConfigError, validate
     from experiments.grid import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        bad = compose(
-            config_name="config",
-            overrides=[
-                "cluster.ep_overlap=true",
-                "planner=relibra",
-                "planner.replicate.split=lp",
-                "cluster.nodes=1",
-            ],
-        )
-    with pytest.raises(
-        ConfigError, match=r"cluster\.ep_overlap=true with planner=relibra \(planner\.replicate\)"
-    ):
-        validate(bad)
-
-
+        overrides = [
+            "cluster.ep_overlap=true",
+            "planner=relibra",
+            "planner.replicate.split=lp",
+            "cluster.nodes=1",
+        ]
+        cfg = compose(config_name="config", overrides=overrides)
+    validate(cfg)  # the LP split prices the overlap now: nothing to refuse
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        one = compose(config_name="config", overrides=[*overrides[:3], "trace.samples_per_batch=1"])
+    with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):
+        validate(one)  # the overlap's own check still runs

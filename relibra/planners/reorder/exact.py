@@ -199,8 +199,8 @@ def _deepep_terms(
     y: list[list[Any]],
     name: str,
 ) -> Terms:
-    """deepep (the annealer's estimate, :func:`~relibra.planners.reorder.kernels.full_state_deepep`): a token
-    of
+    """deepep (the annealer's estimate, :func:`~relibra.planners.reorder.kernels.full_state_deepep`): a
+    token of
     ``j`` reaches GPU ``g`` ``T_j * (1 - prod_e (1 - q[e, j]) ** y[e, g])`` times and node ``b``
     ``T_j * (1 - prod_e (1 - q[e, j]) ** y_b[e])`` times, each product modelled exactly by
     :func:`_product_chain`; lq_m [E, G(j)] (``log(1 - q)``), tok_m [G(j)]."""

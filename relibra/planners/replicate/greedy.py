@@ -126,7 +126,7 @@ def replicate_greedy(
         overlap: under ``cluster.ep_overlap``, each problem's attention and neighbours (one row per problem,
             in the order of ``load``'s leading axes): the objective becomes the terms of the overlapped layer
             time the problem's micro-batch enters (:func:`relibra.cost.overlap.microbatch_share`) in place of
-            ``T_MoE`` (``"waterfill"`` only). None: ``T_MoE``.
+            ``T_MoE`` (either split). None: ``T_MoE``.
 
     Returns:
         :class:`Replication` with ``assign`` int32 [..., E, G] and ``replicas`` int32 [..., G, r].
@@ -151,10 +151,6 @@ def replicate_greedy(
             raise ValueError(
                 f"overlap has {overlap.attention.shape[0]} rows; expected one per problem ({x.shape[0]})"
             )
-        if split != "waterfill":
-            raise ValueError(
-                f"overlap: split={split!r} prices T_MoE only; the overlap needs split='waterfill'"
-            )
         spt = coef.seconds_per_token
         ov = np.empty((x.shape[0], 6))
         ov[:, 0] = overlap.attention / spt
@@ -165,7 +161,7 @@ def replicate_greedy(
         from relibra.planners.replicate.milp import greedy_with_lp_split
 
         assign, replicas = greedy_with_lp_split(
-            x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol
+            x, h, cost, replica_slots, max_tries=max_tries, rel_tol=rel_tol, overlap=overlap
         )
     elif split == "waterfill":
         if acceptance not in _MODES:

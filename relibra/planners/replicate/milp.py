@@ -15,7 +15,13 @@ Variables, for every expert ``e`` and GPU ``g`` of ``e``'s home node:
   :meth:`relibra.cost.model.CostModel.link_bytes` is linear in the traffic, so ``p_dispatch[g]`` and
   ``p_combine[g]`` bound the four link classes of ``g`` in each exchange and
   ``t_comm >= 2 * (p_dispatch[g] + p_combine[g])`` (forward and backward);
-* objective: ``t_comp + t_comm`` (plus the constant all-to-all latency).
+* objective: ``t_comp + t_comm`` (plus the constant all-to-all latency); under ``cluster.ep_overlap``
+  (``overlap`` given) the problem's micro-batch's share of the overlapped layer time with its neighbours
+  fixed (:func:`relibra.cost.overlap.microbatch_share` of ``C = t_comp + attention`` and
+  ``K = t_comm + latency``): a sum of maxima of affine terms in ``C`` and ``K``
+  (:func:`relibra.cost.overlap.share_pieces`, the same coefficients the simulator's rule evaluates), one
+  epigraph variable ``s_p >= term`` per max. Every coefficient is non-negative, so minimising the share
+  over the epigraph variables ``t_comp`` and ``t_comm`` is exact.
 
 This is exact for the cost model's ``alltoall`` communication and for its compute in the compute-bound
 regime (the roofline's ``eff(n) = n / (n + h)`` makes an expert cost ``per_token * (n + h)``). The link
@@ -34,14 +40,15 @@ objective that touches it at the incumbent. Hence
 ``F(new) <= F_hat(new) <= F_hat(incumbent) = F(incumbent)``: every exactly solved iterate's true objective
 (linearised compute plus :meth:`~relibra.cost.model.CostModel.moe_comm_time`, the simulator's own price) is no
 higher than the last (Lange, Hunter and Yang 2000, "Optimization transfer using surrogate objective
-functions"; the same argument as the concave-convex procedure). The loop starts from the alltoall-proxy
-solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each new solution,
-and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of it, or after
-:attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible only when a
-gap-limited MILP returns a worse incumbent than its hint) is not accepted, so the result is never worse than
-its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed point of the
-linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced by its
-chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
+functions"; the same argument as the concave-convex procedure). Under the overlap ``F`` is the share of the
+overlapped layer time, non-decreasing in the communication time, so the same holds. The loop starts from the
+alltoall-proxy solution (the model above with alltoall's traffic) or a given ``start``, re-linearises at each
+new solution, and stops when a solve lowers the true objective by less than :attr:`MajorizeConfig.rel_tol` of
+it, or after :attr:`MajorizeConfig.max_iterations` solves; a solve that does not lower it (possible when a
+gap-limited MILP returns a worse incumbent than its hint, or by a solver tolerance) is not accepted, so the
+result is never worse than its start (the alltoall-proxy plan) priced under ``deepep``. The result is a fixed
+point of the linearisation, not a proven optimum: ``bound_s`` comes from a second model with each hit replaced
+by its chord over the range ``[U, 0]`` that ``u`` can take (a concave function lies above its chord, so this
 minorizes the true objective everywhere) and is a valid lower bound; ``optimal`` says whether that bound
 proves the result within ``relative_gap``. ``iterates_s`` lists the true objective of the start and of every
 solve.
@@ -62,7 +69,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cost.model import CostModel
-from relibra.cost.overlap import OverlapNeighbours
+from relibra.cost.overlap import OverlapNeighbours, microbatch_share, share_pieces
 from relibra.planners.protocols import BatchContext, Replication
 from relibra.planners.reorder.links import NUM_LINKS, deepep_routes
 from relibra.planners.replicate.terms import ReplicationCoefficients, round_assign
@@ -114,7 +121,9 @@ class ReplicationSolution:
     """float64 [G]: linearised compute per GPU in token equivalents (fixed cost of every copy included)."""
     objective_s: float
     """``T_MoE`` of ``assign`` in seconds (latency included): linearised compute plus the cost model's
-    communication (:meth:`CostModel.moe_comm_time`, either dispatcher)."""
+    communication (:meth:`CostModel.moe_comm_time`, either dispatcher); under the overlap (``overlap``
+    given) the micro-batch's share of the overlapped layer time of these two terms
+    (:func:`relibra.cost.overlap.microbatch_share`, attention added to the compute)."""
     bound_s: float
     """Proven lower bound on the optimum in seconds (``objective_s`` when solved to optimality as an LP)."""
     optimal: bool
@@ -185,9 +194,38 @@ class _Problem:
     """bool [E, gpn]: replica positions (a binary each in the MILP)."""
     mip: bool
     coef: ReplicationCoefficients
+    overlap: OverlapNeighbours | None = None
+    """One row: the micro-batch's attention and neighbours (seconds) under ``cluster.ep_overlap``; None: the
+    objective is ``T_MoE``."""
+
+    def price_s(self, compute_s: float, comm_s: float) -> float:
+        """The objective in seconds of compute (linearised, busiest GPU) and all-to-all (latency included)
+        seconds: their sum, or under the overlap the micro-batch's share."""
+        if self.overlap is None:
+            return compute_s + comm_s
+        return microbatch_share(
+            compute_s + float(self.overlap.attention[0]), comm_s, self.overlap.neighbours[0], math.inf
+        )
 
 
-def _problem(x: np.ndarray, home: np.ndarray, cost: CostModel, copies: np.ndarray | None) -> _Problem:
+def _share_pieces(overlap: OverlapNeighbours, coef: ReplicationCoefficients) -> np.ndarray:
+    """float64 [4, 2, 3]: :func:`relibra.cost.overlap.share_pieces` of ``overlap``'s one row in token
+    equivalents of ``(t_comp, t_comm, 1)``, the attention and the all-to-all latency moved into the
+    constants."""
+    spt = coef.seconds_per_token
+    pieces = share_pieces(overlap.neighbours[0] / spt)
+    att = float(overlap.attention[0]) / spt
+    pieces[..., 2] += pieces[..., 0] * att + pieces[..., 1] * coef.latency
+    return pieces
+
+
+def _problem(
+    x: np.ndarray,
+    home: np.ndarray,
+    cost: CostModel,
+    copies: np.ndarray | None,
+    overlap: OverlapNeighbours | None = None,
+) -> _Problem:
     cluster = cost.cluster
     g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
     x = np.asarray(x, dtype=np.float64)
@@ -203,9 +241,10 @@ def _problem(x: np.ndarray, home: np.ndarray, cost: CostModel, copies: np.ndarra
     else:
         active = np.take_along_axis(np.asarray(copies, dtype=bool), gpu_of, axis=1) | is_home
     free = active & ~is_home & (tot[:, None] > 0)
-    return _Problem(
-        x, home, tot, gpu_of, is_home, active, free, copies is None, ReplicationCoefficients.from_cost(cost)
-    )
+    if overlap is not None and overlap.attention.shape != (1,):
+        raise ValueError(f"overlap has {overlap.attention.shape[0]} rows; expected one (this problem's)")
+    coef = ReplicationCoefficients.from_cost(cost)
+    return _Problem(x, home, tot, gpu_of, is_home, active, free, copies is None, coef, overlap)
 
 
 def _link_coefficients(
@@ -388,8 +427,26 @@ def _milp(
             ct.SetCoefficient(p_var[1][o], 2.0)
             ct.SetCoefficient(t_comm, -1.0)
     obj = solver.Objective()
-    obj.SetCoefficient(t_comp, 1.0)
-    obj.SetCoefficient(t_comm, 1.0)
+    const = 0.0
+    if p.overlap is None:
+        obj.SetCoefficient(t_comp, 1.0)
+        obj.SetCoefficient(t_comm, 1.0)
+    else:  # the share: sum over pieces of max_i (a_i t_comp + b_i t_comm + c_i) (relibra.cost.overlap)
+        w_comp = w_comm = 0.0
+        for i, piece in enumerate(_share_pieces(p.overlap, p.coef)):
+            args = piece[np.isfinite(piece[:, 2])]
+            if args.shape[0] == 1:  # no max: the affine term itself
+                w_comp, w_comm, const = w_comp + args[0, 0], w_comm + args[0, 1], const + args[0, 2]
+                continue
+            s_var = solver.NumVar(-inf, inf, f"share_{i}")
+            obj.SetCoefficient(s_var, 1.0)
+            for a, b, c in args:  # s >= a t_comp + b t_comm + c
+                ct = solver.Constraint(float(c), inf)
+                ct.SetCoefficient(s_var, 1.0)
+                ct.SetCoefficient(t_comp, -float(a))
+                ct.SetCoefficient(t_comm, -float(b))
+        obj.SetCoefficient(t_comp, w_comp)
+        obj.SetCoefficient(t_comm, w_comm)
     obj.SetMinimization()
     if hint is not None and mip:
         pos = list(zip(*np.nonzero(active)))
@@ -414,12 +471,12 @@ def _milp(
     if mip:
         for e, k in zip(*np.nonzero(free)):
             held[e, k] = z_var[e, k].solution_value() > 0.5
-    value = obj.Value()
+    value = obj.Value() + const
     return _Raw(
         a=np.where(held, np.maximum(a, 0.0), 0.0),
         held=held,
         value=value,
-        bound=obj.BestBound() if mip else value,
+        bound=obj.BestBound() + const if mip else value,
         optimal=status == pywraplp.Solver.OPTIMAL,
     )
 
@@ -435,10 +492,11 @@ def _full(p: _Problem, raw: _Raw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _true_s(p: _Problem, cost: CostModel, raw: _Raw) -> float:
-    """Seconds of a run: linearised compute plus the cost model's communication (its dispatcher)."""
+    """Seconds of a run: linearised compute and the cost model's communication (its dispatcher), summed or
+    under the overlap combined into the share (:meth:`_Problem.price_s`)."""
     assign, _, compute = _full(p, raw)
     comm = float(cost.moe_comm_time(p.x, assign).max())
-    return float(compute.max()) * p.coef.seconds_per_token + comm
+    return p.price_s(float(compute.max()) * p.coef.seconds_per_token, comm)
 
 
 def _start(p: _Problem, start: ReplicationSolution, replica_slots: int) -> _Raw:
@@ -472,15 +530,19 @@ def _solve(
     comm: bool = True,
     majorize: MajorizeConfig | None = None,
     start: ReplicationSolution | None = None,
+    overlap: OverlapNeighbours | None = None,
 ) -> ReplicationSolution:
     t0 = time.perf_counter()
-    p = _problem(x, home, cost, copies)
+    if overlap is not None and not comm:
+        raise ValueError("overlap: the overlapped share needs the communication term (comm=True)")
+    p = _problem(x, home, cost, copies, overlap)
     g_n = p.x.shape[0]
     model = None
     if comm and g_n > 1:
         model = _alltoall_model(p, dispatch_routing(cost) if routing is None else routing)
     scale = p.coef.seconds_per_token
-    lat = p.coef.latency * scale if comm else 0.0
+    # NOTE: under the overlap the latency is inside the share's pieces (:func:`_share_pieces`).
+    lat = p.coef.latency * scale if comm and overlap is None else 0.0
     if model is None or cost.dispatcher == "alltoall":
         run = _milp(p, model, replica_slots, solver_name, time_limit_s, relative_gap)
         assign, copies_out, compute = _full(p, run)
@@ -539,6 +601,7 @@ def solve_replication(
     comm: bool = True,
     majorize: MajorizeConfig | None = None,
     start: ReplicationSolution | None = None,
+    overlap: OverlapNeighbours | None = None,
 ) -> ReplicationSolution:
     """Optimal replicas and split of one problem (MILP). x [G, E], home [E].
 
@@ -548,10 +611,24 @@ def solve_replication(
     ``bound_s`` hold compute seconds). Under ``deepep`` every solve runs within ``time_limit_s``, and
     ``majorize`` (None: :class:`MajorizeConfig`'s defaults) sets the majorize-minimize loop (module doc),
     which starts from ``start`` (a solution of this problem, e.g. the alltoall MILP's or the greedy's as
-    assign / copies) or, if None, from the alltoall-proxy solution it solves first.
+    assign / copies) or, if None, from the alltoall-proxy solution it solves first. ``overlap`` (one row:
+    this problem's micro-batch's attention and neighbours) makes the objective its share of the overlapped
+    layer time (module doc); ``objective_s`` and ``bound_s`` are then shares.
     """
     return _solve(
-        x, home, cost, replica_slots, None, solver, time_limit_s, relative_gap, routing, comm, majorize, start
+        x,
+        home,
+        cost,
+        replica_slots,
+        None,
+        solver,
+        time_limit_s,
+        relative_gap,
+        routing,
+        comm,
+        majorize,
+        start,
+        overlap,
     )
 
 
@@ -564,13 +641,15 @@ def solve_split(
     solver: str = "GLOP",
     routing: np.ndarray | None = None,
     majorize: MajorizeConfig | None = None,
+    overlap: OverlapNeighbours | None = None,
 ) -> ReplicationSolution:
     """Optimal token split (LP) for a fixed replica set. x [G, E], home [E], copies bool [E, G].
 
     Copies outside the expert's home node are ignored (ReLibra replicates within the node only). Under
     ``deepep`` the split is the majorize-minimize fixed point from the alltoall-proxy LP (module doc).
+    ``overlap`` (one row) as in :func:`solve_replication`.
     """
-    return _solve(x, home, cost, 0, copies, solver, 60.0, 0.0, routing, majorize=majorize)
+    return _solve(x, home, cost, 0, copies, solver, 60.0, 0.0, routing, majorize=majorize, overlap=overlap)
 
 
 def greedy_with_lp_split(
@@ -581,10 +660,13 @@ def greedy_with_lp_split(
     *,
     max_tries: int = 4,
     rel_tol: float = 1e-9,
+    overlap: OverlapNeighbours | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The incremental greedy with every candidate's split solved by :func:`solve_split`.
 
-    x [P, G, E], home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
+    x [P, G, E], home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r]. ``overlap`` (one row per
+    problem): every split minimises, and every move is judged by, the problem's share of the overlapped
+    layer time.
     """
     p_n, g_n, e_n = x.shape
     gpn = cost.cluster.gpus_per_node
@@ -592,9 +674,10 @@ def greedy_with_lp_split(
     assign = np.zeros((p_n, e_n, g_n), dtype=np.int64)
     replicas = -np.ones((p_n, g_n, replica_slots), dtype=np.int64)
     for p in range(p_n):
+        row = None if overlap is None else overlap.rows(np.array([p]))
         copies = np.arange(g_n) == home[p][:, None]
         slots: list[list[int]] = [[] for _ in range(g_n)]
-        sol = solve_split(x[p], home[p], cost, copies, routing=routing)
+        sol = solve_split(x[p], home[p], cost, copies, routing=routing, overlap=row)
         while replica_slots > 0:
             gstar = int(np.argmax(sol.compute_tokens))
             node = np.arange(gstar // gpn * gpn, (gstar // gpn + 1) * gpn)
@@ -608,7 +691,7 @@ def greedy_with_lp_split(
                 target = min(open_, key=lambda g: sol.compute_tokens[g])
                 trial = copies.copy()
                 trial[e, target] = True
-                new = solve_split(x[p], home[p], cost, trial, routing=routing)
+                new = solve_split(x[p], home[p], cost, trial, routing=routing, overlap=row)
                 # NOTE: LP optima tie many GPUs at the compute max, so relieving one leaves the objective
                 # flat; such a plateau move is kept when it lowers the bottleneck GPU without raising T_MoE.
                 better = new.objective_s < sol.objective_s * (1.0 - rel_tol)
@@ -686,9 +769,9 @@ class MilpReplicator:
     ) -> Replication:
         """load [L, G, E], home [L, E] -> Replication with assign [L, E, G], replicas [L, G, r].
 
-        ``overlap`` is not in the MILP's objective (each problem's own ``T_MoE``); under
-        ``cluster.ep_overlap`` :func:`relibra.planners.refill.replicate_batch` combines its answers by the
-        overlapped time.
+        ``overlap`` (one row per layer, under ``cluster.ep_overlap``): each layer's MILP minimises the
+        micro-batch's share of the overlapped layer time (:func:`solve_replication`); the stats
+        ``milp_objective_s`` / ``milp_bound_s`` are then sums of shares. None: each problem's ``T_MoE``.
         """
         cluster = ctx.cluster
         key = (cluster.nodes, cluster.gpus_per_node)
@@ -711,6 +794,7 @@ class MilpReplicator:
                 relative_gap=self.config.relative_gap,
                 routing=routing,
                 majorize=self.majorize,
+                overlap=None if overlap is None else overlap.rows(np.array([l])),
             )
             sols.append(sol)
             assign[l] = round_assign(sol.assign, load[l].sum(axis=0))
