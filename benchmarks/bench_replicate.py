@@ -49,7 +49,8 @@ from relibra.planners.replicate.greedy import (  # noqa: E402
     linear_objective,
     replicate_greedy,
 )
-from relibra.planners.replicate.milp import dispatch_routing, solve_replication  # noqa: E402
+from relibra.planners.replicate.milp import solve_replication  # noqa: E402
+from relibra.planners.replicate.milp_model import dispatch_routing  # noqa: E402
 from relibra.simulator import batch_context  # noqa: E402
 from relibra.trace.synthetic import generate_counts  # noqa: E402
 from relibra.workload import build_workload  # noqa: E402

@@ -58,7 +58,8 @@ from relibra.planners.reorder.links import comm_coefficients, comm_gpu, deepep_r
 from relibra.planners.reorder.locality import _comm_total, _link_state, _move, per_gpu_slots
 from relibra.planners.reorder.problem import LayerProblem, layer_problem
 from relibra.planners.replicate.links import _comm_lower_bound, _deepep_link_totals, _gpu_link_totals
-from relibra.planners.replicate.milp import _link_coefficients, dispatch_routing, solve_split
+from relibra.planners.replicate.milp import solve_split
+from relibra.planners.replicate.milp_model import _link_coefficients, dispatch_routing
 from relibra.planners.replicate.state import ALL_NODES, _home_state, _objective, _problem
 from relibra.planners.replicate.terms import ReplicationCoefficients
 from tests.builders import HOPPER

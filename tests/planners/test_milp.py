@@ -16,15 +16,8 @@ from relibra.cost.overlap import OverlapNeighbours
 from relibra.invariants import check_assignment
 from relibra.planners.protocols import static_placement
 from relibra.planners.replicate.greedy import linear_objective, replicate_greedy
-from relibra.planners.replicate.milp import (
-    LINK_KEYS,
-    MilpConfig,
-    MilpReplicator,
-    deepep_link_model,
-    dispatch_routing,
-    solve_replication,
-    solve_split,
-)
+from relibra.planners.replicate.milp import MilpConfig, MilpReplicator, solve_replication, solve_split
+from relibra.planners.replicate.milp_model import LINK_KEYS, deepep_link_model, dispatch_routing
 from relibra.simulator import batch_context
 from tests.builders import HOPPER, plan_share, tiny_context, tiny_setup
 
