@@ -35,15 +35,14 @@ from experiments.config import (
     build_cost,
     build_model,
     build_planner,
-    build_workload_for,
     dataset_name,
-    load_counts,
     planning,
     refuse,
     routing,
     sim_options,
     validate,
 )
+from experiments.inputs import cell_inputs
 from experiments.store import (
     CorruptCellError,
     ResultsStore,
@@ -98,7 +97,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         if str(cfg.executor.name) == "sim"
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
-    counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
+    counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
     short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
     if short:
         log.warning(
