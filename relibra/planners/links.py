@@ -8,8 +8,6 @@ all-to-all time. Both :mod:`relibra.planners.reorder` and :mod:`relibra.planners
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 from numba import njit
 
@@ -23,9 +21,6 @@ receive, ``2`` NIC send, ``3`` NIC receive), then the same four for combine (the
 def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """Where one token sent from source ``j`` to computing GPU ``g`` is counted, per the rail fabric.
 
-    Built once per fabric shape and process (a G x G Python loop, called per batch and per layer chunk);
-    every call returns fresh copies, so a caller may write into them.
-
     Mirrors :meth:`CostModel.link_bytes` for the dispatch exchange ``j -> g`` and the combine exchange
     ``g -> j``: intra-node traffic uses NVLink; same-rail inter-node traffic the rail NIC; cross-rail
     inter-node traffic an NVLink hop to the proxy ``(node of sender, rail of receiver)`` and then that proxy's
@@ -35,12 +30,6 @@ def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]
         idx int32 [G, G, 8]: flat index ``link * G + gpu`` into a per-GPU link state [8, G] (see
         :data:`NUM_LINKS`), padded with -1; count int32 [G, G]: valid entries of ``idx[j, g]``.
     """
-    idx, count = _link_routes(nodes, gpus_per_node)
-    return idx.copy(), count.copy()
-
-
-@lru_cache(maxsize=8)
-def _link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     g_total = nodes * gpus_per_node
     idx = np.full((g_total, g_total, NUM_LINKS), -1, dtype=np.int32)
     count = np.zeros((g_total, g_total), dtype=np.int32)
