@@ -146,20 +146,39 @@ def _against(args: argparse.Namespace) -> None:
         f"workers, {args.against} against the working tree (load average {load_before:.1f} before, "
         f"{os.getloadavg()[0]:.1f} after; {os.cpu_count()} cores); every run stored the same rows"
     )
-    for column in ("code", "grid line", "wall s (each run)", "CPU s (each run)", "wall ratio", "CPU ratio"):
+    for column in ("code", "wall s (each run)", "CPU s (each run)", "wall ratio", "CPU ratio"):
         table.add_column(column, justify="right")
     mean = {n: [sum(r[i] for r in runs[n]) / len(runs[n]) for i in (0, 1)] for n in runs}
+    grids = []
     for name in ("old", "new"):
-        grid = re.findall(r"^grid time .*$", runs[name][-1][2], re.M)
+        label = f"{args.against} (old)" if name == "old" else "working tree (new)"
+        grids += [f"{label}: {line}" for line in re.findall(r"^grid time .*$", runs[name][-1][2], re.M)]
         table.add_row(
-            f"{args.against} (old)" if name == "old" else "working tree (new)",
-            grid[-1] if grid else "",
+            label,
             ", ".join(f"{r[0]:.1f}" for r in runs[name]),
             ", ".join(f"{r[1]:.1f}" for r in runs[name]),
             f"{mean['old'][0] / mean[name][0]:.2f}",
             f"{mean['old'][1] / mean[name][1]:.2f}",
         )
-    Console(width=200).print(table)
+    console = Console(width=160)
+    console.print(table)
+    for line in grids:
+        console.print(line, highlight=False, soft_wrap=True)
+    if args.log is not None:  # NOTE: every run's per-cell lines (preset, cell, seconds), for the record
+        args.log.write_text(
+            "".join(f"== {order[i]} run {i}\n{r[2]}" for i, r in enumerate(_in_order(runs, order)))
+        )
+
+
+def _in_order(
+    runs: dict[str, list[tuple[float, float, str]]], order: list[str]
+) -> list[tuple[float, float, str]]:
+    seen = {name: 0 for name in runs}
+    out = []
+    for name in order:
+        out.append(runs[name][seen[name]])
+        seen[name] += 1
+    return out
 
 
 def main() -> None:
@@ -171,6 +190,9 @@ def main() -> None:
     parser.add_argument("--against", default=None, help="git revision whose runner is the old code path")
     parser.add_argument(
         "--repeats", type=int, choices=(1, 2), default=2, help="with --against: 1 old,new; 2 also new,old"
+    )
+    parser.add_argument(
+        "--log", type=Path, default=None, help="with --against: write every run's output here"
     )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -246,9 +246,10 @@ def schedule(jobs: list[CellJob]) -> tuple[list[CellJob], dict[str, list[CellJob
     Jobs with the same :attr:`CellJob.key` are the same computation (presets share cells, e.g. the
     overall comparison's ReLibra cells reappear in the ablation and overhead tables): the first is
     computed, the others are copied from it (:func:`copy_cell_job`). The computed jobs are grouped by
-    trace (:func:`experiments.inputs.trace_key`) and, within a trace, by EP size and routing, so that
-    a worker's cache of counts and workloads serves consecutive cells; the largest groups (samples x
-    layers x experts x cells) go first, so the run ends on small cells and neither worker idles long.
+    trace (:func:`experiments.inputs.trace_key`), so that a worker's cache of counts serves consecutive
+    cells; the largest groups (samples x layers x experts x cells) go first and, within a group, the
+    cells that anneal most (:func:`_reorderings`), so the run ends on small cells and neither worker
+    idles long waiting for the last one.
     """
     from experiments.inputs import trace_key
 
@@ -268,11 +269,25 @@ def schedule(jobs: list[CellJob]) -> tuple[list[CellJob], dict[str, list[CellJob
         size = int(cfg.trace.num_batches) * int(cfg.trace.samples_per_batch)
         return -size * int(cfg.model.num_moe_layers) * int(cfg.model.num_experts) * len(group)
 
-    def within(job: CellJob) -> tuple[int, str]:
-        return -_ep(job.cfg), str(job.cfg.planner.get("routing", ""))
+    def within(job: CellJob) -> tuple[int, int, str]:
+        return -_reorderings(job.cfg.planner), -_ep(job.cfg), str(job.cfg.planner.get("routing", ""))
 
     ordered = [job for group in sorted(groups.values(), key=work) for job in sorted(group, key=within)]
     return ordered, copies
+
+
+def _reorderings(planner: DictConfig) -> int:
+    """Annealing reorderers in a planner's config (its ``reorder`` nodes, candidates' included): the
+    stage that dominates a cell's time (docs/benchmarks.md), so the schedule's estimate of its length."""
+    tree = OmegaConf.to_container(planner, resolve=False)
+
+    def count(node: object) -> int:
+        if not isinstance(node, dict):
+            return 0
+        own = int(isinstance(node.get("reorder"), dict))
+        return own + sum(count(value) for value in node.values())
+
+    return count(tree)
 
 
 def _warm_numba_cache() -> None:
