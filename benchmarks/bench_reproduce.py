@@ -1,22 +1,39 @@
-"""``make reproduce``'s grid runner: one preset in one process (the old path) and in worker processes.
+"""``make reproduce``'s grid runner: old and new code paths side by side, with identical rows checked.
 
-Usage: ``python benchmarks/bench_reproduce.py [--preset quick_ep_scaling] [--workers 2] [overrides ...]``.
+Usage::
 
-Runs every cell of ``--preset`` into fresh temporary stores, side by side in one invocation: in this
-process one cell after another (``--workers 1``, the runner's old code path) and with ``--workers``
-spawned worker processes, in the order old, new, new, old (so that a load that drifts during the run
-weighs on both alike), and prints the mean wall time of each, the ratio, and the load average before and
-after. The numba cache is warmed before either run, so neither pays for compilation. Every run stores
-the same rows (checked).
-Extra arguments are Hydra overrides for every cell (e.g. ``trace.num_batches=1`` for a faster check).
+    python benchmarks/bench_reproduce.py [--preset quick_ep_scaling] [--workers 2] [overrides ...]
+    python benchmarks/bench_reproduce.py --against REF [--preset overall,ablation,overhead] [--repeats 2]
+        [overrides ...]
+
+Default mode: runs every cell of ``--preset`` into fresh temporary stores, side by side in one
+invocation: in this process one cell after another (``--workers 1``, the runner's old code path) and
+with ``--workers`` spawned worker processes, in the order old, new, new, old (so that a load that drifts
+during the run weighs on both alike), and prints the mean wall time of each, the ratio, and the load
+average before and after. The numba cache is warmed before either run, so neither pays for compilation.
+
+``--against REF``: the same presets (comma-separated, run as ``--presets``) through the runner of git
+revision ``REF`` (``git archive`` into a temporary folder) and through this working tree, each as its own
+``python -m experiments.reproduce`` process with ``--workers`` workers, order old, new (, new, old with
+``--repeats 2``); prints wall seconds and CPU seconds (user + sys of the runner and its workers), the
+cells each computed, and the ratios. Each tree's numba cache is warmed first (not timed).
+
+Every run must store the same rows, cell for cell (checked on the deterministic result columns).
+Extra arguments are Hydra overrides for every cell (e.g. ``model=qwen3-30b-a3b trace.preset=mixed``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import resource
+import subprocess
+import sys
+import tarfile
 import tempfile
 import time
+from io import BytesIO
 from pathlib import Path
 
 import pandas as pd
@@ -27,22 +44,26 @@ from experiments import reproduce
 from experiments.store import ResultsStore
 from relibra.planners.warmup import compile_kernels
 
+REPO = Path(__file__).resolve().parents[1]
+METRICS = ["planner", "step_time_s", "skew_mean", "reorder_moved_experts", "t_comm_s", "t_compute_s"]
+"""Deterministic result columns compared between runs (plan_time_s is wall time)."""
+
+
+def _rows(root: Path, presets: list[str]) -> pd.DataFrame:
+    frames = [ResultsStore(root / p).load().assign(preset=p) for p in presets]
+    frame = pd.concat(frames, ignore_index=True).sort_values(["preset", "cell"]).reset_index(drop=True)
+    return frame[["preset", "cell", *[m for m in METRICS if m in frame]]]
+
 
 def _timed(preset: str, workers: int, overrides: list[str], root: Path) -> tuple[float, pd.DataFrame]:
     start = time.perf_counter()
     argv = ["--results", str(root), "--presets", preset, "--workers", str(workers), "--no-analysis"]
     if reproduce.main([*argv, *overrides]) != 0:
         raise SystemExit(f"{preset} with {workers} workers had failing cells")
-    frame = ResultsStore(root / preset).load().sort_values("cell").reset_index(drop=True)
-    return time.perf_counter() - start, frame
+    return time.perf_counter() - start, _rows(root, [preset])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="quick_ep_scaling")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+def _in_process_vs_workers(args: argparse.Namespace) -> None:
     compile_kernels()
     load_before = os.getloadavg()[0]
     walls: dict[int, list[float]] = {1: [], args.workers: []}
@@ -52,9 +73,8 @@ def main() -> None:
             wall, frame = _timed(args.preset, workers, args.overrides, Path(tmp) / f"run{i}")
             walls[workers].append(wall)
             frames.append(frame)
-    metrics = ["cell", "planner", "step_time_s", "skew_mean", "reorder_moved_experts"]
     for frame in frames[1:]:
-        pd.testing.assert_frame_equal(frames[0][metrics], frame[metrics], check_exact=True)
+        pd.testing.assert_frame_equal(frames[0], frame, check_exact=True)
     one_s, many_s = (sum(walls[w]) / len(walls[w]) for w in (1, args.workers))
     table = Table(
         title=f"{args.preset}: {len(frames[0])} cells, grid wall time (load average "
@@ -69,6 +89,117 @@ def main() -> None:
         runs = ", ".join(f"{w:.1f}" for w in walls[workers])
         table.add_row(name, str(workers), runs, f"{seconds:.1f}", f"{one_s / seconds:.2f}")
     Console(width=140).print(table)
+
+
+def _export(ref: str, into: Path) -> Path:
+    """The tree of git revision ``ref`` under ``into`` (``git archive``)."""
+    data = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def _child_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run_tree(tree: Path, argv: list[str]) -> tuple[float, float, str]:
+    """(wall s, CPU s, stdout) of ``python -m experiments.reproduce argv`` run in ``tree``."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cpu, start = _child_cpu_s(), time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.reproduce", *argv],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return wall, _child_cpu_s() - cpu, done.stdout
+
+
+def _against(args: argparse.Namespace) -> None:
+    presets = [p for p in args.preset.split(",") if p]
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"old": _export(args.against, Path(tmp) / "old"), "new": REPO}
+        for tree in trees.values():  # NOTE: compile each tree's kernels before timing anything
+            warm = "from relibra.planners.warmup import compile_kernels as a; a()\n"
+            warm += "from baselines.warmup import compile_kernels as b; b()"
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            subprocess.run([sys.executable, "-c", warm], cwd=tree, env=env, check=True)
+        load_before = os.getloadavg()[0]
+        order = ["old", "new"] if args.repeats == 1 else ["old", "new", "new", "old"]
+        runs: dict[str, list[tuple[float, float, str]]] = {"old": [], "new": []}
+        frames = []
+        for i, name in enumerate(order):
+            root = Path(tmp) / f"run{i}"
+            argv = ["--results", str(root), "--presets", ",".join(presets), "--workers", str(args.workers)]
+            runs[name].append(_run_tree(trees[name], [*argv, "--no-analysis", *args.overrides]))
+            frames.append(_rows(root, presets))
+    for frame in frames[1:]:
+        pd.testing.assert_frame_equal(frames[0], frame, check_exact=True)
+    table = Table(
+        title=f"{','.join(presets)} {' '.join(args.overrides)}: {len(frames[0])} cells, {args.workers} "
+        f"workers, {args.against} against the working tree (load average {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after; {os.cpu_count()} cores); every run stored the same rows"
+    )
+    for column in ("code", "wall s (each run)", "CPU s (each run)", "wall ratio", "CPU ratio"):
+        table.add_column(column, justify="right")
+    mean = {n: [sum(r[i] for r in runs[n]) / len(runs[n]) for i in (0, 1)] for n in runs}
+    grids = []
+    for name in ("old", "new"):
+        label = f"{args.against} (old)" if name == "old" else "working tree (new)"
+        grids += [f"{label}: {line}" for line in re.findall(r"^grid time .*$", runs[name][-1][2], re.M)]
+        table.add_row(
+            label,
+            ", ".join(f"{r[0]:.1f}" for r in runs[name]),
+            ", ".join(f"{r[1]:.1f}" for r in runs[name]),
+            f"{mean['old'][0] / mean[name][0]:.2f}",
+            f"{mean['old'][1] / mean[name][1]:.2f}",
+        )
+    console = Console(width=160)
+    console.print(table)
+    for line in grids:
+        console.print(line, highlight=False, soft_wrap=True)
+    if args.log is not None:  # NOTE: every run's per-cell lines (preset, cell, seconds), for the record
+        args.log.write_text(
+            "".join(f"== {order[i]} run {i}\n{r[2]}" for i, r in enumerate(_in_order(runs, order)))
+        )
+
+
+def _in_order(
+    runs: dict[str, list[tuple[float, float, str]]], order: list[str]
+) -> list[tuple[float, float, str]]:
+    seen = {name: 0 for name in runs}
+    out = []
+    for name in order:
+        out.append(runs[name][seen[name]])
+        seen[name] += 1
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--preset", default="quick_ep_scaling", help="preset(s); comma-separated with --against"
+    )
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--against", default=None, help="git revision whose runner is the old code path")
+    parser.add_argument(
+        "--repeats", type=int, choices=(1, 2), default=2, help="with --against: 1 old,new; 2 also new,old"
+    )
+    parser.add_argument(
+        "--log", type=Path, default=None, help="with --against: write every run's output here"
+    )
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.against is None:
+        _in_process_vs_workers(args)
+    else:
+        _against(args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """``make reproduce`` (``python -m experiments.reproduce``): the quick presets, then the paper's tables.
 
-Runs every cell of the ``quick_*`` presets in this process, one after another (Hydra's local, in-process
-flow: each cell is composed from its preset and handed to ``experiments.run.run``), showing cells done,
-cells left, cells reused and elapsed time. Finished cells are kept in ``RESULTS/<preset>/`` by the
-results store, so a rerun only redoes what is missing; finished cells that other code computed (their
-``code_version``, see :mod:`relibra.provenance`) are reported, and recomputed with ``--recompute-stale``.
-Then ``analysis`` prints the tables beside the
+Runs every cell of the ``quick_*`` presets (Hydra's local flow: each cell is composed from its preset and
+handed to ``experiments.run.run``), in worker processes, one per core (``--workers``), showing cells done,
+cells left, cells reused and elapsed time. A cell that several presets share (same cell key) is computed
+once and its rows copied into the other presets' stores; cells of one trace go to the workers one after
+another, so each worker's cache (:mod:`experiments.inputs`) builds its counts and workload once.
+Finished cells are kept in ``RESULTS/<preset>/`` by the results store, so a rerun only redoes what is
+missing; finished cells that other code computed (their ``code_version``, see :mod:`relibra.provenance`)
+are reported, and recomputed with ``--recompute-stale``. Then ``analysis`` prints the tables beside the
 paper's numbers and writes them with the figures under ``RESULTS/analysis``.
 
 ``real_trace`` needs the OLMoE decode trace (``../shared/traces/olmoe-decode`` or ``RELIBRA_SHARED_TRACES``);
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -56,12 +58,14 @@ __all__ = [
     "CellJob",
     "CellOutcome",
     "GridReport",
+    "copy_cell_job",
     "main",
     "plan_grid",
     "prepare_olmoe_trace",
     "run_cell_job",
     "run_grid",
     "run_jobs",
+    "schedule",
 ]
 
 QUICK_PRESETS = (
@@ -86,6 +90,8 @@ class GridReport:
 
     preset: str
     ran: int = 0
+    copied: int = 0
+    """Cells identical to one another preset computed in this run (same key): their rows were copied."""
     reused: int = 0
     stale: dict[str, int] = field(default_factory=dict)
     """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
@@ -109,6 +115,8 @@ class CellJob:
     run_dir: Path
     recompute: bool
     """The cell is stored already (by other code) and is computed again."""
+    key: str
+    """The cell's :func:`~experiments.store.cell_key`: jobs with equal keys are one computation."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,12 @@ class CellOutcome:
 
     seconds: float
     error: str | None = None
+    copied_from: str | None = None
+    """The preset whose identical cell (same key) this one's rows were copied from; None: computed."""
+    trace_generated: bool = False
+    """The cell built its counts (a miss of the worker's cache, :mod:`experiments.inputs`)."""
+    workload_built: bool = False
+    """The cell laid out its workload (a miss of the worker's cache)."""
 
 
 def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
@@ -167,7 +181,7 @@ def plan_grid(
             continue
         dataset = cfg.trace.get("dataset") or cfg.trace.preset
         label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
-        jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None))
+        jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None, key))
     return report, jobs
 
 
@@ -184,17 +198,96 @@ def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | 
 
 def run_cell_job(job: CellJob) -> CellOutcome:
     """Compute one cell into its store (in this process or a worker); a failure is returned, not raised."""
+    from experiments.inputs import cache_stats
     from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
     start = time.perf_counter()
+    before = cache_stats()
     try:
         run(job.cfg, run_dir=job.run_dir, recompute=job.recompute)
     except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
-        if os.environ.get("RELIBRA_DEBUG"):
-            traceback.print_exc()
-        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        return CellOutcome(time.perf_counter() - start, f"{type(exc).__name__}: {why}")
-    return CellOutcome(time.perf_counter() - start)
+        return CellOutcome(time.perf_counter() - start, _why(exc))
+    after = cache_stats()
+    return CellOutcome(
+        time.perf_counter() - start,
+        trace_generated=after.counts_misses > before.counts_misses,
+        workload_built=after.workload_misses > before.workload_misses,
+    )
+
+
+def _why(exc: Exception) -> str:
+    """One line: the exception's type and message (with its traceback printed under RELIBRA_DEBUG)."""
+    if os.environ.get("RELIBRA_DEBUG"):
+        traceback.print_exception(exc)
+    why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {why}"
+
+
+def copy_cell_job(source: CellJob, outcome: CellOutcome, job: CellJob) -> CellOutcome:
+    """Store ``job``'s rows from ``source``, the identical cell (same key) of another preset, just run.
+
+    A failed source fails ``job`` with the same reason; nothing is computed either way.
+    """
+    from experiments.run import adopt
+
+    if outcome.error is not None:
+        return CellOutcome(0.0, f"same cell as {source.preset}'s, which failed: {outcome.error}")
+    start = time.perf_counter()
+    try:
+        adopt(job.cfg, job.run_dir, Path(str(source.cfg.results_dir)))
+    except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
+        return CellOutcome(time.perf_counter() - start, _why(exc))
+    return CellOutcome(time.perf_counter() - start, copied_from=source.preset)
+
+
+def schedule(jobs: list[CellJob]) -> tuple[list[CellJob], dict[str, list[CellJob]]]:
+    """The jobs to compute, in the order to hand them out, and the duplicates of each (by cell key).
+
+    Jobs with the same :attr:`CellJob.key` are the same computation (presets share cells, e.g. the
+    overall comparison's ReLibra cells reappear in the ablation and overhead tables): the first is
+    computed, the others are copied from it (:func:`copy_cell_job`). The computed jobs are grouped by
+    trace (:func:`experiments.inputs.trace_key`), so that a worker's cache of counts serves consecutive
+    cells; the largest groups (samples x layers x experts x cells) go first and, within a group, the
+    cells that anneal most (:func:`_reorderings`), so the run ends on small cells and neither worker
+    idles long waiting for the last one.
+    """
+    from experiments.inputs import trace_key
+
+    first: dict[str, CellJob] = {}
+    copies: dict[str, list[CellJob]] = {}
+    for job in jobs:
+        if job.key in first:
+            copies.setdefault(job.key, []).append(job)
+        else:
+            first[job.key] = job
+    groups: dict[tuple[object, ...], list[CellJob]] = {}
+    for job in first.values():
+        groups.setdefault(trace_key(job.cfg), []).append(job)
+
+    def work(group: list[CellJob]) -> int:
+        cfg = group[0].cfg
+        size = int(cfg.trace.num_batches) * int(cfg.trace.samples_per_batch)
+        return -size * int(cfg.model.num_moe_layers) * int(cfg.model.num_experts) * len(group)
+
+    def within(job: CellJob) -> tuple[int, int, str]:
+        return -_reorderings(job.cfg.planner), -_ep(job.cfg), str(job.cfg.planner.get("routing", ""))
+
+    ordered = [job for group in sorted(groups.values(), key=work) for job in sorted(group, key=within)]
+    return ordered, copies
+
+
+def _reorderings(planner: DictConfig) -> int:
+    """Annealing reorderers in a planner's config (its ``reorder`` nodes, candidates' included): the
+    stage that dominates a cell's time (docs/benchmarks.md), so the schedule's estimate of its length."""
+    tree = OmegaConf.to_container(planner, resolve=False)
+
+    def count(node: object) -> int:
+        if not isinstance(node, dict):
+            return 0
+        own = int(isinstance(node.get("reorder"), dict))
+        return own + sum(count(value) for value in node.values())
+
+    return count(tree)
 
 
 def _warm_numba_cache() -> None:
@@ -213,13 +306,21 @@ def _warm_numba_cache() -> None:
 def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, CellOutcome], None]) -> None:
     """Compute ``jobs``, ``workers`` at a time, calling ``on_done`` in this process as each one ends.
 
-    ``workers == 1`` computes them here, one after another. Otherwise independent cells run in a pool of
-    spawned worker processes (``concurrent.futures``): each cell writes only its own store files
-    (atomically), so the store needs no coordination; the numba cache is warmed first.
+    Jobs that are the same cell (same key, several presets) are computed once and copied
+    (:func:`schedule`). ``workers == 1`` computes them here, one after another. Otherwise independent
+    cells run in a pool of spawned worker processes (``concurrent.futures``): each cell writes only its
+    own store files (atomically), so the store needs no coordination; the numba cache is warmed first.
     """
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            on_done(job, run_cell_job(job))
+    todo, copies = schedule(jobs)
+
+    def done(job: CellJob, outcome: CellOutcome) -> None:
+        on_done(job, outcome)
+        for twin in copies.get(job.key, []):
+            on_done(twin, copy_cell_job(job, outcome, twin))
+
+    if workers <= 1 or len(todo) <= 1:
+        for job in todo:
+            done(job, run_cell_job(job))
         return
     _warm_numba_cache()
     # NOTE: one BLAS thread per worker, so that `workers` processes do not oversubscribe the cores; set
@@ -229,15 +330,16 @@ def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, Cell
     os.environ.update({k: threads for k in _THREAD_VARS if k not in os.environ})
     try:
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-            futures = {pool.submit(run_cell_job, job): job for job in jobs}
+        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+            # NOTE: the pool hands out jobs in submission order, so the schedule's order is kept.
+            futures = {pool.submit(run_cell_job, job): job for job in todo}
             for future in as_completed(futures):
                 job = futures[future]
                 try:
                     outcome = future.result()
                 except Exception as exc:  # NOTE: a worker that died (e.g. killed for memory)
                     outcome = CellOutcome(float("nan"), f"worker died: {type(exc).__name__}: {exc}")
-                on_done(job, outcome)
+                done(job, outcome)
     finally:
         for k, v in env.items():
             if v is None:
@@ -291,6 +393,8 @@ class _Lines:
 
     def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
         state = "done" if outcome.error is None else f"FAILED ({outcome.error.splitlines()[0]})"
+        if outcome.error is None and outcome.copied_from is not None:
+            state = f"copied from {outcome.copied_from} (the same cell)"
         self.console.print(
             f"{report.preset} [{done}/{report.total}] {job.label}: {outcome.seconds:.1f} s {state}",
             highlight=False,
@@ -321,6 +425,11 @@ class _Tracker:
 
     display: _Display
     reports: dict[str, GridReport] = field(default_factory=dict)
+    computed: int = 0
+    """Cells computed (not copied) in this run."""
+    traces_built: int = 0
+    """Of those, the cells that built their counts (the others found them in their worker's cache)."""
+    workloads_built: int = 0
 
     def add(self, report: GridReport, todo: int) -> None:
         self.reports[report.preset] = report
@@ -328,11 +437,27 @@ class _Tracker:
 
     def done(self, job: CellJob, outcome: CellOutcome) -> None:
         report = self.reports[job.preset]
-        if outcome.error is None:
-            report.ran += 1
-        else:
+        if outcome.copied_from is None:
+            self.computed += 1
+            self.traces_built += outcome.trace_generated
+            self.workloads_built += outcome.workload_built
+        if outcome.error is not None:
             report.failed.append((job.cell, outcome.error))
-        self.display.finish(report, job, outcome, report.reused + report.ran + len(report.failed))
+        elif outcome.copied_from is not None:
+            report.copied += 1
+        else:
+            report.ran += 1
+        done = report.reused + report.ran + report.copied + len(report.failed)
+        self.display.finish(report, job, outcome, done)
+
+    def line(self) -> str:
+        """Cells computed and copied, and how often a worker built counts and workloads."""
+        copied = sum(report.copied for report in self.reports.values())
+        return (
+            f"{self.computed} cells computed, {copied} copied from the same cell of another preset; "
+            f"counts built {self.traces_built} times, workloads {self.workloads_built} "
+            "(the other cells found them in their worker's cache)"
+        )
 
 
 def _progress(console: Console) -> Progress:
@@ -417,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         run_jobs(jobs, args.workers, tracker.done)
     _summarise(console, reports, args.recompute_stale)
     console.print(
-        f"grid time {time.perf_counter() - start:.0f} s ({len(jobs)} cells computed, "
-        f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}"
+        f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "
+        f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}",
+        highlight=False,
     )
     if not args.no_analysis:
         from analysis.__main__ import analyse
@@ -445,7 +571,10 @@ def _summarise(console: Console, reports: list[GridReport], recompute_stale: boo
         if rep.skipped:
             console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
             continue
-        console.print(f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed")
+        copied = f", {rep.copied} copied from the same cell of another preset" if rep.copied else ""
+        console.print(
+            f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed{copied}"
+        )
         if rep.stale:
             versions = ", ".join(f"{n} by {v}" for v, n in sorted(rep.stale.items()))
             what = "recomputed" if recompute_stale else "reused; --recompute-stale recomputes them"

@@ -35,15 +35,14 @@ from experiments.config import (
     build_cost,
     build_model,
     build_planner,
-    build_workload_for,
     dataset_name,
-    load_counts,
     planning,
     refuse,
     routing,
     sim_options,
     validate,
 )
+from experiments.inputs import cell_inputs
 from experiments.store import (
     CorruptCellError,
     ResultsStore,
@@ -57,7 +56,7 @@ from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
 
-__all__ = ["compute", "main", "plan_dump_arrays", "run", "write_outputs"]
+__all__ = ["adopt", "compute", "main", "plan_dump_arrays", "run", "write_outputs"]
 
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         if str(cfg.executor.name) == "sim"
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
-    counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
+    counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
     short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
     if short:
         log.warning(
@@ -243,6 +242,47 @@ def _write_hydra_files(out: Path, cfg: DictConfig) -> None:
         atomic_write(out / ".hydra" / name, lambda f: f.write(data))  # noqa: B023 - called at once
 
 
+def _per_layer_of(store: ResultsStore, key: str) -> pd.DataFrame | None:
+    """Cell ``key``'s stored per-layer table; None (logged) when it has none or it is unreadable."""
+    try:
+        return store.read_per_layer(key)
+    except CorruptCellError as exc:  # the rows are whole; only their per-layer table is lost
+        log.warning("%s", exc)
+        return None
+
+
+def _write_read_back(
+    out: Path, cfg: DictConfig, results: pd.DataFrame, per_layer: pd.DataFrame | None, source: Path
+) -> None:
+    """The run files of a cell read back from the store file ``source`` (no plans)."""
+    reused_from = str(source)
+    not_written = _not_written(cfg, reused_from, per_layer is not None)
+    write_outputs(out, results, per_layer, None, not_written, reused_from)
+
+
+def adopt(cfg: DictConfig, run_dir: str | Path, source: str | Path) -> pd.DataFrame:
+    """Store the cell of ``cfg`` from the results store ``source``, where the same cell is finished.
+
+    For a grid runner whose presets share cells: the same :func:`~experiments.store.cell_key` means the
+    same resolved config apart from where results go (``IGNORED_KEYS``), hence the same computation, so
+    the finished cell's rows and per-layer table are written into ``cfg.results_dir``'s store (with
+    ``cfg`` as the stored config) instead of being computed again. The run directory gets the run files
+    with ``reused_from`` naming the source cell file. Returns the rows. Raises FileNotFoundError when
+    ``source`` has no such finished cell, ConfigError when ``cfg`` has no ``results_dir``.
+    """
+    if not cfg.get("results_dir"):
+        raise ConfigError("adopt needs results_dir: the store the cell is copied into")
+    key = cell_key(cfg)
+    origin = ResultsStore(Path(str(source)))
+    results = origin.read(key)
+    store = ResultsStore(Path(str(cfg.results_dir)))
+    per_layer = _per_layer_of(origin, key)
+    with store.claim(key):
+        store.write(key, results, cfg, per_layer)
+    _write_read_back(Path(str(run_dir)), cfg, results, per_layer, origin.cell_path(key))
+    return results
+
+
 def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:
     """Run one config end to end and return its results (one row per planner run).
 
@@ -286,15 +326,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
                     "`python -m experiments.reproduce --recompute-stale` to recompute it",
                     key, cfg.results_dir, stored, code_version(),
                 )  # fmt: skip
-            try:
-                per_layer = store.read_per_layer(key)
-            except CorruptCellError as exc:  # the rows are whole; only their per-layer table is lost
-                log.warning("%s", exc)
-                per_layer = None
-            source = str(store.cell_path(key))
-            write_outputs(
-                out, results, per_layer, None, _not_written(cfg, source, per_layer is not None), source
-            )
+            per_layer = _per_layer_of(store, key)
+            _write_read_back(out, cfg, results, per_layer, store.cell_path(key))
     else:
         results, _ = cell()
     if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from experiments import reproduce
+from experiments import inputs, reproduce
 from experiments.store import ResultsStore
 
 TINY = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
@@ -66,3 +67,88 @@ def test_a_failing_cell_in_a_worker_is_listed_and_the_others_finish(
     assert re.search(r"failed\S* cluster.nodes=3 planner=megatron .*: ConfigError: .*cluster.nodes", out)
     planners = ResultsStore(tmp_path / "quick_ep_scaling").load()["planner"]
     assert sorted(planners) == ["megatron", "relibra"]
+
+
+SHARED = {
+    "quick_overall": ["model=qwen3-30b-a3b", "trace.preset=mixed,reasoning", "planner=megatron,relibra"],
+    "quick_ablation": ["model=qwen3-30b-a3b", "trace.preset=mixed", "planner=megatron,relibra_reorder_only"],
+    "quick_overhead": ["model=qwen3-30b-a3b"],
+}
+"""Three presets whose grids share two cells: megatron and relibra on the mixed dataset."""
+
+
+def _planned(root: Path) -> list[reproduce.CellJob]:
+    return [
+        job
+        for preset, sweep in SHARED.items()
+        for job in reproduce.plan_grid(preset, root, [*TINY, *sweep])[1]
+    ]
+
+
+def test_schedule_computes_each_cell_once_grouped_by_trace(tmp_path: Path) -> None:
+    jobs = _planned(tmp_path)
+    todo, copies = reproduce.schedule(jobs)
+    assert len(jobs) == 7 and len(todo) == 5
+    assert len({job.key for job in todo}) == 5  # each computation once
+    assert sorted((job.preset, job.label.split()[-1]) for twins in copies.values() for job in twins) == [
+        ("quick_ablation", "megatron"),
+        ("quick_overhead", "relibra"),
+    ]
+    for key, twins in copies.items():  # a copy is the same computation as the job it copies
+        (source,) = [job for job in todo if job.key == key]
+        assert all(job.preset != source.preset and job.key == key for job in twins)
+    datasets = [job.label.split()[1] for job in todo]
+    assert datasets == sorted(datasets, key=datasets.index)  # one trace's cells one after another
+
+
+def test_schedule_puts_the_largest_traces_first(tmp_path: Path) -> None:
+    jobs = [
+        *reproduce.plan_grid("quick_overall", tmp_path, [*TINY, "model=qwen3-30b-a3b", "planner=megatron"])[
+            1
+        ],
+        *reproduce.plan_grid(
+            "quick_overall", tmp_path, [*TINY[1:], "trace.num_batches=2", "planner=megatron"]
+        )[1],
+    ]
+    todo, _ = reproduce.schedule(jobs)
+    batches = [int(job.cfg.trace.num_batches) for job in todo]
+    assert batches[0] == 2 and batches[-1] == 1 and batches == sorted(batches, reverse=True)
+
+
+def test_cells_shared_by_presets_are_computed_once_and_copied(tmp_path: Path) -> None:
+    """The same cell key in several presets: computed once, stored in each (equal rows), the copy says so."""
+    done: list[tuple[reproduce.CellJob, reproduce.CellOutcome]] = []
+    inputs.clear_cache()  # NOTE: in this process; earlier tests may have left the same traces in it
+    reproduce.run_jobs(_planned(tmp_path), 1, lambda job, outcome: done.append((job, outcome)))
+    assert len(done) == 7 and all(outcome.error is None for _, outcome in done)
+    copied = [(job, outcome) for job, outcome in done if outcome.copied_from is not None]
+    assert sorted((job.preset, outcome.copied_from) for job, outcome in copied) == [
+        ("quick_ablation", "quick_overall"),
+        ("quick_overhead", "quick_overall"),
+    ]
+    assert sum(outcome.trace_generated for _, outcome in done) == 2  # mixed and reasoning, once each
+    source = ResultsStore(tmp_path / "quick_overall")
+    for job, _ in copied:
+        store = ResultsStore(tmp_path / job.preset)
+        pd.testing.assert_frame_equal(store.read(job.key), source.read(job.key), check_exact=True)
+        pd.testing.assert_frame_equal(store.read_per_layer(job.key), source.read_per_layer(job.key))
+        assert store.config(job.key)["results_dir"] == str(tmp_path / job.preset)  # its own config
+        summary = json.loads((job.run_dir / "summary.json").read_text())
+        assert summary["reused_from"] == str(source.cell_path(job.key))
+        assert summary["rows"][0]["step_time_s"] == source.read(job.key)["step_time_s"][0]
+
+
+def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--results", str(tmp_path), "--presets", "quick_overall,quick_overhead", "--no-analysis"]
+    cell = [*TINY[:-1], "model=qwen3-30b-a3b", "trace.preset=mixed", "planner=relibra"]
+    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^quick_overhead \[1/1\] .* relibra: [\d.]+ s copied from quick_overall", out, re.M)
+    assert "quick_overhead: 0 cells run, 0 reused, 0 failed, 1 copied from the same cell" in out
+    assert "1 cells computed, 1 copied" in out
+    # NOTE: EP 24 composes but its run refuses it; the copy fails with the cell it copies.
+    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=3"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAILED") == 2 and "same cell as quick_overall's, which failed: ConfigError" in out

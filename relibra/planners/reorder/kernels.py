@@ -147,6 +147,35 @@ def _apply_swap_deepep(
                     _move_deepep(m, j, nq, 1.0 / f, ln, nidx, ncnt, t, link)
 
 
+@njit(cache=True, inline="always")
+def _no_comm(coef: np.ndarray) -> bool:
+    """Whether the communication term weighs nothing (``comm_weight=0``: every coefficient is 0)."""
+    return coef[0] == 0.0 and coef[1] == 0.0 and coef[2] == 0.0
+
+
+@njit(cache=True, inline="always")
+def _comm_term(
+    link_m: np.ndarray, coef: np.ndarray, beta: float, comm: np.ndarray
+) -> tuple[float, int, float]:
+    """One micro-batch's communication term: (max over GPUs, its GPU, the LSE sum ``sum_g exp(beta * (c_g -
+    max))``) of the all-to-all times from the link loads ``link_m`` [8 * G]; ``comm`` [G] is scratch."""
+    g_total = comm.shape[0]
+    kmax = -1.0
+    ka = 0
+    for g in range(g_total):
+        v = comm_gpu(link_m, g, g_total, coef)
+        comm[g] = v
+        if v > kmax:
+            kmax = v
+            ka = g
+    sk = 0.0
+    for g in range(g_total):
+        u = beta * (comm[g] - kmax)
+        if u > -40.0:
+            sk += math.exp(u)
+    return kmax, ka, sk
+
+
 @njit(cache=True)
 def _evaluate(
     comp: np.ndarray,
@@ -179,6 +208,7 @@ def _evaluate(
     rows_k = np.empty(rows)
     smooth_c = np.empty(rows)
     smooth_k = np.empty(rows)
+    no_comm = _no_comm(coef)
     for m in range(mb):
         cmax = -1.0
         ca = 0
@@ -196,25 +226,18 @@ def _evaluate(
             if s > cmax:
                 cmax = s
                 ca = tg
-        kmax = -1.0
-        ka = 0
-        for g in range(g_total):
-            v = comm_gpu(link[m], g, g_total, coef)
-            comm[g] = v
-            if v > kmax:
-                kmax = v
-                ka = g
         sc = 0.0
-        sk = 0.0
         # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
         for n in range(n_groups):
             u = beta * (cgrp[n] - cmax)
             if u > -40.0:
                 sc += math.exp(u)
-        for g in range(g_total):
-            u = beta * (comm[g] - kmax)
-            if u > -40.0:
-                sk += math.exp(u)
+        if no_comm:
+            # NOTE: every GPU's term is exactly 0 (comm_weight=0), so the loops would find GPU 0 the
+            # bottleneck and sum G exact ones: the same values without reading the links.
+            kmax, ka, sk = 0.0, 0, float(g_total)
+        else:
+            kmax, ka, sk = _comm_term(link[m], coef, beta, comm)
         if overlap_mbs > 0:
             rows_c[m] = cmax + attn[m]
             rows_k[m] = kmax
@@ -236,6 +259,19 @@ def _evaluate(
 
 
 @njit(cache=True)
+def _swap_compute(
+    a: int, b: int, p: int, q: int, w: np.ndarray, mig: np.ndarray, comp: np.ndarray, migr: np.ndarray
+) -> None:
+    """The compute and migration part of :func:`_apply_swap`: O(Mb)."""
+    migr[p] += mig[b, p] - mig[a, p]
+    migr[q] += mig[a, q] - mig[b, q]
+    for m in range(w.shape[0]):
+        dw = w[m, b] - w[m, a]
+        comp[m, p] += dw
+        comp[m, q] -= dw
+
+
+@njit(cache=True)
 def _apply_swap(
     a: int,
     b: int,
@@ -252,12 +288,8 @@ def _apply_swap(
 ) -> None:
     """Move expert ``a`` from GPU ``p`` to ``q`` and ``b`` from ``q`` to ``p``: O(Mb * G) state update."""
     mb, _, g_total = x.shape
-    migr[p] += mig[b, p] - mig[a, p]
-    migr[q] += mig[a, q] - mig[b, q]
+    _swap_compute(a, b, p, q, w, mig, comp, migr)
     for m in range(mb):
-        dw = w[m, b] - w[m, a]
-        comp[m, p] += dw
-        comp[m, q] -= dw
         for j in range(g_total):
             d = x[m, b, j] - x[m, a, j]
             if d != 0.0:
@@ -307,6 +339,10 @@ def _anneal_kernel(
         pos[e] = fill[g]
         fill[g] += 1
     deepep = lq.size > 0
+    # NOTE: with comm_weight=0 the objective never reads the link loads (_evaluate), so an alltoall
+    # search stops updating them: the same proposals, acceptances and placements, without the O(Mb * G)
+    # link work per swap.
+    skip_links = _no_comm(coef) and not deepep
     if deepep:
         comp, link, migr, lg, ln = full_state_deepep(home, lq, tok, w, droutes, nodes, mig)
     else:
@@ -355,9 +391,12 @@ def _anneal_kernel(
         # Step 3: incremental update of a scratch copy (cheaper than undoing a rejected swap), Metropolis
         # acceptance on the smoothed objective.
         comp2[:, :] = comp
-        link2[:, :] = link
+        if not skip_links:
+            link2[:, :] = link
         migr2[:] = migr
-        if deepep:
+        if skip_links:
+            _swap_compute(a, b, p, q, w, mig, comp2, migr2)
+        elif deepep:
             # NOTE: the miss probabilities are O(Mb * G^2): updated in place and undone on rejection rather
             # than copied every proposal (the scratch copies carry the O(Mb * G) rest).
             _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)

@@ -1,0 +1,177 @@
+"""A run's per-sample counts and workload, memoised per process (read-only arrays).
+
+Every planner's cell of one (model, dataset, seed, steps, rollouts) computes the same counts, and every
+planner of one EP size and routing the same workload (the layout depends on the tokens only; DESIGN.md
+"Pipeline"), yet generating them is a tenth to a third of a cell's time at the paper's scale. A worker
+process that computes several such cells (``experiments.reproduce`` hands them out grouped by
+:func:`trace_key`) builds them once: :func:`cell_inputs` keeps the last :data:`CACHE_SIZE` counts and
+workloads in small LRU caches, keyed by exactly the config values they are a function of.
+
+A cached array is shared by every later cell of the process, so each one is made read-only
+(``writeable=False``) before it is handed out: a planner, bound or simulator stage that wrote into its
+input would raise instead of changing the next cell's numbers. ``SampleCounts.meta`` (a dict) is copied
+for every caller. :func:`cell_inputs` with ``cache=False`` computes without the caches (same values).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from omegaconf import DictConfig
+
+from experiments.config import build_workload_for, load_counts, routing
+from relibra.types import SampleCounts, Workload
+
+__all__ = ["CACHE_SIZE", "CacheStats", "cache_stats", "cell_inputs", "clear_cache", "trace_key"]
+
+CACHE_SIZE = 2
+"""Counts (and, separately, workloads) kept per process. A paper-scale entry is up to ~100 MB (Qwen3-235B:
+2048 samples x 94 layers x 128 experts int32), so a worker holds at most a few hundred MB."""
+
+TraceKey = tuple[Any, ...]
+
+
+def trace_key(cfg: DictConfig) -> TraceKey:
+    """What the run's counts are a function of: the trace file's path, or the generator's arguments.
+
+    The same values :func:`experiments.config.load_counts` reads; cells with equal keys share counts.
+    """
+    if cfg.trace.get("path"):
+        return ("file", str(cfg.trace.path))
+    return (
+        "synthetic",
+        str(cfg.trace.preset),
+        int(cfg.model.num_experts),
+        int(cfg.model.num_moe_layers),
+        int(cfg.model.top_k),
+        int(cfg.trace.num_batches),
+        int(cfg.trace.samples_per_batch),
+        int(cfg.seed),
+        int(cfg.trace.max_tokens),
+    )
+
+
+def _workload_key(cfg: DictConfig, num_gpus: int) -> tuple[Any, ...]:
+    """What :func:`experiments.config.build_workload_for` reads besides the counts."""
+    uniform = routing(cfg) == "uniform"
+    return (
+        routing(cfg),
+        int(cfg.seed) if uniform else None,  # NOTE: only uniform routing draws from the seed
+        num_gpus,
+        cfg.workload.get("samples_per_microbatch"),
+        cfg.workload.get("tokens_per_microbatch"),
+        str(cfg.workload.layout),
+    )
+
+
+def _file_version(key: TraceKey) -> tuple[Any, ...]:
+    """(mtime, size) of a trace file, so that a file replaced between cells is read again."""
+    if key[0] != "file":
+        return ()
+    stat = Path(key[1]).stat()
+    return (stat.st_mtime_ns, stat.st_size)
+
+
+def _freeze(arrays: tuple[np.ndarray | None, ...]) -> None:
+    for array in arrays:
+        if array is not None:
+            array.flags.writeable = False
+
+
+def _freeze_counts(counts: SampleCounts) -> SampleCounts:
+    _freeze((counts.counts, counts.tokens, counts.batch_offsets, counts.sample_domain))
+    return counts
+
+
+def _freeze_workload(workload: Workload) -> Workload:
+    _freeze(
+        (
+            workload.load,
+            workload.tokens,
+            workload.causal_pairs,
+            workload.sample_gpu,
+            workload.sample_mb,
+            workload.mb_batch,
+        )
+    )
+    return workload
+
+
+@dataclass
+class _LRU:
+    """The last ``size`` values by key, with hit and miss counts (functools.lru_cache keys by every
+    argument; here the key is chosen explicitly, and the config that builds a value is not part of it)."""
+
+    size: int
+    entries: OrderedDict[tuple[Any, ...], Any] = field(default_factory=OrderedDict)
+    hits: int = 0
+    misses: int = 0
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        if key in self.entries:
+            self.hits += 1
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        self.misses += 1
+        value = build()
+        self.entries[key] = value
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.hits = self.misses = 0
+
+
+_COUNTS = _LRU(CACHE_SIZE)
+_WORKLOADS = _LRU(CACHE_SIZE)
+
+
+def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[SampleCounts, Workload]:
+    """The run's counts [S, L, E] (uniformly re-routed for force-balanced) and workload [M, L, G, E].
+
+    ``cache``: from this process's caches (read-only arrays, built on a miss); False: built afresh, as
+    ``build_workload_for(cfg, load_counts(cfg), num_gpus)``. Call it on a validated config (a trace file
+    that is missing raises FileNotFoundError).
+    """
+    if not cache:
+        return build_workload_for(cfg, load_counts(cfg), num_gpus)
+    key = trace_key(cfg)
+    tkey = (*key, *_file_version(key))
+
+    def counts() -> SampleCounts:
+        return _freeze_counts(load_counts(cfg))
+
+    def inputs() -> tuple[SampleCounts, Workload]:
+        given, workload = build_workload_for(cfg, _COUNTS.get(tkey, counts), num_gpus)
+        return _freeze_counts(given), _freeze_workload(workload)
+
+    shared, workload = _WORKLOADS.get((*tkey, *_workload_key(cfg, num_gpus)), inputs)
+    return replace(shared, meta=copy.deepcopy(shared.meta)), workload
+
+
+class CacheStats(NamedTuple):
+    """Lookups of this process's caches since it started (or since :func:`clear_cache`)."""
+
+    counts_hits: int
+    counts_misses: int
+    workload_hits: int
+    workload_misses: int
+
+
+def cache_stats() -> CacheStats:
+    """Hits and misses of the counts and workload caches of this process."""
+    return CacheStats(_COUNTS.hits, _COUNTS.misses, _WORKLOADS.hits, _WORKLOADS.misses)
+
+
+def clear_cache() -> None:
+    """Empty both caches (and their statistics)."""
+    _COUNTS.clear()
+    _WORKLOADS.clear()
