@@ -89,19 +89,57 @@ def _check(load: np.ndarray, home: np.ndarray, num_gpus: int, gpus_per_node: int
         raise ValueError("load must be non-negative token counts")
 
 
+@dataclass(frozen=True)
+class GreedyConfig:
+    """Settings of :class:`GreedyReplicator`. These defaults are the only ones: the Hydra node
+    ``planner/replicate/greedy`` is generated from them (:mod:`experiments.planner_nodes`); the arguments
+    are those of :func:`replicate_greedy`."""
+
+    split: SplitMethod = "waterfill"
+    """Token split: ``waterfill`` (compute-only closed form, compiled) or ``lp`` (eq. 7 LP with the
+    communication terms, slow)."""
+    acceptance: Acceptance = "best"
+    """Which copies the greedy keeps: ``best`` (the better of the rules), ``comm`` (those lowering
+    ``T_comp max + T_comm max``) or ``compute`` (those lowering ``T_comp max``)."""
+    sweeps: int = 3
+    max_tries: int = 4
+    polish_moves: int = 0
+    """Exchange moves after the greedy (drop one copy, add another in the node) while they lower ``T_MoE``;
+    0: off."""
+    polish_candidates: int = 3
+    refill_aware: bool = True
+    """Behind a planner, keep only copies that pay for their replica-buffer refill
+    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
+
+    def __post_init__(self) -> None:
+        if self.split not in get_args(SplitMethod):
+            raise ValueError(f"split={self.split!r}; expected one of {list(get_args(SplitMethod))}")
+        if self.acceptance not in get_args(Acceptance):
+            raise ValueError(f"acceptance={self.acceptance!r}; expected one of {list(get_args(Acceptance))}")
+        counts = (
+            ("sweeps", self.sweeps, 1),
+            ("max_tries", self.max_tries, 0),
+            ("polish_moves", self.polish_moves, 0),
+            ("polish_candidates", self.polish_candidates, 1),
+        )
+        for key, value, least in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{key}={value!r}; expected an integer >= {least}")
+
+
 def replicate_greedy(
     load: np.ndarray,
     home: np.ndarray,
     cost: CostModel,
     replica_slots: int,
     *,
-    split: SplitMethod = "waterfill",
-    acceptance: Acceptance = "best",
-    sweeps: int = 3,
-    max_tries: int = 4,
+    split: SplitMethod = GreedyConfig.split,
+    acceptance: Acceptance = GreedyConfig.acceptance,
+    sweeps: int = GreedyConfig.sweeps,
+    max_tries: int = GreedyConfig.max_tries,
     rel_tol: float = 1e-9,
-    polish_moves: int = 0,
-    polish_candidates: int = 3,
+    polish_moves: int = GreedyConfig.polish_moves,
+    polish_candidates: int = GreedyConfig.polish_candidates,
     overlap: OverlapNeighbours | None = None,
 ) -> Replication:
     """Greedy replication of every problem in a stack.
@@ -208,44 +246,6 @@ def linear_objective(load: np.ndarray, assign: np.ndarray, home: np.ndarray, cos
     # the cost model's own communication term, by its dispatcher (alltoall: piecewise linear in the traffic)
     comm_s = cost.moe_comm_time(load, assign)  # [..., G]
     return comp.max(axis=-1) * coef.seconds_per_token + comm_s.max(axis=-1)
-
-
-@dataclass(frozen=True)
-class GreedyConfig:
-    """Settings of :class:`GreedyReplicator`. These defaults are the only ones: the Hydra node
-    ``planner/replicate/greedy`` is generated from them (:mod:`experiments.planner_nodes`); the arguments
-    are those of :func:`replicate_greedy`."""
-
-    split: SplitMethod = "waterfill"
-    """Token split: ``waterfill`` (compute-only closed form, compiled) or ``lp`` (eq. 7 LP with the
-    communication terms, slow)."""
-    acceptance: Acceptance = "best"
-    """Which copies the greedy keeps: ``best`` (the better of the rules), ``comm`` (those lowering
-    ``T_comp max + T_comm max``) or ``compute`` (those lowering ``T_comp max``)."""
-    sweeps: int = 3
-    max_tries: int = 4
-    polish_moves: int = 0
-    """Exchange moves after the greedy (drop one copy, add another in the node) while they lower ``T_MoE``;
-    0: off."""
-    polish_candidates: int = 3
-    refill_aware: bool = True
-    """Behind a planner, keep only copies that pay for their replica-buffer refill
-    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone, as the paper."""
-
-    def __post_init__(self) -> None:
-        if self.split not in get_args(SplitMethod):
-            raise ValueError(f"split={self.split!r}; expected one of {list(get_args(SplitMethod))}")
-        if self.acceptance not in get_args(Acceptance):
-            raise ValueError(f"acceptance={self.acceptance!r}; expected one of {list(get_args(Acceptance))}")
-        counts = (
-            ("sweeps", self.sweeps, 1),
-            ("max_tries", self.max_tries, 0),
-            ("polish_moves", self.polish_moves, 0),
-            ("polish_candidates", self.polish_candidates, 1),
-        )
-        for key, value, least in counts:
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{key}={value!r}; expected an integer >= {least}")
 
 
 @dataclass(frozen=True)

@@ -248,15 +248,40 @@ def _solve(
     )
 
 
+@dataclass(frozen=True)
+class MilpConfig:
+    """Settings of :class:`MilpReplicator`. These defaults are the only ones: the Hydra node
+    ``planner/replicate/milp`` is generated from them (:mod:`experiments.planner_nodes`)."""
+
+    solver: str = "SCIP"
+    """OR-Tools MIP backend: ``SCIP`` or ``CBC``."""
+    time_limit_s: float = 10.0
+    """Solver time limit per solve (alltoall: one per (micro-batch, layer) problem; deepep: the start, each
+    linearised solve and the bound, so up to ``majorize.max_iterations + 2`` per problem)."""
+    relative_gap: float = 1e-3
+    """Stop once the incumbent is proven within this relative gap of the bound."""
+    refill_aware: bool = True
+    """Behind a planner, keep only copies that pay for their replica-buffer refill
+    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
+
+    def __post_init__(self) -> None:
+        if self.solver not in MIP_SOLVERS:
+            raise ValueError(f"solver={self.solver!r}; expected one of {list(MIP_SOLVERS)}")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s={self.time_limit_s!r}; expected seconds > 0")
+        if not self.relative_gap >= 0:
+            raise ValueError(f"relative_gap={self.relative_gap!r}; expected >= 0")
+
+
 def solve_replication(
     x: np.ndarray,
     home: np.ndarray,
     cost: CostModel,
     replica_slots: int,
     *,
-    solver: str = "SCIP",
-    time_limit_s: float = 10.0,
-    relative_gap: float = 1e-3,
+    solver: str = MilpConfig.solver,
+    time_limit_s: float = MilpConfig.time_limit_s,
+    relative_gap: float = MilpConfig.relative_gap,
     routing: np.ndarray | None = None,
     comm: bool = True,
     majorize: MajorizeConfig | None = None,
@@ -370,31 +395,6 @@ def greedy_with_lp_split(
             kept = [e for e in slots[g] if assign[p, e, g] > 0]
             replicas[p, g, : len(kept)] = kept
     return assign, replicas
-
-
-@dataclass(frozen=True)
-class MilpConfig:
-    """Settings of :class:`MilpReplicator`. These defaults are the only ones: the Hydra node
-    ``planner/replicate/milp`` is generated from them (:mod:`experiments.planner_nodes`)."""
-
-    solver: str = "SCIP"
-    """OR-Tools MIP backend: ``SCIP`` or ``CBC``."""
-    time_limit_s: float = 10.0
-    """Solver time limit per solve (alltoall: one per (micro-batch, layer) problem; deepep: the start, each
-    linearised solve and the bound, so up to ``majorize.max_iterations + 2`` per problem)."""
-    relative_gap: float = 1e-3
-    """Stop once the incumbent is proven within this relative gap of the bound."""
-    refill_aware: bool = True
-    """Behind a planner, keep only copies that pay for their replica-buffer refill
-    (:func:`relibra.planners.refill.replicate_within_window`); False: ``T_MoE`` alone."""
-
-    def __post_init__(self) -> None:
-        if self.solver not in MIP_SOLVERS:
-            raise ValueError(f"solver={self.solver!r}; expected one of {list(MIP_SOLVERS)}")
-        if not self.time_limit_s > 0:
-            raise ValueError(f"time_limit_s={self.time_limit_s!r}; expected seconds > 0")
-        if not self.relative_gap >= 0:
-            raise ValueError(f"relative_gap={self.relative_gap!r}; expected >= 0")
 
 
 @dataclass(frozen=True)
