@@ -60,18 +60,31 @@ def test_deepep_single_node_problem_has_no_node_terms() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dispatcher", "seed"), [("alltoall", 12), ("alltoall", 3), ("deepep", 12), ("deepep", 3)]
+    ("dispatcher", "seed", "level"),
+    [
+        ("alltoall", 12, "gpu"),
+        ("alltoall", 3, "gpu"),
+        ("deepep", 12, "gpu"),
+        ("deepep", 3, "gpu"),
+        ("alltoall", 4, "node"),
+        ("deepep", 4, "node"),
+    ],
 )
-def test_overlapped_milp_matches_brute_force_and_bounds_annealer(dispatcher: str, seed: int) -> None:
-    """Under ``cluster.ep_overlap`` (3 micro-batches, attention, migration) the MILP's proven optimum of the
-    overlapped layer time is brute force's, its objective is its placement's true objective, and it bounds
-    the annealer."""
+def test_overlapped_milp_matches_brute_force_and_bounds_annealer(
+    dispatcher: str, seed: int, level: str
+) -> None:
+    """Under ``cluster.ep_overlap`` (3 micro-batches, attention, migration; per-GPU or per-node compute) the
+    MILP's proven optimum of the overlapped layer time is brute force's, its objective is its placement's
+    true objective, and it bounds the annealer."""
     ctx = layer_ctx(2, 2, 8, microbatches=3, seed=seed)
     cost = _overlapped(ctx.cost, dispatcher)
     attention = np.random.default_rng(seed).uniform(0, 2e-4, size=3)
     prev = lpt_placement(ctx.load[:, 0].sum(axis=(0, 1)), 4)
-    problem = layer_problem(ctx.load[:, 0], cost, attention=attention, prev_home=prev, migration_weight=0.5)
+    problem = layer_problem(
+        ctx.load[:, 0], cost, attention=attention, prev_home=prev, migration_weight=0.5, compute_level=level
+    )
     assert problem.overlap_mbs == 3 and problem.deepep == (dispatcher == "deepep") and np.any(problem.mig)
+    assert problem.compute_group == (2 if level == "node" else 1)
     brute = brute_force_reorder(problem, cost.cluster)
     milp = milp_reorder(problem, cost.cluster, time_limit_s=60)
     assert milp.optimal

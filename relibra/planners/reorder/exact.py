@@ -3,7 +3,9 @@
 Both minimise the same true objective as the annealer
 (:func:`relibra.planners.reorder.kernels.placement_objective`): for every micro-batch row ``m`` of a
 :class:`~relibra.planners.reorder.problem.LayerProblem`,
-``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment.
+``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment
+(``compute_group > 1``, ``compute_level='node'``: the compute maximum is over groups of GPUs of their mean
+compute, as linear in the placement as the per-GPU one).
 
 MILP: binary ``y[e, g]`` (expert ``e`` homed on ``g``), ``sum_g y[e, g] = 1``, ``sum_e y[e, g] = E / G``.
 The traffic ``T[m, j, g] = sum_e x[m, e, j] * y[e, g]`` is linear in ``y``, so is every per-GPU link-class
@@ -82,12 +84,6 @@ def milp_reorder(
     mb, e_total, g_total = problem.x.shape
     if e_total % g_total != 0:
         raise ValueError(f"E={e_total} experts is not divisible by G={g_total} GPUs")
-    if problem.compute_group != 1:
-        raise ValueError(
-            f"milp_reorder models the per-GPU compute term; this problem uses compute_group="
-            f"{problem.compute_group} (compute_level='node'): build it with compute_level='gpu' or use "
-            "brute_force_reorder, which evaluates either objective"
-        )
     per_gpu = e_total // g_total
     solver = pywraplp.Solver.CreateSolver("SCIP")
     if solver is None:  # pragma: no cover - SCIP ships with OR-Tools wheels
@@ -110,8 +106,11 @@ def milp_reorder(
         c_max = solver.NumVar(0.0, solver.infinity(), f"cmax_{m}")
         k_max = solver.NumVar(0.0, solver.infinity(), f"kmax_{m}")
         rows_ck.append((c_max, k_max))
-        for g in range(g_total):
-            solver.Add(sum(float(problem.w[m, e]) * y[e][g] for e in range(e_total)) <= c_max)
+        group = problem.compute_group
+        for n in range(g_total // group):
+            gpus = range(n * group, (n + 1) * group)
+            load = sum(float(problem.w[m, e]) * y[e][g] for e in range(e_total) for g in gpus)
+            solver.Add(load * (1.0 / group) <= c_max)
         if droutes is None:
             assert route is not None
             terms = _alltoall_terms(problem.x[m], route, y)
