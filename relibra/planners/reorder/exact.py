@@ -171,6 +171,7 @@ def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: i
     last = len(rows) - 1
     # (weight, side, own row, neighbour row or None): the first forward alone, each (B[m], F[m + 1]) pair as
     # F[m + 1]'s side 0 beside m, the last backward alone; the aggregate row weighs them as layer_time does.
+    passes: list[tuple[float, int, int, int | None]]
     if last == 0 and microbatches > 1:
         passes = [(1.0, 0, 0, None), (1.0, 1, 0, None), (microbatches - 1.0, 0, 0, 0)]
         passes = [(w / microbatches, side, r, nb) for w, side, r, nb in passes]
@@ -179,11 +180,11 @@ def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: i
     out: list[Any] = []
     for i, (weight, side, row, nb) in enumerate(passes):
         for piece in range(2):
-            args = [
+            exprs = (
                 _share_affine(side, piece, arg, rows[row], None if nb is None else rows[nb])
                 for arg in range(2)
-            ]
-            args = [a for a in args if a is not None]
+            )
+            args = [a for a in exprs if a is not None]
             if len(args) == 1:
                 out.append(weight * args[0])
                 continue
