@@ -280,12 +280,20 @@ def test_annealing_reorderer_reads_the_overlap_from_the_cost_model(objective):
         assert out.stats["reorder_objective_s"] == pytest.approx(expect, rel=1e-9)
 
 
-def test_milp_reorder_refuses_an_overlapped_problem():
+def test_milp_reorder_finds_the_overlaps_placement_by_hand():
+    """The by-hand case of :func:`test_overlap_prefers_a_different_placement_by_hand`: the MILP proves P1
+    (501.7 us overlapped) optimal under the overlap and P2 (616.0 us summed) without it."""
     from relibra.planners.reorder.exact import milp_reorder
 
     cost = _overlap_cost(1, 2, 2)
-    with pytest.raises(ValueError, match=r"cluster\.ep_overlap=true"):
-        milp_reorder(layer_problem(np.ones((2, 2, 2), dtype=np.int64), cost), cost.cluster)
+    load = np.array([[[4000, 0], [0, 4000]], [[0, 4400], [4400, 0]]])
+    overlapped = milp_reorder(layer_problem(load, cost), cost.cluster)
+    assert overlapped.optimal and overlapped.home.tolist() == [0, 1]
+    assert overlapped.objective_s * 1e6 == pytest.approx(501.7, abs=0.1)
+    plain = CostModel(replace(cost.cluster, ep_overlap=False), cost.model)
+    summed = milp_reorder(layer_problem(load, plain), plain.cluster)
+    assert summed.optimal and summed.home.tolist() == [1, 0]
+    assert summed.objective_s * 1e6 == pytest.approx(616.0, abs=0.1)
 
 
 # ------------------------------------------------------------------------------ the replication

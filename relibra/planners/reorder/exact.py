@@ -3,7 +3,9 @@
 Both minimise the same true objective as the annealer
 (:func:`relibra.planners.reorder.kernels.placement_objective`): for every micro-batch row ``m`` of a
 :class:`~relibra.planners.reorder.problem.LayerProblem`,
-``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment.
+``max_g comp[m, g] + max_g comm[m, g]`` plus the busiest GPU's migration charge, with home-only assignment
+(``compute_group > 1``, ``compute_level='node'``: the compute maximum is over groups of GPUs of their mean
+compute, as linear in the placement as the per-GPU one).
 
 MILP: binary ``y[e, g]`` (expert ``e`` homed on ``g``), ``sum_g y[e, g] = 1``, ``sum_e y[e, g] = E / G``.
 The traffic ``T[m, j, g] = sum_e x[m, e, j] * y[e, g]`` is linear in ``y``, so is every per-GPU link-class
@@ -26,6 +28,14 @@ the source uses), and a proven optimum is again the annealer's true optimum. Thi
 majorize-minimize (as :mod:`relibra.planners.replicate.milp` does for continuous splits), which would give a
 fixed point of the linearisation with no proof of optimality, while this module's purpose is to be the exact
 reference; the price is a larger model, fine for the small instances it is meant for.
+
+``cluster.ep_overlap=true`` (the problem's ``overlap_mbs``): the annealer's true objective is
+:func:`relibra.cost.overlap.layer_time` over the micro-batches, with ``C_m`` the row's compute maximum plus
+its attention ``attn[m]`` and ``K_m`` its all-to-all maximum (the epigraph variables above), plus migration.
+``layer_time`` is a sum of maxima of two affine terms of ``(C, K)`` whose coefficients
+:func:`~relibra.cost.overlap.share_term` states (the rule's one statement, read here rather than restated),
+all >= 0; so each max is one more epigraph variable, minimising makes every epigraph tight, and the model
+stays exact.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from relibra.cluster import ClusterSpec
+from relibra.cost.overlap import share_term
 from relibra.planners.reorder.kernels import placement_objective
 from relibra.planners.reorder.links import NUM_LINKS, deepep_routes, link_routes
 from relibra.planners.reorder.problem import LayerProblem
@@ -73,17 +84,6 @@ def milp_reorder(
     mb, e_total, g_total = problem.x.shape
     if e_total % g_total != 0:
         raise ValueError(f"E={e_total} experts is not divisible by G={g_total} GPUs")
-    if problem.overlap_mbs:
-        raise ValueError(
-            "milp_reorder models the sum of T_MoE over micro-batches; this problem prices "
-            "cluster.ep_overlap=true (the overlapped layer time): use brute_force_reorder or the annealer"
-        )
-    if problem.compute_group != 1:
-        raise ValueError(
-            f"milp_reorder models the per-GPU compute term; this problem uses compute_group="
-            f"{problem.compute_group} (compute_level='node'): build it with compute_level='gpu' or use "
-            "brute_force_reorder, which evaluates either objective"
-        )
     per_gpu = e_total // g_total
     solver = pywraplp.Solver.CreateSolver("SCIP")
     if solver is None:  # pragma: no cover - SCIP ships with OR-Tools wheels
@@ -100,13 +100,17 @@ def milp_reorder(
     route = _alltoall_route(idx, cnt) if not problem.deepep else None
     droutes = deepep_routes(cluster.nodes, cluster.gpus_per_node) if problem.deepep else None
     cn, ci, lat = (float(v) for v in problem.coef)
-    objective = []
+    objective: list[Any] = []
+    rows_ck: list[tuple[Any, Any]] = []
     for m in range(mb):
         c_max = solver.NumVar(0.0, solver.infinity(), f"cmax_{m}")
         k_max = solver.NumVar(0.0, solver.infinity(), f"kmax_{m}")
-        objective += [c_max, k_max]
-        for g in range(g_total):
-            solver.Add(sum(float(problem.w[m, e]) * y[e][g] for e in range(e_total)) <= c_max)
+        rows_ck.append((c_max, k_max))
+        group = problem.compute_group
+        for n in range(g_total // group):
+            gpus = range(n * group, (n + 1) * group)
+            load = sum(float(problem.w[m, e]) * y[e][g] for e in range(e_total) for g in gpus)
+            solver.Add(load * (1.0 / group) <= c_max)
         if droutes is None:
             assert route is not None
             terms = _alltoall_terms(problem.x[m], route, y)
@@ -122,6 +126,11 @@ def milp_reorder(
                     if on:
                         solver.Add(c * sum(v * var for var, v in on) <= u)
             solver.Add(2.0 * (halves[0] + halves[1]) + lat <= k_max)
+    if problem.overlap_mbs:
+        rows = [(c + float(problem.attn[m]), k) for m, (c, k) in enumerate(rows_ck)]
+        objective += _overlap_objective(solver, rows, problem.overlap_mbs)
+    else:
+        objective += [v for ck in rows_ck for v in ck]
     if np.any(problem.mig):
         mig_max = solver.NumVar(0.0, solver.infinity(), "migmax")
         objective.append(mig_max)
@@ -148,6 +157,59 @@ def milp_reorder(
         optimal=optimal,
         solve_time_s=solver.wall_time() / 1000.0,
     )
+
+
+def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: int) -> list[Any]:
+    """:func:`relibra.cost.overlap.layer_time` (hard max) of the rows' ``(C, K)`` as linear terms to minimise.
+
+    rows [R]: each row's compute (its maximum plus attention) and all-to-all expressions; ``R`` and
+    ``microbatches`` as :func:`~relibra.cost.overlap.layer_time` reads them (``R == 1``: the aggregate row
+    standing for ``microbatches`` equal micro-batches). Each max of two affine terms of
+    :func:`~relibra.cost.overlap.share_term` becomes an epigraph variable; every coefficient is >= 0, so
+    at the optimum each variable equals its max and the model is exact.
+    """
+    last = len(rows) - 1
+    # (weight, side, own row, neighbour row or None): the first forward alone, each (B[m], F[m + 1]) pair as
+    # F[m + 1]'s side 0 beside m, the last backward alone; the aggregate row weighs them as layer_time does.
+    passes: list[tuple[float, int, int, int | None]]
+    if last == 0 and microbatches > 1:
+        passes = [(1.0, 0, 0, None), (1.0, 1, 0, None), (microbatches - 1.0, 0, 0, 0)]
+        passes = [(w / microbatches, side, r, nb) for w, side, r, nb in passes]
+    else:
+        passes = [(1.0, 0, 0, None), *((1.0, 0, m + 1, m) for m in range(last)), (1.0, 1, last, None)]
+    out: list[Any] = []
+    for i, (weight, side, row, nb) in enumerate(passes):
+        for piece in range(2):
+            exprs = (
+                _share_affine(side, piece, arg, rows[row], None if nb is None else rows[nb])
+                for arg in range(2)
+            )
+            args = [a for a in exprs if a is not None]
+            if len(args) == 1:
+                out.append(weight * args[0])
+                continue
+            t = solver.NumVar(-solver.infinity(), solver.infinity(), f"ov_{i}_{piece}")
+            for a in args:
+                solver.Add(a <= t)
+            out.append(weight * t)
+    return out
+
+
+def _share_affine(
+    side: int, piece: int, arg: int, own: tuple[Any, Any], nb: tuple[Any, Any] | None
+) -> Any | None:
+    """Argument ``arg`` of :func:`~relibra.cost.overlap.share_term` as an expression of the own row's and the
+    neighbour's ``(C, K)`` (None: no neighbour, the pass runs alone); None where the argument does not exist.
+
+    share_term takes the neighbour as numbers, its constant linear in them: probing it at ``(0, 0)``,
+    ``(1, 0)`` and ``(0, 1)`` reads the coefficients of the neighbour's ``C`` and ``K``."""
+    if nb is None:
+        a, b, c = share_term(side, piece, arg, -1.0, 0.0)
+        return None if c == -math.inf else a * own[0] + b * own[1] + c
+    a, b, c = share_term(side, piece, arg, 0.0, 0.0)
+    on_c = share_term(side, piece, arg, 1.0, 0.0)[2] - c
+    on_k = share_term(side, piece, arg, 0.0, 1.0)[2] - c
+    return a * own[0] + b * own[1] + on_c * nb[0] + on_k * nb[1] + c
 
 
 def _alltoall_route(idx: np.ndarray, cnt: np.ndarray) -> np.ndarray:
