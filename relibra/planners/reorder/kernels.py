@@ -489,7 +489,9 @@ def placement_objective(
     cluster: ClusterSpec,
     routes: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> float:
-    """True objective in seconds of placement ``home`` [E] (sum over the problem's micro-batches)."""
+    """True objective in seconds of placement ``home`` [E]: the sum of the micro-batches' ``T_MoE``, or under
+    ``cluster.ep_overlap`` the overlapped layer time (:func:`relibra.cost.overlap.layer_time`), plus the
+    migration term."""
     idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
     h = np.asarray(home, dtype=np.int64)
     if problem.deepep:
