@@ -41,7 +41,7 @@ from relibra.planners.reorder.problem import layer_problem
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.planners.replicate.milp import MilpConfig, MilpReplicator
 from relibra.simulator import batch_context
-from tests.builders import HOPPER, plan_share, tiny_setup
+from tests.builders import HOPPER, layer_ctx, plan_share, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -258,7 +258,6 @@ def test_annealing_reorderer_reads_the_overlap_from_the_cost_model(objective):
     """Under ep_overlap=true (on ctx.cost) the reorderer's objective is each layer's overlapped time with
     the batch's attention (the aggregate form: the summed loads as equal micro-batches); the same batch
     without the overlap gets the sum of T_MoE."""
-    from tests.builders import layer_ctx
 
     base = layer_ctx(2, 2, 16, num_layers=2, microbatches=3, seed=9, alpha=0.2)
     over_cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
@@ -342,7 +341,6 @@ def test_overlap_replication_is_never_worse_than_the_sum_objective(nodes, gpn):
     """The guarantee of replicate_batch under the overlap: per layer the exact best mix of the first pass
     (each micro-batch's own T_MoE, the answer without the overlap) and the second (its share of the
     overlapped time), so never worse as the simulator prices it; and the second pass does get used."""
-    from tests.builders import layer_ctx
 
     better = 0
     for seed in range(3):
@@ -402,13 +400,11 @@ def test_milp_overlap_replication_is_never_worse_than_before():
     each micro-batch's share with the MILP; the batch is never worse, as the simulator prices it (layer
     overlapped time plus exposed refill), than the first pass alone, i.e. the MILP on each problem's own
     T_MoE, which is what the MILP answered before it priced the overlap."""
-    from tests.planners.test_reorder import make_ctx
-
     better = 0
     for seed in range(2):
         # NOTE: one node: at 2 x 2 these problems are so communication-bound that the overlap hides all of
         # the compute and the share's optimum is the T_MoE plan's
-        base = make_ctx(1, 4, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
+        base = layer_ctx(1, 4, 16, num_layers=2, microbatches=3, seed=seed, alpha=0.2, samples_per_gpu=4)
         cost = CostModel(replace(base.cluster, ep_overlap=True), base.model)
         ctx = replace(base, cluster=cost.cluster, cost=cost)
         home = static_placement(2, 16, ctx.num_gpus)
@@ -432,7 +428,6 @@ def test_locality_round_never_worse_under_overlap(dispatcher):
     where the simulator's price of the home-only plan (overlapped, the configured dispatcher) does not
     grow, so the result is never worse than the input assignment."""
     from relibra.planners.reorder.locality import _overlapped, locality_round
-    from tests.builders import layer_ctx
 
     kept = 0
     for seed in range(4):
