@@ -154,6 +154,18 @@ def _no_comm(coef: np.ndarray) -> bool:
 
 
 @njit(cache=True, inline="always")
+def _exp_sum(values: np.ndarray, vmax: float, beta: float) -> float:
+    """``sum_i exp(beta * (values[i] - vmax))``, the sum inside an LSE smoothed max (``vmax``: the max)."""
+    total = 0.0
+    for i in range(values.shape[0]):
+        u = beta * (values[i] - vmax)
+        # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
+        if u > -40.0:
+            total += math.exp(u)
+    return total
+
+
+@njit(cache=True, inline="always")
 def _comm_term(
     link_m: np.ndarray, coef: np.ndarray, beta: float, comm: np.ndarray
 ) -> tuple[float, int, float]:
@@ -168,12 +180,7 @@ def _comm_term(
         if v > kmax:
             kmax = v
             ka = g
-    sk = 0.0
-    for g in range(g_total):
-        u = beta * (comm[g] - kmax)
-        if u > -40.0:
-            sk += math.exp(u)
-    return kmax, ka, sk
+    return kmax, ka, _exp_sum(comm, kmax, beta)
 
 
 @njit(cache=True)
@@ -226,12 +233,7 @@ def _evaluate(
             if s > cmax:
                 cmax = s
                 ca = tg
-        sc = 0.0
-        # NOTE: terms below exp(-40) cannot change a float64 sum that already holds 1.0.
-        for n in range(n_groups):
-            u = beta * (cgrp[n] - cmax)
-            if u > -40.0:
-                sc += math.exp(u)
+        sc = _exp_sum(cgrp, cmax, beta)
         if no_comm:
             # NOTE: every GPU's term is exactly 0 (comm_weight=0), so the loops would find GPU 0 the
             # bottleneck and sum G exact ones: the same values without reading the links.
