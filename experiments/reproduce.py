@@ -32,23 +32,17 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
     Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 
 from experiments.grid import cells, compose_cells
+from experiments.grid_jobs import CellJob, CellOutcome, GridReport
+from experiments.progress import Bars, Lines, Tracker, progress_bars, summarise
 from experiments.store import CorruptCellError, ResultsStore, cell_key, stored_code_version
 from relibra.provenance import code_version
 
@@ -82,55 +76,6 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 OLMOE_SAMPLES_PER_BATCH = 100
 """The 200 OLMoE prompts become 2 batches (RL steps) of 100 rollouts each."""
-
-
-@dataclass
-class GridReport:
-    """What happened to one preset's cells."""
-
-    preset: str
-    ran: int = 0
-    copied: int = 0
-    """Cells identical to one another preset computed in this run (same key): their rows were copied."""
-    reused: int = 0
-    stale: dict[str, int] = field(default_factory=dict)
-    """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
-    failed: list[tuple[list[str], str]] = field(default_factory=list)
-    corrupt: list[str] = field(default_factory=list)
-    """Cell files found unreadable; each was computed again (or is listed in ``failed``)."""
-    skipped: str = ""
-    total: int = 0
-    """Cells in the preset's grid."""
-
-
-@dataclass(frozen=True)
-class CellJob:
-    """One cell that has to be computed: what :func:`run_cell_job` needs, picklable for a worker process."""
-
-    preset: str
-    cell: list[str]
-    label: str
-    """``model dataset EPn planner``: how progress lines name the cell."""
-    cfg: DictConfig
-    run_dir: Path
-    recompute: bool
-    """The cell is stored already (by other code) and is computed again."""
-    key: str
-    """The cell's :func:`~experiments.store.cell_key`: jobs with equal keys are one computation."""
-
-
-@dataclass(frozen=True)
-class CellOutcome:
-    """What one computed cell came to: its wall seconds and, when it failed, why."""
-
-    seconds: float
-    error: str | None = None
-    copied_from: str | None = None
-    """The preset whose identical cell (same key) this one's rows were copied from; None: computed."""
-    trace_generated: bool = False
-    """The cell built its counts (a miss of the worker's cache, :mod:`experiments.inputs`)."""
-    workload_built: bool = False
-    """The cell laid out its workload (a miss of the worker's cache)."""
 
 
 def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
@@ -361,7 +306,7 @@ def run_grid(
 ) -> GridReport:
     """Run every unfinished cell of ``preset`` into ``results_root/<preset>`` (see :func:`plan_grid`)."""
     report, jobs = plan_grid(preset, results_root, overrides, recompute_stale)
-    tracker = _Tracker(_Lines(Console(width=160)) if progress is None else _Bars(progress))
+    tracker = Tracker(Lines(Console(width=160)) if progress is None else Bars(progress))
     tracker.add(report, len(jobs))
     run_jobs(jobs, workers, tracker.done)
     return report
@@ -369,108 +314,6 @@ def run_grid(
 
 def _ep(cfg: DictConfig) -> int:
     return int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
-
-
-class _Display(Protocol):
-    """Where progress goes: live bars on a terminal, plain lines elsewhere."""
-
-    def start(self, report: GridReport, todo: int) -> None: ...
-
-    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None: ...
-
-
-@dataclass
-class _Lines:
-    """One plain line per finished cell (CI, ``| tee``, Slurm logs): preset, cell, seconds, done/total."""
-
-    console: Console
-
-    def start(self, report: GridReport, todo: int) -> None:
-        self.console.print(
-            f"{report.preset}: {report.total} cells, {report.reused} reused, {todo} to compute",
-            highlight=False,
-        )
-
-    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
-        state = "done" if outcome.error is None else f"FAILED ({outcome.error.splitlines()[0]})"
-        if outcome.error is None and outcome.copied_from is not None:
-            state = f"copied from {outcome.copied_from} (the same cell)"
-        self.console.print(
-            f"{report.preset} [{done}/{report.total}] {job.label}: {outcome.seconds:.1f} s {state}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,  # NOTE: one line per cell, however long, so that logs can be grepped
-        )
-
-
-@dataclass
-class _Bars:
-    """One live bar per preset: cells done (reused included), reused, failed, elapsed and time left."""
-
-    progress: Progress
-    tasks: dict[str, TaskID] = field(default_factory=dict)
-
-    def start(self, report: GridReport, todo: int) -> None:
-        self.tasks[report.preset] = self.progress.add_task(
-            report.preset, total=report.total, completed=report.reused, reused=report.reused, failed=0
-        )
-
-    def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
-        self.progress.update(self.tasks[report.preset], completed=done, failed=len(report.failed))
-
-
-@dataclass
-class _Tracker:
-    """Counts finished cells into their preset's report and shows them."""
-
-    display: _Display
-    reports: dict[str, GridReport] = field(default_factory=dict)
-    computed: int = 0
-    """Cells computed (not copied) in this run."""
-    traces_built: int = 0
-    """Of those, the cells that built their counts (the others found them in their worker's cache)."""
-    workloads_built: int = 0
-
-    def add(self, report: GridReport, todo: int) -> None:
-        self.reports[report.preset] = report
-        self.display.start(report, todo)
-
-    def done(self, job: CellJob, outcome: CellOutcome) -> None:
-        report = self.reports[job.preset]
-        if outcome.copied_from is None:
-            self.computed += 1
-            self.traces_built += outcome.trace_generated
-            self.workloads_built += outcome.workload_built
-        if outcome.error is not None:
-            report.failed.append((job.cell, outcome.error))
-        elif outcome.copied_from is not None:
-            report.copied += 1
-        else:
-            report.ran += 1
-        done = report.reused + report.ran + report.copied + len(report.failed)
-        self.display.finish(report, job, outcome, done)
-
-    def line(self) -> str:
-        """Cells computed and copied, and how often a worker built counts and workloads."""
-        copied = sum(report.copied for report in self.reports.values())
-        return (
-            f"{self.computed} cells computed, {copied} copied from the same cell of another preset; "
-            f"counts built {self.traces_built} times, workloads {self.workloads_built} "
-            "(the other cells found them in their worker's cache)"
-        )
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description:<18}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("cells, {task.fields[reused]} reused, {task.fields[failed]} failed"),
-        TimeElapsedColumn(),
-        TextColumn("left"),
-        TimeRemainingColumn(),
-        console=console,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -530,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         reports.append(report)
         jobs.extend(todo)
-    progress = _progress(console) if tty else None
-    tracker = _Tracker(_Bars(progress) if progress is not None else _Lines(console))
+    progress = progress_bars(console) if tty else None
+    tracker = Tracker(Bars(progress) if progress is not None else Lines(console))
     for report in reports:
         if not report.skipped:
             tracker.add(report, sum(job.preset == report.preset for job in jobs))
@@ -540,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             run_jobs(jobs, args.workers, tracker.done)
     else:
         run_jobs(jobs, args.workers, tracker.done)
-    _summarise(console, reports, args.recompute_stale)
+    summarise(console, reports, args.recompute_stale, code_version())
     console.print(
         f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "
         f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}",
@@ -563,31 +406,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
-
-
-def _summarise(console: Console, reports: list[GridReport], recompute_stale: bool) -> None:
-    """Per preset: cells run, reused and failed (with why), and cells finished by other code."""
-    for rep in reports:
-        if rep.skipped:
-            console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
-            continue
-        copied = f", {rep.copied} copied from the same cell of another preset" if rep.copied else ""
-        console.print(
-            f"{rep.preset}: {rep.ran} cells run, {rep.reused} reused, {len(rep.failed)} failed{copied}"
-        )
-        if rep.stale:
-            versions = ", ".join(f"{n} by {v}" for v, n in sorted(rep.stale.items()))
-            what = "recomputed" if recompute_stale else "reused; --recompute-stale recomputes them"
-            console.print(
-                f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
-                f"{code_version()} ({versions}): {what}"
-            )
-        for unreadable in rep.corrupt:
-            console.print(
-                f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"
-            )
-        for cell, why in rep.failed:
-            console.print(f"  [red]failed[/red] {' '.join(cell)}: {why}", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 import experiments.run as run_module
 from experiments.config import validate
 from experiments.grid import cells, compose_cell, compose_cells, presets
+from experiments.grid_jobs import GridReport
 from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
@@ -271,7 +272,7 @@ def test_reproduce_scale_selects_the_presets(
 
     def record(preset, root, overrides, recompute_stale=False):  # type: ignore[no-untyped-def]
         ran.append(preset)
-        return reproduce.GridReport(preset), []
+        return GridReport(preset), []
 
     monkeypatch.setattr(reproduce, "plan_grid", record)
     monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped

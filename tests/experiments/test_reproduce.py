@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments import inputs, reproduce
+from experiments.grid_jobs import CellJob, CellOutcome
 from experiments.store import ResultsStore
 
 TINY = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
@@ -77,7 +78,7 @@ SHARED = {
 """Three presets whose grids share two cells: megatron and relibra on the mixed dataset."""
 
 
-def _planned(root: Path) -> list[reproduce.CellJob]:
+def _planned(root: Path) -> list[CellJob]:
     return [
         job
         for preset, sweep in SHARED.items()
@@ -117,7 +118,7 @@ def test_schedule_puts_the_largest_traces_first(tmp_path: Path) -> None:
 
 def test_cells_shared_by_presets_are_computed_once_and_copied(tmp_path: Path) -> None:
     """The same cell key in several presets: computed once, stored in each (equal rows), the copy says so."""
-    done: list[tuple[reproduce.CellJob, reproduce.CellOutcome]] = []
+    done: list[tuple[CellJob, CellOutcome]] = []
     inputs.clear_cache()  # NOTE: in this process; earlier tests may have left the same traces in it
     reproduce.run_jobs(_planned(tmp_path), 1, lambda job, outcome: done.append((job, outcome)))
     assert len(done) == 7 and all(outcome.error is None for _, outcome in done)

@@ -1,0 +1,59 @@
+"""What the main job's runner hands around: a preset's grid report, one cell's job and its outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+__all__ = ["CellJob", "CellOutcome", "GridReport"]
+
+
+@dataclass
+class GridReport:
+    """What happened to one preset's cells."""
+
+    preset: str
+    ran: int = 0
+    copied: int = 0
+    """Cells identical to one another preset computed in this run (same key): their rows were copied."""
+    reused: int = 0
+    stale: dict[str, int] = field(default_factory=dict)
+    """Reused cells computed by other code than the current one: their ``code_version`` -> count."""
+    failed: list[tuple[list[str], str]] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    """Cell files found unreadable; each was computed again (or is listed in ``failed``)."""
+    skipped: str = ""
+    total: int = 0
+    """Cells in the preset's grid."""
+
+
+@dataclass(frozen=True)
+class CellJob:
+    """One cell that has to be computed: what :func:`run_cell_job` needs, picklable for a worker process."""
+
+    preset: str
+    cell: list[str]
+    label: str
+    """``model dataset EPn planner``: how progress lines name the cell."""
+    cfg: DictConfig
+    run_dir: Path
+    recompute: bool
+    """The cell is stored already (by other code) and is computed again."""
+    key: str
+    """The cell's :func:`~experiments.store.cell_key`: jobs with equal keys are one computation."""
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    """What one computed cell came to: its wall seconds and, when it failed, why."""
+
+    seconds: float
+    error: str | None = None
+    copied_from: str | None = None
+    """The preset whose identical cell (same key) this one's rows were copied from; None: computed."""
+    trace_generated: bool = False
+    """The cell built its counts (a miss of the worker's cache, :mod:`experiments.inputs`)."""
+    workload_built: bool = False
+    """The cell laid out its workload (a miss of the worker's cache)."""
