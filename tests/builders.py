@@ -254,7 +254,15 @@ def planner_config(name: str) -> Any:
         return compose(config_name="config", overrides=[f"planner={name}"]).planner
 
 
-def make_cost(nodes: int, gpus_per_node: int, num_experts: int, num_layers: int = 2) -> CostModel:
+def make_cost(
+    nodes: int,
+    gpus_per_node: int,
+    num_experts: int,
+    num_layers: int = 2,
+    top_k: int = 4,
+    ep_overlap: bool = False,
+) -> CostModel:
+    """A Qwen3-30B-A3B-shaped expert (hidden 2048, FFN 768) on ``nodes x gpus_per_node`` H100s."""
     model = ModelSpec(
         name="test-moe",
         num_layers=num_layers,
@@ -262,12 +270,12 @@ def make_cost(nodes: int, gpus_per_node: int, num_experts: int, num_layers: int 
         hidden=2048,
         moe_ffn=768,
         num_experts=num_experts,
-        top_k=4,
+        top_k=top_k,
         num_heads=16,
         num_kv_heads=4,
         head_dim=128,
     )
-    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER), model)
+    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER, ep_overlap=ep_overlap), model)
 
 
 def plan_share(

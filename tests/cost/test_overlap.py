@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import (
     OverlapNeighbours,
@@ -41,7 +40,7 @@ from relibra.planners.reorder.problem import layer_problem
 from relibra.planners.replicate.greedy import GreedyReplicator
 from relibra.planners.replicate.milp import MilpConfig, MilpReplicator
 from relibra.simulator import batch_context
-from tests.builders import HOPPER, layer_ctx, plan_share, tiny_setup
+from tests.builders import layer_ctx, make_cost, plan_share, tiny_setup
 
 
 def test_two_microbatches_by_hand():
@@ -125,19 +124,7 @@ def test_aggregate_row_is_equal_microbatches():
 
 # ----------------------------------------------------------------------------- the annealer
 def _overlap_cost(nodes: int, gpus_per_node: int, num_experts: int, top_k: int = 1) -> CostModel:
-    model = ModelSpec(
-        name="test-moe",
-        num_layers=1,
-        num_moe_layers=1,
-        hidden=2048,
-        moe_ffn=768,
-        num_experts=num_experts,
-        top_k=top_k,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=128,
-    )
-    return CostModel(ClusterSpec(nodes, gpus_per_node, HOPPER, ep_overlap=True), model)
+    return make_cost(nodes, gpus_per_node, num_experts, num_layers=1, top_k=top_k, ep_overlap=True)
 
 
 def _priced(
