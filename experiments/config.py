@@ -19,11 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-
-import numpy as np
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
@@ -238,7 +237,8 @@ def _spec_problems(cfg: DictConfig) -> list[str]:
     kinds = config_schema().kinds
     problems: list[str] = []
     for node in SPEC_NODES:
-        for key in sorted(k for k in kinds if k.startswith(node + ".") and k.count(".") == node.count(".") + 1):
+        depth = node.count(".") + 1
+        for key in sorted(k for k in kinds if k.startswith(node + ".") and k.count(".") == depth):
             if OmegaConf.select(cfg, node, default=None) is None or kinds[key] - {"int", "float"}:
                 continue
             if kinds[key] == {"int"}:
@@ -308,8 +308,9 @@ def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
     need = per_rank if gpu_bytes is not None else per_rank * num_gpus
     if limit is not None and need > limit:
         problems.append(
-            f"executor.hidden={_yaml(hidden)} executor.moe_ffn={_yaml(ffn)} (expert shape {shape_h} x {shape_f}): the torch "
-            f"executor needs at least {need / 2**30:.1f} GiB ({num_gpus} ranks of {per_rank / 2**30:.1f} GiB: "
+            f"executor.hidden={_yaml(hidden)} executor.moe_ffn={_yaml(ffn)} (expert shape {shape_h} x "
+            f"{shape_f}): the torch executor needs at least {need / 2**30:.1f} GiB ({num_gpus} ranks of "
+            f"{per_rank / 2**30:.1f} GiB: "
             f"fp32 weights, gradients and Adam moments of each rank's experts) and {where} "
             f"{limit / 2**30:.1f} GiB available; give a smaller executor.hidden / executor.moe_ffn"
         )

@@ -40,9 +40,9 @@ from experiments.config import (
     planning,
     refuse,
     routing,
-    writable_dir,
     sim_options,
     validate,
+    writable_dir,
 )
 from experiments.inputs import cell_inputs
 from experiments.run_dir import commit_run

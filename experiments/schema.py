@@ -177,7 +177,8 @@ class _Walker:
 def _schema_from(repo: Any, primary: str) -> ConfigSchema:
     walker = _Walker(repo)
     walker.walk(primary, "")
-    selected = {g.group for g in (repo.load_config(primary).defaults_list or []) if isinstance(g, GroupDefault)}
+    primary_defaults = repo.load_config(primary).defaults_list or []
+    selected = {g.group for g in primary_defaults if isinstance(g, GroupDefault)}
     for group in sorted(repo.get_group_options("", ObjectType.GROUP)):
         if group == HYDRA_NODE:
             continue
@@ -194,7 +195,6 @@ def _schema_from(repo: Any, primary: str) -> ConfigSchema:
 def config_schema() -> ConfigSchema:
     """The schema of ``experiments/conf/config.yaml`` and everything it can compose (module docstring)."""
     import experiments  # noqa: F401 - registers the dataclass-generated nodes before the walk
-
     from experiments.grid import CONF_DIR
 
     hydra = GlobalHydra.instance()
@@ -240,7 +240,7 @@ def flag_problems(cfg: DictConfig, schema: ConfigSchema | None = None) -> list[s
     """A problem for each flag (a key whose every default is a boolean) of ``cfg`` set to a non-boolean."""
     schema = schema or config_schema()
     problems = []
-    for key, raw in _leaves(_plain(cfg)):
+    for key, _ in _leaves(_plain(cfg)):
         if not schema.is_flag(key):
             continue
         value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
@@ -291,4 +291,3 @@ def override_problems(overrides: Sequence[str], schema: ConfigSchema | None = No
         if not schema.known(name):
             problems.append(f"{name}: unknown key, nothing reads it{schema.suggestion(name)}")
     return problems
-

@@ -193,7 +193,9 @@ def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.Dat
             "copied or moved over it",
         )  # fmt: skip
     if _CHECKSUM_META not in meta:
-        raise CorruptCellError(path, "no content checksum: written by a version of the suite before checksums")
+        raise CorruptCellError(
+            path, "no content checksum: written by a version of the suite before checksums"
+        )
     frame = table.to_pandas()
     if content_checksum(frame) != meta[_CHECKSUM_META].decode(errors="replace"):
         raise CorruptCellError(path, "its rows do not match their checksum (damaged or edited)")

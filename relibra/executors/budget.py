@@ -21,9 +21,7 @@ STATE_COPIES = 4
 """Copies of every weight a rank holds: the weight, its gradient and Adam's two moments (torch.optim.Adam)."""
 
 
-def rank_bytes(
-    num_layers: int, num_experts: int, num_gpus: int, hidden: int, ffn: int, slots: int
-) -> int:
+def rank_bytes(num_layers: int, num_experts: int, num_gpus: int, hidden: int, ffn: int, slots: int) -> int:
     """Lower bound on one rank's memory (bytes): module docstring.
 
     ``slots``: replica plus redundant slots per rank; ``num_experts / num_gpus`` experts are at home.

@@ -327,7 +327,7 @@ def test_a_cell_file_copied_over_another_is_named_and_recomputed(tmp_path: Path)
     with pytest.raises(CorruptCellError, match=f"holds cell {b}, not {a}"):
         store.read(a)
     assert store.corrupt_keys() == [a]
-    rows, reused = run_cell(store, _named("megatron")[1], lambda: (_rows(9, n=50), None))
+    _, reused = run_cell(store, _named("megatron")[1], lambda: (_rows(9, n=50), None))
     assert not reused and store.read(a)["tag"].iloc[0] == 9
 
 
