@@ -32,7 +32,7 @@ from relibra.cost.model import CostModel, load_calibration
 from relibra.layout import LAYOUTS
 from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
-from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace
+from relibra.trace.format import FORMAT_DOC, RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
 from relibra.workload import build_workload
 
@@ -524,8 +524,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
+    if Path(path).is_dir():
+        return [
+            f"trace.path={path}: is a directory, not a trace file (give a routing trace .npz, {FORMAT_DOC})"
+        ]
     if not Path(path).is_file():
-        return [f"trace.path={path}: no such file (give a routing trace .npz, DESIGN.md)"]
+        return [f"trace.path={path}: no such file (give a routing trace .npz, {FORMAT_DOC})"]
     try:
         meta = read_trace(path).meta
     except TraceFormatError as exc:

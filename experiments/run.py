@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +30,7 @@ import hydra
 import numpy as np
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
@@ -53,6 +56,8 @@ from experiments.store import (
     run_cell,
     stored_code_version,
 )
+from experiments.sweep_check import FAILED_FILE, CellFailure
+from relibra.atomic import atomic_write
 from relibra.layout import unbalanceable_batches
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
@@ -62,6 +67,9 @@ __all__ = ["adopt", "cli", "compute", "main", "plan_dump_arrays", "preflight", "
 
 
 log = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
 def plan_dump_arrays(
@@ -78,6 +86,18 @@ def plan_dump_arrays(
         "assign": np.concatenate([p.assign for p in plans]).astype(np.int32),
         "meta": np.array(json.dumps(meta, sort_keys=True)),
     }
+
+
+def _trace_model(meta: dict[str, Any], model: str, path: str) -> str:
+    """The model a trace file says it was recorded from (its ``meta.model``), warned about when it is not
+    the run's model: the shapes agree (validated), but the routing is another model's."""
+    recorded = str(meta.get("model"))
+    if recorded != model:
+        log.warning(
+            "trace.path=%s was recorded from model %s, not the run's model=%s (same shape, another model's "
+            "routing); the results record it in column trace_model", path, recorded, model,
+        )  # fmt: skip
+    return recorded
 
 
 def _foreign_experts(plan: BatchPlan) -> int:
@@ -135,6 +155,8 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "code_version": code_version(),
         **result.metrics,
     }
+    if cfg.trace.get("path"):
+        row["trace_model"] = _trace_model(counts.meta, model.name, str(cfg.trace.path))
     if result.plans and not isinstance(executor, CostModelExecutor):
         report = executor.execute(result.plans, model, cluster)
         row["executor_moe_time_s"] = float(np.sum(report.moe_time_s)) / max(counts.num_batches, 1)
@@ -339,14 +361,45 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    """The Hydra app: compose, then :func:`run`. A bad config exits with status 2 and one message."""
+def main(cfg: DictConfig) -> CellFailure | None:
+    """The Hydra app: compose, then :func:`run`. A bad config exits with status 2 and one message; a write
+    error (a full disk) is one line naming the file, exit status 1. In a sweep, a cell that fails is one
+    line and a :class:`~experiments.sweep_check.CellFailure` (the sweep goes on and ends with a summary of
+    every failed cell, :mod:`experiments.sweep_check`)."""
     try:
         results = run(cfg)
     except ConfigError as exc:
         refuse(exc)
+    except Exception as exc:
+        if not _in_sweep():
+            if isinstance(exc, OSError):
+                print(f"relibra-run: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            raise
+        return _cell_failed(exc)
     cols = ["planner", "model", "dataset", "step_time_s", "throughput_tokens_per_s", "skew_mean", "skew_max"]
     print(results[[c for c in cols if c in results]].to_string(index=False))
+    if _in_sweep():  # NOTE: a failure record of an earlier sweep into this folder no longer holds
+        (Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE).unlink(missing_ok=True)
+    return None
+
+
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _cell_failed(exc: Exception) -> CellFailure:
+    """The sweep cell's failure: printed as one line, recorded in its folder when that can be written."""
+    hydra_cfg = HydraConfig.get()
+    cell = " ".join(hydra_cfg.overrides.task)
+    why = " ".join(f"{type(exc).__name__}: {exc}".split())
+    print(f"relibra-run: cell {hydra_cfg.job.num} ({cell}) failed: {why}", file=sys.stderr, flush=True)
+    record = json.dumps({"cell": cell, "error": why}).encode()
+    try:
+        atomic_write(Path(hydra_cfg.runtime.output_dir) / FAILED_FILE, lambda f: f.write(record))
+    except OSError:
+        pass  # NOTE: the folder may be what failed (a full disk); the in-process summary still has it
+    return CellFailure(cell, why)
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
@@ -357,7 +410,41 @@ def cli(argv: Sequence[str] | None = None) -> None:
         preflight(args)
     except ConfigError as exc:
         refuse(exc)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(
+            "relibra-run: interrupted; kept: every finished store cell and the run directory as it was "
+            "(a run's files are committed only when it ends); the cell in progress was not stored",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
+"""``hydra/launcher`` options that submit to a Slurm controller."""
+
+SLURM_PING_TIMEOUT_S = 15.0
+"""How long ``scontrol ping`` may take before the controller counts as not answering (Slurm's own
+``MessageTimeout`` default is 10 s)."""
+
+
+def _slurm_problem(launcher: str) -> str | None:
+    """Why ``hydra/launcher=<launcher>`` cannot submit from here (None: a controller answers)."""
+    start = "start the local test cluster with `sudo slurm/start.sh` (docs/slurm.md) or run where Slurm is"
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return f"hydra/launcher={launcher}: no Slurm client commands (sbatch, scontrol) on PATH; {start}"
+    try:
+        ping = subprocess.run(
+            ["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_TIMEOUT_S
+        )
+    except (subprocess.TimeoutExpired, OSError) as err:
+        return f"hydra/launcher={launcher}: no Slurm controller answers (scontrol ping: {err}); {start}"
+    if ping.returncode != 0 or " UP" not in ping.stdout:
+        said = " ".join((ping.stdout + ping.stderr).split()) or f"exit status {ping.returncode}"
+        return f"hydra/launcher={launcher}: no Slurm controller answers (scontrol ping: {said}); {start}"
+    return None
 
 
 def preflight(args: Sequence[str]) -> None:
@@ -378,6 +465,9 @@ def preflight(args: Sequence[str]) -> None:
     given = [o.split("=", 1)[1] for o in known.overrides if o.lstrip("+").split("=", 1)[0] == key]
     target = given[-1] if given else ("multirun" if known.multirun else "outputs")
     if "${" not in target and (why := writable_dir(key, target)):
+        problems.append(why)
+    launchers = [o.split("=", 1)[1] for o in known.overrides if o.split("=", 1)[0] == "hydra/launcher"]
+    if launchers and launchers[-1] in SLURM_LAUNCHERS and (why := _slurm_problem(launchers[-1])):
         problems.append(why)
     if problems:
         raise ConfigError("bad configuration: " + "; ".join(problems))

@@ -332,22 +332,34 @@ class ResultsStore:
         """Hold the claim on cell ``key`` (an exclusive ``flock`` on ``claims/<key>.lock``).
 
         Writers of one cell take turns, so a cell is computed once even when sweeps overlap: whoever comes
-        second finds the cell finished. The kernel drops the lock when its holder exits for any reason
+        second finds the cell finished. The holder removes the lock file when it is done (also on Ctrl-C);
+        the kernel drops the lock when its holder exits for any reason
         (``kill -9``, the OOM killer, a Slurm time-out), so no claim outlives its process. NOTE: ``flock``
         works across hosts on NFS (Linux maps it to NFS byte-range locks) and on Lustre/GPFS mounted with
         locking; a file system without locks makes this a no-op, and then the last rename wins as before.
         """
         path = self.root / "claims" / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as handle:
+        while True:
+            handle = open(path, "a")
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             except OSError as err:  # a file system without locks
                 log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
+                break
+            # NOTE: the holder before this one removed the file it locked (below); a waiter that locked
+            # that removed file holds nothing, so it locks the file now at the path instead.
             try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # NOTE: while still locked, so no waiter takes the stale file
+            handle.close()
 
     def check_writable(self) -> None:
         """Raise :class:`PermissionError` naming the folder unless a cell could be stored here now.
