@@ -212,6 +212,10 @@ def from_router_replay(
     return from_vllm(per_sample, num_experts, **kwargs)
 
 
+_OLMOE_ARRAYS = ("layer_index", "generated_token_index", "requested_expert_ids", "sequence_id", "domain_id")
+"""The arrays of one OLMoE decode chunk (the traces' README)."""
+
+
 def load_olmoe_decode(
     directory: str | Path,
     domains: Iterable[str] | None = None,
@@ -237,12 +241,15 @@ def load_olmoe_decode(
     for path in files:
         try:
             with np.load(path, allow_pickle=False) as z:
+                missing = [k for k in _OLMOE_ARRAYS if k not in z.files]
+                if missing:
+                    raise TraceFormatError(f"{path}: lacks the arrays {missing} of an OLMoE decode chunk")
                 layer = z["layer_index"].astype(np.int64)
                 step = z["generated_token_index"].astype(np.int64)
                 ids = z["requested_expert_ids"]
                 seq, dom = int(z["sequence_id"][0]), int(z["domain_id"][0])
-        except KeyError as err:
-            raise TraceFormatError(f"{path}: lacks the array {err} of an OLMoE decode chunk") from err
+        except TraceFormatError:
+            raise
         except (OSError, ValueError, TypeError, IndexError, EOFError, zipfile.BadZipFile) as err:
             raise TraceFormatError(f"{path}: not a readable OLMoE decode chunk ({err})") from err
         num_layers = max(num_layers, int(layer.max()) + 1)
