@@ -101,7 +101,7 @@ def plan_grid(
     ``stale`` and reused, or with ``recompute_stale`` becomes a job (its stored rows are replaced only when
     the new ones are written). An unreadable cell file counts as missing (listed in ``corrupt``) and
     becomes a job. A cell that cannot even be looked at is recorded as failed and the grid goes on.
-    Raises, before anything is written: ValueError for an unknown preset, ConfigError when any cell's
+    Raises, before anything is written: ValueError for an unknown preset, ConfigError when every cell's
     config is refused (:func:`_validate_grid`: each distinct problem once), PermissionError when the
     store's folder cannot be written.
     """
@@ -134,9 +134,10 @@ def plan_grid(
 
 
 def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
-    """Refuse a grid with a bad cell before any cell runs: one ConfigError listing each distinct problem
-    once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many of the
-    preset's cells it stops."""
+    """Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
+    problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
+    cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
+    with its reason, when the grid ends (one bad cell must not cost the rest)."""
     from experiments.config import ConfigError, validate
 
     problems: dict[str, int] = {}
@@ -146,7 +147,7 @@ def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
         except ConfigError as exc:
             text = str(exc).removeprefix("bad configuration: ")
             problems[text] = problems.get(text, 0) + 1
-    if problems:
+    if problems and sum(problems.values()) == len(configs):
         listed = "; ".join(f"{text} ({n} of {len(configs)} cells)" for text, n in problems.items())
         raise ConfigError(f"preset {preset}: bad configuration: {listed}")
 

@@ -161,16 +161,17 @@ class _Walker:
         _add(self.kinds, package, OmegaConf.to_container(result.config, resolve=False))
         for entry in result.defaults_list or []:
             if isinstance(entry, GroupDefault):
-                if entry.group.startswith(HYDRA_NODE):
+                name = str(entry.group)
+                if name.startswith(HYDRA_NODE):
                     continue
-                child = entry.group.lstrip("/") if entry.group.startswith("/") else _join(group, entry.group)
-                child = child.replace(".", "/")
-                where = _child_package(package, entry.package, entry.group.lstrip("/"))
-                for option in self.options(child.replace(".", "/")):
+                child = name.lstrip("/") if name.startswith("/") else "/".join(p for p in (group, name) if p)
+                where = _child_package(package, entry.package, name.lstrip("/"))
+                for option in self.options(child):
                     self.walk(f"{child}/{option}", where)
             elif isinstance(entry, ConfigDefault) and entry.path != "_self_":
-                rel = entry.path.lstrip("/")
-                child = rel if entry.path.startswith("/") else "/".join(p for p in (group, rel) if p)
+                given = str(entry.path)
+                rel = given.lstrip("/")
+                child = rel if given.startswith("/") else "/".join(p for p in (group, rel) if p)
                 self.walk(child, _child_package(package, entry.package, rel.rpartition("/")[0]))
 
 

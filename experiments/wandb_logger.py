@@ -132,7 +132,7 @@ def _log_bounded(args: tuple[Any, ...], bound_s: float) -> str | None:
     except (EOFError, OSError):
         error = f"the W&B process ended without a report (exit status {child.exitcode})"
     finally:
-        for pid in [*_descendants(child.pid), child.pid]:
+        for pid in [*_descendants(child.pid), *([child.pid] if child.pid is not None else [])]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -191,7 +191,8 @@ def test_load_olmoe_decode_errors_name_the_file(tmp_path: Path) -> None:
     good = _olmoe_chunk(tmp_path / "good" / "coding" / "sequence_0000.npz")
     assert load_olmoe_decode(good.parents[1]).num_samples == 1
     lacking = _olmoe_chunk(tmp_path / "lacking" / "coding" / "sequence_0000.npz", domain_id=None)
-    with pytest.raises(TraceFormatError, match=rf"{re.escape(str(lacking))}: lacks the arrays \['domain_id'\]"):
+    lacks = rf"{re.escape(str(lacking))}: lacks the arrays \['domain_id'\]"
+    with pytest.raises(TraceFormatError, match=lacks):
         load_olmoe_decode(lacking.parents[1])
     objects = _olmoe_chunk(
         tmp_path / "objects" / "coding" / "sequence_0000.npz",
