@@ -24,6 +24,7 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "relibra_replicate_only": "+ intra-batch replication only",
     "ultraep": "UltraEP",
     "llep": "LLEP",
+    "moonep": "MoonEP",
 }
 """Display names of the planners, as the paper writes them."""
 

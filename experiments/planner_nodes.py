@@ -34,6 +34,7 @@ from baselines.eplb import EplbPlanner
 from baselines.llep import LlepPlanner
 from baselines.lplb import LplbPlanner
 from baselines.megatron import MegatronPlanner
+from baselines.moonep import MoonEPPlanner
 from baselines.popfetcher import PopFetcherPlanner
 from baselines.ultraep import UltraEPPlanner
 from relibra.planners.reorder.config import AnnealConfig
@@ -52,6 +53,7 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/base", "llep"): LlepPlanner,
     ("planner/base", "lplb"): LplbPlanner,
     ("planner/base", "megatron"): MegatronPlanner,
+    ("planner/base", "moonep"): MoonEPPlanner,
     ("planner/base", "popfetcher"): PopFetcherPlanner,
     ("planner/base", "ultraep"): UltraEPPlanner,
 }

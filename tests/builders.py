@@ -141,8 +141,10 @@ def make_ctx(
     skew: float = 0.3,
     seed: int = 0,
     history: int = 0,
+    nvl_domain: int | None = None,
 ) -> BatchContext:
-    """A small consistent BatchContext: skewed per-sample counts and the loads they give."""
+    """A small consistent BatchContext: skewed per-sample counts and the loads they give (NVLink domains of
+    ``nvl_domain`` GPUs; None: one per node)."""
     rng = np.random.default_rng(seed)
     g = nodes * gpus_per_node
     popularity = rng.dirichlet(np.full(num_experts, skew), size=num_layers)  # [L, E]
@@ -153,7 +155,7 @@ def make_ctx(
     sample_gpu = (np.arange(samples) % g).astype(np.int32)
     sample_mb = ((np.arange(samples) // g) % microbatches).astype(np.int32)
     load = sample_loads(counts, sample_gpu, sample_mb, microbatches, g).astype(np.int32)
-    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER, nvl_domain=nvl_domain)
     model = ModelSpec(
         name="tiny",
         num_layers=num_layers,

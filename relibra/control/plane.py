@@ -738,6 +738,5 @@ class ControlPlane:
             # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
             # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
             # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
-            nodes = self.cluster.nodes
-            plan = relabel_plan(plan, job.prev_home, nodes, self.cluster.gpus_per_node)
+            plan = relabel_plan(plan, job.prev_home, self.cluster.num_domains, self.cluster.domain_gpus)
         return plan

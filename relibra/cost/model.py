@@ -117,7 +117,7 @@ class CostModel:
         self.dispatch_token_bytes = float(model.hidden * dispatch_value_bytes)
         self._nvlink = hw.nvlink_bytes_per_s * hw.nvlink_efficiency
         self._nic = hw.nic_bytes_per_s * hw.nic_efficiency
-        gpn = cluster.gpus_per_node
+        gpn = cluster.domain_gpus
         g = np.arange(cluster.num_gpus)
         self._same_node = (g[:, None] // gpn) == (g[None, :] // gpn)
         self._same_gpu = g[:, None] == g[None, :]
@@ -166,7 +166,7 @@ class CostModel:
         Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G]
         (:func:`relibra.cost.fabric.rail_link_bytes`).
         """
-        return rail_link_bytes(traffic_bytes, self.cluster.nodes, self.cluster.gpus_per_node)
+        return rail_link_bytes(traffic_bytes, self.cluster.num_domains, self.cluster.domain_gpus)
 
     def _phase_time(self, links: dict[str, np.ndarray], bytes_per_token: float) -> np.ndarray:
         """Seconds [..., G] of one all-to-all phase: the busiest link direction of each GPU."""
@@ -217,8 +217,8 @@ class CostModel:
             x,
             self.share(assign),
             x.sum(axis=-1) / self.model.top_k,
-            self.cluster.nodes,
-            self.cluster.gpus_per_node,
+            self.cluster.num_domains,
+            self.cluster.domain_gpus,
         )
         return self.deepep_comm_time(links)
 
@@ -230,7 +230,7 @@ class CostModel:
         c = self.cluster
         if self.dispatcher == "alltoall":
             return self.comm_time(alltoall_traffic(dest_gpu, src_gpu, c.num_gpus))
-        return self.deepep_comm_time(deepep_link_tokens(dest_gpu, src_gpu, c.nodes, c.gpus_per_node))
+        return self.deepep_comm_time(deepep_link_tokens(dest_gpu, src_gpu, c.num_domains, c.domain_gpus))
 
     # --------------------------------------------------------------------- MoE
     def moe(self, load: np.ndarray, assign: np.ndarray) -> MoEBreakdown:
