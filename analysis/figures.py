@@ -53,6 +53,7 @@ PLANNER_ORDER = [
     "relibra",
     "relibra_balance",
     "relibra_portfolio",
+    "foremoe",
     "relibra_no_locality",
     "force_balanced",
     "balanced",

@@ -48,7 +48,7 @@ ONLINE_BASELINES = ("ultraep", "llep", "moonep")
 """The strongest open balancers of 2026 that plan after routing (no paper range: ReLibra's paper predates
 them)."""
 
-REPLAY_BASED = ("relibra", "relibra_replicate_only", "relibra_portfolio")
+REPLAY_BASED = ("relibra", "relibra_replicate_only", "relibra_portfolio", "foremoe")
 """Planners that plan from routing replay (oracle loads before the step)."""
 
 REPLAY_PLANNERS = (*REPLAY_BASED, *ONLINE_BASELINES)
@@ -290,8 +290,8 @@ def overhead(frame: pd.DataFrame) -> Table:
 
 
 def replay_adds(frame: pd.DataFrame) -> Table:
-    """What routing replay adds: ReLibra, its replication alone and its portfolio (the replay-based planners)
-    against UltraEP, LLEP and MoonEP (the online ones) per (model, dataset, EP size), the step time
+    """What routing replay adds: ReLibra, its replication alone, its portfolio and ForeMoE (the replay-based
+    planners) against UltraEP, LLEP and MoonEP (the online ones) per (model, dataset, EP size), the step time
     broken into its terms, and each planner's throughput over the fastest online planner in the same cell."""
     data = frame[frame["planner"].isin(REPLAY_PLANNERS)]
     present = set(data["planner"])

@@ -31,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 
 from baselines.balanced import BalancedBound
 from baselines.eplb import EplbPlanner
+from baselines.foremoe import ForeMoEPlanner
 from baselines.llep import LlepPlanner
 from baselines.lplb import LplbPlanner
 from baselines.megatron import MegatronPlanner
@@ -50,6 +51,7 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/majorize", "mm"): MajorizeConfig,
     ("planner/base", "balanced"): BalancedBound,
     ("planner/base", "eplb"): EplbPlanner,
+    ("planner/base", "foremoe"): ForeMoEPlanner,
     ("planner/base", "llep"): LlepPlanner,
     ("planner/base", "lplb"): LplbPlanner,
     ("planner/base", "megatron"): MegatronPlanner,

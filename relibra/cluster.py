@@ -38,6 +38,9 @@ class HardwareSpec:
     """Achievable fraction of ``nic_bytes_per_s`` over RDMA."""
     fp8_flops: float = 0.0
     """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
+    host_bytes_per_s: float = 0.0
+    """Host-memory-to-GPU bandwidth per GPU per direction (PCIe, NVLink-C2C), bytes/s (0: unknown); only a
+    transfer engine that fetches expert weights from host memory (ForeMoE's CPU-assisted path) uses it."""
 
 
 @dataclass(frozen=True)

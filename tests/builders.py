@@ -29,7 +29,12 @@ CONF = str(REPO / "experiments" / "conf")
 
 
 def hand_hardware(
-    name: str, bf16_flops: float, hbm_bytes_per_s: float, nvlink_bytes_per_s: float, nic_bytes_per_s: float
+    name: str,
+    bf16_flops: float,
+    hbm_bytes_per_s: float,
+    nvlink_bytes_per_s: float,
+    nic_bytes_per_s: float,
+    host_bytes_per_s: float = 64e9,
 ) -> HardwareSpec:
     """A hand-built :class:`HardwareSpec` with these peak rates and round efficiencies.
 
@@ -50,6 +55,7 @@ def hand_hardware(
         alltoall_latency_s=10e-6,
         nvlink_efficiency=0.8,
         nic_efficiency=0.8,
+        host_bytes_per_s=host_bytes_per_s,
     )
 
 

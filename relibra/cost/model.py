@@ -348,6 +348,33 @@ class CostModel:
         t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
         return np.asarray(np.maximum(t_nvl, t_nic).max(axis=-1))
 
+    def engine_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Seconds to fill the listed slots with a transfer engine of two concurrent paths (ForeMoE's
+        GPU-direct and CPU-assisted paths): a copy is read from host memory over the GPU's host link
+        (``host_bytes_per_s``) when that link is faster than the fabric link it would otherwise take from its
+        home (NVLink inside the NVLink domain, the rail NIC across domains), else over the fabric; the slower
+        path bounds the fill.
+
+        replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
+        """
+        host_rate = self.cluster.hardware.host_bytes_per_s
+        if host_rate <= 0:
+            raise ValueError(
+                "cluster.hardware.host_bytes_per_s=0: a host-memory transfer path needs the host link's rate"
+            )
+        rep = np.asarray(replicas)
+        home = np.asarray(home)
+        g = rep.shape[-2]
+        lidx = np.broadcast_to(np.arange(home.shape[0])[:, None, None], rep.shape)
+        src = home[lidx, np.maximum(rep, 0)]  # [..., L, G, r]
+        dst = np.broadcast_to(np.arange(g)[:, None], rep.shape)
+        d = self.cluster.domain_gpus
+        direct_rate = np.where(src // d == dst // d, self._nvlink, self._nic)
+        by_host = (rep >= 0) & (host_rate > direct_rate)
+        direct = self.fabric_copy_time(np.where(by_host, -1, rep), home)
+        host = by_host.sum(axis=-1).max(axis=-1) * self.expert_weight_bytes() / host_rate
+        return np.asarray(np.maximum(direct, host))
+
     def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
         """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.
 

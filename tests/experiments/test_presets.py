@@ -24,6 +24,7 @@ PLANNERS = {
     "llep",
     "moonep",
     "relibra",
+    "foremoe",
     "balanced",
     "force_balanced",
 }
@@ -126,7 +127,9 @@ def test_nvl72_holds_every_ep_group_in_one_nvlink_domain() -> None:
     """EP 8-64 on GB200 NVL72 trays of 4: every cell's group lies in one 72-GPU domain."""
     grid = [dict(o.split("=", 1) for o in cell) for cell in cells("nvl72")]
     assert {c["cluster.nodes"] for c in grid} == {"2", "4", "8", "16"}
-    assert {"moonep", "ultraep", "llep", "relibra", "force_balanced"} <= {c["planner"] for c in grid}
+    assert {"moonep", "ultraep", "llep", "relibra", "foremoe", "force_balanced"} <= {
+        c["planner"] for c in grid
+    }
     for nodes in (2, 16):
         cluster = build_cluster(compose_cell("nvl72", [f"cluster.nodes={nodes}"]))
         assert (cluster.gpus_per_node, cluster.nvl_domain) == (4, 72)
@@ -208,10 +211,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "1",  # NOTE: in this process, so that the monkeypatch below reaches the cells
         "cluster.nodes=1,2",
         *tiny(2),
-    ]  # x 8 planners
+    ]  # x 9 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "16 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "18 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -220,7 +223,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 16 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 18 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
@@ -256,13 +259,13 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
     assert reproduce.main([*args, "--no-analysis"]) == 0
     out = capsys.readouterr().out
-    assert "0 cells run, 8 reused, 0 failed" in out
-    assert f"8 finished cells came from other code than 9.9.9+gnewer (8 by {code_version()})" in out
+    assert "0 cells run, 9 reused, 0 failed" in out
+    assert f"9 finished cells came from other code than 9.9.9+gnewer (9 by {code_version()})" in out
 
     before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
     assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
     out = capsys.readouterr().out
-    assert "8 cells run, 0 reused, 0 failed" in out and "recomputed" in out
+    assert "9 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())
 
 
