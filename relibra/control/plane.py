@@ -667,13 +667,13 @@ class ControlPlane:
         fallback[~job.done | job.failed_replicate] |= Fallback.NO_REPLICATION
         home = np.where(job.reordered[:, None] & ~job.failed_reorder[:, None], job.home, job.prev_home)
         home = home.astype(np.int32)
-        online = None
+        online, host_path = None, False
         if job.whole is not None and not job.failed_reorder.any():
             plan = job.whole
             home = np.asarray(plan.home, dtype=np.int32)
             assign, replicas, load = plan.assign, plan.replicas, plan.load
             sample_gpu, redundant, stats = plan.sample_gpu, plan.redundant, dict(plan.stats)
-            online = plan.online
+            online, host_path = plan.online, plan.host_path
         else:
             assign, replicas, load = job.assign.copy(), job.replicas.copy(), job.load
             sample_gpu, redundant = job.sample_gpu, None
@@ -733,11 +733,11 @@ class ControlPlane:
             plan_time_s=t_all if job.finished else now - job.t_arrival,
             stats=stats,
             online=online,
+            host_path=host_path,
         )
         if (job.whole is None or job.failed_reorder.any()) and not fallback.any():
             # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
             # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
             # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
-            nodes = self.cluster.nodes
-            plan = relabel_plan(plan, job.prev_home, nodes, self.cluster.gpus_per_node)
+            plan = relabel_plan(plan, job.prev_home, self.cluster.num_domains, self.cluster.domain_gpus)
         return plan
