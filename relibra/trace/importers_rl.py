@@ -85,15 +85,16 @@ def moe_layers_from_freq(num_layers: int, moe_layer_freq: int | Sequence[int]) -
     megatron-core, slime (``fill_routing_replay``) and NeMo-RL (``_global_moe_layer_numbers``) read it.
     """
     num_layers = _positive("num_layers", num_layers)
-    if isinstance(moe_layer_freq, int | np.integer) and not isinstance(moe_layer_freq, bool):
-        freq = _positive("moe_layer_freq", moe_layer_freq)
-        return [i for i in range(num_layers) if i % freq == 0]
-    pattern = list(moe_layer_freq)
-    if len(pattern) != num_layers or any(p not in (0, 1) for p in pattern):
-        raise TraceFormatError(
-            f"moe_layer_freq must be a positive int or {num_layers} entries of 0/1, got {moe_layer_freq!r}"
-        )
-    return [i for i, p in enumerate(pattern) if p == 1]
+    if isinstance(moe_layer_freq, Sequence):
+        pattern = list(moe_layer_freq)
+        if len(pattern) != num_layers or any(p not in (0, 1) for p in pattern):
+            raise TraceFormatError(
+                f"moe_layer_freq must be a positive int or {num_layers} entries of 0/1, got "
+                f"{moe_layer_freq!r}"
+            )
+        return [i for i, p in enumerate(pattern) if p == 1]
+    freq = _positive("moe_layer_freq", moe_layer_freq)
+    return [i for i in range(num_layers) if i % freq == 0]
 
 
 def join_pipeline_stages(stages: Sequence[Sequence[Any]], field: str = "stages") -> np.ndarray:
@@ -535,7 +536,8 @@ def from_nemo_rl(
     vLLM's routes, rows vLLM did not return are the all ``-1`` missing-route sentinel, the last token and
     the padding hold the filler ``0, 1, ..., k-1``; dtype int8 / int16 / int32 by expert count
     (``resolve_routed_experts_dtype``). Packed forms ``[1, T, L, k]`` or ``[T, L, k]`` hold the samples
-    one after another: ``input_lengths`` must then sum to ``T``. ``missing``: ``refuse`` (default) or
+    one after another: ``input_lengths`` must then sum to ``T`` (with one length, ``[1, S, L, k]`` is
+    one right-padded sample). ``missing``: ``refuse`` (default) or
     ``drop`` (NeMo-RL routes those tokens natively in training, so their experts are unknown here; the
     count is ``meta["missing_routes"]``). ``moe_layers``: the MoE layers of vLLM's full-transformer
     layout (NeMo-RL's ``_payload_indices_for_moe_layers``).
@@ -543,8 +545,8 @@ def from_nemo_rl(
     arr = _ids_array("routed_experts", routed_experts)
     if arr.ndim == 3:
         arr = arr[None]
-    if arr.ndim == 4 and arr.shape[0] == 1:
-        lengths = _ids_array("input_lengths", input_lengths)
+    lengths = _ids_array("input_lengths", input_lengths)
+    if arr.ndim == 4 and arr.shape[0] == 1 and lengths.size != 1:  # packed; one sample is the padded form
         if (
             lengths.ndim != 1
             or lengths.size == 0
