@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError
+from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError, positive_int
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -61,16 +61,6 @@ def _batch_offsets(num_samples: int, samples_per_batch: int | None) -> np.ndarra
     if samples_per_batch < 1:
         raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
     return np.r_[np.arange(0, num_samples, samples_per_batch), num_samples].astype(np.int64)
-
-
-def _positive_int(name: str, value: Any, most: int | None = None) -> int:
-    """``value`` as an int >= 1 (and <= ``most``), or a :class:`TraceFormatError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TraceFormatError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1 or (most is not None and value > most):
-        bound = f" and at most {most}" if most is not None else ""
-        raise TraceFormatError(f"{name} must be a positive integer{bound}, got {value}")
-    return int(value)
 
 
 def _int_ids(name: str, arr: np.ndarray, num: int, what: str) -> None:
@@ -112,7 +102,7 @@ def from_vllm(
             for engines that record dense layers too (DeepSeek-V3's first three);
             :func:`relibra.trace.importers_rl.moe_layers_from_freq` builds them from ``moe_layer_freq``.
     """
-    num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
+    num_experts = positive_int("num_experts", num_experts, MAX_EXPERTS)
     if len(routed_experts) == 0:
         raise TraceFormatError("routed_experts is empty: a trace needs at least one sample")
     arrays = [np.asarray(a) for a in routed_experts]
@@ -177,8 +167,8 @@ def from_sglang(
     reshaped to ``[-1, num_layers, top_k]``. A dtype too narrow for ``num_experts`` ids is refused before
     decoding (its ids would have wrapped). Other keyword arguments go to :func:`from_vllm`.
     """
-    num_layers = _positive_int("num_layers", num_layers)
-    top_k = _positive_int("top_k", top_k)
+    num_layers = positive_int("num_layers", num_layers)
+    top_k = positive_int("top_k", top_k)
     if dtype not in SGLANG_DTYPES:
         raise TraceFormatError(f"dtype must be one of {sorted(SGLANG_DTYPES)}, got {dtype!r}")
     item = np.dtype(SGLANG_DTYPES[dtype])

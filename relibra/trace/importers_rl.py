@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace.format import RoutingTrace, TraceFormatError
+from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError, positive_int
 
 __all__ = [
     "fill_route",
@@ -122,12 +122,8 @@ def join_pipeline_stages(stages: Sequence[Sequence[Any]], field: str = "stages")
 
 
 # ------------------------------------------------------------------------------------------ helpers
-# NOTE: relibra.trace.importers re-exports this module's names, so this module imports it only inside
-# functions (either module may be imported first).
 def _positive(name: str, value: Any) -> int:
-    from relibra.trace.importers import _positive_int
-
-    return _positive_int(name, value)
+    return positive_int(name, value, MAX_EXPERTS if name == "num_experts" else None)
 
 
 def _ids_array(field: str, value: Any) -> np.ndarray:
@@ -231,9 +227,21 @@ def _trace(
             "none "
             "(its only token is the unrecorded last one): pass unrecorded='fill' or leave it out"
         )
-    from relibra.trace.importers import from_vllm
-
-    return from_vllm(per_sample, num_experts, model=model, source=source, meta=meta)
+    top_k, num_layers = per_sample[0].shape[2], per_sample[0].shape[1]
+    lens = np.array([a.shape[0] for a in per_sample], dtype=np.int64)
+    return RoutingTrace(  # ids were range-checked on their own dtype: the int16 cast keeps them
+        experts=np.concatenate(per_sample).astype(np.int16),
+        sample_offsets=np.r_[0, np.cumsum(lens)].astype(np.int64),
+        batch_offsets=np.array([0, len(per_sample)], dtype=np.int64),
+        meta={
+            "num_experts": num_experts,
+            "top_k": int(top_k),
+            "num_layers": int(num_layers),
+            "model": model,
+            "source": source,
+            **meta,
+        },
+    )
 
 
 def _padded_rows(
