@@ -281,3 +281,54 @@ def test_megatron_replay_api_refuses_a_patched_replay() -> None:
 
     with pytest.raises(ValueError, match=r"not megatron-core's RouterReplay.*route natively"):
         replay_instances([SimpleNamespace(router_replay=RouterReplay())])
+
+
+class _Batch:
+    """The two parts of verl's ``DataProto`` the driver hook uses: ``batch`` (tensors) and ``reorder``."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.batch = tensors
+
+    def reorder(self, idx) -> None:  # type: ignore[no-untyped-def]
+        self.batch = {k: v[idx] for k, v in self.batch.items()}
+
+
+def test_driver_hook_orders_the_batch_and_fills_the_last_rows() -> None:
+    import torch
+
+    from tests.trace.rl_builders import sample_routes, verl_batch
+
+    rng = np.random.default_rng(2)
+    prompts = rng.integers(1, 6, 16).tolist()
+    responses = rng.integers(4, 30, 16).tolist()
+    recorded = sample_routes(rng, [p + r - 1 for p, r in zip(prompts, responses, strict=True)], 2, 8, 2)
+    routed, mask = verl_batch(recorded, prompts, 6, 30)
+    cost = make_cost(1, 4, 8, num_layers=2, top_k=2)
+    hook = VerlReLibraHook(
+        relibra(2, reorder=AnnealConfig(locality=False)),
+        check_verl_config(GOOD),
+        cost.cluster,
+        cost.model,
+        cost,
+        config=ControlPlaneConfig(workers=0, warm_up=False),
+    )
+    try:
+        batch = _Batch({"routed_experts": torch.tensor(routed), "attention_mask": torch.tensor(mask)})
+        key = hook.after_rollout(batch)
+        step = hook.before_update(batch, key)
+        # rows changed between the two calls: refused
+        again = _Batch({"routed_experts": torch.tensor(routed), "attention_mask": torch.tensor(mask)})
+        key2 = hook.after_rollout(again)
+        again.reorder(torch.arange(15, -1, -1))
+        with pytest.raises(ValueError, match="rows changed between after_rollout and before_update"):
+            hook.before_update(again, key2)
+    finally:
+        hook.close()
+    assert step.num_microbatches == 2 and sorted(step.order.tolist()) == list(range(16))
+    per_rank = step.order.reshape(4, 2, 2)  # [rank, micro-batch, sample]
+    assert (step.plan.sample_gpu[per_rank] == np.arange(4)[:, None, None]).all()
+    got = batch.batch["routed_experts"].numpy()
+    for i, s in enumerate(step.order):
+        real = np.flatnonzero(batch.batch["attention_mask"][i].numpy())
+        np.testing.assert_array_equal(got[i, real[:-1]], recorded[s])
+        np.testing.assert_array_equal(got[i, real[-1]], np.tile(np.arange(2), (2, 1)))  # the filler
