@@ -1,8 +1,8 @@
 """ReLibra inside verl, end to end on CPU: verl's own data path, the hooks, the Megatron adapter, 4 ranks.
 
 The driver side runs in this process as ``RayPPOTrainer.fit`` would: a batch of 16 rollouts built the way
-verl's agent loop builds it (its padding helpers, ``DataProto``, the rollout's routes written into
-``routed_experts``), ``VerlReLibraHook.after_rollout`` / ``before_update`` (a ReLibra plan from those
+verl's agent loop builds it (its padding helpers, ``DataProto``, the routes the rollout side recorded
+(the plain model under megatron-core's ``RECORD``, every token but the last) written into ``routed_experts``), ``VerlReLibraHook.after_rollout`` / ``before_update`` (a ReLibra plan from those
 routes, the batch reordered), then verl's ``_update_actor`` data path: ``to_tensordict``,
 ``left_right_2_no_padding``, the DP chunks of its dispatch (``chunk_tensordict``), its mini-batch
 iterator (``make_iterator``) and its micro-batching (``prepare_micro_batches``). Each of 4 spawned gloo
@@ -45,6 +45,10 @@ MICRO, PROMPTS, N = 2, 8, 2
 """ppo_micro_batch_size_per_gpu, prompts per step, rollout.n: 16 samples, 2 micro-batches per rank."""
 MAX_PROMPT, MAX_RESPONSE, VOCAB = 16, 40, 64
 ATOL, RTOL = 2e-5, 1e-5
+GRAD_RTOL = 1e-4
+"""Float32 summation order differs between the layouts; a hot expert's weight gradient sums about 500
+tokens' contributions (the rollout's shared direction makes a few experts hot), so it is compared at a
+relative 1e-4 (measured: 5e-5 at most)."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -68,17 +72,34 @@ def verl_config():  # type: ignore[no-untyped-def]
     return cfg
 
 
-def skewed_routes(rng: np.random.Generator, tokens: int) -> np.ndarray:
-    """Distinct top-k per token, experts 0 and 1 hot (as the Megatron adapter's tests): int16 [T, L, k]."""
-    weight = np.ones(NUM_EXPERTS)
-    weight[:2] = 6.0
-    keys = rng.random((tokens, NUM_LAYERS, NUM_EXPERTS)) ** (1.0 / weight)
-    return np.argsort(-keys, axis=-1)[..., :TOP_K].astype(np.int16)
+def embedding() -> torch.Tensor:
+    """Token embeddings [VOCAB, H] shared by the rollout and every rank: random rows plus one shared
+    direction (a topic every response shares), which makes a few experts hot at every layer."""
+    gen = torch.Generator().manual_seed(11)
+    return torch.randn(VOCAB, HIDDEN, generator=gen) + 1.5 * torch.randn(HIDDEN, generator=gen)
+
+
+def record_rollout(rank: int, world: int, sequences: list[list[int]]) -> list[np.ndarray]:
+    """The rollout side: the plain model (the policy's weights) runs each sequence and megatron-core's
+    ``RouterReplay`` records its routes; as an inference engine, it keeps every token's route but the
+    last one's (never run forward): int16 [len - 1, L, k] per sequence."""
+    from relibra.megatron.model import TinyMoEModel, TinyMoESpec, init_expert_parallel
+    from relibra.megatron.replay import recorded_routes, recording
+
+    init_expert_parallel(world)
+    model = TinyMoEModel(TinyMoESpec(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, seed=3), world)
+    embed, out = embedding(), []
+    for tokens in sequences:
+        with torch.no_grad(), recording(model.routers):
+            model(embed[torch.tensor(tokens)])
+        out.append(recorded_routes(model.routers)[:-1].astype(np.int16))
+    return out
 
 
 def rollout_batch(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     """16 rollouts as verl's agent loop returns them (``_postprocess``): the prompt left-padded, the
-    response right-padded, the rollout's ``[len - 1, L, k]`` routes at the first real position."""
+    response right-padded, the routes the rollout recorded (``[len - 1, L, k]``, :func:`record_rollout`,
+    one forked process) at the first real position."""
     from verl.protocol import DataProto
     from verl.utils.torch_functional import pad_2d_list_to_length, pad_sequence_to_length
 
@@ -98,12 +119,12 @@ def rollout_batch(rng: np.random.Generator):  # type: ignore[no-untyped-def]
     response_mask = pad_2d_list_to_length([[1] * len(r) for r in responses], 0, max_length=MAX_RESPONSE)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     routed = torch.zeros(bs, MAX_PROMPT + MAX_RESPONSE, NUM_LAYERS, TOP_K, dtype=torch.int16)
-    recorded = []
-    for s, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        rows = skewed_routes(rng, len(p) + len(r) - 1)
+    recorded = launch(
+        record_rollout, 1, [p + r for p, r in zip(prompts, responses, strict=True)], start_method="fork"
+    )[0]
+    for s, (p, rows) in enumerate(zip(prompts, recorded, strict=True)):
         start = MAX_PROMPT - len(p)
         routed[s, start : start + rows.shape[0]] = torch.from_numpy(rows)
-        recorded.append(rows)
     position_ids = torch.clamp(attention_mask.cumsum(dim=1) - 1, min=0)
     batch = DataProto.from_dict(
         tensors={
@@ -177,7 +198,7 @@ def run_rank(rank: int, world: int, microbatches, step: VerlStepPlan) -> dict:  
     assert relib.adapter is not None
     tf_config = copy.deepcopy(relib.moe[0].config)
     tf_config.num_layers = NUM_LAYERS
-    embed = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(11))
+    embed = embedding()
     opts = [torch.optim.Adam(m.trainable_parameters(), lr=1e-2) for m in (plain, relib)]
     hook = VerlActorHook(relib.adapter)
     loads: list[list[np.ndarray]] = []
@@ -368,7 +389,7 @@ def test_balanced_equals_plain(run) -> None:  # type: ignore[no-untyped-def]
         }
         assert sorted(merged["relibra"]) == list(range(NUM_EXPERTS))
         for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(merged["relibra"][e], merged["plain"][e], atol=ATOL, rtol=RTOL)
+            np.testing.assert_allclose(merged["relibra"][e], merged["plain"][e], atol=ATOL, rtol=GRAD_RTOL)
 
 
 def test_native_routing_cannot_pass_unnoticed(run) -> None:  # type: ignore[no-untyped-def]
