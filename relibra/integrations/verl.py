@@ -144,8 +144,8 @@ def check_verl_config(config: Mapping[str, Any]) -> VerlSettings:
         config,
         mode_key,
         lambda v: v == "R3",
-        "the hook plans from the rollout's routes: set R3 (R2 records routes only in training, "
-        "after the plan is needed; not supported yet)",
+        "the hook plans from the rollout's routes: set R3 (R2 records routes in the actor's "
+        "old-log-prob forward, after the hook submits the batch; not supported yet)",
     )
     _require(
         config,
