@@ -1,11 +1,12 @@
 """ReLibra inside verl, end to end on CPU: verl's own data path, the hooks, the Megatron adapter, 4 ranks.
 
 The driver side runs in this process as ``RayPPOTrainer.fit`` would: a batch of 16 rollouts built the way
-verl's agent loop builds it (its padding helpers, ``DataProto``, the routes the rollout side recorded
-(the plain model under megatron-core's ``RECORD``, every token but the last) written into ``routed_experts``), ``VerlReLibraHook.after_rollout`` / ``before_update`` (a ReLibra plan from those
+verl's agent loop builds it (its padding helpers, ``DataProto``, the routes the rollout side recorded -- the
+plain model under megatron-core's ``RECORD``, every token but the last -- written into
+``routed_experts``), ``VerlReLibraHook.after_rollout`` / ``before_update`` (a ReLibra plan from those
 routes, the batch reordered), then verl's ``_update_actor`` data path: ``to_tensordict``,
 ``left_right_2_no_padding``, the DP chunks of its dispatch (``chunk_tensordict``), its mini-batch
-iterator (``make_iterator``) and its micro-batching (``prepare_micro_batches``). Each of 4 spawned gloo
+iterator (``make_iterator``) and its micro-batching (``prepare_micro_batches``). Each of 4 forked gloo
 ranks then trains its micro-batches as verl's Megatron engine does (``set_global_router_replay_action``,
 ``align_r3_router_replay_data``, ``build_r3_replay_mask``, ``set_router_replay_data`` under verl's
 ``apply_router_replay_patch``) on two Megatron MoE models built alike: plain (static placement) and
