@@ -23,9 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
-from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
 from relibra.cost.pricing import predict_batch_time
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
 from relibra.types import BatchPlan
@@ -40,8 +38,6 @@ class PortfolioPlanner:
     name: str
     candidates: tuple[Planner, ...]
     replica_slots: int
-    migration_bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
-    """Bytes moved per parameter of a re-homed expert; the simulator's setting, so that both price alike."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -63,7 +59,7 @@ class PortfolioPlanner:
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()
         plans = [c.plan(ctx) for c in self.candidates]
-        predicted = [predict_batch_time(p, ctx, self.migration_bytes_per_param) for p in plans]
+        predicted = [predict_batch_time(p, ctx) for p in plans]
         best = min(range(len(plans)), key=predicted.__getitem__)
         stats = dict(plans[best].stats)
         stats["portfolio_choice"] = float(best)
@@ -76,10 +72,9 @@ def portfolio(
     candidates: Mapping[str, Planner],
     replica_slots: int = 2,
     name: str = "relibra_portfolio",
-    migration: Mapping[str, Any] | None = None,
 ) -> PortfolioPlanner:
-    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept); ``migration``:
-    the simulator's ``simulator.migration`` overrides (:func:`relibra.cost.migration.migration_payload`)."""
+    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept). Plans are priced
+    with ``ctx.cost``, whose migration payload is the simulator's (``CostModel.migration``)."""
     for label, planner in candidates.items():
         if not isinstance(planner, Planner):
             raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")
@@ -87,5 +82,4 @@ def portfolio(
         name=name,
         candidates=tuple(candidates.values()),
         replica_slots=replica_slots,
-        migration_bytes_per_param=migration_payload(migration).bytes_per_param,
     )
