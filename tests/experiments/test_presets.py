@@ -22,7 +22,9 @@ PLANNERS = {
     "lplb",
     "ultraep",
     "llep",
+    "relibra_replicate_only",
     "relibra",
+    "relibra_portfolio",
     "balanced",
     "force_balanced",
 }
