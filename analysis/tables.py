@@ -120,55 +120,72 @@ def _cells(frame: pd.DataFrame, value: str) -> pd.DataFrame:
     return means.unstack("planner").reset_index()
 
 
+RELIBRA_VARIANTS = ("relibra", "relibra_portfolio")
+"""ReLibra's rows in the overall and overhead tables: the paper's algorithm (the reproduction) and the
+recommended configuration (the incremental reordering's portfolio), labelled by
+:func:`analysis.paper.label`."""
+
+OVERALL_REFERENCES = (*paper.OVERALL_SPEEDUP, *ONLINE_BASELINES, "relibra_replicate_only")
+"""What each ReLibra variant's throughput is divided by in the overall table (where present)."""
+
+
 def overall_cells(frame: pd.DataFrame) -> Table:
-    """ReLibra's throughput over every baseline, per (model, dataset, EP size); % of Balanced."""
+    """Each ReLibra variant's throughput over every baseline, per (model, dataset, EP size); % of Balanced.
+
+    One row per cell and variant (:data:`RELIBRA_VARIANTS` present in the results), labelled in ``ReLibra``.
+    """
     wide = _cells(frame, "throughput_tokens_per_s")
-    if "relibra" not in wide:
+    variants = [v for v in RELIBRA_VARIANTS if v in wide]
+    if "relibra" not in variants:
         raise ValueError("overall table needs rows with planner == 'relibra'; none found in the results")
-    out = wide[["model", "dataset"]].copy()
-    out["EP"] = (wide["nodes"] * wide["gpus_per_node"]).astype(int)
-    for base in (*paper.OVERALL_SPEEDUP, *ONLINE_BASELINES):
-        if base in wide:
-            out[f"over {paper.label(base)}"] = wide["relibra"] / wide[base]
-    for bound, col in BOUND_COLUMNS.items():
-        if bound in wide:
-            out[col] = 100.0 * wide["relibra"] / wide[bound]
+    parts = []
+    for rank, variant in enumerate(variants):
+        out = wide[["model", "dataset"]].copy()
+        out["EP"] = (wide["nodes"] * wide["gpus_per_node"]).astype(int)
+        out.insert(0, "ReLibra", paper.label(variant))
+        out["rank"] = rank
+        for base in OVERALL_REFERENCES:
+            if base in wide:
+                out[f"over {paper.label(base)}"] = wide[variant] / wide[base]
+        for bound, col in BOUND_COLUMNS.items():
+            if bound in wide:
+                out[col] = 100.0 * wide[variant] / wide[bound]
+        parts.append(out)
+    cells = pd.concat(parts, ignore_index=True).sort_values(["model", "dataset", "EP", "rank"])
     return Table(
         "overall_cells",
-        "ReLibra throughput speedup over each baseline, per model and dataset",
-        out.sort_values(["model", "dataset"]).reset_index(drop=True),
+        "ReLibra throughput speedup over each baseline, per model and dataset: the paper's algorithm and the "
+        "recommended configuration",
+        cells.drop(columns="rank").reset_index(drop=True),
         dict.fromkeys(BOUND_COLUMNS.values(), ".1f"),
     )
 
 
 def overall_summary(frame: pd.DataFrame) -> Table:
-    """Range of ReLibra's speedup over each baseline across the grid, beside the paper's range."""
+    """Range of each ReLibra variant's speedup over each baseline across the grid, beside the paper's."""
     cells = overall_cells(frame).frame
     rows = []
-    for base, (lo, hi) in paper.OVERALL_SPEEDUP.items():
-        col = f"over {paper.label(base)}"
-        if col not in cells:
-            continue
-        ours = cells[col].dropna()
-        rows.append((f"over {paper.label(base)}", ours.min(), ours.max(), lo, hi))
-    for base in ONLINE_BASELINES:  # no paper range
-        col = f"over {paper.label(base)}"
-        if col in cells:
-            ours = cells[col].dropna()
-            rows.append((col, ours.min(), ours.max(), float("nan"), float("nan")))
-    for bound, col in BOUND_COLUMNS.items():
-        if col in cells:
-            frac = cells[col].dropna() / 100.0
-            theirs = paper.FRACTION_OF_BALANCED if bound == "balanced" else (float("nan"), float("nan"))
-            rows.append((f"of {paper.label(bound)}", frac.min(), frac.max(), *theirs))
-    out = pd.DataFrame(rows, columns=["ReLibra", "ours lo", "ours hi", "paper lo", "paper hi"])
+    for variant, group in cells.groupby("ReLibra", sort=False):
+        for base in OVERALL_REFERENCES:
+            col = f"over {paper.label(base)}"
+            if col in group:
+                ours = group[col].dropna()
+                lo, hi = paper.OVERALL_SPEEDUP.get(base, (float("nan"), float("nan")))
+                rows.append((variant, col, ours.min(), ours.max(), lo, hi))
+        for bound, col in BOUND_COLUMNS.items():
+            if col in group:
+                frac = group[col].dropna() / 100.0
+                theirs = paper.FRACTION_OF_BALANCED if bound == "balanced" else (float("nan"), float("nan"))
+                rows.append((variant, f"of {paper.label(bound)}", frac.min(), frac.max(), *theirs))
+    out = pd.DataFrame(rows, columns=["ReLibra", "against", "ours lo", "ours hi", "paper lo", "paper hi"])
     out["ours/paper lo"] = out["ours lo"] / out["paper lo"]
     out["ours/paper hi"] = out["ours hi"] / out["paper hi"]
     return Table(
         "overall",
-        "Overall training throughput: ReLibra over each baseline (x) and as a fraction of Balanced and of "
-        "force-balanced",
+        "Overall training throughput: ReLibra (the paper's algorithm and the recommended configuration) over "
+        "each baseline (x) and as a fraction of Balanced and of force-balanced",
         out,
+        note="paper lo / hi: the paper's range for its ReLibra, set beside both variants.",
     )
 
 
@@ -242,28 +259,51 @@ def skew_by_dataset(frame: pd.DataFrame) -> Table:
     )
 
 
-def overhead(frame: pd.DataFrame) -> Table:
-    """ReLibra's overheads per model: replica buffer, planning time per batch, reordering share of a batch.
+MOVE_COLUMNS = {
+    "moved pairs/batch": "reorder_moved_experts",
+    "moved GB/batch": "migration_bytes",
+    "layers kept %": "layers_kept_share",
+    "least-kept layer %": "layers_kept_share_min",
+}
+"""The moves of the overhead table (result columns, per batch): moved (layer, expert) pairs, the bytes sent
+between GPUs, the share of (batch, layer) pairs whose placement was kept and that share for the layer that
+kept its placement least often."""
 
-    Uses ``param_bytes_per_gpu`` and ``num_batches`` when the results carry them (NaN / per-run otherwise).
+
+def overhead(frame: pd.DataFrame) -> Table:
+    """ReLibra's overheads per model and variant (:data:`RELIBRA_VARIANTS`): replica buffer, planning time per
+    batch, reordering share of a batch (mean over the cells, and its median and range over cells), moves.
+
+    Uses ``param_bytes_per_gpu`` and ``num_batches`` when the results carry them (NaN / per-run otherwise);
+    the move columns are NaN for cells stored before they existed.
     """
-    rows = frame[frame["planner"] == "relibra"]
-    if rows.empty:
+    rows = frame[frame["planner"].isin(RELIBRA_VARIANTS)]
+    if not (rows["planner"] == "relibra").any():
         raise ValueError("overhead table needs rows with planner == 'relibra'; none found in the results")
+    rows = rows.assign(share=100.0 * rows["t_reorder_s"] / rows["step_time_s"])
+    for col in MOVE_COLUMNS.values():  # NOTE: cells stored before a column existed lack it
+        if col not in rows:
+            rows = rows.assign(**{col: np.nan})
     cols = {
         "replica_buffer_bytes": "mean",
         "plan_time_s": "mean",
         "t_reorder_s": "mean",
         "step_time_s": "mean",
+        **dict.fromkeys(MOVE_COLUMNS.values(), "mean"),
     }
     for extra in ("param_bytes_per_gpu", "num_batches"):
         if extra in rows:
             cols[extra] = "mean"
-    agg = rows.groupby("model").agg(cols)
-    out = pd.DataFrame({"model": agg.index})
+    rank = {v: i for i, v in enumerate(RELIBRA_VARIANTS)}
+    agg = rows.groupby(["model", "planner"]).agg(cols)
+    spread = rows.groupby(["model", "planner"])["share"].agg(["median", "min", "max"])
+    order = sorted(agg.index, key=lambda key: (key[0], rank[key[1]]))
+    agg, spread = agg.loc[order], spread.loc[order]
+    models = [m for m, _ in order]
+    out = pd.DataFrame({"model": models, "ReLibra": [paper.label(p) for _, p in order]})
     buf = agg["replica_buffer_bytes"].to_numpy() / MIB
-    paper_mib = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[0] for m in agg.index])
-    paper_pct = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[1] for m in agg.index])
+    paper_mib = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[0] for m in models])
+    paper_pct = np.array([paper.REPLICA_BUFFER.get(m, (np.nan, np.nan))[1] for m in models])
     out["buffer MiB"] = buf
     out["paper MiB"] = paper_mib
     out["MiB ours/paper"] = buf / paper_mib
@@ -279,13 +319,28 @@ def overhead(frame: pd.DataFrame) -> Table:
     share = 100.0 * agg["t_reorder_s"].to_numpy() / agg["step_time_s"].to_numpy()
     lo, hi = paper.REORDER_OVERHEAD_PCT
     out["reorder % batch"] = share
+    out["reorder % median cell"] = spread["median"].to_numpy()
+    out["reorder % cells"] = [f"{a:.2f}-{b:.2f}" for a, b in zip(spread["min"], spread["max"], strict=True)]
     out["paper reorder %"] = f"{lo:.1f}-{hi:.1f}"
     out["reorder ours/paper"] = [range_ratio(v, lo, hi) for v in share]
+    for label, col in MOVE_COLUMNS.items():
+        values = agg[col].to_numpy(dtype=np.float64)
+        out[label] = values / 1e9 if col == "migration_bytes" else 100.0 * values if "kept" in col else values
     return Table(
         "overhead",
-        "ReLibra overheads: replica buffer, planning time, reordering share of batch time",
+        "ReLibra overheads: replica buffer, planning time, reordering share of batch time, moves per batch",
         out,
-        {"buffer MiB": ".1f", "paper MiB": ".1f", "plan s/batch": ".3f"},
+        {
+            "buffer MiB": ".1f",
+            "paper MiB": ".1f",
+            "plan s/batch": ".3f",
+            "moved pairs/batch": ".0f",
+            "moved GB/batch": ".1f",
+            "layers kept %": ".1f",
+            "least-kept layer %": ".1f",
+        },
+        "reorder % batch: mean migration over mean step of the model's cells; median cell and cells: the "
+        "per-cell shares. Moves are per batch (the first batch moves from Megatron-LM's static placement).",
     )
 
 
@@ -385,11 +440,16 @@ def comm_sensitivity(frame: pd.DataFrame) -> Table:
     planners += sorted(set(wide.columns) - set(planners))
     out = wide[planners].rename(columns=lambda p: f"{paper.label(p)} s").reset_index()
     out["ReLibra over Megatron-LM"] = (wide["megatron"] / wide["relibra"]).to_numpy()
+    if "relibra_portfolio" in wide:
+        ours = wide["relibra_portfolio"]
+        out["recommended over Megatron-LM"] = (wide["megatron"] / ours).to_numpy()
+        if "relibra_replicate_only" in wide:
+            out["recommended over replication only"] = (wide["relibra_replicate_only"] / ours).to_numpy()
     return Table(
         "comm_sensitivity",
         "Step time (s) by dispatcher and EP overlap, and ReLibra's speed-up over Megatron-LM",
         out,
-        formats={c: ".3f" for c in out.columns if c.endswith(" s") or c.startswith("ReLibra over")},
+        formats={c: ".3f" for c in out.columns if c.endswith(" s") or " over " in c},
     )
 
 
@@ -401,7 +461,7 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
     its quick variant never overwrite each other.
     """
     builders = {
-        "overall": [overall_summary, overall_cells, replay_adds, ultraep_headline],
+        "overall": [overall_summary, overall_cells, replay_adds, ultraep_headline, overhead],
         "ablation": [ablation],
         "ep_scaling": [skew_by_ep, step_by_ep, replay_adds],
         "nvl72": [skew_by_ep, step_by_ep, replay_adds, ultraep_headline],

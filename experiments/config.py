@@ -27,9 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 from baselines.force_balanced import ROUTINGS, uniform_routing
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
-from relibra.cost.migration import migration_payload
+from relibra.cost.migration import MigrationPayload, migration_payload
 from relibra.cost.model import CostModel, load_calibration
 from relibra.layout import LAYOUTS
+from relibra.parallel import ParallelLayout, expert_data_parallel
 from relibra.planners.protocols import ClusterRequirements, Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import FORMAT_DOC, RoutingTrace, TraceFormatError, load_trace
@@ -40,6 +41,7 @@ __all__ = [
     "ConfigError",
     "build_cluster",
     "build_cost",
+    "build_migration",
     "build_model",
     "build_planner",
     "build_workload_for",
@@ -97,11 +99,23 @@ def build_model(cfg: DictConfig) -> ModelSpec:
     return ModelSpec(**_plain(cfg.model))
 
 
+def build_migration(cfg: DictConfig, cluster: ClusterSpec) -> MigrationPayload:
+    """``simulator.migration`` with the expert-data-parallel size of ``parallel.*`` and the host link of
+    ``cluster.hardware`` (:func:`relibra.cost.migration.migration_payload`)."""
+    layout = ParallelLayout(**_plain(cfg.parallel)) if cfg.get("parallel") is not None else ParallelLayout()
+    return migration_payload(
+        (cfg.get("simulator") or {}).get("migration"),
+        expert_data_parallel=expert_data_parallel(layout, cluster.num_gpus),
+        host_to_device_bytes_per_s=cluster.hardware.host_to_device_bytes_per_s,
+    )
+
+
 def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
-    """The cost model, with the measured GEMM curve of ``cluster.calibration`` if it covers the model."""
+    """The cost model, with the measured GEMM curve of ``cluster.calibration`` if it covers the model and
+    the migration payload of :func:`build_migration`."""
     path = cfg.cluster.get("calibration")
     calibration = load_calibration(path, model.name) if path else None
-    return CostModel(cluster, model, calibration=calibration)
+    return CostModel(cluster, model, calibration=calibration, migration=build_migration(cfg, cluster))
 
 
 def build_planner(cfg: DictConfig) -> Any:
@@ -147,7 +161,6 @@ def planning(
 def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
     sim = cfg.get("simulator") or {}
     return SimOptions(
-        migration_bytes_per_param=migration_payload(sim.get("migration")).bytes_per_param,
         history_window=int(sim.get("history_window", 4)),
         keep_plans=keep_plans,
         seed=int(cfg.seed),
@@ -455,6 +468,27 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _migration_problems(cfg: DictConfig) -> list[str]:
+    """``parallel.*`` and ``simulator.migration.*`` (with the host link of ``cluster.hardware``)."""
+    problems: list[str] = []
+    dp = _int_key(cfg, "parallel.dp", problems)
+    parallel = cfg.get("parallel")
+    if parallel is not None and (unknown := sorted(set(map(str, parallel)) - {"dp"})):
+        problems.append(f"parallel: unknown keys {unknown}; expected dp")
+    if problems:
+        return problems
+    try:
+        rate = float(OmegaConf.select(cfg, "cluster.hardware.host_to_device_bytes_per_s", default=0.0) or 0.0)
+        migration_payload(
+            (cfg.get("simulator") or {}).get("migration"),
+            expert_data_parallel=dp or 1,
+            host_to_device_bytes_per_s=rate,
+        )
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+    return problems
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
 
@@ -521,10 +555,7 @@ def validate(cfg: DictConfig) -> None:
         routing = planner.get("routing", ROUTINGS[0])
         if routing not in ROUTINGS:
             problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
-    try:
-        migration_payload((cfg.get("simulator") or {}).get("migration"))
-    except ValueError as exc:
-        problems.append(str(exc))
+    problems.extend(_migration_problems(cfg))
     per_batch = OmegaConf.select(cfg, "trace.samples_per_batch", default=None)
     if not path_given(cfg) and nodes is not None and gpn is not None and isinstance(per_batch, int):
         if per_batch < nodes * gpn:

@@ -11,9 +11,10 @@ from relibra.cost.fabric import DISPATCHERS
 class HardwareSpec:
     """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``.
 
-    No field but ``fp8_flops`` has a default: the rates and efficiencies are measured or derived per
-    machine (the link efficiencies from DeepEP's published bandwidth tables, :mod:`relibra.cost.linkrates`),
-    so the cluster yaml is the one place they are written and a hand-built spec states every one of them.
+    No field but ``fp8_flops`` and ``host_to_device_bytes_per_s`` has a default: the rates and efficiencies
+    are measured or derived per machine (the link efficiencies from DeepEP's published bandwidth tables,
+    :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written and a hand-built
+    spec states every one of them.
     """
 
     name: str
@@ -38,9 +39,9 @@ class HardwareSpec:
     """Achievable fraction of ``nic_bytes_per_s`` over RDMA."""
     fp8_flops: float = 0.0
     """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
-    host_bytes_per_s: float = 0.0
-    """Host-memory-to-GPU bandwidth per GPU per direction (PCIe, NVLink-C2C), bytes/s (0: unknown); only a
-    transfer engine that fetches expert weights from host memory (ForeMoE's CPU-assisted path) uses it."""
+    host_to_device_bytes_per_s: float = 0.0
+    """Achievable host-to-GPU copy rate per GPU, bytes/s (0: unknown); only the ``reload`` migration path
+    (``simulator.migration.path``, :mod:`relibra.cost.migration`) reads it."""
 
 
 @dataclass(frozen=True)

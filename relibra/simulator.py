@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import pandas as pd
 
 from relibra.cluster import ClusterSpec, ModelSpec
-from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.pricing import Priced, batch_times, price_plan
 from relibra.executors.protocol import ExecutionReport
@@ -60,10 +59,13 @@ METRIC_COLUMNS = (
     "replica_buffer_bytes",
     "reorder_moved_experts",
     "migration_bytes",
+    "layers_kept_share",
+    "layers_kept_share_min",
     "t_compute_s",
     "t_comm_s",
     "t_sync_exposed_s",
     "t_reorder_s",
+    "t_reorder_hidden_s",
     "t_attention_s",
     "t_critical_path_s",
 )
@@ -88,7 +90,6 @@ class Bound(Protocol):
 class SimOptions:
     """Knobs of a simulation run (not of the cost model)."""
 
-    migration_bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
     history_window: int = 4
     """Batches of past loads handed to planners in ``BatchContext.history``."""
     keep_plans: bool = False
@@ -118,6 +119,12 @@ class SimResult:
     """float64 [B]: seconds of each batch (step)."""
     mb_batch: np.ndarray
     """int32 [M]: batch of each micro-batch."""
+    moved: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """int64 [B]: (layer, expert) pairs whose home changed in each batch."""
+    migration_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """float64 [B]: bytes sent between GPUs to re-home them in each batch."""
+    kept: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    """bool [B, L]: whether each layer kept its placement in each batch (a bound moves nothing)."""
     plans: tuple[BatchPlan, ...] = ()
     """The plans, one per batch, when ``SimOptions.keep_plans``; empty otherwise (and for a Bound)."""
 
@@ -191,13 +198,14 @@ def simulate(
     shape = (workload.num_microbatches, counts.num_layers)
     skew, t_comp, t_comm, t_attn, t_sync = (np.zeros(shape) for _ in range(5))
     batch_time = np.zeros(counts.num_batches)
-    totals = dict.fromkeys(
-        ("reorder", "redundant", "dense", "plan", "moved", "critical", "migration_bytes", "exposed"), 0.0
-    )
+    moved = np.zeros(counts.num_batches, dtype=np.int64)
+    moved_bytes = np.zeros(counts.num_batches)
+    kept = np.ones((counts.num_batches, counts.num_layers), dtype=bool)
+    totals = dict.fromkeys(("reorder", "hidden", "redundant", "dense", "plan", "critical", "exposed"), 0.0)
     budget = planner.slot_budget
     slots = {"buffer": budget.replica_slots, "redundant": 0}
     stats_sum: dict[str, float] = {}
-    kept: list[BatchPlan] = []
+    kept_plans: list[BatchPlan] = []
     history: list[np.ndarray] = []
     # NOTE: the model starts in Megatron's placement, so moving away from it in batch 0 is charged too.
     prev_home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
@@ -228,14 +236,15 @@ def simulate(
                     redundant_slots=budget.redundant_slots,
                     replicas_in_home_node=budget.replicas_in_home_node,
                 )
-            priced = price_plan(plan, ctx, cost, prev_home, opt.migration_bytes_per_param)
+            priced = price_plan(plan, ctx, cost, prev_home)
+            kept[b] = (np.asarray(plan.home) == prev_home).all(axis=1)
             prev_home = planner_prev = plan.home
             if plan.redundant is not None:
                 slots["redundant"] = max(slots["redundant"], int(plan.redundant.shape[-1]))
             for k, v in plan.stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
             if opt.keep_plans:
-                kept.append(plan)
+                kept_plans.append(plan)
             history.append(plan.load)
         history = history[-max(opt.history_window, 1) :]
 
@@ -245,12 +254,12 @@ def simulate(
         batch_time[b] = times.total
         slots["buffer"] = max(slots["buffer"], priced.buffer_slots)
         totals["reorder"] += priced.t_migration
+        totals["hidden"] += priced.t_migration_hidden
         totals["redundant"] += priced.t_redundant
         totals["dense"] += dense
         totals["exposed"] += times.comm_exposed
-        totals["moved"] += priced.moved
+        moved[b], moved_bytes[b] = priced.moved, priced.migration_bytes
         totals["critical"] += times.critical
-        totals["migration_bytes"] += priced.migration_bytes
 
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
@@ -264,14 +273,17 @@ def simulate(
         "skew_max": float(skew.max()),
         "plan_time_s": totals["plan"] / nb,
         "replica_buffer_bytes": float(slots["buffer"] * expert_bytes),
-        "reorder_moved_experts": totals["moved"] / nb,
-        "migration_bytes": totals["migration_bytes"] / nb,
+        "reorder_moved_experts": float(moved.sum()) / nb,
+        "migration_bytes": float(moved_bytes.sum()) / nb,
+        "layers_kept_share": float(kept.mean()) if kept.size else 1.0,
+        "layers_kept_share_min": float(kept.mean(axis=0).min()) if kept.size else 1.0,
         "t_compute_s": float(t_comp.sum()) / nb,
         "t_comm_s": float(t_comm.sum()) / nb,
         "t_comm_exposed_s": totals["exposed"] / nb,
         "t_comm_hidden_s": (float(t_comm.sum()) - totals["exposed"]) / nb,
         "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
         "t_reorder_s": totals["reorder"] / nb,
+        "t_reorder_hidden_s": totals["hidden"] / nb,
         "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
         "t_critical_path_s": totals["critical"] / nb,
         "redundant_slot_bytes": float(slots["redundant"] * counts.num_layers * expert_bytes),
@@ -288,5 +300,8 @@ def simulate(
         t_sync_exposed=t_sync,
         batch_time=batch_time,
         mb_batch=workload.mb_batch,
-        plans=tuple(kept),
+        moved=moved,
+        migration_bytes=moved_bytes,
+        kept=kept,
+        plans=tuple(kept_plans),
     )

@@ -34,7 +34,7 @@ def hand_hardware(
     hbm_bytes_per_s: float,
     nvlink_bytes_per_s: float,
     nic_bytes_per_s: float,
-    host_bytes_per_s: float = 64e9,
+    host_to_device_bytes_per_s: float = 64e9,
 ) -> HardwareSpec:
     """A hand-built :class:`HardwareSpec` with these peak rates and round efficiencies.
 
@@ -55,7 +55,7 @@ def hand_hardware(
         alltoall_latency_s=10e-6,
         nvlink_efficiency=0.8,
         nic_efficiency=0.8,
-        host_bytes_per_s=host_bytes_per_s,
+        host_to_device_bytes_per_s=host_to_device_bytes_per_s,
     )
 
 

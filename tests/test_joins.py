@@ -104,7 +104,7 @@ def test_prediction_is_the_simulated_batch_time(planner_name: str, cluster_name:
     prev = None
     for b, plan in enumerate(sim.plans):
         ctx = batch_context(counts, workload, b, cluster, model, cost, prev_home=prev, seed=options.seed)
-        predicted = predict_batch_time(plan, ctx, options.migration_bytes_per_param)
+        predicted = predict_batch_time(plan, ctx)
         assert predicted == sim.batch_time[b], (b, predicted, sim.batch_time[b])
         prev = plan.home
     assert np.mean(sim.batch_time) == sim.metrics["step_time_s"]

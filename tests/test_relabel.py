@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec
+from relibra.cost.migration import MigrationPayload
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import predict_batch_time
 from relibra.planners.protocols import static_placement
@@ -82,9 +85,11 @@ def test_relabelled_plans_cost_the_same(name: str) -> None:
     assert plan.stats["relabel_kept_experts"] >= 0
     # any fabric symmetry: swap the nodes and the rails
     sym = permute_plan(plan, np.array([3, 2, 1, 0]))
-    free = 0.0  # NOTE: price without migration: the relabelling changes nothing else.
-    t0 = predict_batch_time(plan, ctx, free)
-    t1 = predict_batch_time(sym, ctx, free)
+    # NOTE: price without migration (a payload of 0 bytes): the relabelling changes nothing else.
+    nothing = MigrationPayload(weight_bytes=0.0, master_weight_bytes=0.0, optimizer_state_bytes=0.0)
+    free = replace(ctx, cost=CostModel(cluster, model, migration=nothing))
+    t0 = predict_batch_time(plan, free)
+    t1 = predict_batch_time(sym, free)
     assert t1 == pytest.approx(t0, rel=1e-9)
     back = relabel_plan(sym, plan.home, 2, 2)
     assert _moved(back.home, plan.home) == 0

@@ -118,18 +118,19 @@ def test_reordering_migration_charged(setup):
 def test_distributed_optimizer_shards_the_migrated_state(setup):
     """With the optimizer state sharded over 4 expert-data-parallel ranks an EP group moves 2 + 12 / 4."""
     from relibra.cost.migration import MigrationPayload
+    from relibra.cost.model import CostModel
 
-    counts, workload, cluster, model, cost = setup
-    payload = MigrationPayload(optimizer_shards=4)
+    counts, workload, cluster, model, _ = setup
+    payload = MigrationPayload(expert_data_parallel=4)
     assert payload.bytes_per_param == 5.0
     fp8 = MigrationPayload(weight_bytes=1.0, optimizer_state_bytes=4.0)
     assert fp8.bytes_per_param == 9.0
-    opts = SimOptions(migration_bytes_per_param=payload.bytes_per_param)
-    res = simulate(SwapPlanner(), counts, workload, cluster, model, cost, opts)
+    cost = CostModel(cluster, model, migration=payload)
+    res = simulate(SwapPlanner(), counts, workload, cluster, model, cost)
     want = 2 * counts.num_layers * 3 * model.hidden * model.moe_ffn * 5.0 / counts.num_batches
     assert res.metrics["migration_bytes"] == pytest.approx(want)
-    with pytest.raises(ValueError, match="optimizer_shards"):
-        MigrationPayload(optimizer_shards=0)
+    with pytest.raises(ValueError, match=r"parallel\.dp"):
+        MigrationPayload(expert_data_parallel=0)
 
 
 def test_replica_refill_exposed(setup):

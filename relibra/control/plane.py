@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -716,7 +717,6 @@ class ControlPlane:
             for key in sorted({k for s in job.replicate_stats for k in s}):
                 stats[key] = float(np.mean([s[key] for s in job.replicate_stats if key in s]))
             stats["replicas_mean"] = float((replicas >= 0).sum(axis=-1).mean()) if replicas.size else 0.0
-        stats["reorder_moved_experts"] = float(np.count_nonzero(home != job.prev_home))
         ready = job.layer_ready
         first = float(np.nanmin(ready)) if np.isfinite(ready).any() else math.nan
         t_all = job.t_all - job.t_arrival if job.finished else math.nan
@@ -768,4 +768,9 @@ class ControlPlane:
             # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
             # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
             plan = relabel_plan(plan, job.prev_home, self.cluster.num_domains, self.cluster.domain_gpus)
-        return plan
+        moved = plan.home != job.prev_home
+        counts = {
+            "reorder_moved_experts": float(np.count_nonzero(moved)),
+            "reorder_kept_layers": float(np.count_nonzero(~moved.any(axis=1))),
+        }
+        return replace(plan, stats={**plan.stats, **counts})

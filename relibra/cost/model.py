@@ -42,6 +42,7 @@ from relibra.cost.fabric import (
     mirrored,
     rail_link_bytes,
 )
+from relibra.cost.migration import MigrationPayload
 
 BF16_BYTES = 2
 FWD_BWD_FLOP_FACTOR = 3.0
@@ -98,11 +99,14 @@ class CostModel:
         model: ModelSpec,
         calibration: tuple[np.ndarray, np.ndarray] | None = None,
         dispatch_value_bytes: float = BF16_BYTES,
+        migration: MigrationPayload | None = None,
     ) -> None:
         """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM.
 
         ``dispatch_value_bytes``: bytes per hidden value in the dispatch phases (bf16: 2; DeepSeek-V3's FP8
         dispatch: ``1 + 4 / 128``, one scale per 128 values); combine is always bf16.
+        ``migration``: what a re-homed expert carries and how (default: :class:`MigrationPayload`'s
+        defaults); the simulator and the planners price moves with it (:mod:`relibra.cost.migration`).
         """
         self.cluster = cluster
         self.dispatcher = cluster.dispatcher
@@ -110,6 +114,7 @@ class CostModel:
         if calibration is not None:
             calibration = _check_calibration(calibration, model.name)
         self.calibration = calibration
+        self.migration = migration if migration is not None else MigrationPayload()
         hw = cluster.hardware
         self._w = float(model.expert_params)
         self._peak = hw.bf16_flops * hw.gemm_efficiency
@@ -351,16 +356,16 @@ class CostModel:
     def engine_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Seconds to fill the listed slots with a transfer engine of two concurrent paths (ForeMoE's
         GPU-direct and CPU-assisted paths): a copy is read from host memory over the GPU's host link
-        (``host_bytes_per_s``) when that link is faster than the fabric link it would otherwise take from its
+        (``host_to_device_bytes_per_s``) when that link is faster than the fabric link it would otherwise take from its
         home (NVLink inside the NVLink domain, the rail NIC across domains), else over the fabric; the slower
         path bounds the fill.
 
         replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
         """
-        host_rate = self.cluster.hardware.host_bytes_per_s
+        host_rate = self.cluster.hardware.host_to_device_bytes_per_s
         if host_rate <= 0:
             raise ValueError(
-                "cluster.hardware.host_bytes_per_s=0: a host-memory transfer path needs the host link's rate"
+                "cluster.hardware.host_to_device_bytes_per_s=0: a host-memory transfer path needs the host link's rate"
             )
         rep = np.asarray(replicas)
         home = np.asarray(home)

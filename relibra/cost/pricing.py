@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.cost.migration import migration_cost
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share, overlapped_time
 from relibra.planners.protocols import BatchContext, Replication, static_placement
@@ -102,27 +102,28 @@ class Priced:
     buffer_slots: int = 0
     moved: int = 0
     migration_bytes: float = 0.0
-    """Bytes the EP group moves to re-home ``moved`` experts (payload: :mod:`relibra.cost.migration`)."""
+    """Bytes the EP group sends between GPUs to re-home ``moved`` experts (:mod:`relibra.cost.migration`)."""
     t_migration: float = 0.0
+    """Migration seconds charged to the batch (beyond the post-rollout window)."""
+    t_migration_hidden: float = 0.0
+    """Migration seconds hidden in the post-rollout window (``simulator.migration.window_s``)."""
     t_redundant: float = 0.0
     online: OnlineCopies | None = None
     """An online planner's critical-path record (UltraEP, LLEP); None: copies refilled behind attention."""
 
 
-def price_plan(
-    plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray, bytes_per_param: float
-) -> Priced:
+def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray) -> Priced:
+    """The plan's costs; moves from ``prev_home`` [L, E] are priced with ``cost.migration``."""
     br = cost.moe(plan.load, plan.assign)
     tokens, pairs = gpu_token_stats(
         ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
     )
     reps = replicas_per_slot(plan)  # [Mb, L, G, r]
-    moved_l, moved_e = np.nonzero(plan.home != prev_home)
+    moves = migration_cost(cost, prev_home, plan.home)
     # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
     fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
     if plan.host_path:
         fill = cost.engine_copy_time
-    expert_bytes = ctx.model.expert_params * bytes_per_param
     return Priced(
         br=br,
         skew=skewness(plan.assign.sum(axis=-2)),
@@ -130,11 +131,10 @@ def price_plan(
         pairs=pairs,
         refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
         buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
-        moved=int(moved_l.size),
-        migration_bytes=float(moved_l.size * expert_bytes),
-        t_migration=cost.transfer_time(
-            prev_home[moved_l, moved_e], plan.home[moved_l, moved_e], expert_bytes
-        ),
+        moved=moves.moved,
+        migration_bytes=moves.network_bytes,
+        t_migration=moves.exposed_s,
+        t_migration_hidden=moves.seconds - moves.exposed_s,
         t_redundant=redundant_sync_time(plan, cost),
         online=plan.online,
     )
@@ -183,20 +183,18 @@ def online_sync(priced: Priced, attn: np.ndarray) -> np.ndarray:
     return np.asarray(sync)
 
 
-def predict_batch_time(
-    plan: BatchPlan, ctx: BatchContext, bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
-) -> float:
+def predict_batch_time(plan: BatchPlan, ctx: BatchContext) -> float:
     """Seconds of one batch under ``plan``, priced by ``ctx.cost`` exactly as :func:`simulate` prices it.
 
     The migration is charged from ``ctx.prev_home`` (Megatron's static placement when None, the first
-    batch), as the simulator does. A planner may call this to compare candidate plans of one batch
-    (:class:`relibra.planners.portfolio.PortfolioPlanner`).
+    batch), as the simulator does, with ``ctx.cost.migration``. A planner may call this to compare
+    candidate plans of one batch (:class:`relibra.planners.portfolio.PortfolioPlanner`).
     """
     prev = ctx.prev_home
     if prev is None:
         _, num_layers, _, num_experts = np.shape(ctx.load)
         prev = static_placement(num_layers, num_experts, ctx.num_gpus)
-    priced = price_plan(plan, ctx, ctx.cost, np.asarray(prev), bytes_per_param)
+    priced = price_plan(plan, ctx, ctx.cost, np.asarray(prev))
     return batch_times(priced, ctx.cost, ctx.model.num_layers - ctx.model.num_moe_layers).total
 
 

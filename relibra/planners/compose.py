@@ -25,6 +25,7 @@ from relibra.planners.protocols import (
     Reordering,
     Replicator,
     SlotBudget,
+    previous_home,
     reordered_load,
     static_placement,
 )
@@ -79,7 +80,9 @@ class ComposedPlanner:
     """``reorderer`` once per batch, then ``replicator`` for every micro-batch (all its layers at once).
 
     Replication pays for its replica-buffer refill (:func:`relibra.planners.refill.replicate_within_window`).
-    The plan is then relabelled to keep experts where they were (:func:`relibra.relabel.relabel_for`).
+    The plan is then relabelled to keep experts where they were (:func:`relibra.relabel.relabel_for`), and
+    its ``reorder_moved_experts`` / ``reorder_kept_layers`` stats count the relabelled plan's moves from the
+    placement in force.
     ``plan_time_s`` covers both stages; ``stats`` merges the reorderer's and the replicators' (the latter
     averaged over micro-batches) with ``replicate_time_s`` and ``replicas_mean`` (filled slots per
     (micro-batch, layer) and GPU).
@@ -125,7 +128,11 @@ class ComposedPlanner:
         )
         # NOTE: the annealer re-plans from scratch; among equivalent relabellings keep experts in place.
         plan = relabel_for(plan, ctx)
-        return replace(plan, plan_time_s=time.perf_counter() - t0)
+        prev = previous_home(ctx)
+        stats = dict(plan.stats)
+        stats["reorder_moved_experts"] = float(np.count_nonzero(plan.home != prev))
+        stats["reorder_kept_layers"] = float(np.count_nonzero((plan.home == prev).all(axis=1)))
+        return replace(plan, stats=stats, plan_time_s=time.perf_counter() - t0)
 
 
 def composed(name: str, reorderer: Reorderer, replicator: Replicator) -> ComposedPlanner:

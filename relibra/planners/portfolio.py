@@ -3,11 +3,13 @@
 Every candidate plans the batch; each plan is priced by the cost model the planner receives, exactly as
 the simulated executor prices it (:func:`relibra.cost.pricing.predict_batch_time`: per-layer ``T_MoE``,
 attention, exposed replica refill, dense layers and the migration from the previous placement), and the
-plan with the lowest predicted batch time is returned. ``planner=relibra_portfolio`` has three candidates:
-ReLibra's ``T_MoE`` configuration and its balance-first configuration (two objectives that win at
-different EP sizes, docs/reorder.md, "Step time against skewness"), and the previous placement kept
-(``relibra_keep_placement``: no migration, for batches whose reordering would not repay it); it costs the
-planning work of all three.
+plan with the lowest predicted batch time is returned. ``planner=relibra_portfolio``, the recommended
+configuration, has three candidates: ReLibra's ``T_MoE`` configuration and its balance-first configuration
+(two objectives that win at different EP sizes, docs/reorder.md, "Step time against skewness"), both with
+the incremental reordering (``relibra_incremental``, ``relibra_balance_incremental``: from the placement in
+force, migration charged over a horizon; docs/reorder.md, "Incremental reordering"), and the placement in
+force kept (``relibra_keep_placement``: no migration). The kept placement is always a candidate, so the
+portfolio never predicts a batch slower than keeping it; it costs the planning work of all three.
 
 Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
 fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).
@@ -23,9 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
-from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM, migration_payload
 from relibra.cost.pricing import predict_batch_time
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget
 from relibra.types import BatchPlan
@@ -40,8 +40,6 @@ class PortfolioPlanner:
     name: str
     candidates: tuple[Planner, ...]
     replica_slots: int
-    migration_bytes_per_param: float = DEFAULT_BYTES_PER_PARAM
-    """Bytes moved per parameter of a re-homed expert; the simulator's setting, so that both price alike."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -63,7 +61,7 @@ class PortfolioPlanner:
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()
         plans = [c.plan(ctx) for c in self.candidates]
-        predicted = [predict_batch_time(p, ctx, self.migration_bytes_per_param) for p in plans]
+        predicted = [predict_batch_time(p, ctx) for p in plans]
         best = min(range(len(plans)), key=predicted.__getitem__)
         stats = dict(plans[best].stats)
         stats["portfolio_choice"] = float(best)
@@ -76,10 +74,9 @@ def portfolio(
     candidates: Mapping[str, Planner],
     replica_slots: int = 2,
     name: str = "relibra_portfolio",
-    migration: Mapping[str, Any] | None = None,
 ) -> PortfolioPlanner:
-    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept); ``migration``:
-    the simulator's ``simulator.migration`` overrides (:func:`relibra.cost.migration.migration_payload`)."""
+    """Hydra factory: ``candidates`` maps a label to an instantiated planner (order kept). Plans are priced
+    with ``ctx.cost``, whose migration payload is the simulator's (``CostModel.migration``)."""
     for label, planner in candidates.items():
         if not isinstance(planner, Planner):
             raise ValueError(f"{name}: candidates.{label} is not a planner (got {type(planner).__name__})")
@@ -87,5 +84,4 @@ def portfolio(
         name=name,
         candidates=tuple(candidates.values()),
         replica_slots=replica_slots,
-        migration_bytes_per_param=migration_payload(migration).bytes_per_param,
     )

@@ -142,13 +142,49 @@ def test_overall_speedups_follow_the_throughputs(results: Path) -> None:
     # the two references side by side, Balanced first
     cols = list(cells.columns)
     assert cols.index("% of force-balanced") == cols.index("% of Balanced") + 1
-    summary = overall_summary(_frame(results, "quick_overall")).frame.set_index("ReLibra")
+    summary = overall_summary(_frame(results, "quick_overall")).frame.set_index("against")
     assert summary.loc["of force-balanced", "ours lo"] == pytest.approx(force / 100)
     assert np.isnan(summary.loc["of force-balanced", "paper lo"])
     row = summary.loc["over PopFetcher"]
     lo, hi = paper.OVERALL_SPEEDUP["popfetcher"]
     assert (row["paper lo"], row["paper hi"]) == (lo, hi)
     assert row["ours/paper hi"] == pytest.approx(FACTOR["relibra"] / FACTOR["popfetcher"] / hi)
+
+
+def test_overall_and_overhead_show_the_paper_and_the_recommended_relibra() -> None:
+    planners = {"megatron": 1.0, "relibra_replicate_only": 1.3, "relibra": 1.5, "relibra_portfolio": 1.6}
+    rows = []
+    for d in DATASETS:
+        for p, factor in planners.items():
+            row = _row("qwen3-30b-a3b", d, "megatron", 4) | {"planner": p}
+            step = 10.0 / factor
+            row |= {"step_time_s": step, "throughput_tokens_per_s": 1e6 / step}
+            moving = p in ("relibra", "relibra_portfolio")
+            row |= {
+                "t_reorder_s": {"relibra": 0.5, "relibra_portfolio": 0.1}.get(p, 0.0) * (1 + (d == "mixed")),
+                "reorder_moved_experts": 100.0 if p == "relibra" else 10.0 * moving,
+                "migration_bytes": 2e9 * moving,
+                "layers_kept_share": 0.0 if p == "relibra" else 0.75,
+                "layers_kept_share_min": 0.0 if p == "relibra" else 0.5,
+            }
+            rows.append(row)
+    frame = pd.DataFrame(rows)
+    cells = overall_cells(frame).frame
+    assert list(cells["ReLibra"].unique()) == ["ReLibra (paper)", "ReLibra (recommended)"]
+    rec = cells[cells["ReLibra"] == "ReLibra (recommended)"]
+    np.testing.assert_allclose(rec["over Megatron-LM"], 1.6)
+    np.testing.assert_allclose(rec[f"over {paper.label('relibra_replicate_only')}"], 1.6 / 1.3)
+    summary = overall_summary(frame).frame
+    assert set(summary["ReLibra"]) == {"ReLibra (paper)", "ReLibra (recommended)"}
+    table = overhead(frame).frame.set_index("ReLibra")
+    rec_row, paper_row = table.loc["ReLibra (recommended)"], table.loc["ReLibra (paper)"]
+    assert rec_row["moved pairs/batch"] == 10.0 and paper_row["moved pairs/batch"] == 100.0
+    assert rec_row["moved GB/batch"] == pytest.approx(2.0)
+    assert rec_row["layers kept %"] == pytest.approx(75.0) and rec_row["least-kept layer %"] == 50.0
+    shares = [100 * 0.1 / (10 / 1.6), 100 * 0.2 / (10 / 1.6)]  # reasoning, mixed
+    assert rec_row["reorder % median cell"] == pytest.approx(np.median(shares))
+    assert rec_row["reorder % cells"] == f"{min(shares):.2f}-{max(shares):.2f}"
+    assert rec_row["reorder % batch"] == pytest.approx(100 * 0.15 / (10 / 1.6))
 
 
 def test_ablation_is_relative_to_megatron_with_paper_beside(results: Path) -> None:
@@ -296,8 +332,9 @@ def test_replay_adds_breaks_step_time_down_against_the_best_online_balancer() ->
     assert set(table["planner"]) == {paper.label(p) for p in planners[1:]}  # Megatron-LM is not in it
     assert list(table["EP"].unique()) == [8, 64]
     first = table[table["EP"] == 8]
-    assert list(first["planner"])[:3] == ["ReLibra", "+ intra-batch replication only", "ReLibra (portfolio)"]
-    relibra = first.set_index("planner").loc["ReLibra"]
+    labels = ["ReLibra (paper)", "+ intra-batch replication only", "ReLibra (recommended)"]
+    assert list(first["planner"])[:3] == labels
+    relibra = first.set_index("planner").loc["ReLibra (paper)"]
     assert relibra["x best online"] == pytest.approx(FACTOR["relibra"] / ONLINE["ultraep"])
     assert relibra["critical path s"] == 0.0
     ultra = first.set_index("planner").loc["UltraEP"]

@@ -52,3 +52,11 @@ def test_the_paper_scale_preset_is_preferred(tmp_path: Path) -> None:
     paths = write_headline({"overall": paper_scale}, tmp_path)
     assert sorted(p.name for p in paths) == ["headline.pdf", "headline.png"]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_both_relibra_variants_are_labelled() -> None:
+    fig = plot_headline(_frame({**PLANNERS, "relibra_portfolio": 140.0}))
+    labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert "ReLibra (paper)" in labels and "ReLibra (recommended)" in labels
+    heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches)
+    assert heights == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3, 1.4, 1.4]

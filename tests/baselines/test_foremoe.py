@@ -78,11 +78,11 @@ def test_engine_prices_each_copy_on_its_faster_path() -> None:
     rep[0, 1, 0] = 0  # and to GPU 1, inside its domain
     assert cost.engine_copy_time(rep, home)[0] == pytest.approx(max(b / 64e9, cost.fabric_copy_time(
         np.where(np.arange(4)[:, None] == 1, rep[0], -1)[None], home)[0]))  # fmt: skip
-    slow_host = CostModel(replace(cluster, hardware=replace(HOPPER, host_bytes_per_s=10e9)), model)
+    slow_host = CostModel(replace(cluster, hardware=replace(HOPPER, host_to_device_bytes_per_s=10e9)), model)
     rep[0, 1, 0] = -1  # the host link slower than the NIC: the fabric carries the copy
     assert slow_host.engine_copy_time(rep, home)[0] == pytest.approx(slow_host.fabric_copy_time(rep, home)[0])
-    no_host = CostModel(replace(cluster, hardware=replace(HOPPER, host_bytes_per_s=0.0)), model)
-    with pytest.raises(ValueError, match=r"cluster\.hardware\.host_bytes_per_s=0"):
+    no_host = CostModel(replace(cluster, hardware=replace(HOPPER, host_to_device_bytes_per_s=0.0)), model)
+    with pytest.raises(ValueError, match=r"cluster\.hardware\.host_to_device_bytes_per_s=0"):
         no_host.engine_copy_time(rep, home)
 
 
@@ -101,6 +101,6 @@ def test_refusals() -> None:
 
     with pytest.raises(ValueError, match=r"planner\.redundant_slots"):
         ForeMoEPlanner(redundant_slots=1)
-    with pytest.raises(ConfigError, match=r"cluster\.hardware\.host_bytes_per_s=0"):
-        validate(cfg("planner=foremoe", "cluster.hardware.host_bytes_per_s=0"))
+    with pytest.raises(ConfigError, match=r"cluster\.hardware\.host_to_device_bytes_per_s=0"):
+        validate(cfg("planner=foremoe", "cluster.hardware.host_to_device_bytes_per_s=0"))
     validate(cfg("planner=foremoe", "cluster.nodes=2"))

@@ -73,7 +73,7 @@ def test_a_failing_cell_in_a_worker_is_listed_and_the_others_finish(
 SHARED = {
     "quick_overall": ["model=qwen3-30b-a3b", "trace.preset=mixed,reasoning", "planner=megatron,relibra"],
     "quick_ablation": ["model=qwen3-30b-a3b", "trace.preset=mixed", "planner=megatron,relibra_reorder_only"],
-    "quick_overhead": ["model=qwen3-30b-a3b"],
+    "quick_overhead": ["model=qwen3-30b-a3b", "planner=relibra"],
 }
 """Three presets whose grids share two cells: megatron and relibra on the mixed dataset."""
 

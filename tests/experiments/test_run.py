@@ -87,8 +87,8 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
         (["planner=moonep", "planner.replica_slots=2"], ["planner.replica_slots=2", "model.num_experts / G"]),
         (["planner=moonep", "planner.redundant_slots=1"], ["planner.redundant_slots=1"]),
         (
-            ["planner=foremoe", "cluster.hardware.host_bytes_per_s=0"],
-            ["cluster.hardware.host_bytes_per_s=0", "ForeMoE"],
+            ["planner=foremoe", "cluster.hardware.host_to_device_bytes_per_s=0"],
+            ["cluster.hardware.host_to_device_bytes_per_s=0", "ForeMoE"],
         ),
         (["model=qwen3-30b-a3b"], ["num_experts=64", "model.num_experts=128"]),
         (["planner._target_=baselines.nothing.Planner"], ["planner._target_"]),
@@ -109,7 +109,14 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.locality_tolerance=-1"],
             ["planner.candidates.t_moe.reorder.locality_tolerance=-1"],
         ),
-        (["simulator.migration.optimizer_shards=0"], ["simulator.migration.optimizer_shards=0"]),
+        (["parallel.dp=0"], ["parallel.dp=0"]),
+        (["simulator.migration.path=disk"], ["simulator.migration.path=disk"]),
+        (["simulator.migration.window_s=-1.0"], ["simulator.migration.window_s=-1.0"]),
+        (
+            ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.horizon=-2"],
+            ["planner.candidates.t_moe.reorder.horizon=-2"],
+        ),
+        (["planner=relibra", "planner.reorder.start=random"], ["planner.reorder.start='random'"]),
         (["planner=relibra", "planner.replicate.split=simplex"], ["planner.replicate.split='simplex'"]),
         (
             ["planner=relibra_replicate_only", "planner.replicate.polish_moves=-1"],
@@ -362,8 +369,8 @@ def test_portfolio_candidates_each_get_a_control_plane():
         assert isinstance(wrapped, PortfolioPlanner) and wrapped.name == "relibra_portfolio"
         assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
         assert [c.name for c in wrapped.candidates] == [
-            "relibra",
-            "relibra_balance",
+            "relibra_incremental",
+            "relibra_balance_incremental",
             "relibra_keep_placement",
         ]
 

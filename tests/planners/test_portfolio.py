@@ -11,6 +11,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
+from relibra.cost.migration import MigrationPayload
+from relibra.cost.model import CostModel
 from relibra.cost.pricing import predict_batch_time
 from relibra.invariants import check_plan
 from relibra.planners.compose import PreviousReorderer, relibra, relibra_replicate_only
@@ -113,15 +115,17 @@ def test_portfolio_config_composes_the_three_candidates() -> None:
             overrides=[
                 "planner=relibra_portfolio",
                 "planner.replica_slots=3",
-                "simulator.migration.optimizer_shards=3",
             ],
         )
     planner = instantiate(cfg.planner, _convert_="all")
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
-    assert planner.migration_bytes_per_param == 2.0 + 12.0 / 3  # priced like the simulator that runs it
     t_moe, balance, keep = planner.candidates
-    assert (t_moe.name, balance.name, keep.name) == ("relibra", "relibra_balance", "relibra_keep_placement")
+    names = ("relibra_incremental", "relibra_balance_incremental", "relibra_keep_placement")
+    assert (t_moe.name, balance.name, keep.name) == names
+    for inc in (t_moe, balance):  # the recommended configuration reorders incrementally
+        assert inc.reorderer.config.start == "previous"  # type: ignore[attr-defined]
+        assert inc.reorderer.config.horizon == cfg.planner.candidates.t_moe.reorder.horizon > 0  # type: ignore[attr-defined]
     assert t_moe.replica_slots == balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
     assert isinstance(keep.reorderer, PreviousReorderer)  # type: ignore[attr-defined]
     assert balance.replicator.config.acceptance == "compute"  # type: ignore[attr-defined]
@@ -143,12 +147,11 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
     moved = relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)).plan(ctx)
     assert (moved.home != prev).any()
     # With migration priced 1000x higher, keeping the placement must win the portfolio.
+    heavy = CostModel(cluster, model, migration=MigrationPayload(weight_bytes=2e3, master_weight_bytes=12e3))
+    heavy_ctx = batch_context(counts, workload, 1, cluster, model, heavy, prev_home=prev)
     chosen = PortfolioPlanner(
-        "p",
-        (relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)), keep),
-        2,
-        migration_bytes_per_param=14e3,
-    ).plan(ctx)
+        "p", (relibra(replica_slots=2, reorder=AnnealConfig(**FAST_REORDER)), keep), 2
+    ).plan(heavy_ctx)
     assert chosen.stats["portfolio_choice"] == 1.0
     np.testing.assert_array_equal(chosen.home, prev)
     with pytest.raises(ValueError, match="prev_home"):

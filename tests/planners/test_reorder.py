@@ -237,13 +237,13 @@ def test_more_seeds_never_worse() -> None:
     assert two.stats["reorder_objective_s"] <= one.stats["reorder_objective_s"] * (1 + 1e-12)
 
 
-def test_migration_weight_keeps_previous_placement() -> None:
+def test_a_short_horizon_keeps_the_previous_placement() -> None:
     base = layer_ctx(2, 4, 32, seed=6, alpha=0.2)
     prev = np.stack([np.random.default_rng(l).permutation(np.repeat(np.arange(8), 4)) for l in range(2)])
     ctx = layer_ctx(2, 4, 32, seed=6, alpha=0.2, prev_home=prev.astype(np.int32))
     free = AnnealingReorderer(AnnealConfig(iterations=600, seeds=(0,))).reorder(ctx)
     assert free.stats["reorder_moved_experts"] > 0
-    pinned = AnnealingReorderer(AnnealConfig(iterations=600, seeds=(0,), migration_weight=1e6)).reorder(ctx)
+    pinned = AnnealingReorderer(AnnealConfig(iterations=600, seeds=(0,), horizon=1e-6)).reorder(ctx)
     np.testing.assert_array_equal(pinned.home, prev)
     assert pinned.stats["reorder_moved_experts"] == 0
     # First batch: moves are counted against the static Megatron placement.

@@ -25,9 +25,12 @@ the batch's MoE time under the cost model is small (paper, section "inter-batch 
    and per-GPU link-class loads incrementally (a swap of ``a`` on ``p`` with ``b`` on ``q`` changes the
    traffic of every source towards ``p`` and ``q``: O(G) entries per micro-batch, never a recomputation);
    accept by the Metropolis rule on the smoothed objective. Several seeds; the best wins.
-4. **Migration awareness** (beyond the paper): ``migration_weight > 0`` charges each GPU for the experts it
-   receives from the previous batch's placement (weights, gradients and optimizer state; NVLink within a
-   node, the rail NIC across nodes; the busiest GPU bounds the transfer), so a change must pay for itself.
+4. **Incremental, migration-aware reordering** (beyond the paper; glossary: incremental reordering):
+   ``horizon`` charges each GPU ``1 / horizon`` times the seconds to receive the experts newly homed on it
+   from the placement in force (the simulator's payload and path, :mod:`relibra.cost.migration`; the
+   busiest GPU bounds each layer's transfer), so a move must pay for itself over ``horizon`` batches;
+   ``start="previous"`` starts every seed from the placement in force, so a layer whose best new placement
+   does not pay keeps it (the search keeps its start unless it finds a strictly better objective).
 5. **Node-level compute** (``compute_level="node"``, beyond the paper's objective): the compute term of each
    micro-batch becomes the max over nodes of ``node compute / gpus_per_node``, the per-GPU compute after
    perfect intra-node balancing. The assumption follows the paper's own division of labour: reordering
@@ -73,7 +76,7 @@ class _LayerTask:
     prev_home: np.ndarray | None
     """[n, E] or None."""
     start_home: np.ndarray
-    """[n, E] LPT start placements."""
+    """[n, E] start placements (LPT, or the placement in force with ``start="previous"``)."""
     seeds: tuple[int, ...]
     config: AnnealConfig = field(repr=False)
     cost: CostModel = field(repr=False)
@@ -101,12 +104,13 @@ def solve_layer(
     Args:
         load_l: [Mb, G, E] loads whose summed ``T_MoE`` is the objective (one row for the aggregate form);
             under ``cluster.ep_overlap`` their overlapped layer time (:func:`layer_problem`).
-        start: [E] start placement (default: LPT on the experts' compute); prev_home: [E] or None.
+        start: [E] start placement (default: ``prev_home`` with ``start="previous"``, else LPT on the
+            experts' compute); prev_home: [E] or None, the placement in force that moves are charged from.
         layer: mixes into each seed's stream; seeds: default ``config.seeds``.
         attention: [Mb] seconds per row and microbatches: the micro-batches the rows stand for, both only
             read under ``cluster.ep_overlap`` (:func:`layer_problem`).
     Returns:
-        (best home int32 [E], its true objective in seconds, the LPT / given start's objective in seconds).
+        (best home int32 [E], its true objective in seconds, the start's objective in seconds).
     """
     cfg = config
     routes = routes if routes is not None else link_routes(cost.cluster.num_domains, cost.cluster.domain_gpus)
@@ -121,11 +125,13 @@ def solve_layer(
         attention=attention,
         microbatches=microbatches,
     )
-    if start is None:
+    if start is None and cfg.start == "previous" and prev_home is not None:
+        start = np.asarray(prev_home, dtype=np.int32)
+    elif start is None:
         start = lpt_placement(problem.w.sum(axis=0), g)
     start_obj = placement_objective(problem, start, cost.cluster, routes)
     lpt_obj = start_obj
-    if prev_home is not None and cfg.migration_weight > 0:
+    if prev_home is not None and cfg.migration_weight > 0 and cfg.start == "lpt":
         # NOTE: staying put costs no migration; start from whichever is better by the true objective.
         prev_obj = placement_objective(problem, prev_home, cost.cluster, routes)
         if prev_obj < start_obj:
@@ -163,7 +169,7 @@ def solve_layer(
 
 
 def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
-    """Every seed on every layer of the chunk -> per layer (best home [E], best s, LPT start s)."""
+    """Every seed on every layer of the chunk -> per layer (best home [E], best s, start s)."""
     routes = link_routes(task.cost.cluster.num_domains, task.cost.cluster.domain_gpus)
     return [
         solve_layer(
@@ -199,8 +205,10 @@ class AnnealingReorderer:
 
         The two rounds are :meth:`place` (per layer) then :meth:`locality_step` (whole batch).
         Stats: ``reorder_objective_s`` and ``reorder_lpt_objective_s`` (true objective summed over layers, in
-        seconds), ``reorder_moved_experts`` (experts whose home differs from ``ctx.prev_home``, or from the
-        static Megatron placement on the first batch), ``reorder_time_s``, and the locality round's stats.
+        seconds; the second is the start's: LPT, or the placement in force with ``start="previous"``),
+        ``reorder_moved_experts`` (experts whose home differs from ``ctx.prev_home``, or from the static
+        Megatron placement on the first batch), ``reorder_kept_layers`` (layers whose placement is unchanged),
+        ``reorder_time_s``, and the locality round's stats.
         """
         t0 = time.perf_counter()
         placed = self.place(ctx)
@@ -250,11 +258,19 @@ class AnnealingReorderer:
             raise ValueError(
                 f"ctx.prev_home has shape {prev.shape}; expected [L, E]=({num_layers}, {num_experts})"
             )
-        lin = ctx.cost.linear()
-        tokens_e = load.sum(axis=(0, 2), dtype=np.float64)  # [L, E]
-        start = lpt_placement(
-            lin.compute_s_per_token * tokens_e + lin.compute_s_per_expert * (tokens_e > 0), g
-        )
+        if prev is None and (cfg.start == "previous" or cfg.horizon is not None):
+            # NOTE: the model starts in Megatron's placement; the simulator charges the first batch's moves
+            # from it, so the incremental search starts there and charges them too.
+            prev = static_placement(num_layers, num_experts, g)
+        if cfg.start == "previous":
+            assert prev is not None
+            start = prev
+        else:
+            lin = ctx.cost.linear()
+            tokens_e = load.sum(axis=(0, 2), dtype=np.float64)  # [L, E]
+            start = lpt_placement(
+                lin.compute_s_per_token * tokens_e + lin.compute_s_per_expert * (tokens_e > 0), g
+            )
         seeds = tuple(
             int(np.random.SeedSequence([s, ctx.seed, ctx.batch]).generate_state(1)[0]) for s in cfg.seeds
         )
@@ -286,6 +302,7 @@ class AnnealingReorderer:
         }
         ref = prev if prev is not None else static_placement(num_layers, num_experts, g)
         stats["reorder_moved_experts"] = float(np.count_nonzero(home != ref))
+        stats["reorder_kept_layers"] = float(np.count_nonzero((home == ref).all(axis=1)))
         return Reordering(home=home, sample_gpu=np.asarray(ctx.sample_gpu, dtype=np.int32), stats=stats)
 
     def locality_step(self, ctx: BatchContext, home: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:

@@ -44,8 +44,17 @@ class AnnealConfig:
     """Probability that a proposal swaps with an expert on another node (when there are several nodes)."""
     guided_prob: float = 0.5
     """Probability that the first expert of a proposal comes from a bottleneck GPU of a random micro-batch."""
-    migration_weight: float = 0.0
-    """Weight of the migration time (seconds per batch) added to the objective; 0 disables it."""
+    start: str = "lpt"
+    """Where each layer's search starts. ``lpt``: the LPT placement of the batch's loads (the paper; with a
+    ``horizon``, the placement in force instead where it is better by the objective). ``previous``: the
+    placement in force (``ctx.prev_home``; Megatron-LM's static one on the first batch), the incremental
+    reordering: every seed starts there, so a layer whose best new placement does not pay for its moves
+    keeps it."""
+    horizon: float | None = None
+    """Amortisation horizon in batches: the objective adds ``1 / horizon`` times the seconds to receive the
+    experts a placement moves (:func:`relibra.cost.migration.receive_seconds`, priced with the simulator's
+    payload), so a move must save its migration over ``horizon`` batches. None: moves are free (the paper).
+    The recommended configuration's value is measured (docs/reorder.md, "Incremental reordering")."""
     locality: bool = False
     """Run the second round (sample re-assignment for data locality,
     :mod:`relibra.planners.reorder.locality`)."""
@@ -104,8 +113,15 @@ class AnnealConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name}={v}; expected a probability in [0, 1]")
-        if self.migration_weight < 0:
-            raise ValueError(f"migration_weight={self.migration_weight}; expected >= 0")
+        if self.start not in ("lpt", "previous"):
+            raise ValueError(f"start={self.start!r}; expected 'lpt' or 'previous'")
+        if self.horizon is not None and not (
+            isinstance(self.horizon, int | float) and math.isfinite(self.horizon) and self.horizon > 0
+        ):
+            raise ValueError(
+                f"horizon={self.horizon}; expected a number of batches > 0 (the amortisation horizon of a "
+                "move), or null for free moves"
+            )
         if not 0 < self.locality_tolerance <= 1:
             raise ValueError(f"locality_tolerance={self.locality_tolerance}; expected a value in (0, 1]")
         if self.locality_iterations < 0:
@@ -116,6 +132,11 @@ class AnnealConfig:
             raise ValueError(f"compute_level={self.compute_level!r}; expected 'gpu' or 'node'")
         if not (math.isfinite(self.comm_weight) and self.comm_weight >= 0):
             raise ValueError(f"comm_weight={self.comm_weight}; expected a finite number >= 0")
+
+    @property
+    def migration_weight(self) -> float:
+        """Weight of the migration seconds in the objective: ``1 / horizon`` (0 without a horizon)."""
+        return 0.0 if self.horizon is None else 1.0 / self.horizon
 
 
 def main_iterations(config: AnnealConfig, rows: int, num_gpus: int) -> int:

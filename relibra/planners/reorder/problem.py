@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from relibra.cost.migration import DEFAULT_BYTES_PER_PARAM
+from relibra.cost.migration import receive_seconds
 from relibra.cost.model import CostModel
 from relibra.planners.reorder.links import comm_coefficients
 
@@ -95,7 +95,9 @@ def layer_problem(
 ) -> LayerProblem:
     """Normalise one layer's loads ``load_l`` [Mb, G, E] (one row per micro-batch) into a problem.
 
-    ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge;
+    ``prev_home`` [E] (the previous placement) and ``migration_weight`` define the migration charge: the
+    weight times the seconds each GPU needs to receive the experts newly homed on it, priced with
+    ``cost.migration`` (:func:`relibra.cost.migration.receive_seconds`, the simulator's payload and path);
     ``compute_level`` (``gpu`` or ``node``, see :class:`AnnealConfig`) the compute term, ``comm_weight``
     the weight of the communication term (its latency constant included). Under ``cluster.ep_overlap``
     (read from ``cost``) the objective is :func:`relibra.cost.overlap.layer_time` of the rows: ``attention``
@@ -121,16 +123,7 @@ def layer_problem(
         prev = np.asarray(prev_home, dtype=np.int64)
         if prev.shape != (e,):
             raise ValueError(f"prev_home has shape {prev.shape}; expected [E]=({e},)")
-        gpn = cost.cluster.domain_gpus
-        nbytes = cost.model.expert_params * DEFAULT_BYTES_PER_PARAM
-        token_bytes = cost.model.hidden * 2.0
-        s_per_byte_nvl = lin.nvlink_s_per_token / (4.0 * token_bytes)
-        s_per_byte_nic = lin.rdma_s_per_token / (4.0 * token_bytes)
-        gpus = np.arange(g)
-        same_node = (prev[:, None] // gpn) == (gpus[None, :] // gpn)
-        mig = np.where(same_node, nbytes * s_per_byte_nvl, nbytes * s_per_byte_nic)
-        mig[prev[:, None] == gpus[None, :]] = 0.0
-        mig = migration_weight * mig / scale
+        mig = migration_weight * receive_seconds(cost, prev) / scale
     x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
     group = cost.cluster.domain_gpus if compute_level == "node" else 1
     attn, overlap_mbs = np.zeros(0), 0
