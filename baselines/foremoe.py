@@ -17,7 +17,8 @@ lists them):
   loaded unit, bounded by ``replica_slots`` copies per GPU per layer;
 * *transfer engine* "that leverages complementary hardware paths (CPU-assisted and GPU-direct) for
   overlapped expert transfer" (stated; the path rule and the overlap are ours): each copy is read over the
-  faster of the fabric from its home and the GPU's host link (``cluster.hardware.host_to_device_bytes_per_s``), both
+  faster of the fabric from its home and the GPU's host link
+  (``cluster.hardware.host_to_device_bytes_per_s``), both
   paths at once (:meth:`relibra.cost.model.CostModel.engine_copy_time`), and, planned ahead, the fill
   overlaps the layer's attention as ReLibra's layer-shared buffer does (forward fill, backward gradient
   return), only the excess exposed.
@@ -224,7 +225,8 @@ class ForeMoEPlanner:
         """The transfer engine's CPU-assisted path needs the host link's rate."""
         if cluster.hardware.host_to_device_bytes_per_s <= 0:
             return [
-                f"cluster.hardware.host_to_device_bytes_per_s={cluster.hardware.host_to_device_bytes_per_s}: ForeMoE's transfer "
+                f"cluster.hardware.host_to_device_bytes_per_s={cluster.hardware.host_to_device_bytes_per_s}: "
+                "ForeMoE's transfer "
                 "engine reads expert weights from host memory too; give the host link's rate (bytes/s)"
             ]
         return []

@@ -173,7 +173,8 @@ def receive_seconds(cost: CostModel, prev_home: np.ndarray) -> np.ndarray:
     ``cost.migration`` (0 where ``g`` is the home; ``reload``: 0 within the home's node).
 
     The planners' per-expert form of :func:`migration_cost`: one expert's payload over the destination's
-    NVLink (same NVLink domain, ``cluster.nvl_domain``) or rail NIC (other node; ``reload``: or its host link, whichever is slower), at the
+    NVLink (same NVLink domain, ``cluster.nvl_domain``) or rail NIC (other domain; ``reload``: 0 in the
+    node, else the NIC or the host link, whichever is slower), at the
     cost model's achievable rates. The window is not subtracted (a per-expert charge cannot know what the
     other moves leave of it), so a planner charging this never under-prices a move.
     """

@@ -356,7 +356,8 @@ class CostModel:
     def engine_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Seconds to fill the listed slots with a transfer engine of two concurrent paths (ForeMoE's
         GPU-direct and CPU-assisted paths): a copy is read from host memory over the GPU's host link
-        (``host_to_device_bytes_per_s``) when that link is faster than the fabric link it would otherwise take from its
+        (``host_to_device_bytes_per_s``) when that link is faster than the fabric link it would otherwise take
+        from its
         home (NVLink inside the NVLink domain, the rail NIC across domains), else over the fabric; the slower
         path bounds the fill.
 
@@ -365,7 +366,8 @@ class CostModel:
         host_rate = self.cluster.hardware.host_to_device_bytes_per_s
         if host_rate <= 0:
             raise ValueError(
-                "cluster.hardware.host_to_device_bytes_per_s=0: a host-memory transfer path needs the host link's rate"
+                "cluster.hardware.host_to_device_bytes_per_s=0: a host-memory transfer path needs the host "
+                "link's rate"
             )
         rep = np.asarray(replicas)
         home = np.asarray(home)
