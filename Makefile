@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-slow reproduce reproduce-paper lint typecheck bench clean
+.PHONY: venv test test-slow test-verl reproduce reproduce-paper lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,18 @@ test: venv lint typecheck
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 
+# The verl tests (tests/integrations, the verl fixtures of tests/trace/test_importers_rl.py) skip here:
+# verl lives in its own environment (`make test-verl`; docs/integrations.md says why).
 test-slow: venv
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# verl pins transformers<5.11 and brings ray, so it gets a separate environment (torch pinned first).
+VERL_VENV ?= .venv-verl
+test-verl:
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/python -m pip install -q -e '.[dev,verl]'
+	$(VERL_VENV)/bin/python -m pytest -q -m "slow or not slow" tests/integrations tests/trace/test_importers_rl.py $(PYTEST_ARGS)
 
 reproduce: venv
 	$(PY) -m experiments.reproduce
@@ -40,4 +50,4 @@ typecheck: venv
 	$(PY) -m mypy relibra baselines experiments analysis
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VERL_VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache

@@ -21,7 +21,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from analysis import paper
-from analysis.tables import BREAKDOWN, REPLAY_PLANNERS, ep_size
+from analysis.tables import BREAKDOWN, ONLINE_BASELINES, REPLAY_PLANNERS, ep_size
 
 __all__ = [
     "FIGURES",
@@ -46,12 +46,14 @@ PLANNER_ORDER = [
     "lplb",
     "llep",
     "ultraep",
+    "moonep",
     "relibra_reorder_no_locality",
     "relibra_reorder_only",
     "relibra_replicate_only",
     "relibra",
     "relibra_balance",
     "relibra_portfolio",
+    "foremoe",
     "relibra_no_locality",
     "force_balanced",
     "balanced",
@@ -216,8 +218,8 @@ def plot_step_breakdown(frame: pd.DataFrame) -> Figure:
     """What routing replay adds: each planner's mean step time stacked by its terms (compute, communication,
     attention, planning on the critical path, replica refill, migration), one panel per (model, EP size)."""
     data = frame[frame["planner"].isin(REPLAY_PLANNERS)].assign(EP=ep_size(frame))
-    if not set(data["planner"]) & {"ultraep", "llep"}:
-        raise ValueError("the step breakdown needs rows of ultraep or llep")
+    if not set(data["planner"]) & set(ONLINE_BASELINES):
+        raise ValueError(f"the step breakdown needs rows of one of {list(ONLINE_BASELINES)}")
     terms = [c for c in BREAKDOWN.values() if c in data]
     means = data.groupby(["model", "EP", "planner"])[terms].mean().fillna(0.0)
     panels = list(dict.fromkeys((m, ep) for m, ep, _ in means.index))

@@ -24,6 +24,8 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "relibra_replicate_only": "+ intra-batch replication only",
     "ultraep": "UltraEP",
     "llep": "LLEP",
+    "moonep": "MoonEP",
+    "foremoe": "ForeMoE",
 }
 """Display names of the planners, as the paper writes them."""
 

@@ -39,15 +39,19 @@ __all__ = [
     "ultraep_headline",
 ]
 
-CELL = ["model", "dataset", "nodes", "gpus_per_node"]
+CELL = ["model", "dataset", "nodes", "gpus_per_node", "nvl_domain"]
 """Columns that name one grid point; planners are compared within it."""
 
 MIB = 2.0**20
 
-ONLINE_BASELINES = ("ultraep", "llep")
-"""The strongest open balancers of 2026 (no paper range: ReLibra's paper predates them)."""
+ONLINE_BASELINES = ("ultraep", "llep", "moonep")
+"""The strongest open balancers of 2026 that plan after routing (no paper range: ReLibra's paper predates
+them)."""
 
-REPLAY_PLANNERS = ("relibra", "relibra_replicate_only", "relibra_portfolio", *ONLINE_BASELINES)
+REPLAY_BASED = ("relibra", "relibra_replicate_only", "relibra_portfolio", "foremoe")
+"""Planners that plan from routing replay (oracle loads before the step)."""
+
+REPLAY_PLANNERS = (*REPLAY_BASED, *ONLINE_BASELINES)
 """The planners of the "what routing replay adds" table, in its row order."""
 
 BREAKDOWN = {
@@ -92,6 +96,14 @@ class Table:
 def ep_size(frame: pd.DataFrame) -> pd.Series:
     """EP group size ``G = nodes * gpus_per_node`` of every row."""
     return (frame["nodes"] * frame["gpus_per_node"]).astype(int)
+
+
+def _domain_label(frame: pd.DataFrame) -> pd.Series:
+    """``"<n> GPUs"`` per row: the GPUs of one NVLink domain (``nvl_domain``; rows stored before that column
+    existed: their node)."""
+    domain = frame["nvl_domain"] if "nvl_domain" in frame else pd.Series(np.nan, index=frame.index)
+    domain = domain.fillna(frame["gpus_per_node"]).astype(int)
+    return domain.map(lambda d: f"{d} GPUs")
 
 
 def range_ratio(ours: float, lo: float, hi: float) -> float:
@@ -278,15 +290,15 @@ def overhead(frame: pd.DataFrame) -> Table:
 
 
 def replay_adds(frame: pd.DataFrame) -> Table:
-    """What routing replay adds: ReLibra, its replication alone and its portfolio against UltraEP and LLEP
-    per (model, dataset, EP size), the step time broken into its terms, and each planner's throughput over
-    the faster of UltraEP and LLEP in the same cell."""
+    """What routing replay adds: ReLibra, its replication alone, its portfolio and ForeMoE (the replay-based
+    planners) against UltraEP, LLEP and MoonEP (the online ones) per (model, dataset, EP size), the step time
+    broken into its terms, and each planner's throughput over the fastest online planner in the same cell."""
     data = frame[frame["planner"].isin(REPLAY_PLANNERS)]
     present = set(data["planner"])
     if not present & set(ONLINE_BASELINES) or not present - set(ONLINE_BASELINES):
         raise ValueError(
-            "the routing-replay table needs rows of ultraep or llep and of relibra, relibra_replicate_only "
-            f"or relibra_portfolio; found {sorted(present)}"
+            f"the routing-replay table needs rows of one of {list(ONLINE_BASELINES)} and of one of "
+            f"{list(REPLAY_BASED)}; found {sorted(present)}"
         )
     data = data.assign(EP=ep_size(data))
     for col in BREAKDOWN.values():  # NOTE: cells stored before a term existed lack its column
@@ -307,18 +319,20 @@ def replay_adds(frame: pd.DataFrame) -> Table:
     out["x best online"] = means["x best online"]
     return Table(
         "replay_adds",
-        "What routing replay adds: step time and its terms, against UltraEP and LLEP",
+        "What routing replay adds: step time and its terms, against UltraEP, LLEP and MoonEP",
         out,
         {c: ".3f" for c in ["step s", *BREAKDOWN]} | {"x best online": ".3f"},
-        "x best online: the faster of UltraEP and LLEP's step time over the row's (> 1: the row is faster). "
-        "critical path s: planning between routing and expert compute; refill s: exposed replica copies "
-        "(behind attention for ReLibra, after routing for UltraEP and LLEP); migration s: reordering.",
+        "x best online: the fastest of UltraEP, LLEP and MoonEP's step time over the row's (> 1: the row is "
+        "faster). critical path s: planning between routing and expert compute; refill s: exposed replica "
+        "copies (behind attention for ReLibra, after routing for UltraEP, LLEP and MoonEP); migration s: "
+        "reordering.",
     )
 
 
 def ultraep_headline(frame: pd.DataFrame) -> Table:
     """UltraEP's own headline beside ours: its throughput as a fraction of force-balanced and over
-    Megatron-LM at EP 64 on Qwen3-235B-A22B and GLM4.5-106B-A12B (per dataset, and the mean)."""
+    Megatron-LM at EP 64 on Qwen3-235B-A22B and GLM4.5-106B-A12B (per dataset, and the mean per NVLink
+    domain size: 8-GPU Hopper nodes, and one domain holding the whole group, UltraEP's own setting)."""
     data = frame[frame["model"].isin(paper.ULTRAEP_HEADLINE_MODELS) & (ep_size(frame) == 64)]
     wide = _cells(data, "throughput_tokens_per_s")
     missing = [p for p in ("ultraep", "megatron", "force_balanced") if p not in wide]
@@ -329,13 +343,18 @@ def ultraep_headline(frame: pd.DataFrame) -> Table:
             "planner=megatron,ultraep,force_balanced; docs/baselines.md)"
         )
     out = wide[["model", "dataset"]].copy()
+    out.insert(0, "NVLink domain", _domain_label(wide))
     out["% of force-balanced"] = 100.0 * wide["ultraep"] / wide["force_balanced"]
     out["over Megatron-LM"] = wide["ultraep"] / wide["megatron"]
     if "balanced" in wide:
         out["% of Balanced"] = 100.0 * wide["ultraep"] / wide["balanced"]
-    out = out.sort_values(["model", "dataset"]).reset_index(drop=True)
-    mean = out.drop(columns=["model", "dataset"]).mean()
-    out = pd.concat([out, pd.DataFrame([{"model": "mean", "dataset": "all", **mean}])], ignore_index=True)
+    out = out.sort_values(["NVLink domain", "model", "dataset"]).reset_index(drop=True)
+    means = [
+        {"NVLink domain": dom, "model": "mean", "dataset": "all", **rows.drop(columns=[*keys]).mean()}
+        for dom, rows in out.groupby("NVLink domain", sort=True)
+        for keys in [["NVLink domain", "model", "dataset"]]
+    ]
+    out = pd.concat([out, pd.DataFrame(means)], ignore_index=True)
     head = paper.ULTRAEP_HEADLINE
     out["paper %"] = 100.0 * head["of_force_balanced"]
     out["% ours/paper"] = out["% of force-balanced"] / out["paper %"]
@@ -343,7 +362,8 @@ def ultraep_headline(frame: pd.DataFrame) -> Table:
     out["x ours/paper"] = out["over Megatron-LM"] / out["paper x"]
     return Table(
         "ultraep_headline",
-        "UltraEP's headline (EP 64): % of force-balanced and x Megatron-LM, ours beside its paper's",
+        "UltraEP's headline (EP 64): % of force-balanced and x Megatron-LM, ours beside its paper's, per "
+        "NVLink domain",
         out,
         {"% of force-balanced": ".1f", "% of Balanced": ".1f", "paper %": ".1f"},
     )
@@ -384,6 +404,7 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
         "overall": [overall_summary, overall_cells, replay_adds, ultraep_headline],
         "ablation": [ablation],
         "ep_scaling": [skew_by_ep, step_by_ep, replay_adds],
+        "nvl72": [skew_by_ep, step_by_ep, replay_adds, ultraep_headline],
         "datasets": [skew_by_dataset, step_by_dataset, replay_adds],
         "overhead": [overhead],
         "real_trace": [overall_summary, overall_cells],

@@ -56,7 +56,7 @@ def unavoidable_traffic(ctx: BatchContext, slots: int) -> tuple[np.ndarray, np.n
     """
     counts = np.asarray(ctx.counts)
     _, num_layers, num_experts = counts.shape
-    g, gpn = ctx.num_gpus, ctx.cluster.gpus_per_node
+    g, gpn = ctx.num_gpus, ctx.cluster.domain_gpus
     per_gpu = num_experts // g + slots
     off_gpu_s = _outside_top(counts, per_gpu)  # [Sb, L]
     off_node_s = _outside_top(counts, per_gpu * gpn)  # [Sb, L]
@@ -89,7 +89,7 @@ class BalancedBound:
     def bound(self, ctx: BatchContext) -> MoEBreakdown:
         """ctx.load [Mb, L, G, E] -> breakdown with leading axes [Mb, L] (per-GPU terms all equal)."""
         g = ctx.num_gpus
-        n, gpn = ctx.cluster.nodes, ctx.cluster.gpus_per_node
+        n, gpn = ctx.cluster.num_domains, ctx.cluster.domain_gpus
         cost = ctx.cost
         per_expert = ctx.load.sum(axis=-2)  # [Mb, L, E]
         # Step 1: the layer's whole grouped-GEMM work (with each expert's real token count), split evenly.

@@ -366,7 +366,7 @@ class EplbPlanner:
         """ctx.load [Mb, L, G, E] -> BatchPlan with home [L, E], redundant [L, G, R], assign [Mb, L, E, G]."""
         t0 = time.perf_counter()
         num_layers, num_experts = ctx.counts.shape[1:]
-        g, nodes = ctx.num_gpus, ctx.cluster.nodes
+        g, nodes = ctx.num_gpus, ctx.cluster.num_domains
         if num_experts % g != 0:
             raise ValueError(f"E={num_experts} experts do not split evenly over G={g} GPUs")
         groups = self.num_groups or num_experts

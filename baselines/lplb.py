@@ -356,8 +356,8 @@ class LplbPlanner:
             weight = np.asarray(ctx.load, dtype=np.float64).sum(axis=(0, 2))
         else:
             weight = history_weight(ctx.history, self.history_window, (num_layers, num_experts))
-        r2o = redundant_to_original(self.topology, ctx.cluster.nodes, ctx.cluster.gpus_per_node)
-        layout = lplb_layout(weight, r2o, self.redundant_slots, ctx.cluster.nodes, self.policy)
+        r2o = redundant_to_original(self.topology, ctx.cluster.num_domains, ctx.cluster.domain_gpus)
+        layout = lplb_layout(weight, r2o, self.redundant_slots, ctx.cluster.num_domains, self.policy)
 
         assign = home_assign(ctx.load, layout.home, g).astype(np.int64)  # [Mb, L, E, G]
         total = assign.sum(-1)  # [Mb, L, E]

@@ -182,7 +182,7 @@ class PopFetcherPlanner:
             "prediction_hit_rate": float(np.mean(hits)) if hits else 0.0,
             "prefetch_useful_rate": useful / fetched if fetched else 0.0,
             "prefetched_experts": float(fetched),
-            "prefetch_cross_node_copies": float(self._cross_node(replicas, home, ctx.cluster.gpus_per_node)),
+            "prefetch_cross_node_copies": float(self._cross_node(replicas, home, ctx.cluster.domain_gpus)),
             "pull_threshold_tokens": float(threshold),
             "reorder_moved_experts": 0.0,
         }

@@ -17,7 +17,7 @@ Source: Dots-Infra/UltraEP v1.0.0 (MIT; arXiv 2606.04101), read and re-implement
 * the placement: the framework's static one (master experts ``e // (E / G)``), ``replica_slots`` redundant
   slots per GPU shared by every layer (``num_local_redundant_experts``), filled per (micro-batch, layer).
 
-The solver per NVLink domain (here a node of ``gpus_per_node`` GPUs, which is how UltraEP confines copies)
+The solver per NVLink domain (``cluster.nvl_domain`` GPUs, by default a node; UltraEP confines copies to it)
 finds the smallest per-rank token threshold ``T`` for which the export plan is feasible: first up to three
 "fast oracle" tries from ``ceil(lo * (1 + eps))`` in steps of ``ceil(hi / 100)`` with a dynamic minimum
 copy size (``ceil(need / feasible targets)``), else a bisection on the capacity test (excess <= slack),
@@ -467,7 +467,7 @@ class UltraEPPlanner:
         critical-path record (:class:`~relibra.types.OnlineCopies`)."""
         t0 = time.perf_counter()
         mb, num_layers, g, num_experts = ctx.load.shape
-        gpn = ctx.cluster.gpus_per_node
+        gpn = ctx.cluster.domain_gpus
         assign = np.zeros((mb, num_layers, num_experts, g), np.int32)
         replicas = np.full((mb, num_layers, g, self.replica_slots), -1, np.int32)
         measured = np.zeros((mb, num_layers))

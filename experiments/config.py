@@ -25,12 +25,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import CostModel, load_calibration
 from relibra.layout import LAYOUTS
-from relibra.planners.protocols import Planner, PlannerPortfolio
+from relibra.planners.protocols import ClusterRequirements, Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import FORMAT_DOC, RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
@@ -82,7 +82,14 @@ def build_cluster(cfg: DictConfig) -> ClusterSpec:
         hardware=hw,
         dispatcher=str(cfg.cluster.get("dispatcher", "alltoall")),
         ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
+        nvl_domain=_nvl_domain(cfg),
     )
+
+
+def _nvl_domain(cfg: DictConfig) -> int | None:
+    """``cluster.nvl_domain`` (GPUs per NVLink domain; unset or null: ``cluster.gpus_per_node``)."""
+    value = cfg.cluster.get("nvl_domain")
+    return None if value is None else int(value)
 
 
 def build_model(cfg: DictConfig) -> ModelSpec:
@@ -428,6 +435,32 @@ def _planner_problems(planner: DictConfig) -> list[str]:
     return problems
 
 
+def _domain_key(cfg: DictConfig, nodes: int, gpn: int, problems: list[str]) -> int | None:
+    """GPUs of the EP group per NVLink domain (:attr:`relibra.cluster.ClusterSpec.domain_gpus`), or None
+    with a problem naming ``cluster.nvl_domain`` when the group cannot be laid over such domains."""
+    value = cfg.cluster.get("nvl_domain")
+    problem = nvl_domain_problem(nodes, gpn, value)
+    if problem:
+        problems.append(problem)
+        return None
+    return min(int(value) if value is not None else gpn, nodes * gpn)
+
+
+def _cluster_requirements(cfg: DictConfig, planner: DictConfig, num_experts: int) -> list[str]:
+    """What a planner with :class:`~relibra.planners.protocols.ClusterRequirements` cannot honour on this
+    cluster (both built as the run builds them; one that cannot be built is reported elsewhere)."""
+    if "_target_" not in planner:
+        return []
+    try:
+        built = instantiate(planner, _convert_="all")
+        cluster = build_cluster(cfg)
+    except (InstantiationException, ValueError, TypeError):
+        return []
+    if not isinstance(built, ClusterRequirements):
+        return []
+    return list(built.cluster_problems(num_experts, cluster))
+
+
 def _comm_problems(cfg: DictConfig) -> list[str]:
     """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.calibration``."""
     problems: list[str] = []
@@ -501,14 +534,16 @@ def validate(cfg: DictConfig) -> None:
                 f"model.num_experts={e} is not divisible by cluster.nodes * cluster.gpus_per_node = "
                 f"{nodes} * {gpn} = {g}"
             )
-        elif planner is not None:
+        elif (domain := _domain_key(cfg, nodes, gpn, problems)) is not None and planner is not None:
+            problems.extend(_cluster_requirements(cfg, planner, e))
             present = "replica_slots" in planner
             slots = _int_key(cfg, "planner.replica_slots", problems, least=None, required=present) or 0
-            per_node = e // g * gpn
-            if slots < 0 or slots > per_node:
+            per_domain = e // g * domain
+            if slots < 0 or slots > per_domain:
                 problems.append(
-                    f"planner.replica_slots={slots} must be in [0, {per_node}], the experts in a node "
-                    f"(model.num_experts / G * cluster.gpus_per_node = {e} / {g} * {gpn})"
+                    f"planner.replica_slots={slots} must be in [0, {per_domain}], the experts in an NVLink "
+                    f"domain (model.num_experts / G * GPUs per domain = {e} / {g} * {domain}; the domain is "
+                    "cluster.nvl_domain, by default cluster.gpus_per_node)"
                 )
     layout = cfg.workload.get("layout")
     if layout not in LAYOUTS:

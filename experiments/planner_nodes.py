@@ -31,9 +31,11 @@ from hydra.core.config_store import ConfigStore
 
 from baselines.balanced import BalancedBound
 from baselines.eplb import EplbPlanner
+from baselines.foremoe import ForeMoEPlanner
 from baselines.llep import LlepPlanner
 from baselines.lplb import LplbPlanner
 from baselines.megatron import MegatronPlanner
+from baselines.moonep import MoonEPPlanner
 from baselines.popfetcher import PopFetcherPlanner
 from baselines.ultraep import UltraEPPlanner
 from relibra.planners.reorder.config import AnnealConfig
@@ -49,9 +51,11 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/majorize", "mm"): MajorizeConfig,
     ("planner/base", "balanced"): BalancedBound,
     ("planner/base", "eplb"): EplbPlanner,
+    ("planner/base", "foremoe"): ForeMoEPlanner,
     ("planner/base", "llep"): LlepPlanner,
     ("planner/base", "lplb"): LplbPlanner,
     ("planner/base", "megatron"): MegatronPlanner,
+    ("planner/base", "moonep"): MoonEPPlanner,
     ("planner/base", "popfetcher"): PopFetcherPlanner,
     ("planner/base", "ultraep"): UltraEPPlanner,
 }

@@ -66,12 +66,13 @@ QUICK_PRESETS = (
     "quick_overall",
     "quick_ablation",
     "quick_ep_scaling",
+    "quick_nvl72",
     "quick_datasets",
     "quick_overhead",
     "quick_real_trace",
 )
 PAPER_PRESETS = tuple(p.removeprefix("quick_") for p in QUICK_PRESETS)
-"""The same six grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
+"""The same seven grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 OLMOE_SAMPLES_PER_BATCH = 100

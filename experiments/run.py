@@ -147,6 +147,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "planner": result.planner,
         "nodes": cluster.nodes,
         "gpus_per_node": cluster.gpus_per_node,
+        "nvl_domain": cluster.domain_gpus,
         "replica_slots": planner.slot_budget.replica_slots,
         "tokens": float(counts.tokens.sum()) / max(counts.num_batches, 1),
         "executor": str(cfg.executor.name),
@@ -171,6 +172,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
             "planner": result.planner,
             "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node,
+            "nvl_domain": cluster.domain_gpus,
             # NOTE: a method without fixed slots (LLEP) is dumped with the most foreign experts a GPU held.
             "replica_slots": max(
                 [row["replica_slots"]] + [_foreign_experts(p) for p in result.plans if p.online]

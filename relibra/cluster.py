@@ -38,6 +38,9 @@ class HardwareSpec:
     """Achievable fraction of ``nic_bytes_per_s`` over RDMA."""
     fp8_flops: float = 0.0
     """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
+    host_bytes_per_s: float = 0.0
+    """Host-memory-to-GPU bandwidth per GPU per direction (PCIe, NVLink-C2C), bytes/s (0: unknown); only a
+    transfer engine that fetches expert weights from host memory (ForeMoE's CPU-assisted path) uses it."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class ClusterSpec:
     ep_overlap: bool = False
     """Hide one micro-batch's all-to-all behind another's compute (Megatron's
     ``overlap_moe_expert_parallel_comm``)."""
+    nvl_domain: int | None = None
+    """GPUs per NVLink domain (``cluster.nvl_domain``; None: ``gpus_per_node``, a Hopper node). A multiple of
+    ``gpus_per_node``; a domain larger than the EP group holds the whole group (a rack-scale system such as
+    GB200 NVL72 running EP 8-64), a smaller one must divide it (:attr:`domain_gpus`)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -62,10 +69,51 @@ class ClusterSpec:
             raise ValueError(
                 f"cluster.dispatcher={self.dispatcher!r}: choose one of {', '.join(DISPATCHERS)}"
             )
+        problem = nvl_domain_problem(self.nodes, self.gpus_per_node, self.nvl_domain)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of the EP group in one NVLink domain: ``min(nvl_domain, G)`` (``gpus_per_node`` by default).
+
+        The fabric (:mod:`relibra.cost.fabric`) and every planner that keeps copies close use this as the
+        "node" of the rail-optimized fabric: NVLink inside it, the rail NICs between domains."""
+        return min(self.nvl_domain or self.gpus_per_node, self.num_gpus)
+
+    @property
+    def num_domains(self) -> int:
+        """NVLink domains the EP group spans (``G / domain_gpus``)."""
+        return self.num_gpus // self.domain_gpus
+
+
+def nvl_domain_problem(nodes: int, gpus_per_node: int, nvl_domain: int | None) -> str | None:
+    """Why ``cluster.nvl_domain`` cannot describe this EP group (None: it can).
+
+    A domain is whole nodes (a multiple of ``gpus_per_node``); when it is smaller than the EP group
+    (``nodes * gpus_per_node``), the group is whole domains (the domain divides it), so that every domain
+    of the fabric is alike."""
+    if nvl_domain is None:
+        return None
+    g = nodes * gpus_per_node
+    if isinstance(nvl_domain, bool) or not isinstance(nvl_domain, int) or nvl_domain < 1:
+        return f"cluster.nvl_domain={nvl_domain!r}: must be an integer >= 1 (GPUs per NVLink domain) or null"
+    if nvl_domain % gpus_per_node:
+        return (
+            f"cluster.nvl_domain={nvl_domain} is not a multiple of cluster.gpus_per_node={gpus_per_node}: "
+            "an NVLink domain holds whole nodes"
+        )
+    if nvl_domain < g and g % nvl_domain:
+        return (
+            f"cluster.nvl_domain={nvl_domain} does not divide the EP group cluster.nodes * "
+            f"cluster.gpus_per_node = {nodes} * {gpus_per_node} = {g}: the group must be whole NVLink "
+            "domains (or lie inside one)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -430,7 +430,7 @@ def check_plan(
         plan.home,
         plan.assign,
         plan.load,
-        gpus_per_node=ctx.cluster.gpus_per_node,
+        gpus_per_node=ctx.cluster.domain_gpus,
         replica_slots=replica_slots,
         redundant_slots=redundant_slots,
         replicas_in_home_node=replicas_in_home_node,

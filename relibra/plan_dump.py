@@ -97,7 +97,7 @@ def check_plan_dump(
             home[b],
             assign[mbs],
             load[mbs],
-            gpus_per_node=gpn,
+            gpus_per_node=int(meta.get("nvl_domain", gpn)),
             replica_slots=int(meta["replica_slots"]),
             redundant_slots=int(meta["redundant_slots"]),
             replicas_in_home_node=in_node,

@@ -128,4 +128,4 @@ def relabel_plan(plan: BatchPlan, prev_home: np.ndarray, nodes: int, gpus_per_no
 
 def relabel_for(plan: BatchPlan, ctx: BatchContext) -> BatchPlan:
     """:func:`relabel_plan` against the placement the batch starts from (:func:`previous_home`)."""
-    return relabel_plan(plan, previous_home(ctx), ctx.cluster.nodes, ctx.cluster.gpus_per_node)
+    return relabel_plan(plan, previous_home(ctx), ctx.cluster.num_domains, ctx.cluster.domain_gpus)

@@ -142,3 +142,7 @@ class BatchPlan:
     online: OnlineCopies | None = None
     """Set by online planners that plan and copy after routing (UltraEP, LLEP); None: planned before the
     batch, replica slots refilled behind attention."""
+    host_path: bool = False
+    """The replica slots are filled by a transfer engine that also reads host memory (ForeMoE): each copy
+    takes the faster of the fabric from its home and the host link (:meth:`CostModel.engine_copy_time`);
+    False: over the fabric alone."""

@@ -29,7 +29,12 @@ CONF = str(REPO / "experiments" / "conf")
 
 
 def hand_hardware(
-    name: str, bf16_flops: float, hbm_bytes_per_s: float, nvlink_bytes_per_s: float, nic_bytes_per_s: float
+    name: str,
+    bf16_flops: float,
+    hbm_bytes_per_s: float,
+    nvlink_bytes_per_s: float,
+    nic_bytes_per_s: float,
+    host_bytes_per_s: float = 64e9,
 ) -> HardwareSpec:
     """A hand-built :class:`HardwareSpec` with these peak rates and round efficiencies.
 
@@ -50,6 +55,7 @@ def hand_hardware(
         alltoall_latency_s=10e-6,
         nvlink_efficiency=0.8,
         nic_efficiency=0.8,
+        host_bytes_per_s=host_bytes_per_s,
     )
 
 
@@ -141,8 +147,10 @@ def make_ctx(
     skew: float = 0.3,
     seed: int = 0,
     history: int = 0,
+    nvl_domain: int | None = None,
 ) -> BatchContext:
-    """A small consistent BatchContext: skewed per-sample counts and the loads they give."""
+    """A small consistent BatchContext: skewed per-sample counts and the loads they give (NVLink domains of
+    ``nvl_domain`` GPUs; None: one per node)."""
     rng = np.random.default_rng(seed)
     g = nodes * gpus_per_node
     popularity = rng.dirichlet(np.full(num_experts, skew), size=num_layers)  # [L, E]
@@ -153,7 +161,7 @@ def make_ctx(
     sample_gpu = (np.arange(samples) % g).astype(np.int32)
     sample_mb = ((np.arange(samples) // g) % microbatches).astype(np.int32)
     load = sample_loads(counts, sample_gpu, sample_mb, microbatches, g).astype(np.int32)
-    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, hardware=HOPPER, nvl_domain=nvl_domain)
     model = ModelSpec(
         name="tiny",
         num_layers=num_layers,

@@ -239,8 +239,13 @@ class ControlPlane:
             self._next_id += counts.shape[0]
             self._open.append((np.asarray(counts, dtype=np.int32), toks, ids, time.perf_counter()))
 
-    def seal(self) -> int:
-        """Close the open batch and start planning it. Returns its batch index (0, 1, ...)."""
+    def seal(self, layout: SampleLayout | None = None) -> int:
+        """Close the open batch and start planning it. Returns its batch index (0, 1, ...).
+
+        ``layout``: where each sample runs, in sample-id order (one batch: ``mb_batch`` all 0), instead of
+        ``config.layout``; for a trainer whose micro-batching fixes it (verl's static micro-batches hold a
+        fixed number of samples per GPU, :mod:`relibra.integrations.verl`).
+        """
         with self._lock:
             if not self._open:
                 raise ValueError("seal() with no submitted samples; submit() the batch's samples first")
@@ -250,8 +255,9 @@ class ControlPlane:
             if np.unique(ids).size != ids.size:
                 raise ValueError("sample_ids repeat within the batch; every sample needs its own id")
             t_arrival = max(t for _, _, _, t in self._open)
-            self._open, self._next_id = [], 0
             perm = np.argsort(ids, kind="stable")
+            given = None if layout is None else self._given(layout, counts[perm])
+            self._open, self._next_id = [], 0
             job = Job(
                 batch=self._next_batch,
                 counts=counts[perm],
@@ -261,8 +267,30 @@ class ControlPlane:
                 seed=self.config.seed + self._next_batch,
                 ctx_batch=self._next_batch,
                 reorder_prev=self._placement.copy(),
+                given=given,
             )
             return self._start(job)
+
+    def _given(self, layout: SampleLayout, counts: np.ndarray) -> Assembled:
+        """A caller's layout of one batch (samples in id order) and its loads, checked against ``counts``."""
+        t0 = time.perf_counter()
+        num_s, g = counts.shape[0], self.cluster.num_gpus
+        gpu, mb = np.asarray(layout.sample_gpu), np.asarray(layout.sample_mb)
+        if gpu.shape != (num_s,) or mb.shape != (num_s,):
+            raise ValueError(f"layout must place the batch's {num_s} samples, got {gpu.shape} / {mb.shape}")
+        num_mb = layout.num_microbatches
+        if (
+            np.any(layout.mb_batch != 0)
+            or gpu.min() < 0
+            or gpu.max() >= g
+            or mb.min() < 0
+            or mb.max() >= num_mb
+        ):
+            raise ValueError(
+                f"layout must be one batch (mb_batch all 0) on GPUs [0, {g}) and its {num_mb} micro-batches"
+            )
+        load = microbatch_loads(counts, gpu, mb, num_mb, g)
+        return Assembled(layout, mb.astype(np.int32), load, time.perf_counter() - t0)
 
     def plans(self, batch: int, deadline_s: float | None = None) -> BatchPlan:
         """The plan of ``batch``, waiting at most ``deadline_s`` seconds (None: config default, then forever).
@@ -667,13 +695,13 @@ class ControlPlane:
         fallback[~job.done | job.failed_replicate] |= Fallback.NO_REPLICATION
         home = np.where(job.reordered[:, None] & ~job.failed_reorder[:, None], job.home, job.prev_home)
         home = home.astype(np.int32)
-        online = None
+        online, host_path = None, False
         if job.whole is not None and not job.failed_reorder.any():
             plan = job.whole
             home = np.asarray(plan.home, dtype=np.int32)
             assign, replicas, load = plan.assign, plan.replicas, plan.load
             sample_gpu, redundant, stats = plan.sample_gpu, plan.redundant, dict(plan.stats)
-            online = plan.online
+            online, host_path = plan.online, plan.host_path
         else:
             assign, replicas, load = job.assign.copy(), job.replicas.copy(), job.load
             sample_gpu, redundant = job.sample_gpu, None
@@ -733,11 +761,11 @@ class ControlPlane:
             plan_time_s=t_all if job.finished else now - job.t_arrival,
             stats=stats,
             online=online,
+            host_path=host_path,
         )
         if (job.whole is None or job.failed_reorder.any()) and not fallback.any():
             # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
             # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
             # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
-            nodes = self.cluster.nodes
-            plan = relabel_plan(plan, job.prev_home, nodes, self.cluster.gpus_per_node)
+            plan = relabel_plan(plan, job.prev_home, self.cluster.num_domains, self.cluster.domain_gpus)
         return plan

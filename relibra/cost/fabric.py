@@ -1,8 +1,10 @@
 """The rail-optimized fabric: which bytes cross which link for each dispatcher (DESIGN.md, "Cost model").
 
 GPU ``g`` sits on node ``g // gpus_per_node`` and rail ``g % gpus_per_node``; each GPU has one NIC on its
-rail and NVLink to every GPU of its node. Two dispatchers move a token's hidden state to the GPUs that
-compute its experts and back:
+rail and NVLink to every GPU of its node. Here a "node" is an NVLink domain: callers pass
+``ClusterSpec.num_domains`` and ``ClusterSpec.domain_gpus`` (``cluster.nvl_domain``, by default the 8-GPU
+node; 72 GPUs on GB200 NVL72, where a domain spans trays and a GPU's rail is its position in the domain).
+Two dispatchers move a token's hidden state to the GPUs that compute its experts and back:
 
 * ``alltoall``: Megatron-core's ``MoEAlltoAllTokenDispatcher``. Its ``preprocess`` sets the all-to-all
   input splits to the per-rank sums of ``num_local_tokens_per_expert`` (``routing_map.sum(dim=0)``), so one

@@ -39,9 +39,11 @@ class MigrationPayload:
     def __post_init__(self) -> None:
         for key in ("weight_bytes", "master_weight_bytes", "optimizer_state_bytes"):
             value = getattr(self, key)
-            if not (math.isfinite(value) and value >= 0):
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (numeric and math.isfinite(value) and value >= 0):
                 raise ValueError(f"simulator.migration.{key}={value}: expected a finite number >= 0")
-        if int(self.optimizer_shards) != self.optimizer_shards or self.optimizer_shards < 1:
+        shards = self.optimizer_shards
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
             raise ValueError(
                 f"simulator.migration.optimizer_shards={self.optimizer_shards}: expected an integer >= 1 "
                 "(the expert-data-parallel ranks the optimizer state is sharded over)"

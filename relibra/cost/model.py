@@ -117,7 +117,7 @@ class CostModel:
         self.dispatch_token_bytes = float(model.hidden * dispatch_value_bytes)
         self._nvlink = hw.nvlink_bytes_per_s * hw.nvlink_efficiency
         self._nic = hw.nic_bytes_per_s * hw.nic_efficiency
-        gpn = cluster.gpus_per_node
+        gpn = cluster.domain_gpus
         g = np.arange(cluster.num_gpus)
         self._same_node = (g[:, None] // gpn) == (g[None, :] // gpn)
         self._same_gpu = g[:, None] == g[None, :]
@@ -166,7 +166,7 @@ class CostModel:
         Returns ``nvlink_send``, ``nvlink_recv``, ``nic_send``, ``nic_recv``, each [..., G]
         (:func:`relibra.cost.fabric.rail_link_bytes`).
         """
-        return rail_link_bytes(traffic_bytes, self.cluster.nodes, self.cluster.gpus_per_node)
+        return rail_link_bytes(traffic_bytes, self.cluster.num_domains, self.cluster.domain_gpus)
 
     def _phase_time(self, links: dict[str, np.ndarray], bytes_per_token: float) -> np.ndarray:
         """Seconds [..., G] of one all-to-all phase: the busiest link direction of each GPU."""
@@ -217,8 +217,8 @@ class CostModel:
             x,
             self.share(assign),
             x.sum(axis=-1) / self.model.top_k,
-            self.cluster.nodes,
-            self.cluster.gpus_per_node,
+            self.cluster.num_domains,
+            self.cluster.domain_gpus,
         )
         return self.deepep_comm_time(links)
 
@@ -230,7 +230,7 @@ class CostModel:
         c = self.cluster
         if self.dispatcher == "alltoall":
             return self.comm_time(alltoall_traffic(dest_gpu, src_gpu, c.num_gpus))
-        return self.deepep_comm_time(deepep_link_tokens(dest_gpu, src_gpu, c.nodes, c.gpus_per_node))
+        return self.deepep_comm_time(deepep_link_tokens(dest_gpu, src_gpu, c.num_domains, c.domain_gpus))
 
     # --------------------------------------------------------------------- MoE
     def moe(self, load: np.ndarray, assign: np.ndarray) -> MoEBreakdown:
@@ -347,6 +347,33 @@ class CostModel:
         t_nvl = np.maximum(lb["nvlink_send"], lb["nvlink_recv"]) / self._nvlink
         t_nic = np.maximum(lb["nic_send"], lb["nic_recv"]) / self._nic
         return np.asarray(np.maximum(t_nvl, t_nic).max(axis=-1))
+
+    def engine_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
+        """Seconds to fill the listed slots with a transfer engine of two concurrent paths (ForeMoE's
+        GPU-direct and CPU-assisted paths): a copy is read from host memory over the GPU's host link
+        (``host_bytes_per_s``) when that link is faster than the fabric link it would otherwise take from its
+        home (NVLink inside the NVLink domain, the rail NIC across domains), else over the fabric; the slower
+        path bounds the fill.
+
+        replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
+        """
+        host_rate = self.cluster.hardware.host_bytes_per_s
+        if host_rate <= 0:
+            raise ValueError(
+                "cluster.hardware.host_bytes_per_s=0: a host-memory transfer path needs the host link's rate"
+            )
+        rep = np.asarray(replicas)
+        home = np.asarray(home)
+        g = rep.shape[-2]
+        lidx = np.broadcast_to(np.arange(home.shape[0])[:, None, None], rep.shape)
+        src = home[lidx, np.maximum(rep, 0)]  # [..., L, G, r]
+        dst = np.broadcast_to(np.arange(g)[:, None], rep.shape)
+        d = self.cluster.domain_gpus
+        direct_rate = np.where(src // d == dst // d, self._nvlink, self._nic)
+        by_host = (rep >= 0) & (host_rate > direct_rate)
+        direct = self.fabric_copy_time(np.where(by_host, -1, rep), home)
+        host = by_host.sum(axis=-1).max(axis=-1) * self.expert_weight_bytes() / host_rate
+        return np.asarray(np.maximum(direct, host))
 
     def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float:
         """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` for every i at once.

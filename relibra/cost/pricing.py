@@ -120,6 +120,8 @@ def price_plan(
     moved_l, moved_e = np.nonzero(plan.home != prev_home)
     # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
     fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
+    if plan.host_path:
+        fill = cost.engine_copy_time
     expert_bytes = ctx.model.expert_params * bytes_per_param
     return Priced(
         br=br,

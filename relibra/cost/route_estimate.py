@@ -33,10 +33,10 @@ def estimate_error(
     rows = []
     for layer in range(experts.shape[1]):
         ex = experts[:, layer, :].astype(np.int64)
-        exact = deepep_link_tokens(home[ex], token_gpu, c.nodes, c.gpus_per_node)
+        exact = deepep_link_tokens(home[ex], token_gpu, c.num_domains, c.domain_gpus)
         load = np.zeros((g, e))
         np.add.at(load, (np.repeat(token_gpu, ex.shape[1]), ex.ravel()), 1.0)
-        est = deepep_link_tokens_estimate(load, share, tokens, c.nodes, c.gpus_per_node)
+        est = deepep_link_tokens_estimate(load, share, tokens, c.num_domains, c.domain_gpus)
         t_exact = float(cost.deepep_phase_times(exact)[0].max())
         t_est = float(cost.deepep_phase_times(est)[0].max())
         rows.append(

@@ -55,6 +55,11 @@ from relibra.types import BatchPlan
 __all__ = ["DistEnv", "main", "plans_from_dump", "slot_table"]
 
 
+def _domain(meta: Mapping[str, Any]) -> int:
+    """GPUs per NVLink domain of a dump's meta (``nvl_domain``; dumps written before it: the node)."""
+    return int(meta.get("nvl_domain", meta["gpus_per_node"]))
+
+
 def slot_table(home: np.ndarray, assign: np.ndarray, width: int) -> np.ndarray:
     """Replica slots that hold exactly the non-home experts each GPU computes.
 
@@ -162,9 +167,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     in_node = bool(meta.get("replicas_in_home_node", True))
     for b, plan in enumerate(plans):  # every rank refuses the same plan before any communication
         try:
-            check_plan(
-                plan, num_gpus, int(meta["gpus_per_node"]), replica_slots, redundant_slots, None, in_node
-            )
+            check_plan(plan, num_gpus, _domain(meta), replica_slots, redundant_slots, None, in_node)
         except PlanRefused as err:
             raise PlanRefused(err.invariant, f"batch {b}: {err.detail}") from None
 

@@ -332,7 +332,7 @@ class TorchExecutor:
             red = max((p.redundant.shape[-1] for p in plans if p.redundant is not None), default=0)
         for b, plan in enumerate(plans):
             try:
-                check_plan(plan, world, cluster.gpus_per_node, r, red)
+                check_plan(plan, world, cluster.domain_gpus, r, red)
             except PlanRefused as err:
                 raise PlanRefused(err.invariant, f"batch {b}: {err.detail}") from None
         shape = ExpertShape(self.hidden or model.hidden, self.moe_ffn or model.moe_ffn)

@@ -74,6 +74,15 @@ def replay_instances(routers: Sequence[Any] | None = None) -> list[Any]:
     out = [r.router_replay for r in routers]
     if any(inst is None for inst in out):
         raise ValueError("a router has no RouterReplay; build the model with moe_enable_routing_replay=True")
+    foreign = [inst for inst in out if not isinstance(inst, replay_cls)]
+    if foreign:
+        kind = type(foreign[0])
+        raise ValueError(
+            f"a router's replay is {kind.__module__}.{kind.__qualname__}, not megatron-core's RouterReplay: "
+            "a trainer's patch replaced it (verl's apply_router_replay_patch does) and ignores "
+            "megatron-core's actions, so the layer would route natively; replay through that trainer "
+            "(relibra.integrations)"
+        )
     return out
 
 

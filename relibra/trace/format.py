@@ -41,6 +41,7 @@ __all__ = [
     "RoutingTrace",
     "TraceFormatError",
     "load_trace",
+    "positive_int",
     "save_trace",
     "validate",
 ]
@@ -172,6 +173,16 @@ class RoutingTrace:
             domain_names=self.domain_names,
             meta=dict(self.meta),
         )
+
+
+def positive_int(name: str, value: Any, most: int | None = None) -> int:
+    """``value`` as an int >= 1 (and <= ``most``), or a :class:`TraceFormatError` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TraceFormatError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1 or (most is not None and value > most):
+        bound = f" and at most {most}" if most is not None else ""
+        raise TraceFormatError(f"{name} must be a positive integer{bound}, got {value}")
+    return int(value)
 
 
 def _fail(array: str, problem: str) -> TraceFormatError:

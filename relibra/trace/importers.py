@@ -27,20 +27,29 @@ from typing import Any
 
 import numpy as np
 
-from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError
+from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError, positive_int
 from relibra.types import SampleCounts
 
 __all__ = [
+    "SGLANG_DTYPES",
     "IncompleteToken",
     "IncompleteTokensError",
+    "fill_route",
+    "from_areal",
+    "from_nemo_rl",
     "from_router_replay",
     "from_sglang",
+    "from_skyrl",
+    "from_slime",
+    "from_verl",
     "from_vllm",
+    "join_pipeline_stages",
     "load_flame_moe",
     "load_mixtral_jsonl",
     "load_olmoe_decode",
     "load_olmoe_prefill_counts",
     "load_qwen3_counts",
+    "moe_layers_from_freq",
 ]
 
 OLMOE_DOMAINS = ("general", "coding", "math", "reasoning")
@@ -53,16 +62,6 @@ def _batch_offsets(num_samples: int, samples_per_batch: int | None) -> np.ndarra
     if samples_per_batch < 1:
         raise ValueError(f"samples_per_batch must be >= 1, got {samples_per_batch}")
     return np.r_[np.arange(0, num_samples, samples_per_batch), num_samples].astype(np.int64)
-
-
-def _positive_int(name: str, value: Any, most: int | None = None) -> int:
-    """``value`` as an int >= 1 (and <= ``most``), or a :class:`TraceFormatError` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TraceFormatError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1 or (most is not None and value > most):
-        bound = f" and at most {most}" if most is not None else ""
-        raise TraceFormatError(f"{name} must be a positive integer{bound}, got {value}")
-    return int(value)
 
 
 def _int_ids(name: str, arr: np.ndarray, num: int, what: str) -> None:
@@ -86,11 +85,13 @@ def from_vllm(
     sample_domain: np.ndarray | None = None,
     domain_names: tuple[str, ...] = (),
     meta: dict[str, Any] | None = None,
+    moe_layers: Sequence[int] | None = None,
 ) -> RoutingTrace:
     """A trace from per-sample routes, one array ``[seq_len, layer_num, topk]`` per sample (vLLM's form).
 
     Every value is range-checked on its own dtype before it is cast to the trace's (int16 ids), so
-    nothing wraps around; a bad input is a :class:`TraceFormatError` naming the array.
+    nothing wraps around; a bad input is a :class:`TraceFormatError` naming the array. vLLM returns
+    int16 ``[seq_len - 1, num_hidden_layers, topk]`` (every token but the last, every transformer layer).
 
     Args:
         routed_experts: S arrays of integer expert ids, each ``[T_s, L, k]`` with the same ``L`` and ``k``.
@@ -99,11 +100,16 @@ def from_vllm(
         sample_domain: int [S] or None, indices into ``domain_names``.
         meta: extra JSON-serialisable metadata merged into the trace's ``meta``; it may not restate
             ``num_experts``, ``top_k`` or ``num_layers`` differently from the routes (refused, naming it).
+        moe_layers: indices of the MoE layers along ``layer_num`` (None: every recorded layer is one),
+            for engines that record dense layers too (DeepSeek-V3's first three);
+            :func:`relibra.trace.importers_rl.moe_layers_from_freq` builds them from ``moe_layer_freq``.
     """
-    num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
+    num_experts = positive_int("num_experts", num_experts, MAX_EXPERTS)
     if len(routed_experts) == 0:
         raise TraceFormatError("routed_experts is empty: a trace needs at least one sample")
     arrays = [np.asarray(a) for a in routed_experts]
+    if moe_layers is not None:
+        arrays = [_moe_layers(f"routed_experts[{s}]", a, moe_layers) for s, a in enumerate(arrays)]
     if arrays[0].ndim != 3:
         raise TraceFormatError(
             f"routed_experts[0] must be [seq_len, layer_num, topk], got shape {arrays[0].shape}"
@@ -152,39 +158,69 @@ def from_vllm(
     )
 
 
+SGLANG_DTYPES = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
+"""Element types of SGLang's base64 ``routed_experts``: int32 today
+(``extract_routed_experts_from_meta_info``), uint8 / uint16 by expert count in the narrower encoding."""
+
+
 def from_sglang(
     routed_experts: Sequence[str | bytes],
     num_layers: int,
     top_k: int,
     num_experts: int,
+    dtype: str = "int32",
     **kwargs: Any,
 ) -> RoutingTrace:
-    """A trace from SGLang's ``meta_info.routed_experts``: per sample, base64 of int32 ids.
+    """A trace from SGLang's ``meta_info.routed_experts``: per sample, base64 of little-endian ids.
 
-    Each string decodes to ``T_s * num_layers * top_k`` int32 values, reshaped to ``[-1, num_layers,
-    top_k]``. Other keyword arguments go to :func:`from_vllm`.
+    Each string decodes to ``T_s * num_layers * top_k`` values of ``dtype`` (:data:`SGLANG_DTYPES`),
+    reshaped to ``[-1, num_layers, top_k]``. A dtype too narrow for ``num_experts`` ids is refused before
+    decoding (its ids would have wrapped). Other keyword arguments go to :func:`from_vllm`.
     """
-    num_layers = _positive_int("num_layers", num_layers)
-    top_k = _positive_int("top_k", top_k)
+    num_layers = positive_int("num_layers", num_layers)
+    top_k = positive_int("top_k", top_k)
+    if dtype not in SGLANG_DTYPES:
+        raise TraceFormatError(f"dtype must be one of {sorted(SGLANG_DTYPES)}, got {dtype!r}")
+    item = np.dtype(SGLANG_DTYPES[dtype])
+    if isinstance(num_experts, int) and int(np.iinfo(item).max) < num_experts - 1:
+        raise TraceFormatError(
+            f"dtype {dtype} holds ids up to {np.iinfo(item).max}, but num_experts={num_experts}: "
+            "ids past it were wrapped when they were encoded"
+        )
     per_sample = []
     for s, text in enumerate(routed_experts):
         try:
             raw = base64.b64decode(text, validate=True)
         except (binascii.Error, TypeError, ValueError) as err:
             raise TraceFormatError(f"routed_experts[{s}] is not valid base64 ({err})") from err
-        if len(raw) % 4:
+        if len(raw) % item.itemsize:
             raise TraceFormatError(
-                f"routed_experts[{s}] decodes to {len(raw)} bytes, not a whole number of int32 values"
+                f"routed_experts[{s}] decodes to {len(raw)} bytes, not a whole number of {dtype} values"
             )
-        flat = np.frombuffer(raw, dtype="<i4")
+        flat = np.frombuffer(raw, dtype=item)
         if flat.size % (num_layers * top_k):
             raise TraceFormatError(
-                f"routed_experts[{s}] decodes to {flat.size} int32 values, not a multiple of "
+                f"routed_experts[{s}] decodes to {flat.size} {dtype} values, not a multiple of "
                 f"num_layers * top_k = {num_layers * top_k}"
             )
         per_sample.append(flat.reshape(-1, num_layers, top_k))
     kwargs.setdefault("source", "sglang")
     return from_vllm(per_sample, num_experts, **kwargs)
+
+
+def _moe_layers(name: str, arr: np.ndarray, moe_layers: Sequence[int]) -> np.ndarray:
+    """``arr [T, L, k]`` restricted to the layer indices ``moe_layers`` (distinct, in ``[0, L)``)."""
+    idx = np.asarray(list(moe_layers))
+    if arr.ndim != 3:
+        raise TraceFormatError(f"{name} must be [seq_len, layer_num, topk], got shape {arr.shape}")
+    if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
+        raise TraceFormatError(f"moe_layers must be a non-empty list of layer indices, got {moe_layers!r}")
+    if idx.min() < 0 or idx.max() >= arr.shape[1] or np.unique(idx).size != idx.size:
+        raise TraceFormatError(
+            f"moe_layers must be distinct indices in [0, {arr.shape[1]}) ({name} records {arr.shape[1]} "
+            f"layers), got {idx.tolist()}"
+        )
+    return arr[:, idx]
 
 
 def from_router_replay(
@@ -482,3 +518,17 @@ def load_qwen3_counts(path: str | Path, top_k: int = 8) -> SampleCounts:
         top_k=top_k,
         meta={"model": model, "source": "qwen3-moe-counts", "phase": "prefill", "aggregate": True},
     )
+
+
+# NOTE: imported last: the RL-trainer importers (importers_rl.py) build on from_vllm and the checks above,
+# and their public names are importable from here as well.
+from relibra.trace.importers_rl import (  # noqa: E402
+    fill_route,
+    from_areal,
+    from_nemo_rl,
+    from_skyrl,
+    from_slime,
+    from_verl,
+    join_pipeline_stages,
+    moe_layers_from_freq,
+)

@@ -304,7 +304,7 @@ def test_replay_adds_breaks_step_time_down_against_the_best_online_balancer() ->
     assert ultra["critical path s"] == pytest.approx(0.3) and ultra["x best online"] == pytest.approx(1.0)
     terms = ["compute s", "comm s", "attention s", "critical path s", "refill s", "migration s"]
     np.testing.assert_allclose(first[terms].sum(axis=1), first["step s"])
-    with pytest.raises(ValueError, match="ultraep or llep"):
+    with pytest.raises(ValueError, match=r"one of \['ultraep', 'llep', 'moonep'\]"):
         replay_adds(frame[~frame["planner"].isin(["ultraep", "llep"])])
 
 
@@ -329,7 +329,15 @@ def test_ultraep_headline_needs_force_balanced_and_compares_with_its_paper() -> 
     np.testing.assert_allclose(table["% of force-balanced"], 100 * 7.0 / (10.0 / ONLINE["ultraep"]))
     np.testing.assert_allclose(table["over Megatron-LM"], ONLINE["ultraep"])
     np.testing.assert_allclose(table["x ours/paper"], ONLINE["ultraep"] / 1.42)
-    assert (table["paper %"] == 94.6).all()
+    assert (table["paper %"] == 94.6).all() and (table["NVLink domain"] == "8 GPUs").all()
+    # The same cells in one 64-GPU NVLink domain (nvl72's trays of 4): a block and a mean of their own.
+    rack = pd.concat([frame, pd.DataFrame(forced)]).assign(gpus_per_node=4, nodes=16, nvl_domain=64)
+    both = ultraep_headline(pd.concat([frame, pd.DataFrame(forced), rack])).frame
+    means = both[both["model"] == "mean"]
+    assert len(both) == 2 * (2 * len(DATASETS) + 1) and means["NVLink domain"].tolist() == [
+        "64 GPUs",
+        "8 GPUs",
+    ]
 
 
 def test_step_breakdown_figure(tmp_path: Path) -> None:
@@ -340,7 +348,7 @@ def test_step_breakdown_figure(tmp_path: Path) -> None:
     fig = plot_step_breakdown(frame)
     assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 4 * 6  # 4 planners x 6 stacked terms
     assert all(p.stat().st_size > 1000 for p in save(fig, tmp_path, "breakdown"))
-    with pytest.raises(ValueError, match="ultraep or llep"):
+    with pytest.raises(ValueError, match=r"one of \['ultraep', 'llep', 'moonep'\]"):
         plot_step_breakdown(frame[frame["planner"].isin(["relibra", "megatron"])])
 
 

@@ -152,3 +152,17 @@ def test_entry_point_and_plan_dump(tmp_path) -> None:
     assert row["planner"] == "ultraep" and row["t_critical_path_s"] > 0
     meta = check_plan_dump(tmp_path / "run" / "plans.npz", counts=trace.to_counts().counts)
     assert meta["planner"] == "ultraep" and meta["replica_slots"] == 2 and meta["replicas_in_home_node"]
+
+
+def test_one_domain_of_two_nodes_copies_across_them() -> None:
+    """``cluster.nvl_domain=8`` over 2 nodes of 4: one solver domain spans both nodes; copies cross them."""
+    ctx = make_ctx(microbatches=3, samples=96, skew=0.3, nvl_domain=8)
+    plan = UltraEPPlanner(replica_slots=2, min_tokens_per_replica=1).plan(ctx)
+    check_plan(plan, ctx, replica_slots=2, replicas_in_home_node=True)
+    m, layer, g, s = np.nonzero(plan.replicas >= 0)
+    src = plan.home[layer, plan.replicas[m, layer, g, s]]
+    assert (src // 4 != g // 4).any()
+    narrow = UltraEPPlanner(replica_slots=2, min_tokens_per_replica=1).plan(
+        make_ctx(microbatches=3, samples=96, skew=0.3)
+    )
+    assert plan.assign.sum(axis=2).max(axis=-1).sum() <= narrow.assign.sum(axis=2).max(axis=-1).sum()

@@ -3,8 +3,8 @@
 The planners search over their own compiled copies of the rail-optimized link arithmetic; the simulator
 prices plans with :class:`relibra.cost.model.CostModel`, which calls :mod:`relibra.cost.fabric`. This module
 is the one place that pins every copy to the fabric, per (micro-batch, GPU) and per link direction, for
-random loads, placements and token splits over several cluster shapes (one node included) and both
-dispatchers:
+random loads, placements and token splits over several cluster shapes (one node included, and NVLink
+domains of several nodes, ``cluster.nvl_domain``) and both dispatchers:
 
 * the annealer (:mod:`relibra.planners.reorder.anneal`, routes from :mod:`relibra.planners.reorder.links`):
   the link state of :func:`full_state` / :func:`full_state_deepep`, the same state after incremental swaps,
@@ -64,9 +64,13 @@ from relibra.planners.replicate.state import ALL_NODES, _home_state, _objective,
 from relibra.planners.replicate.terms import ReplicationCoefficients
 from tests.builders import HOPPER
 
-SHAPES = ((1, 4), (1, 8), (2, 2), (2, 4), (4, 2), (3, 2), (2, 8))
-"""(nodes, gpus_per_node) of the default run: one node, square and flat shapes, an odd node count."""
-BIG_SHAPES = ((4, 4), (8, 8))
+SHAPES = (
+    (1, 4, None), (1, 8, None), (2, 2, None), (2, 4, None), (4, 2, None), (3, 2, None), (2, 8, None),
+    (4, 2, 4), (2, 2, 4), (4, 2, 8), (6, 2, 4),
+)  # fmt: skip
+"""(nodes, gpus_per_node, nvl_domain) of the default run: one node, square and flat shapes, an odd node
+count; NVLink domains of two and four nodes (one domain holding the whole group among them)."""
+BIG_SHAPES = ((4, 4, None), (8, 8, None), (16, 4, 16))
 """Added by the slow test."""
 HW = replace(HOPPER, nvlink_efficiency=0.685, nic_efficiency=0.875)
 """The calibrated link efficiencies of conf/cluster/hopper.yaml, so that NVLink and NIC rates differ
@@ -98,11 +102,13 @@ class Case:
 
     @property
     def nodes(self) -> int:
-        return self.cost.cluster.nodes
+        """NVLink domains: the fabric's "nodes" (``cluster.num_domains``)."""
+        return self.cost.cluster.num_domains
 
     @property
     def gpn(self) -> int:
-        return self.cost.cluster.gpus_per_node
+        """GPUs per NVLink domain (``cluster.domain_gpus``)."""
+        return self.cost.cluster.domain_gpus
 
     @property
     def num_gpus(self) -> int:
@@ -118,15 +124,17 @@ class Case:
         return home_assign(self.load, np.broadcast_to(self.home, (mb, self.home.size)), self.num_gpus)
 
 
-def make_case(nodes: int, gpn: int, dispatcher: str, seed: int) -> Case:
-    """A :class:`Case` on ``nodes x gpn`` GPUs (numpy streams from ``seed``)."""
+def make_case(nodes: int, gpn: int, dispatcher: str, seed: int, nvl_domain: int | None = None) -> Case:
+    """A :class:`Case` on ``nodes x gpn`` GPUs in NVLink domains of ``nvl_domain`` (numpy streams from
+    ``seed``)."""
     rng = np.random.default_rng(seed)
     g = nodes * gpn
     per_gpu = max(int(rng.integers(1, 4)), -(-2 * TOP_K // g))  # E >= 2 * TOP_K experts
     e = g * per_gpu
     mb = int(rng.integers(1, 4))
     model = ModelSpec("kernels-moe", 2, 2, 2048, 768, e, TOP_K, 16, 4, 128)
-    cost = CostModel(ClusterSpec(nodes, gpn, HW, dispatcher=dispatcher), model)
+    cost = CostModel(ClusterSpec(nodes, gpn, HW, dispatcher=dispatcher, nvl_domain=nvl_domain), model)
+    gpn = cost.cluster.domain_gpus  # NOTE: splits stay in the expert's NVLink domain.
     popularity = rng.dirichlet(np.full(e, float(rng.choice([0.2, 1.0, 5.0]))))
     load = np.zeros((mb, g, e), dtype=np.int64)
     for m in range(mb):
@@ -149,10 +157,14 @@ def make_case(nodes: int, gpn: int, dispatcher: str, seed: int) -> Case:
 
 
 @st.composite
-def cases(draw: st.DrawFn, shapes: tuple[tuple[int, int], ...] = SHAPES, dispatchers=("alltoall", "deepep")):
-    nodes, gpn = draw(st.sampled_from(shapes))
+def cases(
+    draw: st.DrawFn,
+    shapes: tuple[tuple[int, int, int | None], ...] = SHAPES,
+    dispatchers=("alltoall", "deepep"),
+):
+    nodes, gpn, domain = draw(st.sampled_from(shapes))
     dispatcher = draw(st.sampled_from(dispatchers))
-    return make_case(nodes, gpn, dispatcher, draw(st.integers(0, 2**32 - 1)))
+    return make_case(nodes, gpn, dispatcher, draw(st.integers(0, 2**32 - 1)), domain)
 
 
 def _dispatch_and_combine(dispatch: dict[str, np.ndarray], combine: dict[str, np.ndarray]) -> np.ndarray:
@@ -378,7 +390,12 @@ def test_locality_kernels_are_the_fabric(case: Case) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(case=cases(shapes=((1, 4), (2, 2), (2, 4), (4, 2), (3, 2)), dispatchers=("alltoall",)))
+@given(
+    case=cases(
+        shapes=((1, 4, None), (2, 2, None), (2, 4, None), (4, 2, None), (3, 2, None), (4, 2, 4)),
+        dispatchers=("alltoall",),
+    )
+)
 def test_milp_coefficients_are_the_fabric(case: Case) -> None:
     check_milp_coefficients(case)
 
@@ -427,3 +444,34 @@ def test_every_kernel_on_many_cases(name: str, data: st.DataObject) -> None:
     shapes = SHAPES + (BIG_SHAPES[:1] if name == "milp_coefficients" else BIG_SHAPES)
     dispatchers = ("alltoall",) if name in ALLTOALL_ONLY else ("alltoall", "deepep")
     CHECKS[name](data.draw(cases(shapes=shapes, dispatchers=dispatchers)))
+
+
+# ------------------------------------------------------------------------- NVLink domains > node
+@pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
+@pytest.mark.parametrize(("nodes", "gpn", "domain"), [(2, 4, 8), (4, 2, 4), (4, 4, 16)])
+def test_a_domain_of_several_nodes_is_priced_as_one_big_node(
+    nodes: int, gpn: int, domain: int, dispatcher: str
+) -> None:
+    """``cluster.nvl_domain`` spanning several nodes: every link load and per-GPU second of the cost model
+    (per-source estimate and exact routes) equals that of a cluster whose nodes are the domains, and the
+    kernels' checks above hold on it; across domains traffic takes the NICs, inside a domain none does."""
+    case = make_case(nodes, gpn, dispatcher, 7, nvl_domain=domain)
+    c = case.cost.cluster
+    assert (c.num_domains, c.domain_gpus) == (nodes * gpn // domain, domain)
+    flat = CostModel(ClusterSpec(c.num_domains, domain, HW, dispatcher=dispatcher), case.cost.model)
+    for assign in (case.home_assign(), case.split):
+        np.testing.assert_array_equal(
+            case.cost.moe_comm_time(case.load, assign), flat.moe_comm_time(case.load, assign)
+        )
+    rng = np.random.default_rng(3)
+    dest = rng.integers(0, c.num_gpus, size=(64, TOP_K))
+    src = rng.integers(0, c.num_gpus, size=64)
+    np.testing.assert_array_equal(case.cost.route_comm_time(dest, src), flat.route_comm_time(dest, src))
+    links = fabric_links(case, case.home_assign())  # [Mb, 8, G]
+    if c.num_domains == 1:
+        assert not links[:, [2, 3, 6, 7]].any(), "a single NVLink domain sends nothing over the NICs"
+    for check in (check_annealer_links, check_annealer_comm_time, check_annealer_swaps, check_greedy):
+        check(case)
+    if dispatcher == "alltoall":
+        check_locality(case)
+        check_milp_coefficients(case)

@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 
 import experiments.run as run_module
-from experiments.config import validate
+from experiments.config import build_cluster, validate
 from experiments.grid import cells, compose_cell, compose_cells, presets
 from experiments.grid_jobs import GridReport
 from experiments.store import ResultsStore, cell_key
 
-FULL = ["overall", "ablation", "ep_scaling", "datasets", "overhead", "real_trace"]
+FULL = ["overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
 PLANNERS = {
     "megatron",
@@ -22,7 +22,9 @@ PLANNERS = {
     "lplb",
     "ultraep",
     "llep",
+    "moonep",
     "relibra",
+    "foremoe",
     "balanced",
     "force_balanced",
 }
@@ -121,6 +123,19 @@ def test_overall_covers_models_datasets_planners_at_paper_ep_sizes() -> None:
         assert 32 <= g <= 160 and cfg.model.num_experts % g == 0
 
 
+def test_nvl72_holds_every_ep_group_in_one_nvlink_domain() -> None:
+    """EP 8-64 on GB200 NVL72 trays of 4: every cell's group lies in one 72-GPU domain."""
+    grid = [dict(o.split("=", 1) for o in cell) for cell in cells("nvl72")]
+    assert {c["cluster.nodes"] for c in grid} == {"2", "4", "8", "16"}
+    assert {"moonep", "ultraep", "llep", "relibra", "foremoe", "force_balanced"} <= {
+        c["planner"] for c in grid
+    }
+    for nodes in (2, 16):
+        cluster = build_cluster(compose_cell("nvl72", [f"cluster.nodes={nodes}"]))
+        assert (cluster.gpus_per_node, cluster.nvl_domain) == (4, 72)
+        assert cluster.num_domains == 1 and cluster.domain_gpus == 4 * nodes
+
+
 def _first_cell_per_planner(preset: str) -> list[list[str]]:
     seen: dict[str, list[str]] = {}
     for cell in cells(preset):
@@ -196,10 +211,10 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "1",  # NOTE: in this process, so that the monkeypatch below reaches the cells
         "cluster.nodes=1,2",
         *tiny(2),
-    ]  # x 7 planners
+    ]  # x 9 planners
     assert reproduce.main(args) == 0
     printed = capsys.readouterr().out
-    assert "14 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
+    assert "18 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
     assert (tmp_path / "analysis" / "figures" / "quick_ep_scaling.skew_by_ep.png").is_file()
 
@@ -208,7 +223,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
     assert reproduce.main([*args, "--no-analysis"]) == 0
-    assert "0 cells run, 14 reused, 0 failed" in capsys.readouterr().out
+    assert "0 cells run, 18 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
@@ -244,28 +259,38 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
     assert reproduce.main([*args, "--no-analysis"]) == 0
     out = capsys.readouterr().out
-    assert "0 cells run, 7 reused, 0 failed" in out
-    assert f"7 finished cells came from other code than 9.9.9+gnewer (7 by {code_version()})" in out
+    assert "0 cells run, 9 reused, 0 failed" in out
+    assert f"9 finished cells came from other code than 9.9.9+gnewer (9 by {code_version()})" in out
 
     before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
     assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
     out = capsys.readouterr().out
-    assert "7 cells run, 0 reused, 0 failed" in out and "recomputed" in out
+    assert "9 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())
 
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([], ["quick_overall", "quick_ablation", "quick_ep_scaling", "quick_datasets", "quick_overhead"]),
-        (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "datasets", "overhead"]),
+        (
+            [],
+            [
+                "quick_overall",
+                "quick_ablation",
+                "quick_ep_scaling",
+                "quick_nvl72",
+                "quick_datasets",
+                "quick_overhead",
+            ],
+        ),
+        (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead"]),
         (["--scale", "paper", "--presets", "datasets"], ["datasets"]),
     ],
 )
 def test_reproduce_scale_selects_the_presets(
     argv: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--scale paper` (make reproduce-paper) runs the six grids at the paper's scale; --presets wins."""
+    """`--scale paper` (make reproduce-paper) runs the seven grids at the paper's scale; --presets wins."""
     from experiments import reproduce
 
     ran: list[str] = []

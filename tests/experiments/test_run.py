@@ -74,6 +74,22 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
     [
         (["cluster.nodes=3"], ["model.num_experts=64", "cluster.nodes * cluster.gpus_per_node"]),
         (["planner.replica_slots=33"], ["planner.replica_slots=33"]),
+        (["cluster.nvl_domain=12"], ["cluster.nvl_domain=12", "cluster.gpus_per_node=8"]),
+        (
+            ["cluster.gpus_per_node=4", "cluster.nodes=4", "cluster.nvl_domain=12"],
+            ["cluster.nvl_domain=12", "does not divide", "cluster.nodes * cluster.gpus_per_node"],
+        ),
+        (["cluster.nvl_domain=0"], ["cluster.nvl_domain=0"]),
+        (
+            ["cluster.nvl_domain=16", "planner.replica_slots=65"],
+            ["planner.replica_slots=65", "NVLink domain"],
+        ),
+        (["planner=moonep", "planner.replica_slots=2"], ["planner.replica_slots=2", "model.num_experts / G"]),
+        (["planner=moonep", "planner.redundant_slots=1"], ["planner.redundant_slots=1"]),
+        (
+            ["planner=foremoe", "cluster.hardware.host_bytes_per_s=0"],
+            ["cluster.hardware.host_bytes_per_s=0", "ForeMoE"],
+        ),
         (["model=qwen3-30b-a3b"], ["num_experts=64", "model.num_experts=128"]),
         (["planner._target_=baselines.nothing.Planner"], ["planner._target_"]),
         (
@@ -306,7 +322,9 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
         provenance.code_version.cache_clear()
 
 
-@pytest.mark.parametrize("planner", ["relibra", "eplb", "relibra_portfolio", "ultraep", "llep"])
+@pytest.mark.parametrize(
+    "planner", ["relibra", "eplb", "relibra_portfolio", "ultraep", "llep", "moonep", "foremoe"]
+)
 def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planner):
     """The entry point plans through the control plane (staged per layer for ReLibra, one whole-batch task
     for the baselines, one control plane per candidate of a portfolio); its plans, and so every simulated

@@ -470,3 +470,19 @@ def test_deepep_greedy_plans_are_valid_and_not_worse_than_home() -> None:
     after = linear_objective(load, rep.assign, home, cost)
     assert np.all(after <= before * (1 + 1e-9))
     assert np.any(after < before)
+
+
+def test_replicas_use_an_nvlink_domain_of_several_nodes() -> None:
+    """``cluster.nvl_domain=8`` over 2 nodes of 4: the greedy's copies may cross nodes inside the domain (the
+    plan checker, asked for the domain, accepts them), and balance at least as well as with node domains."""
+    rng = np.random.default_rng(5)
+    e = MODEL.num_experts
+    load = _skewed_loads(rng, 6, 8, e)
+    home = np.stack([rng.permutation(static_placement(1, e, 8)[0]) for _ in range(6)])
+    wide = CostModel(ClusterSpec(2, 4, HOPPER, nvl_domain=8), MODEL)
+    rep = replicate_greedy(load, home, wide, 2)
+    _check_problems(rep, home, load, 8, 2)
+    p_i, g_i, s_i = np.nonzero(rep.replicas >= 0)
+    assert (home[p_i, rep.replicas[p_i, g_i, s_i]] // 4 != g_i // 4).any()  # some copy crossed a node
+    narrow = replicate_greedy(load, home, _cost(2, 4), 2)
+    assert _compute(rep.assign).max(axis=-1).sum() <= _compute(narrow.assign).max(axis=-1).sum()

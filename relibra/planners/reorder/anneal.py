@@ -109,7 +109,7 @@ def solve_layer(
         (best home int32 [E], its true objective in seconds, the LPT / given start's objective in seconds).
     """
     cfg = config
-    routes = routes if routes is not None else link_routes(cost.cluster.nodes, cost.cluster.gpus_per_node)
+    routes = routes if routes is not None else link_routes(cost.cluster.num_domains, cost.cluster.domain_gpus)
     g = cost.cluster.num_gpus
     problem = layer_problem(
         load_l,
@@ -164,7 +164,7 @@ def solve_layer(
 
 def _solve_chunk(task: _LayerTask) -> list[tuple[np.ndarray, float, float]]:
     """Every seed on every layer of the chunk -> per layer (best home [E], best s, LPT start s)."""
-    routes = link_routes(task.cost.cluster.nodes, task.cost.cluster.gpus_per_node)
+    routes = link_routes(task.cost.cluster.num_domains, task.cost.cluster.domain_gpus)
     return [
         solve_layer(
             task.loads[:, i],

@@ -96,9 +96,9 @@ def milp_reorder(
     for g in range(g_total):
         solver.Add(sum(y[e][g] for e in range(e_total)) == per_gpu)
     # NOTE: experts are interchangeable only when their loads are identical; no symmetry breaking here.
-    idx, cnt = link_routes(cluster.nodes, cluster.gpus_per_node)
+    idx, cnt = link_routes(cluster.num_domains, cluster.domain_gpus)
     route = _alltoall_route(idx, cnt) if not problem.deepep else None
-    droutes = deepep_routes(cluster.nodes, cluster.gpus_per_node) if problem.deepep else None
+    droutes = deepep_routes(cluster.num_domains, cluster.domain_gpus) if problem.deepep else None
     cn, ci, lat = (float(v) for v in problem.coef)
     objective: list[Any] = []
     rows_ck: list[tuple[Any, Any]] = []
@@ -267,11 +267,11 @@ def _deepep_terms(
     ``T_j * (1 - prod_e (1 - q[e, j]) ** y_b[e])`` times, each product modelled exactly by
     :func:`_product_chain`; lq_m [E, G(j)] (``log(1 - q)``), tok_m [G(j)]."""
     gidx, gcnt, nidx, ncnt = droutes
-    g_total, gpn = cluster.num_gpus, cluster.gpus_per_node
+    g_total, gpn = cluster.num_gpus, cluster.domain_gpus
     terms: Terms = [[] for _ in range(NUM_LINKS * g_total)]
     on_node = [
         [sum(y[e][g] for g in range(b * gpn, (b + 1) * gpn)) for e in range(lq_m.shape[0])]
-        for b in range(cluster.nodes)
+        for b in range(cluster.num_domains)
     ]
     for j in range(g_total):
         used = np.flatnonzero(lq_m[:, j] < 0)
@@ -284,7 +284,7 @@ def _deepep_terms(
             if gcnt[j, g]
         ] + [
             (nidx[j, b, : ncnt[j, b]], [on_node[b][e] for e in used], f"{name}_{j}_n{b}")
-            for b in range(cluster.nodes)
+            for b in range(cluster.num_domains)
             if ncnt[j, b]
         ]
         for flat, picks, label in chains:
@@ -308,7 +308,7 @@ def brute_force_reorder(
         )
     best_home: np.ndarray | None = None
     best = np.inf
-    routes = link_routes(cluster.nodes, cluster.gpus_per_node)
+    routes = link_routes(cluster.num_domains, cluster.domain_gpus)
     for home in _placements(np.arange(e_total), g_total, per_gpu):
         obj = placement_objective(problem, home, cluster, routes)
         if obj < best:

@@ -441,7 +441,7 @@ def _droutes(
     problem: LayerProblem, cluster: ClusterSpec
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`deepep_routes` for a ``deepep`` problem, empty arrays otherwise (the kernels' typing)."""
-    return deepep_routes(cluster.nodes, cluster.gpus_per_node) if problem.deepep else _NO_DROUTES
+    return deepep_routes(cluster.num_domains, cluster.domain_gpus) if problem.deepep else _NO_DROUTES
 
 
 def anneal_layer(
@@ -456,7 +456,7 @@ def anneal_layer(
 
     Returns (best home int32 [E], its true objective in seconds, the start's true objective in seconds).
     """
-    idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
+    idx, cnt = routes if routes is not None else link_routes(cluster.num_domains, cluster.domain_gpus)
     best_home, best, start, _ = _anneal_kernel(
         np.asarray(home0, dtype=np.int64),
         problem.x,
@@ -465,7 +465,7 @@ def anneal_layer(
         cnt,
         problem.mig,
         problem.coef,
-        cluster.gpus_per_node,
+        cluster.domain_gpus,
         main_iterations(config, problem.x.shape[0], problem.x.shape[2]),
         np.random.default_rng(seed),
         config.beta_start,
@@ -494,11 +494,17 @@ def placement_objective(
     """True objective in seconds of placement ``home`` [E]: the sum of the micro-batches' ``T_MoE``, or under
     ``cluster.ep_overlap`` the overlapped layer time (:func:`relibra.cost.overlap.layer_time`), plus the
     migration term."""
-    idx, cnt = routes if routes is not None else link_routes(cluster.nodes, cluster.gpus_per_node)
+    idx, cnt = routes if routes is not None else link_routes(cluster.num_domains, cluster.domain_gpus)
     h = np.asarray(home, dtype=np.int64)
     if problem.deepep:
         comp, link, migr, _, _ = full_state_deepep(
-            h, problem.lq, problem.tok, problem.w, _droutes(problem, cluster), cluster.nodes, problem.mig
+            h,
+            problem.lq,
+            problem.tok,
+            problem.w,
+            _droutes(problem, cluster),
+            cluster.num_domains,
+            problem.mig,
         )
     else:
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)

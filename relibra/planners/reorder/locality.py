@@ -224,7 +224,7 @@ def locality_round(
     if not 0 < tolerance <= 1:
         raise ValueError(f"locality tolerance={tolerance}; expected a value in (0, 1]")
     g = ctx.num_gpus
-    gpn = ctx.cluster.gpus_per_node
+    gpn = ctx.cluster.domain_gpus
     home = np.asarray(home)
     mb = ctx.num_microbatches
     sample_mb = np.asarray(ctx.sample_mb)
@@ -233,7 +233,7 @@ def locality_round(
     pairs = tokens * (tokens + 1.0) / 2.0
     load = np.asarray(ctx.load)
     coef = comm_coefficients(ctx.cost)
-    idx, cnt = link_routes(ctx.cluster.nodes, gpn)
+    idx, cnt = link_routes(ctx.cluster.num_domains, gpn)
     slots = per_gpu_slots(ctx.counts, home, g)  # [Sb, L, G]
     rng = np.random.default_rng(np.random.SeedSequence([seed, ctx.seed, ctx.batch]))
     new_gpu = old_gpu.copy()

@@ -121,7 +121,7 @@ def layer_problem(
         prev = np.asarray(prev_home, dtype=np.int64)
         if prev.shape != (e,):
             raise ValueError(f"prev_home has shape {prev.shape}; expected [E]=({e},)")
-        gpn = cost.cluster.gpus_per_node
+        gpn = cost.cluster.domain_gpus
         nbytes = cost.model.expert_params * DEFAULT_BYTES_PER_PARAM
         token_bytes = cost.model.hidden * 2.0
         s_per_byte_nvl = lin.nvlink_s_per_token / (4.0 * token_bytes)
@@ -132,7 +132,7 @@ def layer_problem(
         mig[prev[:, None] == gpus[None, :]] = 0.0
         mig = migration_weight * mig / scale
     x = np.ascontiguousarray(load_l.transpose(0, 2, 1), dtype=np.float64)
-    group = cost.cluster.gpus_per_node if compute_level == "node" else 1
+    group = cost.cluster.domain_gpus if compute_level == "node" else 1
     attn, overlap_mbs = np.zeros(0), 0
     if cost.cluster.ep_overlap:
         overlap_mbs = mb if microbatches is None else int(microbatches)

@@ -172,7 +172,7 @@ def replicate_greedy(
     load = np.asarray(load)
     home = np.asarray(home)
     cluster = cost.cluster
-    g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    g_n, gpn = cluster.num_gpus, cluster.domain_gpus
     _check(load, home, g_n, gpn, replica_slots)
     lead = load.shape[:-2]
     e_n = load.shape[-1]

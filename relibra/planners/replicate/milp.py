@@ -354,7 +354,7 @@ def greedy_with_lp_split(
     layer time.
     """
     p_n, g_n, e_n = x.shape
-    gpn = cost.cluster.gpus_per_node
+    gpn = cost.cluster.domain_gpus
     routing = dispatch_routing(cost) if g_n > 1 else None
     assign = np.zeros((p_n, e_n, g_n), dtype=np.int64)
     replicas = -np.ones((p_n, g_n, replica_slots), dtype=np.int64)
@@ -434,7 +434,7 @@ class MilpReplicator:
         ``milp_objective_s`` / ``milp_bound_s`` are then sums of shares. None: each problem's ``T_MoE``.
         """
         cluster = ctx.cluster
-        key = (cluster.nodes, cluster.gpus_per_node)
+        key = (cluster.num_domains, cluster.domain_gpus)
         if key not in self._routing and cluster.num_gpus > 1:
             self._routing[key] = dispatch_routing(ctx.cost)
         routing = self._routing.get(key)

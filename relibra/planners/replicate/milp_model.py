@@ -110,7 +110,7 @@ def _problem(
     overlap: OverlapNeighbours | None = None,
 ) -> _Problem:
     cluster = cost.cluster
-    g_n, gpn = cluster.num_gpus, cluster.gpus_per_node
+    g_n, gpn = cluster.num_gpus, cluster.domain_gpus
     x = np.asarray(x, dtype=np.float64)
     home = np.asarray(home, dtype=np.int64)
     e_n = x.shape[1]
@@ -174,7 +174,7 @@ def _deepep_model(p: _Problem, cost: CostModel, share: np.ndarray | None) -> Lin
     Node hits do not depend on the split (copies stay in the home node).
     """
     cluster = cost.cluster
-    g_n, gpn, nodes = cluster.num_gpus, cluster.gpus_per_node, cluster.nodes
+    g_n, gpn, nodes = cluster.num_gpus, cluster.domain_gpus, cluster.num_domains
     x, tot = p.x, p.tot
     tok = x.sum(axis=1) / cost.model.top_k  # [G(j)]
     q = np.minimum(np.divide(x, tok[:, None], out=np.zeros_like(x), where=tok[:, None] > 0), 1.0)
