@@ -59,9 +59,9 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 # ------------------------------------------------------------------------------------------------ time
 PROCESS_START_S = {"spawn": 2.0, "fork": 0.3}
-"""Seconds to start one worker and join the process group, per start method: measured on the development
-host (a fresh interpreter importing torch under ``spawn``; a forked child under ``fork``; docs/benchmarks.md
-"Torch executor time estimate")."""
+"""Seconds to start one worker and join the process group, per start method: a rough figure (a fresh
+interpreter importing torch under ``spawn``, a forked child under ``fork``), not yet measured with a recorded
+command; to be replaced by a measurement (docs/benchmarks.md, "Torch executor time estimate")."""
 
 RATE_PROBE_S = 0.05
 """Wall seconds the matmul rate probe runs for (the brief bound is 0.2 s; 0.05 s gives a stable rate)."""
