@@ -288,6 +288,9 @@ def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
     ffn = _int_key(cfg, "executor.moe_ffn", problems)
     slots = [_int_key(cfg, f"executor.{k}", problems, least=0) for k in ("replica_slots", "redundant_slots")]
     max_world = _int_key(cfg, "executor.max_world", problems, required=True)
+    max_time = OmegaConf.select(cfg, "executor.max_time_s", default=None)
+    if max_time is not None:
+        _number_key(cfg, "executor.max_time_s", problems)
     backend = OmegaConf.select(cfg, "executor.backend", default=None)
     if backend not in TORCH_BACKENDS:
         problems.append(f"executor.backend={backend!r}: choose one of {', '.join(TORCH_BACKENDS)}")
@@ -335,6 +338,40 @@ def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
             f"{limit / 2**30:.1f} GiB available; give a smaller executor.hidden / executor.moe_ffn"
         )
     return problems
+
+
+def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> str | None:
+    """``executor=torch``: why the run would exceed ``executor.max_time_s`` (None: it fits, or no limit).
+
+    The estimate (:func:`relibra.executors.budget.estimate_time_s`) counts the FLOPs of every micro-batch
+    and layer of the workload ``load`` [M, L, G, E] at the executor's expert shape, under the static
+    placement, at a matmul rate measured on this host now.
+    """
+    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
+        return None
+    limit = OmegaConf.select(cfg, "executor.max_time_s", default=None)
+    if limit is None:
+        return None
+    from relibra.executors import budget
+
+    hidden = int(cfg.executor.hidden or cfg.model.hidden)
+    ffn = int(cfg.executor.moe_ffn or cfg.model.moe_ffn)
+    e, num_layers = int(cfg.model.num_experts), load.shape[1]
+    home = np.broadcast_to(np.arange(e) // (e // num_gpus), (num_layers, e))
+    flops = budget.workload_flops(load, home, int(cfg.model.top_k), hidden, ffn, bool(cfg.executor.warmup))
+    device = "cuda" if str(cfg.executor.backend) == "nccl" else "cpu"
+    rate = budget.matmul_rate(hidden, ffn, device)
+    cores = num_gpus if device == "cuda" else budget.available_cores()
+    est = budget.estimate_time_s(flops, rate, num_gpus, cores, str(cfg.executor.start_method))
+    if est <= float(limit):
+        return None
+    return (
+        f"executor.max_time_s={_yaml(limit)}: the torch executor run is estimated at {est:.0f} s "
+        f"({flops.shape[0]} micro-batch passes x {num_layers} layers of expert shape {hidden} x {ffn} on "
+        f"{num_gpus} ranks, {rate / 1e9:.1f} GFLOP/s per rank measured here); give a smaller "
+        "executor.hidden / executor.moe_ffn, fewer batches (trace.num_batches), or raise executor.max_time_s "
+        "(null: no limit)"
+    )
 
 
 def writable_dir(key: str, value: str) -> str | None:

@@ -40,6 +40,7 @@ from experiments.config import (
     build_model,
     build_planner,
     dataset_name,
+    executor_time_problem,
     planning,
     refuse,
     routing,
@@ -120,6 +121,9 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
     counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
+    slow = executor_time_problem(cfg, workload.load, cluster.num_gpus)
+    if slow is not None:  # NOTE: needs the workload's token counts; still before planning and any process
+        raise ConfigError(slow)
     short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
     if short:
         log.warning(

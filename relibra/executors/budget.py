@@ -10,9 +10,24 @@ lower bound does not fit the memory it would use is refused before it starts.
 
 from __future__ import annotations
 
+import functools
+import os
+import time
 from pathlib import Path
 
-__all__ = ["FP32_BYTES", "STATE_COPIES", "available_host_bytes", "rank_bytes"]
+import numpy as np
+
+__all__ = [
+    "FP32_BYTES",
+    "STATE_COPIES",
+    "available_cores",
+    "available_host_bytes",
+    "estimate_time_s",
+    "layer_flops",
+    "matmul_rate",
+    "rank_bytes",
+    "workload_flops",
+]
 
 FP32_BYTES = 4
 """Bytes of one fp32 value (the executor's weights and optimizer state are fp32)."""
@@ -40,3 +55,91 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+# ------------------------------------------------------------------------------------------------ time
+PROCESS_START_S = {"spawn": 2.0, "fork": 0.3}
+"""Seconds to start one worker and join the process group, per start method: a rough figure (a fresh
+interpreter importing torch under ``spawn``, a forked child under ``fork``), not yet measured with a recorded
+command; to be replaced by a measurement (docs/benchmarks.md, "Torch executor time estimate")."""
+
+RATE_PROBE_S = 0.05
+"""Wall seconds the matmul rate probe runs for (the brief bound is 0.2 s; 0.05 s gives a stable rate)."""
+
+
+def layer_flops(
+    source_tokens: np.ndarray, expert_rows: np.ndarray, hidden: int, ffn: int, experts: int
+) -> np.ndarray:
+    """FLOPs of one layer's forward and backward on each rank, as :mod:`relibra.executors.torch_moe` runs it.
+
+    source_tokens [..., G] (tokens each rank holds), expert_rows [..., G] (routed rows each rank's experts
+    compute) -> float64 [..., G]. Counted (2 FLOPs per multiply-add): the attention stand-in
+    ``[T, H] @ [H, H]`` and router ``[T, H] @ [H, E]``, forward 1x and backward 2x (input and weight
+    gradients): ``6 T H (H + E)``; the expert FFN's three matmuls ``2 N H F`` each, forward 1x, backward 3x
+    (``_ExpertCompute`` recomputes the forward, then both gradients): ``4 * 6 N H F``.
+    Element-wise ops, softmax and all-to-all are left out.
+    """
+    t = np.asarray(source_tokens, dtype=np.float64)
+    n = np.asarray(expert_rows, dtype=np.float64)
+    return 6.0 * t * hidden * (hidden + experts) + 24.0 * n * hidden * ffn
+
+
+def workload_flops(
+    load: np.ndarray, home: np.ndarray, top_k: int, hidden: int, ffn: int, warmup: bool
+) -> np.ndarray:
+    """FLOPs per (micro-batch, layer) of the busiest rank: load [M, L, G, E] (slots of each source rank),
+    home [L, E] (the static placement: every token computed at home, the unbalanced reference; a planner
+    only lowers the busiest rank's rows) -> float64 [M (+1 with warmup), L].
+
+    ``warmup``: the executor runs the first micro-batch twice
+    (:class:`~relibra.executors.torch_executor.RunOptions`).
+    """
+    load = np.asarray(load, dtype=np.int64)
+    m, _, g, e = load.shape
+    source = load.sum(axis=-1) / top_k  # [M, L, G]
+    per_expert = load.sum(axis=2)  # [M, L, E]
+    onehot = home[:, :, None] == np.arange(g)  # [L, E, G]
+    rows = np.einsum("mle,leg->mlg", per_expert, onehot.astype(np.int64))  # [M, L, G]
+    flops = layer_flops(source, rows, hidden, ffn, e).max(axis=-1)  # [M, L]
+    return np.concatenate([flops[:1], flops]) if warmup and m else flops
+
+
+def estimate_time_s(flops: np.ndarray, rate: float, world: int, cores: int, start_method: str) -> float:
+    """Wall seconds of a torch-executor run: ``flops`` [M, L] of the busiest rank per (micro-batch, layer)
+    (collectives make every rank wait for it), at ``rate`` FLOP/s per rank, slowed by ``world / cores`` where
+    ranks outnumber cores (each rank runs one thread), plus starting ``world`` processes on ``cores``."""
+    share = max(1.0, world / max(cores, 1))
+    start = PROCESS_START_S[start_method] * share
+    return float(np.sum(flops)) / rate * share + start
+
+
+@functools.cache
+def matmul_rate(hidden: int, ffn: int, device: str = "cpu") -> float:
+    """FLOP/s of fp32 ``[256, hidden] @ [hidden, ffn]`` on one thread (as a worker runs), measured for
+    :data:`RATE_PROBE_S` seconds; cached per process and shape."""
+    import torch  # NOTE: only executor=torch needs torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(256, hidden, device=device)
+        w = torch.randn(hidden, ffn, device=device)
+        (x @ w).sum().item()  # first-call costs
+        reps, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < RATE_PROBE_S:
+            for _ in range(8):
+                y = x @ w
+            if device != "cpu":
+                y.sum().item()
+            reps += 8
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * 256 * hidden * ffn * reps / elapsed
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count`` where that is not published)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -310,6 +310,9 @@ class TorchExecutor:
     warmup: bool = True
     start_method: str = "spawn"
     """``spawn`` (safe everywhere) or ``fork`` (CPU only; starts the processes in a fraction of the time)."""
+    max_time_s: float | None = 600.0
+    """Runs estimated (:mod:`relibra.executors.budget`) to take longer are refused at preflight (None: no
+    limit); read by ``experiments.run``, which estimates before planning."""
 
     def execute(self, plans: Sequence[BatchPlan], model: ModelSpec, cluster: ClusterSpec) -> ExecutionReport:
         """Run ``plans`` (batches in order) and return measured ``moe_time_s`` [M, L] (slowest rank)."""

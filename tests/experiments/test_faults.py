@@ -164,6 +164,7 @@ def test_bad_key_is_one_line_naming_it(override, key, tmp_path, no_compute) -> N
         (("executor=torch", "executor.max_world=2"), "executor.max_world=2: the torch executor starts one"),
         (("executor=torch", "model=deepseek-v3", "executor.hidden=null", "executor.moe_ffn=null"),
          "executor.hidden=null executor.moe_ffn=null (expert shape 7168 x 2048): the torch executor needs"),
+        (("executor=torch", "executor.max_time_s=-1"), "executor.max_time_s=-1: must be >= 0"),
         (("logger=wandb", "logger.init_timeout_s=-1"), "logger.init_timeout_s=-1: must be > 0"),
         (("logger=wandb", "logger.init_timeout_s=null"), "logger.init_timeout_s=null"),
     ],
@@ -186,6 +187,20 @@ def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_comp
     from experiments.config import validate
 
     validate(validate_ok)
+
+
+def test_torch_executor_refuses_a_run_over_its_time_limit(tmp_path, monkeypatch) -> None:
+    from relibra.executors import budget, torch_executor
+
+    monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)  # a host doing 1 FLOP/s: deterministic
+    started = []
+    monkeypatch.setattr(torch_executor, "launch", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError) as err:
+        run(cfg(*TINY, "executor=torch"), run_dir=tmp_path / "run")
+    text = str(err.value)
+    assert text.startswith("executor.max_time_s=600: the torch executor run is estimated at ")
+    assert "\n" not in text
+    assert "raise executor.max_time_s" in text and not started and not (tmp_path / "run").exists()
 
 
 def test_nccl_without_a_gpu_is_refused(tmp_path, no_compute) -> None:
@@ -677,3 +692,13 @@ def test_analysis_of_a_missing_or_empty_store_is_one_line(tmp_path, what) -> Non
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and str(target) in lines[0], proc.stderr[-3000:]
+
+
+def test_torch_executor_time_limit_null_disables_the_guard(monkeypatch) -> None:
+    from experiments.config import executor_time_problem
+    from relibra.executors import budget
+
+    monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)
+    load = np.full((1, 16, 4, 64), 8, dtype=np.int64)  # 64 experts, top_k 8: 64 tokens per rank
+    assert executor_time_problem(cfg(*TINY, "executor=torch", "executor.max_time_s=null"), load, 4) is None
+    assert "executor.max_time_s=600" in str(executor_time_problem(cfg(*TINY, "executor=torch"), load, 4))
