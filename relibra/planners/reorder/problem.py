@@ -58,7 +58,8 @@ class LayerProblem:
     w: np.ndarray
     """float64 [Mb, E]: normalised compute time of expert ``e`` (per-token + fixed per non-empty expert)."""
     coef: np.ndarray
-    """float64 [3]: normalised NVLink and NIC time per token per phase, and the normalised fixed latency."""
+    """float64 [5]: normalised NVLink and NIC time per token in a dispatch phase, the same in a combine phase,
+    and the normalised fixed latency (:func:`~relibra.planners.reorder.links.comm_coefficients`)."""
     mig: np.ndarray
     """float64 [E, G]: weighted normalised migration time if expert ``e`` is homed on ``g`` (0: no charge)."""
     scale: float
@@ -123,9 +124,9 @@ def layer_problem(
             raise ValueError(f"prev_home has shape {prev.shape}; expected [E]=({e},)")
         gpn = cost.cluster.gpus_per_node
         nbytes = cost.model.expert_params * DEFAULT_BYTES_PER_PARAM
-        token_bytes = cost.model.hidden * 2.0
-        s_per_byte_nvl = lin.nvlink_s_per_token / (4.0 * token_bytes)
-        s_per_byte_nic = lin.rdma_s_per_token / (4.0 * token_bytes)
+        token_bytes = cost.model.hidden * 2.0  # NOTE: combine phases move bf16 tokens: seconds per byte.
+        s_per_byte_nvl = lin.nvlink_combine_s_per_token / token_bytes
+        s_per_byte_nic = lin.rdma_combine_s_per_token / token_bytes
         gpus = np.arange(g)
         same_node = (prev[:, None] // gpn) == (gpus[None, :] // gpn)
         mig = np.where(same_node, nbytes * s_per_byte_nvl, nbytes * s_per_byte_nic)
