@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,10 +22,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import PRECISIONS, ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import CostModel, load_calibration
+from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
 from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
@@ -38,6 +40,7 @@ __all__ = [
     "build_cost",
     "build_model",
     "build_planner",
+    "build_training",
     "build_workload_for",
     "dataset_name",
     "load_counts",
@@ -77,6 +80,18 @@ def build_cluster(cfg: DictConfig) -> ClusterSpec:
         hardware=hw,
         dispatcher=str(cfg.cluster.get("dispatcher", "alltoall")),
         ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
+        precision=str(cfg.cluster.get("precision", "bf16")),
+    )
+
+
+def build_training(cfg: DictConfig) -> TrainingSpec:
+    """``cfg.training`` with ``simulator.step`` and ``workload.rl_passes`` -> :class:`TrainingSpec`."""
+    sim = cfg.get("simulator") or {}
+    passes = cfg.workload.get("rl_passes", ["update"])
+    return TrainingSpec(
+        **_plain(cfg.training),
+        step=str(sim.get("step", "whole")),
+        rl_passes=tuple(passes) if isinstance(passes, Sequence) and not isinstance(passes, str) else passes,
     )
 
 
@@ -89,7 +104,7 @@ def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostM
     """The cost model, with the measured GEMM curve of ``cluster.calibration`` if it covers the model."""
     path = cfg.cluster.get("calibration")
     calibration = load_calibration(path, model.name) if path else None
-    return CostModel(cluster, model, calibration=calibration)
+    return CostModel(cluster, model, calibration=calibration, training=build_training(cfg))
 
 
 def build_planner(cfg: DictConfig) -> Any:
@@ -268,6 +283,43 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _step_problems(cfg: DictConfig) -> list[str]:
+    """The whole step's keys: ``training.*``, ``simulator.step``, ``workload.rl_passes``,
+    ``cluster.precision`` and the hardware constants they need."""
+    problems: list[str] = []
+    if cfg.get("training") is None:
+        return ["training: missing (choose one of experiments/conf/training/*.yaml, e.g. training=megatron)"]
+    known = {f.name for f in fields(TrainingSpec)} - {"step", "rl_passes"}
+    unknown = sorted(set(map(str, cfg.training)) - known)
+    missing = sorted(known - set(map(str, cfg.training)))
+    if unknown or missing:
+        return [f"training: unknown keys {unknown} / missing keys {missing} (keys: {sorted(known)})"]
+    passes = cfg.workload.get("rl_passes", ["update"])
+    if not isinstance(passes, Sequence) or isinstance(passes, str):
+        return [f"workload.rl_passes={passes!r}: must be a list of passes from {list(RL_PASSES)}"]
+    try:
+        spec = build_training(cfg)
+    except (TypeError, ValueError) as exc:
+        return [str(exc)]
+    hw = cfg.cluster.get("hardware") or {}
+    if spec.whole and not float(hw.get("hbm_efficiency", 0.0) or 0.0) > 0:
+        problems.append(
+            f"cluster.hardware.hbm_efficiency={hw.get('hbm_efficiency')}: simulator.step=whole needs the "
+            "achievable HBM fraction > 0 (set it in the cluster yaml, with its source)"
+        )
+    precision = cfg.cluster.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        problems.append(f"cluster.precision={precision}: unknown; choose one of {', '.join(PRECISIONS)}")
+    elif precision == "fp8":
+        for key in ("fp8_flops", "fp8_gemm_efficiency"):
+            if not float(hw.get(key, 0.0) or 0.0) > 0:
+                problems.append(
+                    f"cluster.hardware.{key}={hw.get(key)}: cluster.precision=fp8 needs it > 0 (set it in "
+                    "the cluster yaml, with its source)"
+                )
+    return problems
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
 
@@ -337,6 +389,7 @@ def validate(cfg: DictConfig) -> None:
                 f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
             )
     problems.extend(_comm_problems(cfg))
+    problems.extend(_step_problems(cfg))
     spm = _int_key(cfg, "workload.samples_per_microbatch", problems)
     tpm = _int_key(cfg, "workload.tokens_per_microbatch", problems)
     if spm is not None and tpm is not None:
