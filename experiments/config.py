@@ -295,14 +295,16 @@ def _step_problems(cfg: DictConfig) -> list[str]:
     if unknown or missing:
         return [f"training: unknown keys {unknown} / missing keys {missing} (keys: {sorted(known)})"]
     passes = cfg.workload.get("rl_passes", ["update"])
+    whole = (cfg.get("simulator") or {}).get("step", "whole") == "whole"
     if not isinstance(passes, Sequence) or isinstance(passes, str):
-        return [f"workload.rl_passes={passes!r}: must be a list of passes from {list(RL_PASSES)}"]
-    try:
-        spec = build_training(cfg)
-    except (TypeError, ValueError) as exc:
-        return [str(exc)]
+        problems.append(f"workload.rl_passes={passes!r}: must be a list of passes from {list(RL_PASSES)}")
+    else:
+        try:
+            build_training(cfg)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
     hw = cfg.cluster.get("hardware") or {}
-    if spec.whole and not float(hw.get("hbm_efficiency", 0.0) or 0.0) > 0:
+    if whole and not float(hw.get("hbm_efficiency", 0.0) or 0.0) > 0:
         problems.append(
             f"cluster.hardware.hbm_efficiency={hw.get('hbm_efficiency')}: simulator.step=whole needs the "
             "achievable HBM fraction > 0 (set it in the cluster yaml, with its source)"
