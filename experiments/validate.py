@@ -48,7 +48,7 @@ from relibra.cost.linkrates import (
     load_points,
     predicted_bandwidth,
 )
-from relibra.cost.model import CostModel
+from relibra.cost.model import FP8_DISPATCH_VALUE_BYTES, CostModel
 from relibra.cost.route_estimate import estimate_error
 
 __all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validation_table"]
@@ -56,7 +56,7 @@ __all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validatio
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
 CONF = ROOT / "conf"
-FP8_VALUE_BYTES = 1.0 + 4.0 / 128
+FP8_VALUE_BYTES = FP8_DISPATCH_VALUE_BYTES
 """DeepEP's FP8 dispatch: one byte per value plus one fp32 scale per 128 values."""
 PROFILE_TOKENS = 4096
 """Tokens per GPU per micro-batch in the profile (one 4K sequence, EP 64, TP 1: its README)."""
