@@ -91,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output folder (default RESULTS_DIR/analysis)")
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # NOTE: rich assumes 80 off a tty
-    out = analyse(args.results_dir, args.out, console)
+    if not args.results_dir.is_dir():
+        print(f"python -m analysis: {args.results_dir}: no such results directory", file=sys.stderr)
+        return 2
+    try:
+        out = analyse(args.results_dir, args.out, console)
+    except FileNotFoundError as exc:  # NOTE: an empty store: nothing to build tables from
+        print(f"python -m analysis: {exc}", file=sys.stderr)
+        return 2
     console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
     console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")
     if not out.tables and not out.figures:

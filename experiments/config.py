@@ -8,8 +8,11 @@ Plain functions of a ``DictConfig``: :func:`validate` (one :class:`ConfigError` 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import fields
@@ -17,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +34,7 @@ from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
 from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
-from relibra.trace.format import RoutingTrace, TraceFormatError, load_trace
+from relibra.trace.format import FORMAT_DOC, RoutingTrace, TraceFormatError, load_trace
 from relibra.types import SampleCounts, Workload
 from relibra.workload import build_workload
 
@@ -49,6 +53,7 @@ __all__ = [
     "routing",
     "sim_options",
     "validate",
+    "writable_dir",
 ]
 
 
@@ -172,10 +177,20 @@ def read_trace(path: str) -> RoutingTrace:
     return _read_trace(str(path), stat.st_mtime_ns, stat.st_size)
 
 
-def _int_key(cfg: DictConfig, key: str, problems: list[str], least: int | None = 1) -> int | None:
-    """``cfg.<key>`` when it is an integer >= ``least`` (None when unset); else a problem naming the key."""
+def _int_key(
+    cfg: DictConfig,
+    key: str,
+    problems: list[str],
+    least: int | None = 1,
+    required: bool = False,
+    most: int | None = None,
+) -> int | None:
+    """``cfg.<key>`` when it is an integer in [``least``, ``most``] (None when unset; a problem when unset
+    and ``required``); else a problem naming the key."""
     value = OmegaConf.select(cfg, key, default=None)
     if value is None:
+        if required:
+            problems.append(f"{key}=null: must be an integer" + (f" >= {least}" if least is not None else ""))
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         problems.append(f"{key}={value!r}: must be an integer")
@@ -183,17 +198,154 @@ def _int_key(cfg: DictConfig, key: str, problems: list[str], least: int | None =
     if least is not None and value < least:
         problems.append(f"{key}={value}: must be >= {least}")
         return None
+    if most is not None and value > most:
+        problems.append(f"{key}={value}: must be <= {most}")
+        return None
     return value
 
 
-def _writable_dir(key: str, value: str) -> str | None:
-    """Why results could not be written under directory ``value`` (None: they could), without writing."""
+def _number_key(
+    cfg: DictConfig, key: str, problems: list[str], least: float = 0.0, strict: bool = False
+) -> float | None:
+    """``cfg.<key>`` when it is a finite number >= ``least`` (> with ``strict``; None when unset)."""
+    value = OmegaConf.select(cfg, key, default=None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        problems.append(f"{key}={value!r}: must be a finite number")
+        return None
+    if value < least or (strict and value == least):
+        problems.append(f"{key}={value}: must be {'>' if strict else '>='} {least:g}")
+        return None
+    return float(value)
+
+
+SEED_MAX = int(np.iinfo(np.int64).max)
+"""Largest ``seed``: the results' ``seed`` column is int64 (parquet), and numpy's generators refuse
+negative seeds, so seeds lie in ``[0, 2**63 - 1]``."""
+
+
+def _run_problems(cfg: DictConfig) -> list[str]:
+    """The run-wide keys: ``seed``, ``control_plane.*``, ``simulator.history_window``, the logger's wait."""
+    problems: list[str] = []
+    _int_key(cfg, "seed", problems, least=0, required=True, most=SEED_MAX)
+    _int_key(cfg, "control_plane.workers", problems, least=0)
+    for key in ("control_plane.deadline_s", "control_plane.locality_deadline_s"):
+        _number_key(cfg, key, problems)
+    _int_key(cfg, "simulator.history_window", problems, least=0)
+    if str(OmegaConf.select(cfg, "logger.name", default="none")) == "wandb":
+        if OmegaConf.select(cfg, "logger.init_timeout_s", default=None) is None:
+            problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")
+        _number_key(cfg, "logger.init_timeout_s", problems, strict=True)
+    return problems
+
+
+SPEC_NODES = ("model", "cluster.hardware")
+"""Nodes built into the spec dataclasses (ModelSpec, HardwareSpec), whose numeric keys must be numbers."""
+
+
+def _spec_problems(cfg: DictConfig) -> list[str]:
+    """Every key of the model and hardware specs whose defaults are all numbers (from the config schema,
+    :mod:`experiments.schema`) holds a number >= 0 (an integer where every default is one), not null."""
+    from experiments.schema import config_schema
+
+    kinds = config_schema().kinds
+    problems: list[str] = []
+    for node in SPEC_NODES:
+        depth = node.count(".") + 1
+        for key in sorted(k for k in kinds if k.startswith(node + ".") and k.count(".") == depth):
+            if OmegaConf.select(cfg, node, default=None) is None or kinds[key] - {"int", "float"}:
+                continue
+            if kinds[key] == {"int"}:
+                _int_key(cfg, key, problems, least=0, required=True)
+            elif OmegaConf.select(cfg, key, default=None) is None:
+                problems.append(f"{key}=null: must be a number")
+            else:
+                _number_key(cfg, key, problems)
+    return problems
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value)
+
+
+TORCH_BACKENDS = ("gloo", "nccl")
+TORCH_START_METHODS = ("spawn", "fork")
+
+
+def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
+    """``executor=torch``: its shape and backend settings, and its memory estimated before any process
+    starts (:mod:`relibra.executors.budget`, a lower bound), against what this host (or GPU) has."""
+    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
+        return []
+    problems: list[str] = []
+    hidden = _int_key(cfg, "executor.hidden", problems)
+    ffn = _int_key(cfg, "executor.moe_ffn", problems)
+    slots = [_int_key(cfg, f"executor.{k}", problems, least=0) for k in ("replica_slots", "redundant_slots")]
+    max_world = _int_key(cfg, "executor.max_world", problems, required=True)
+    backend = OmegaConf.select(cfg, "executor.backend", default=None)
+    if backend not in TORCH_BACKENDS:
+        problems.append(f"executor.backend={backend!r}: choose one of {', '.join(TORCH_BACKENDS)}")
+    start = OmegaConf.select(cfg, "executor.start_method", default=None)
+    if start not in TORCH_START_METHODS:
+        problems.append(f"executor.start_method={start!r}: choose one of {', '.join(TORCH_START_METHODS)}")
+    if num_gpus is None or problems:
+        return problems
+    if max_world is not None and num_gpus > max_world:
+        problems.append(
+            f"executor.max_world={max_world}: the torch executor starts one process per GPU and the cluster "
+            f"has {num_gpus} (raise executor.max_world or use a smaller cluster)"
+        )
+    gpu_bytes: int | None = None
+    if backend == "nccl":
+        import torch  # NOTE: only executor=torch needs torch; imported here, not at module import
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < num_gpus:
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            return [
+                *problems,
+                f"executor.backend=nccl needs one CUDA GPU per rank ({num_gpus}) and this host has {found}; "
+                "use executor.backend=gloo on CPU",
+            ]
+        gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(num_gpus))
+    from relibra.executors.budget import available_host_bytes, rank_bytes
+
+    shape_h = hidden if hidden is not None else OmegaConf.select(cfg, "model.hidden")
+    shape_f = ffn if ffn is not None else OmegaConf.select(cfg, "model.moe_ffn")
+    planner_slots = OmegaConf.select(cfg, "planner.replica_slots", default=0) or 0
+    held = (slots[0] if slots[0] is not None else int(planner_slots)) + (slots[1] or 0)
+    per_rank = rank_bytes(
+        int(cfg.model.num_moe_layers), int(cfg.model.num_experts), num_gpus, int(shape_h), int(shape_f), held
+    )
+    limit, where = (
+        (gpu_bytes, "each GPU has") if gpu_bytes is not None else (available_host_bytes(), "this host has")
+    )
+    need = per_rank if gpu_bytes is not None else per_rank * num_gpus
+    if limit is not None and need > limit:
+        problems.append(
+            f"executor.hidden={_yaml(hidden)} executor.moe_ffn={_yaml(ffn)} (expert shape {shape_h} x "
+            f"{shape_f}): the torch executor needs at least {need / 2**30:.1f} GiB ({num_gpus} ranks of "
+            f"{per_rank / 2**30:.1f} GiB: "
+            f"fp32 weights, gradients and Adam moments of each rank's experts) and {where} "
+            f"{limit / 2**30:.1f} GiB available; give a smaller executor.hidden / executor.moe_ffn"
+        )
+    return problems
+
+
+def writable_dir(key: str, value: str) -> str | None:
+    """Why results could not be written under directory ``value`` (None: they could); leaves nothing behind
+    (a nameless temporary file tells whether the nearest existing folder takes files)."""
     path = Path(value).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         return f"{key}={value}: {existing} is a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{key}={value}: {existing} is not writable"
+    try:  # NOTE: mode bits do not bind root, nor say what /proc or a read-only mount allow: try a file
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{key}={value}: {existing} is not writable ({err.strerror or err})"
     return None
 
 
@@ -230,9 +382,11 @@ def _settings_problems(planner: DictConfig) -> list[str]:
                 instantiate(node, _convert_="all")
             except InstantiationException as exc:
                 cause = exc.__cause__ if exc.__cause__ is not None else exc
-                # NOTE: the settings' own ValueErrors start with the field name (``split='x'; ...``).
-                sep = "." if isinstance(cause, ValueError) else ": "
-                problems.append(f"{key}{sep}{cause}")
+                # NOTE: the settings' own ValueErrors start with the field name (``split='x'; ...``); any
+                # other message (a conversion deep inside) is set after the node's key, not joined to it.
+                field = re.match(r"(\w+)\s*[=;:]", str(cause))
+                named = isinstance(cause, ValueError) and field is not None and field.group(1) in node
+                problems.append(f"{key}{'.' if named else ': '}{cause}")
     return problems
 
 
@@ -329,7 +483,11 @@ def validate(cfg: DictConfig) -> None:
     types and ranges of every numeric key, known planner, preset and files (trace content included, with
     the array at fault named), and a ``results_dir`` that can be written. Writes nothing.
     """
-    problems: list[str] = []
+    from experiments.schema import flag_problems, unknown_keys
+
+    problems: list[str] = [*unknown_keys(cfg), *flag_problems(cfg)]
+    if problems:  # NOTE: a stray or non-boolean key first: the checks below read the keys as typed
+        raise ConfigError("bad configuration: " + "; ".join(problems))
     planner = cfg.get("planner")
     if planner is None or "_target_" not in planner or "name" not in planner:
         problems.append(
@@ -345,12 +503,14 @@ def validate(cfg: DictConfig) -> None:
             problems.append(f"planner._target_={planner._target_}: unknown planner class")
         else:
             problems.extend(_planner_problems(planner))
-    _int_key(cfg, "seed", problems, least=None)
-    nodes = _int_key(cfg, "cluster.nodes", problems)
-    gpn = _int_key(cfg, "cluster.gpus_per_node", problems)
-    e = _int_key(cfg, "model.num_experts", problems)
+    problems += _run_problems(cfg)
+    problems += _spec_problems(cfg)
+    nodes = _int_key(cfg, "cluster.nodes", problems, required=True)
+    gpn = _int_key(cfg, "cluster.gpus_per_node", problems, required=True)
+    e = _int_key(cfg, "model.num_experts", problems, required=True)
     for key in ("model.num_moe_layers", "model.top_k"):
-        _int_key(cfg, key, problems)
+        _int_key(cfg, key, problems, required=True)
+    problems += _executor_problems(cfg, nodes * gpn if nodes is not None and gpn is not None else None)
     if nodes is not None and gpn is not None and e is not None:
         g = nodes * gpn
         if e % g:
@@ -359,7 +519,8 @@ def validate(cfg: DictConfig) -> None:
                 f"{nodes} * {gpn} = {g}"
             )
         elif planner is not None:
-            slots = _int_key(cfg, "planner.replica_slots", problems, least=None) or 0
+            present = "replica_slots" in planner
+            slots = _int_key(cfg, "planner.replica_slots", problems, least=None, required=present) or 0
             per_node = e // g * gpn
             if slots < 0 or slots > per_node:
                 problems.append(
@@ -406,20 +567,24 @@ def validate(cfg: DictConfig) -> None:
         from relibra.trace.synthetic import PRESETS
 
         for key in ("trace.num_batches", "trace.samples_per_batch", "trace.max_tokens"):
-            _int_key(cfg, key, problems)
+            _int_key(cfg, key, problems, required=True)
         preset = cfg.trace.get("preset")
         if preset not in PRESETS:
             problems.append(f"trace.preset={preset}: unknown; choose one of {sorted(PRESETS)}")
     results_dir = cfg.get("results_dir")
-    if results_dir and (why := _writable_dir("results_dir", str(results_dir))):
+    if results_dir and (why := writable_dir("results_dir", str(results_dir))):
         problems.append(why)
     if problems:
-        raise ConfigError("bad configuration: " + "; ".join(problems))
+        raise ConfigError("bad configuration: " + "; ".join(dict.fromkeys(problems)))
 
 
 def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
+    if Path(path).is_dir():
+        return [
+            f"trace.path={path}: is a directory, not a trace file (give a routing trace .npz, {FORMAT_DOC})"
+        ]
     if not Path(path).is_file():
-        return [f"trace.path={path}: no such file (give a routing trace .npz, DESIGN.md)"]
+        return [f"trace.path={path}: no such file (give a routing trace .npz, {FORMAT_DOC})"]
     try:
         meta = read_trace(path).meta
     except TraceFormatError as exc:

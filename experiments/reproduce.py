@@ -101,14 +101,17 @@ def plan_grid(
     ``stale`` and reused, or with ``recompute_stale`` becomes a job (its stored rows are replaced only when
     the new ones are written). An unreadable cell file counts as missing (listed in ``corrupt``) and
     becomes a job. A cell that cannot even be looked at is recorded as failed and the grid goes on.
-    Raises PermissionError, before any cell is computed, when the store's folder cannot be written.
+    Raises, before anything is written: ValueError for an unknown preset, ConfigError when every cell's
+    config is refused (:func:`_validate_grid`: each distinct problem once), PermissionError when the
+    store's folder cannot be written.
     """
     report = GridReport(preset)
     store_dir = results_root / preset
     store = ResultsStore(store_dir)
-    store.check_writable()  # before any cell is computed: PermissionError naming the folder
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
+    _validate_grid(preset, configs)
+    store.check_writable()  # before any cell is computed: PermissionError naming the folder
     store.write_grid(cell_key(cfg) for cfg in configs)
     report.total = len(grid)
     jobs: list[CellJob] = []
@@ -128,6 +131,25 @@ def plan_grid(
         label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
         jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None, key))
     return report, jobs
+
+
+def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
+    """Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
+    problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
+    cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
+    with its reason, when the grid ends (one bad cell must not cost the rest)."""
+    from experiments.config import ConfigError, validate
+
+    problems: dict[str, int] = {}
+    for cfg in configs:
+        try:
+            validate(cfg)
+        except ConfigError as exc:
+            text = str(exc).removeprefix("bad configuration: ")
+            problems[text] = problems.get(text, 0) + 1
+    if problems and sum(problems.values()) == len(configs):
+        listed = "; ".join(f"{text} ({n} of {len(configs)} cells)" for text, n in problems.items())
+        raise ConfigError(f"preset {preset}: bad configuration: {listed}")
 
 
 def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | None:
@@ -353,12 +375,43 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
+    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
+    from experiments.config import ConfigError
+    from experiments.grid import presets as known_presets
+    from experiments.schema import override_problems
+
+    chosen = [p for p in presets.split(",") if p]
+    unknown = [p for p in chosen if p not in known_presets()]
+    problems = [f"--presets {p}: no such preset (choose from {', '.join(known_presets())})" for p in unknown]
+    problems += override_problems(args.overrides)
+    if problems:  # NOTE: before any folder is made
+        print(f"python -m experiments.reproduce: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        return _reproduce(args, chosen, console, tty)
+    except KeyboardInterrupt:
+        print(
+            "python -m experiments.reproduce: interrupted; kept: every cell finished so far (each is stored "
+            "whole when it ends); a rerun computes only the rest",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    except ConfigError as exc:
+        print(f"python -m experiments.reproduce: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+
+
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
+
+
+def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tty: bool) -> int:
+    """:func:`main` once its arguments are checked: plan every preset, run the jobs, then the analysis."""
     root: Path = args.results.resolve()
     start = time.perf_counter()
     reports: list[GridReport] = []
     jobs: list[CellJob] = []
-    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
-    for preset in [p for p in presets.split(",") if p]:
+    for preset in chosen:
         overrides = list(args.overrides)
         if preset.removeprefix("quick_") == "real_trace":
             trace = prepare_olmoe_trace(SHARED_TRACES, root / "traces" / "olmoe-decode.npz")

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import hydra
 import numpy as np
 import pandas as pd
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
@@ -41,8 +45,10 @@ from experiments.config import (
     routing,
     sim_options,
     validate,
+    writable_dir,
 )
 from experiments.inputs import cell_inputs
+from experiments.run_dir import commit_run
 from experiments.store import (
     CorruptCellError,
     ResultsStore,
@@ -50,16 +56,20 @@ from experiments.store import (
     run_cell,
     stored_code_version,
 )
+from experiments.sweep_check import FAILED_FILE, CellFailure
 from relibra.atomic import atomic_write
 from relibra.layout import unbalanceable_batches
 from relibra.provenance import code_version
 from relibra.simulator import CostModelExecutor, SimResult, simulate
 from relibra.types import BatchPlan, SampleCounts, Workload
 
-__all__ = ["adopt", "compute", "main", "plan_dump_arrays", "run", "write_outputs"]
+__all__ = ["adopt", "cli", "compute", "main", "plan_dump_arrays", "preflight", "run", "write_outputs"]
 
 
 log = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
 def plan_dump_arrays(
@@ -76,6 +86,18 @@ def plan_dump_arrays(
         "assign": np.concatenate([p.assign for p in plans]).astype(np.int32),
         "meta": np.array(json.dumps(meta, sort_keys=True)),
     }
+
+
+def _trace_model(meta: dict[str, Any], model: str, path: str) -> str:
+    """The model a trace file says it was recorded from (its ``meta.model``), warned about when it is not
+    the run's model: the shapes agree (validated), but the routing is another model's."""
+    recorded = str(meta.get("model"))
+    if recorded != model:
+        log.warning(
+            "trace.path=%s was recorded from model %s, not the run's model=%s (same shape, another model's "
+            "routing); the results record it in column trace_model", path, recorded, model,
+        )  # fmt: skip
+    return recorded
 
 
 def _foreign_experts(plan: BatchPlan) -> int:
@@ -133,6 +155,8 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "code_version": code_version(),
         **result.metrics,
     }
+    if cfg.trace.get("path"):
+        row["trace_model"] = _trace_model(counts.meta, model.name, str(cfg.trace.path))
     if result.plans and not isinstance(executor, CostModelExecutor):
         report = executor.execute(result.plans, model, cluster)
         row["executor_moe_time_s"] = float(np.sum(report.moe_time_s)) / max(counts.num_batches, 1)
@@ -161,10 +185,6 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
     return pd.DataFrame([row]), result.per_layer(), dump
 
 
-RUN_FILES = ("results.parquet", "summary.json", "per_layer.parquet", "plans.npz")
-"""The files a run may write into its run directory (any other file there is left alone)."""
-
-
 def write_outputs(
     run_dir: Path,
     results: pd.DataFrame,
@@ -172,21 +192,24 @@ def write_outputs(
     dump: dict[str, np.ndarray] | None,
     not_written: dict[str, str] | None = None,
     reused_from: str | None = None,
+    hydra_files: dict[str, bytes] | None = None,
 ) -> None:
-    """Write the run's files atomically, so that ``run_dir`` holds this run's files only.
+    """Replace ``run_dir``'s run files by this run's, as a whole or not at all (:func:`commit_run`).
 
     ``summary.json`` is ``{"rows": [...], "files": [...], "not_written": {file: why}, "reused_from": path
     or null}``: the result rows, the files this run wrote, why any other run file is absent (e.g. a cell
     read back from the results store has no plans) and the store file the rows were read back from
-    (null: computed by this run). Files of an earlier run in ``run_dir`` that this run does
-    not write are removed, after the new ones are in place (until then each file is whole).
+    (null: computed by this run). ``hydra_files``: Hydra's ``.hydra/*.yaml`` of this run (relative name ->
+    text), committed with the rest. Files of an earlier run in ``run_dir`` that this run does not write
+    are removed.
     """
+    files: dict[str, Callable[[BinaryIO], object]] = {}
     written = ["results.parquet", "summary.json"]
     if per_layer is not None:
-        atomic_write(run_dir / "per_layer.parquet", lambda f: per_layer.to_parquet(f, index=False))
+        files["per_layer.parquet"] = lambda f: per_layer.to_parquet(f, index=False)
         written.append("per_layer.parquet")
     if dump is not None:
-        atomic_write(run_dir / "plans.npz", lambda f: np.savez(f, **dump))  # type: ignore[arg-type]
+        files["plans.npz"] = lambda f: np.savez(f, **dump)  # type: ignore[arg-type]
         written.append("plans.npz")
     absent = {name: why for name, why in (not_written or {}).items() if name not in written}
     summary = {
@@ -195,12 +218,12 @@ def write_outputs(
         "not_written": absent,
         "reused_from": reused_from,
     }
-    text = json.dumps(summary, indent=2, default=float) + "\n"
-    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
-    atomic_write(run_dir / "results.parquet", lambda f: results.to_parquet(f, index=False))
-    for name in RUN_FILES:
-        if name not in written:
-            (run_dir / name).unlink(missing_ok=True)
+    text = (json.dumps(summary, indent=2, default=float) + "\n").encode()
+    files["summary.json"] = lambda f: f.write(text)
+    files["results.parquet"] = lambda f: results.to_parquet(f, index=False)
+    for name, data in (hydra_files or {}).items():
+        files[name] = lambda f, data=data: f.write(data)  # type: ignore[misc]
+    commit_run(run_dir, files)
 
 
 def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) -> dict[str, str]:
@@ -222,24 +245,22 @@ def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) 
     return why
 
 
-def _write_hydra_files(out: Path, cfg: DictConfig) -> None:
-    """Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this run, written only once it was accepted.
+def _hydra_files(cfg: DictConfig) -> dict[str, bytes]:
+    """Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this run (empty outside a Hydra app).
 
-    NOTE: Hydra writes these files itself before it calls the task function, so a refused run would
-    overwrite those of the run already in the directory; ``hydra.output_subdir`` is null in config.yaml
-    and they are written here, after :func:`~experiments.config.validate`, instead.
+    NOTE: Hydra writes these files itself before it calls the task function, so a refused or failed run
+    would overwrite those of the run already in the directory; ``hydra.output_subdir`` is null in
+    config.yaml and they are committed here with the run's other files (:func:`write_outputs`) instead.
     """
     if not HydraConfig.initialized():
-        return
+        return {}
     hydra_cfg = HydraConfig.get()
-    files = {
-        "config.yaml": OmegaConf.to_yaml(cfg),
-        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
-        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+    texts = {
+        ".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+        ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        ".hydra/overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
     }
-    for name, text in files.items():
-        data = text.encode()
-        atomic_write(out / ".hydra" / name, lambda f: f.write(data))  # noqa: B023 - called at once
+    return {name: text.encode() for name, text in texts.items()}
 
 
 def _per_layer_of(store: ResultsStore, key: str) -> pd.DataFrame | None:
@@ -257,7 +278,7 @@ def _write_read_back(
     """The run files of a cell read back from the store file ``source`` (no plans)."""
     reused_from = str(source)
     not_written = _not_written(cfg, reused_from, per_layer is not None)
-    write_outputs(out, results, per_layer, None, not_written, reused_from)
+    write_outputs(out, results, per_layer, None, not_written, reused_from, _hydra_files(cfg))
 
 
 def adopt(cfg: DictConfig, run_dir: str | Path, source: str | Path) -> pd.DataFrame:
@@ -305,13 +326,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
             store.check_writable()
         except PermissionError as exc:
             raise ConfigError(str(exc)) from exc
-    _write_hydra_files(out, cfg)
+    if why := writable_dir("hydra.run.dir" if HydraConfig.initialized() else "run_dir", str(out)):
+        raise ConfigError(why)
     per_layer: pd.DataFrame | None = None
 
     def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
         nonlocal per_layer
         results, per_layer, dump = compute(cfg)
-        write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True))
+        write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True), None, _hydra_files(cfg))
         return results, per_layer
 
     reused = False
@@ -339,15 +361,117 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
-    """The Hydra app: compose, then :func:`run`. A bad config exits with status 2 and one message."""
+def main(cfg: DictConfig) -> CellFailure | None:
+    """The Hydra app: compose, then :func:`run`. A bad config exits with status 2 and one message; a write
+    error (a full disk) is one line naming the file, exit status 1. In a sweep, a cell that fails is one
+    line and a :class:`~experiments.sweep_check.CellFailure` (the sweep goes on and ends with a summary of
+    every failed cell, :mod:`experiments.sweep_check`)."""
     try:
         results = run(cfg)
     except ConfigError as exc:
         refuse(exc)
+    except Exception as exc:
+        if not _in_sweep():
+            if isinstance(exc, OSError):
+                print(f"relibra-run: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            raise
+        return _cell_failed(exc)
     cols = ["planner", "model", "dataset", "step_time_s", "throughput_tokens_per_s", "skew_mean", "skew_max"]
     print(results[[c for c in cols if c in results]].to_string(index=False))
+    if _in_sweep():  # NOTE: a failure record of an earlier sweep into this folder no longer holds
+        (Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE).unlink(missing_ok=True)
+    return None
+
+
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _cell_failed(exc: Exception) -> CellFailure:
+    """The sweep cell's failure: printed as one line, recorded in its folder when that can be written."""
+    hydra_cfg = HydraConfig.get()
+    cell = " ".join(hydra_cfg.overrides.task)
+    why = " ".join(f"{type(exc).__name__}: {exc}".split())
+    print(f"relibra-run: cell {hydra_cfg.job.num} ({cell}) failed: {why}", file=sys.stderr, flush=True)
+    record = json.dumps({"cell": cell, "error": why}).encode()
+    try:
+        atomic_write(Path(hydra_cfg.runtime.output_dir) / FAILED_FILE, lambda f: f.write(record))
+    except OSError:
+        pass  # NOTE: the folder may be what failed (a full disk); the in-process summary still has it
+    return CellFailure(cell, why)
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    """``python -m experiments.run`` / ``relibra-run``: :func:`preflight` on the command line, then the
+    Hydra app (:func:`main`)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        preflight(args)
+    except ConfigError as exc:
+        refuse(exc)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(
+            "relibra-run: interrupted; kept: every finished store cell and the run directory as it was "
+            "(a run's files are committed only when it ends); the cell in progress was not stored",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+SLURM_LAUNCHERS = ("slurm", "submitit_slurm")
+"""``hydra/launcher`` options that submit to a Slurm controller."""
+
+SLURM_PING_TIMEOUT_S = 15.0
+"""How long ``scontrol ping`` may take before the controller counts as not answering (Slurm's own
+``MessageTimeout`` default is 10 s)."""
+
+
+def _slurm_problem(launcher: str) -> str | None:
+    """Why ``hydra/launcher=<launcher>`` cannot submit from here (None: a controller answers)."""
+    start = "start the local test cluster with `sudo slurm/start.sh` (docs/slurm.md) or run where Slurm is"
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return f"hydra/launcher={launcher}: no Slurm client commands (sbatch, scontrol) on PATH; {start}"
+    try:
+        ping = subprocess.run(
+            ["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_TIMEOUT_S
+        )
+    except (subprocess.TimeoutExpired, OSError) as err:
+        return f"hydra/launcher={launcher}: no Slurm controller answers (scontrol ping: {err}); {start}"
+    if ping.returncode != 0 or " UP" not in ping.stdout:
+        said = " ".join((ping.stdout + ping.stderr).split()) or f"exit status {ping.returncode}"
+        return f"hydra/launcher={launcher}: no Slurm controller answers (scontrol ping: {said}); {start}"
+    return None
+
+
+def preflight(args: Sequence[str]) -> None:
+    """Refuse, before Hydra composes anything, what Hydra would refuse with a traceback and exit status 1
+    or silently accept: an unknown group option (``planner=bogus``), a misspelt key
+    (``planner.replica_slot=2``), a ``+key`` that no code reads, an output directory that cannot be
+    written. Raises one :class:`ConfigError` naming each key and the closest known one
+    (:func:`experiments.schema.override_problems`)."""
+    from hydra._internal.utils import get_args_parser
+
+    from experiments.schema import override_problems
+
+    known, _ = get_args_parser().parse_known_args(list(args))
+    if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:
+        return  # NOTE: Hydra's own help and inspection modes run no task
+    problems = override_problems(known.overrides)
+    key = "hydra.sweep.dir" if known.multirun else "hydra.run.dir"
+    given = [o.split("=", 1)[1] for o in known.overrides if o.lstrip("+").split("=", 1)[0] == key]
+    target = given[-1] if given else ("multirun" if known.multirun else "outputs")
+    if "${" not in target and (why := writable_dir(key, target)):
+        problems.append(why)
+    launchers = [o.split("=", 1)[1] for o in known.overrides if o.split("=", 1)[0] == "hydra/launcher"]
+    if launchers and launchers[-1] in SLURM_LAUNCHERS and (why := _slurm_problem(launchers[-1])):
+        problems.append(why)
+    if problems:
+        raise ConfigError("bad configuration: " + "; ".join(problems))
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -3,9 +3,10 @@
 An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_overall``) looks like::
 
     <results_dir>/
-        cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); the resolved config
-                                   is kept as JSON in the parquet schema metadata
-        per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps)
+        cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); its key, resolved
+                                   config (JSON) and content checksum in the parquet schema metadata
+        per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps), with
+                                   its key and checksum likewise
         claims/<key>.lock          the lock a writer holds while it computes the cell
         grid.json                  optional: the keys of the experiment's current grid
 
@@ -19,9 +20,18 @@ if it has one. A crashed writer leaves only a ``.tmp-*`` file, which readers ign
 :meth:`ResultsStore.clean_stale` (run by every :func:`run_cell`) removes once it is an hour old.
 
 Concurrent writers: :func:`run_cell` computes a cell only under :meth:`ResultsStore.claim` and looks it up
-again once the claim is held, so a cell is computed once however many sweeps reach it. Corrupt cells: a
-cell file that cannot be read raises :class:`CorruptCellError` naming it; :meth:`ResultsStore.finished`
-(the one way the suite decides whether to compute) counts it as missing, so it is recomputed and replaced.
+again once the claim is held, so a cell is computed once however many sweeps reach it.
+
+Verified reads: every read of a cell (and of its per-layer table) checks, from the file's own metadata,
+that it is the file of the cell asked for (``relibra.cell`` equals the key in its name: a file copied or
+moved over another cell's is refused), that its stored config hashes to that key (:func:`cell_key`), and
+that its rows hash to the stored ``relibra.checksum`` (:func:`content_checksum`: SHA-256 over the column
+names and pandas' per-row hashes, so a flipped bit in a page that parquet still decodes is found). A cell
+file that fails any check, cannot be read as parquet, or is not a file (a directory at its path) raises
+:class:`CorruptCellError` naming it and what failed; :meth:`ResultsStore.finished` (the one way the suite
+decides whether to compute) counts it as missing, so it is recomputed and replaced. A cell written before
+checksums existed fails the check the same way ("no content checksum"): it is recomputed once, with that
+message, rather than trusted unverified. The format stays plain parquet: ``pd.read_parquet`` reads a cell.
 
 When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
 driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only
@@ -35,6 +45,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -54,6 +65,7 @@ __all__ = [
     "CorruptCellError",
     "ResultsStore",
     "cell_key",
+    "content_checksum",
     "load_experiment",
     "load_per_layer",
     "run_cell",
@@ -68,6 +80,7 @@ they are."""
 
 _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"
+_CHECKSUM_META = b"relibra.checksum"
 _TMP_PREFIX = TMP_PREFIX
 
 log = logging.getLogger(__name__)
@@ -121,11 +134,21 @@ def cell_key(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> str:
 
 
 class CorruptCellError(ValueError):
-    """A store file exists but cannot be read as parquet (truncated, overwritten, bit rot); names the file."""
+    """A store file exists but cannot be trusted: unreadable as parquet (truncated, overwritten), not a file,
+    another cell's file, or content that does not match its checksum (bit rot); names the file."""
 
     def __init__(self, path: Path, reason: str) -> None:
         self.path = path
-        super().__init__(f"{path}: unreadable store file ({reason}); it counts as missing and is recomputed")
+        super().__init__(f"{path}: corrupt store file ({reason}); it counts as missing and is recomputed")
+
+
+def content_checksum(frame: pd.DataFrame) -> str:
+    """SHA-256 (hex) of a frame's content: its column names in order, then pandas' hash of every row
+    (``pd.util.hash_pandas_object``, index left out), so equal rows read back from parquet hash equal."""
+    digest = hashlib.sha256(json.dumps([str(c) for c in frame.columns]).encode())
+    if len(frame):
+        digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _read_table(path: Path) -> pa.Table:
@@ -137,8 +160,11 @@ def _read_table(path: Path) -> pa.Table:
     exactly one whole version. The price is that pyarrow sees a buffer, not the path, so its errors are
     re-raised here with the path.
     """
-    with open(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except IsADirectoryError as err:
+        raise CorruptCellError(path, "a directory, not a parquet file") from err
     try:
         return pq.read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError, ValueError) as err:
@@ -153,6 +179,41 @@ def atomic_write_parquet(
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     atomic_write(path, lambda fh: pq.write_table(table, fh), ".parquet")
+
+
+def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.DataFrame:
+    """``table`` (read from ``path``, the file of cell ``key``) as a frame, once its metadata says it is that
+    cell's file (``relibra.cell``), its rows match ``relibra.checksum`` and (``has_config``) its stored config
+    hashes to ``key``; :class:`CorruptCellError` naming what failed otherwise (module docstring)."""
+    meta = table.schema.metadata or {}
+    stored_key = meta.get(_KEY_META, b"").decode(errors="replace")
+    if stored_key != key:
+        raise CorruptCellError(
+            path, f"it holds cell {stored_key or '(none recorded)'}, not {key}: another cell's file was "
+            "copied or moved over it",
+        )  # fmt: skip
+    if _CHECKSUM_META not in meta:
+        raise CorruptCellError(
+            path, "no content checksum: written by a version of the suite before checksums"
+        )
+    frame = table.to_pandas()
+    if content_checksum(frame) != meta[_CHECKSUM_META].decode(errors="replace"):
+        raise CorruptCellError(path, "its rows do not match their checksum (damaged or edited)")
+    if has_config:
+        try:
+            config = json.loads(meta[_CONFIG_META])
+        except (KeyError, ValueError) as err:
+            raise CorruptCellError(path, f"its stored config is missing or not JSON ({err})") from err
+        if not isinstance(config, Mapping) or cell_key(config) != key:
+            raise CorruptCellError(path, f"its stored config does not hash to its key {key}")
+    return frame
+
+
+def _remove_non_file(path: Path) -> None:
+    """Remove whatever that is not a file occupies a store file's path (a directory: a corrupt cell)."""
+    if path.is_dir() and not path.is_symlink():
+        log.warning("%s is a directory, not a cell file: removing it to store the cell", path)
+        shutil.rmtree(path)
 
 
 @dataclass(frozen=True)
@@ -195,22 +256,30 @@ class ResultsStore:
         config: Any,
         per_layer: pd.DataFrame | None = None,
     ) -> Path:
-        """Store cell ``key``: its result rows, its config (JSON in the metadata) and its per-layer table.
+        """Store cell ``key``: its result rows, its config (JSON in the metadata) and its per-layer table,
+        each file with its key and content checksum (module docstring, "Verified reads").
 
         The per-layer table goes first, so the cell file (which marks the cell finished) appears last.
-        Returns the cell file's path.
+        Returns the cell file's path. Raises ValueError for empty rows or a ``key`` that is not
+        ``cell_key(config)``.
         """
         if results.empty:
             raise ValueError(
                 f"cell {key}: refusing to store an empty results frame (a finished cell has rows)"
             )
+        if cell_key(config) != key:
+            raise ValueError(f"cell {key}: its config hashes to {cell_key(config)}, not to its key")
         meta = {
             _KEY_META: key.encode(),
             _CONFIG_META: json.dumps(_plain(config), sort_keys=True, default=str).encode(),
+            _CHECKSUM_META: content_checksum(results).encode(),
         }
         if per_layer is not None:
-            atomic_write_parquet(per_layer, self.per_layer_path(key), {_KEY_META: key.encode()})
+            layer_meta = {_KEY_META: key.encode(), _CHECKSUM_META: content_checksum(per_layer).encode()}
+            _remove_non_file(self.per_layer_path(key))
+            atomic_write_parquet(per_layer, self.per_layer_path(key), layer_meta)
         path = self.cell_path(key)
+        _remove_non_file(path)
         atomic_write_parquet(results, path, meta)
         return path
 
@@ -218,11 +287,11 @@ class ResultsStore:
         """Result rows of finished cell ``key``.
 
         Raises FileNotFoundError when the cell is not finished and :class:`CorruptCellError` (naming the
-        file) when its file cannot be read.
+        file and the check it failed) when its file cannot be read or trusted (module docstring).
         """
         path = self.cell_path(key)
         try:
-            return _read_table(path).to_pandas()
+            return _verified(path, key, _read_table(path), has_config=True)
         except FileNotFoundError:
             raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})") from None
 
@@ -239,16 +308,19 @@ class ResultsStore:
             return None
 
     def read_per_layer(self, key: str) -> pd.DataFrame | None:
-        """Per-layer table of cell ``key``, or None when the cell stored none."""
+        """Per-layer table of cell ``key``, or None when the cell stored none; :class:`CorruptCellError`
+        when its file cannot be read or trusted (the same checks as :meth:`read`, without a config)."""
         path = self.per_layer_path(key)
-        return _read_table(path).to_pandas() if path.is_file() else None
+        if not path.exists():
+            return None
+        return _verified(path, key, _read_table(path), has_config=False)
 
     def corrupt_keys(self, all_cells: bool = False) -> list[str]:
-        """Cells whose file exists but cannot be read (:meth:`load` leaves them out)."""
+        """Cells whose file exists but cannot be read or trusted (:meth:`load` leaves them out)."""
         bad = []
         for key in self.current_keys(all_cells):
             try:
-                _read_table(self.cell_path(key))
+                self.read(key)
             except CorruptCellError:
                 bad.append(key)
             except FileNotFoundError:
@@ -260,22 +332,34 @@ class ResultsStore:
         """Hold the claim on cell ``key`` (an exclusive ``flock`` on ``claims/<key>.lock``).
 
         Writers of one cell take turns, so a cell is computed once even when sweeps overlap: whoever comes
-        second finds the cell finished. The kernel drops the lock when its holder exits for any reason
+        second finds the cell finished. The holder removes the lock file when it is done (also on Ctrl-C);
+        the kernel drops the lock when its holder exits for any reason
         (``kill -9``, the OOM killer, a Slurm time-out), so no claim outlives its process. NOTE: ``flock``
         works across hosts on NFS (Linux maps it to NFS byte-range locks) and on Lustre/GPFS mounted with
         locking; a file system without locks makes this a no-op, and then the last rename wins as before.
         """
         path = self.root / "claims" / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as handle:
+        while True:
+            handle = open(path, "a")
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             except OSError as err:  # a file system without locks
                 log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
+                break
+            # NOTE: the holder before this one removed the file it locked (below); a waiter that locked
+            # that removed file holds nothing, so it locks the file now at the path instead.
             try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # NOTE: while still locked, so no waiter takes the stale file
+            handle.close()
 
     def check_writable(self) -> None:
         """Raise :class:`PermissionError` naming the folder unless a cell could be stored here now.
@@ -295,9 +379,11 @@ class ResultsStore:
                 ) from err
 
     def config(self, key: str) -> dict[str, Any]:
-        """The resolved config cell ``key`` was run with."""
-        meta = _read_table(self.cell_path(key)).schema.metadata or {}
-        return json.loads(meta[_CONFIG_META])
+        """The resolved config cell ``key`` was run with (read once its file passed :meth:`read`'s checks)."""
+        path = self.cell_path(key)
+        table = _read_table(path)
+        _verified(path, key, table, has_config=True)
+        return json.loads((table.schema.metadata or {})[_CONFIG_META])
 
     @property
     def grid_path(self) -> Path:

@@ -57,14 +57,26 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _naming(err: OSError, path: Path) -> OSError:
+    """``err`` again (same errno, hence the same OSError subclass) with the file being written named."""
+    if err.errno is None:
+        return OSError(f"cannot write {path}: {err}")
+    return OSError(err.errno, f"cannot write {path}: {err.strerror or err}")
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object], suffix: str = "") -> Path:
     """Write ``path`` through ``write(binary file)`` atomically (module docstring); returns the path.
 
     On any failure (including KeyboardInterrupt) the temporary file is removed and ``path`` is untouched.
+    An OSError (a full disk, a read-only folder) is raised again with ``path`` in its message, as the same
+    OSError subclass.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=suffix, dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=suffix, dir=path.parent)
+    except OSError as err:
+        raise _naming(err, path) from err
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -73,6 +85,9 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             os.fsync(handle.fileno())
             os.fchmod(handle.fileno(), file_mode())  # NOTE: mkstemp creates 0600 whatever the umask
         os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _naming(err, path) from err
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -1,6 +1,6 @@
 """Routing traces: the expert every token picks at every MoE layer, and their ``.npz`` file format.
 
-The file format (DESIGN.md, "Routing trace file"; no pickle):
+The file format (docs/traces.md, "Routing trace file"; no pickle):
 
 =================  =====================  ============================================================
 array              dtype, shape           meaning
@@ -34,7 +34,9 @@ from relibra.atomic import atomic_write
 from relibra.types import SampleCounts
 
 __all__ = [
+    "FORMAT_DOC",
     "MAX_EXPERTS",
+    "MAX_META_CHARS",
     "REQUIRED_META",
     "RoutingTrace",
     "TraceFormatError",
@@ -48,6 +50,14 @@ REQUIRED_META = ("num_experts", "top_k", "num_layers", "model", "source")
 
 MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1
 """The most logical experts a trace can hold: ids are int16, so they lie in ``[0, 32767]``."""
+
+MAX_META_CHARS = 1 << 20
+"""Longest ``meta`` JSON text read (1 Mi characters): a trace's meta is a handful of keys and at most one id
+per sample; a longer one is refused before it is parsed, as JSON nested deeper than Python's recursion
+limit would be."""
+
+FORMAT_DOC = "docs/traces.md"
+"""Where the file format is described for users (named in refusals)."""
 
 _MAX_KEYS_PER_CHUNK = 1 << 24
 """Routed slots reduced per bincount call in :meth:`RoutingTrace.to_counts` (bounds its memory)."""
@@ -269,6 +279,37 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 _READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
+def _check_declared_size(archive: zipfile.ZipFile, key: str, path: str | os.PathLike[str]) -> None:
+    """Refuse member ``key`` whose ``.npy`` header declares more bytes than the member holds, before numpy
+    allocates them (a forged header could ask for terabytes)."""
+    try:
+        info = archive.getinfo(f"{key}.npy")
+    except KeyError:
+        return  # NOTE: a member without the .npy suffix: numpy reads it as it is, nothing is declared
+    try:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            header_reader = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(version)
+            if header_reader is None:
+                return  # NOTE: a newer header version: numpy's own reader checks it
+            shape, _, dtype = header_reader(member, max_header_size=10_000)
+            offset = member.tell()
+    except _READ_ERRORS as err:
+        raise _fail(key, f"in {path} has no readable .npy header ({type(err).__name__}: {err})") from err
+    if dtype.hasobject:
+        return  # NOTE: refused as needing pickle when it is read
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared > info.file_size - offset:
+        raise _fail(
+            key,
+            f"in {path} declares shape {tuple(shape)} of {dtype} ({declared} bytes) but the member holds "
+            f"{info.file_size - offset} bytes",
+        )
+
+
 def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
     """Read and validate a trace file; raises :class:`TraceFormatError` naming the bad array.
 
@@ -297,6 +338,7 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
                 raise _fail(key, f"missing from {path} (it holds {sorted(npz.files)})")
         arrays = {}
         for key in npz.files:
+            _check_declared_size(npz.zip, key, path)
             try:
                 arrays[key] = npz[key]
             except ValueError as err:
@@ -310,10 +352,15 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
         raise _fail(
             "meta", f"must be a str scalar holding JSON, got dtype {meta_arr.dtype} shape {meta_arr.shape}"
         )
+    text = str(meta_arr)
+    if len(text) > MAX_META_CHARS:
+        raise _fail("meta", f"is {len(text)} characters long; at most {MAX_META_CHARS} are read")
     try:
-        meta = json.loads(str(meta_arr))
+        meta = json.loads(text)
     except json.JSONDecodeError as err:
         raise _fail("meta", f"is not valid JSON ({err})") from err
+    except RecursionError as err:
+        raise _fail("meta", "is JSON nested too deeply to read") from err
     if not isinstance(meta, dict):
         raise _fail("meta", f"must hold a JSON object, got {type(meta).__name__}")
     sample_offsets = arrays["sample_offsets"]

@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 import re
+import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,8 @@ def from_vllm(
         num_experts: ``E`` (ids must lie in ``[0, E)``; at most :data:`~relibra.trace.format.MAX_EXPERTS`).
         batch_offsets: int [B + 1] or None (one batch).
         sample_domain: int [S] or None, indices into ``domain_names``.
-        meta: extra JSON-serialisable metadata merged into the trace's ``meta``.
+        meta: extra JSON-serialisable metadata merged into the trace's ``meta``; it may not restate
+            ``num_experts``, ``top_k`` or ``num_layers`` differently from the routes (refused, naming it).
     """
     num_experts = _positive_int("num_experts", num_experts, MAX_EXPERTS)
     if len(routed_experts) == 0:
@@ -117,6 +119,14 @@ def from_vllm(
     lens = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     experts = np.concatenate(arrays).astype(np.int16)
     num_layers, top_k = int(shape[0]), int(shape[1])
+    derived = {"num_experts": num_experts, "top_k": top_k, "num_layers": num_layers}
+    for key, value in derived.items():
+        given = (meta or {}).get(key, value)
+        if given != value:
+            source = "the num_experts argument" if key == "num_experts" else "the routes' shape"
+            raise TraceFormatError(
+                f"meta[{key!r}]={given!r} contradicts {source} ({key}={value}); leave it out of meta"
+            )
     if batch_offsets is not None:
         batch_offsets = np.asarray(batch_offsets)
         _int_ids("batch_offsets", batch_offsets, len(arrays) + 1, "sample offsets")
@@ -202,6 +212,10 @@ def from_router_replay(
     return from_vllm(per_sample, num_experts, **kwargs)
 
 
+_OLMOE_ARRAYS = ("layer_index", "generated_token_index", "requested_expert_ids", "sequence_id", "domain_id")
+"""The arrays of one OLMoE decode chunk (the traces' README)."""
+
+
 def load_olmoe_decode(
     directory: str | Path,
     domains: Iterable[str] | None = None,
@@ -225,11 +239,19 @@ def load_olmoe_decode(
     samples: list[tuple[int, int, np.ndarray]] = []
     num_layers = 0
     for path in files:
-        with np.load(path, allow_pickle=False) as z:
-            layer = z["layer_index"].astype(np.int64)
-            step = z["generated_token_index"].astype(np.int64)
-            ids = z["requested_expert_ids"]
-            seq, dom = int(z["sequence_id"][0]), int(z["domain_id"][0])
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                missing = [k for k in _OLMOE_ARRAYS if k not in z.files]
+                if missing:
+                    raise TraceFormatError(f"{path}: lacks the arrays {missing} of an OLMoE decode chunk")
+                layer = z["layer_index"].astype(np.int64)
+                step = z["generated_token_index"].astype(np.int64)
+                ids = z["requested_expert_ids"]
+                seq, dom = int(z["sequence_id"][0]), int(z["domain_id"][0])
+        except TraceFormatError:
+            raise
+        except (OSError, ValueError, TypeError, IndexError, EOFError, zipfile.BadZipFile) as err:
+            raise TraceFormatError(f"{path}: not a readable OLMoE decode chunk ({err})") from err
         num_layers = max(num_layers, int(layer.max()) + 1)
         order = np.lexsort((layer, step))
         num_tokens = np.unique(step).size

@@ -20,7 +20,7 @@ from analysis.tables import (
     skew_by_ep,
     step_by_ep,
 )
-from experiments.store import ResultsStore
+from experiments.store import ResultsStore, cell_key
 
 # throughput factor of each planner over Megatron-LM, and its mean skewness, in the synthetic results
 FACTOR = {
@@ -96,7 +96,7 @@ def _write(root: Path, name: str, rows: list[dict], layers: bool = False) -> Non
     store = ResultsStore(root / name)
     for i, row in enumerate(rows):
         per_layer = _layers(row["planner"], SKEW[row["planner"]]) if layers else None
-        store.write(f"c{i:03d}", pd.DataFrame([row]), {"i": i}, per_layer)
+        store.write(cell_key({"i": i}), pd.DataFrame([row]), {"i": i}, per_layer)
 
 
 @pytest.fixture
@@ -347,7 +347,8 @@ def test_step_breakdown_figure(tmp_path: Path) -> None:
 def _write_named(root: Path, folder: str, experiment: str, rows: list[dict]) -> None:
     store = ResultsStore(root / folder)
     for i, row in enumerate(rows):
-        store.write(f"c{i:03d}", pd.DataFrame([row]), {"i": i, "experiment_name": experiment})
+        config = {"i": i, "experiment_name": experiment}
+        store.write(cell_key(config), pd.DataFrame([row]), config)
 
 
 def test_store_in_a_folder_not_named_after_its_preset_gets_its_tables(tmp_path: Path) -> None:
@@ -386,7 +387,7 @@ def test_mixed_code_versions_are_warned_about(tmp_path: Path) -> None:
 def test_unreadable_cell_is_warned_about_and_left_out(tmp_path: Path) -> None:
     rows = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra")]
     _write(tmp_path, "quick_ablation", rows)
-    victim = ResultsStore(tmp_path / "quick_ablation").cell_path("c000")
+    victim = ResultsStore(tmp_path / "quick_ablation").cell_path(cell_key({"i": 0}))
     with open(victim, "r+b") as fh:
         fh.truncate(1000)
     out = analyse(tmp_path)  # not an ArrowInvalid about a '<Buffer>'
@@ -424,8 +425,9 @@ def test_loaded_results_carry_each_cells_dispatcher_and_overlap(tmp_path: Path) 
         "a": {"experiment_name": "comm_sensitivity", "cluster": {"dispatcher": "deepep", "ep_overlap": True}},
         "b": {"experiment_name": "comm_sensitivity", "cluster": {}},  # a cell from before the keys existed
     }
-    for key, config in configs.items():
-        store.write(key, pd.DataFrame([_row("qwen3-30b-a3b", "mixed", "relibra", 1)]), config)
+    for config in configs.values():
+        store.write(cell_key(config), pd.DataFrame([_row("qwen3-30b-a3b", "mixed", "relibra", 1)]), config)
     frame = load_results(tmp_path)["comm_sensitivity"].set_index("cell")
+    frame = frame.rename(index={cell_key(config): name for name, config in configs.items()})
     assert (frame.loc["a", "dispatcher"], bool(frame.loc["a", "ep_overlap"])) == ("deepep", True)
     assert (frame.loc["b", "dispatcher"], bool(frame.loc["b", "ep_overlap"])) == ("alltoall", False)

@@ -122,6 +122,28 @@ def test_bad_trace_content_is_a_config_error_naming_the_array(case, tmp_path, no
         ("model.num_experts=sixty-four", "model.num_experts='sixty-four'"),
         ("model.num_experts=64.5", "model.num_experts=64.5"),
         ("+results_dir=/proc/relibra-results", "results_dir=/proc/relibra-results"),
+        # round two (issue 32): flags accept only booleans
+        ("cluster.ep_overlap='false'", "cluster.ep_overlap='false': must be a boolean"),
+        ("cluster.ep_overlap=no", "cluster.ep_overlap='no': must be a boolean"),
+        ("dump_plans=maybe", "dump_plans='maybe': must be a boolean"),
+        ("simulator.check_plans=maybe", "simulator.check_plans='maybe': must be a boolean"),
+        ("control_plane.enabled=1", "control_plane.enabled=1: must be a boolean"),
+        # ... every key range-checked before any work
+        ("seed=99999999999999999999999", "seed=99999999999999999999999: must be <= 9223372036854775807"),
+        ("seed=-1", "seed=-1: must be >= 0"),
+        ("seed=null", "seed=null"),
+        ("control_plane.workers=-1", "control_plane.workers=-1: must be >= 0"),
+        ("control_plane.deadline_s=-5", "control_plane.deadline_s=-5: must be >= 0"),
+        ("control_plane.locality_deadline_s=soon", "control_plane.locality_deadline_s='soon'"),
+        ("simulator.history_window=-1", "simulator.history_window=-1: must be >= 0"),
+        # ... nulls
+        ("cluster.nodes=null", "cluster.nodes=null: must be an integer"),
+        ("model.hidden=null", "model.hidden=null: must be an integer"),
+        ("cluster.hardware.nic_bytes_per_s=null", "cluster.hardware.nic_bytes_per_s=null: must be a number"),
+        # ... keys no code reads, named with the closest known key
+        ("+cluster.node=8", "cluster.node: unknown key"),
+        ("+foo=1", "foo: unknown key"),
+        ("+planner.replica_slot=2", "the closest known key is planner.replica_slots"),
     ],
 )
 def test_bad_key_is_one_line_naming_it(override, key, tmp_path, no_compute) -> None:
@@ -129,6 +151,49 @@ def test_bad_key_is_one_line_naming_it(override, key, tmp_path, no_compute) -> N
         run(cfg(*TINY, override), run_dir=tmp_path / "run")
     assert key in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("planner=relibra", "planner.replicate.refill_aware=maybe"), "refill_aware='maybe': must be a"),
+        (("planner=relibra", "planner.replica_slots=null"), "planner.replica_slots=null: must be an integer"),
+        (("planner=relibra", "planner.reorder.seeds=[a]"), "planner.reorder.seeds=['a']; expected a list of"),
+        (("executor=torch", "executor.hidden=-4"), "executor.hidden=-4: must be >= 1"),
+        (("executor=torch", "executor.backend=mpi"), "executor.backend='mpi': choose one of gloo, nccl"),
+        (("executor=torch", "executor.max_world=2"), "executor.max_world=2: the torch executor starts one"),
+        (("executor=torch", "model=deepseek-v3", "executor.hidden=null", "executor.moe_ffn=null"),
+         "executor.hidden=null executor.moe_ffn=null (expert shape 7168 x 2048): the torch executor needs"),
+        (("logger=wandb", "logger.init_timeout_s=-1"), "logger.init_timeout_s=-1: must be > 0"),
+        (("logger=wandb", "logger.init_timeout_s=null"), "logger.init_timeout_s=null"),
+    ],
+)  # fmt: skip
+def test_bad_setting_is_refused_before_any_work(overrides, message, tmp_path, no_compute) -> None:
+    with pytest.raises(ConfigError) as err:
+        run(cfg(*TINY, *overrides), run_dir=tmp_path / "run")
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_compute, monkeypatch) -> None:
+    from relibra.executors import budget
+
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: 8 * 2**30)  # a host with 8 GiB free
+    c = cfg(*TINY, "executor=torch", "executor.hidden=null", "executor.moe_ffn=null")
+    with pytest.raises(ConfigError, match=r"needs at least 100\.1 GiB \(4 ranks of 25\.0 GiB.*has 8\.0 GiB"):
+        run(c, run_dir=tmp_path / "run")
+    validate_ok = cfg(*TINY, "executor=torch")  # the default small shape fits
+    from experiments.config import validate
+
+    validate(validate_ok)
+
+
+def test_nccl_without_a_gpu_is_refused(tmp_path, no_compute) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA GPUs: nccl is allowed")
+    with pytest.raises(ConfigError, match=r"executor.backend=nccl needs one CUDA GPU per rank \(4\)"):
+        run(cfg(*TINY, "executor=torch", "executor.backend=nccl"), run_dir=tmp_path / "run")
 
 
 def test_tokens_per_microbatch_zero_is_refused(tmp_path, no_compute) -> None:
@@ -330,7 +395,8 @@ def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, 
     (tmp_path / "file").write_text("not a folder")
     code = reproduce(["--results", str(tmp_path / "file"), "--presets", "quick_overhead", "--no-analysis"])
     assert code == 2
-    assert "cannot write" in capsys.readouterr().out
+    # NOTE: each cell's results_dir is checked with the grid's validation, before the store is touched
+    assert f"results_dir={tmp_path / 'file'}/quick_overhead" in capsys.readouterr().err
 
 
 def test_reused_cell_with_an_unreadable_per_layer_table_says_so(tmp_path) -> None:
@@ -342,3 +408,272 @@ def test_reused_cell_with_an_unreadable_per_layer_table_says_so(tmp_path) -> Non
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["reused_from"] and "per_layer.parquet" in summary["not_written"]
     assert not (tmp_path / "b" / "per_layer.parquet").exists()
+
+
+# --- round two (issue 32): Hydra's refusals, run directories, sweeps, store, traces, W&B, messages ---------
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("planner=bogus", ["planner=bogus: no such planner option", "megatron"]),
+        ("planner=relibrax", ["planner=relibrax", "the closest is relibra"]),
+        ("model=olmoe", ["model=olmoe: no such model option", "the closest is olmoe-1b-7b"]),
+        ("cluster=hoper", ["cluster=hoper", "the closest is hopper"]),
+        ("executor=tourch", ["executor=tourch", "the closest is torch"]),
+        ("planner.replica_slot=2", ["planner.replica_slot: unknown key", "planner.replica_slots"]),
+        ("cluster.node=2", ["cluster.node: unknown key", "the closest known key is cluster.nodes"]),
+        ("+cluster.node=8", ["cluster.node: unknown key", "cluster.nodes"]),
+        ("+foo=1", ["foo: unknown key"]),
+        ("hydra/launcher=slurmm", ["hydra/launcher=slurmm", "the closest is slurm"]),
+    ],
+)
+def test_cli_refuses_what_hydra_would_refuse_in_one_line_exit_2(override, names, tmp_path) -> None:
+    proc = _cli(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert all(name in lines[0] for name in names), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_refuses_an_unwritable_run_dir(tmp_path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    proc = _cli(*TINY, f"hydra.run.dir={tmp_path / 'file' / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"hydra.run.dir={tmp_path / 'file' / 'run'}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_refuses_slurm_without_a_controller(tmp_path) -> None:
+    from experiments.run import _slurm_problem
+
+    if _slurm_problem("slurm") is None:
+        pytest.skip("a Slurm controller answers here")
+    proc = _cli("--multirun", *TINY, "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "hydra/launcher=slurm" in lines[0] and "slurm/start.sh" in lines[0]
+    assert (REPO / "slurm" / "start.sh").is_file()
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_run_that_fails_while_writing_leaves_the_earlier_run_whole(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "run"
+    run(cfg(*TINY, "planner=eplb", "dump_plans=true"), run_dir=out)
+    before = _snapshot(out)
+    real = run_module.compute
+
+    def overflowing(c):  # a value parquet cannot hold, found only at the write (as seed=1e23 was)
+        results, per_layer, dump = real(c)
+        return results.assign(seed=[10**25]), per_layer, dump
+
+    monkeypatch.setattr(run_module, "compute", overflowing)
+    with pytest.raises(Exception, match="int"):
+        run(cfg(*TINY, "planner=megatron"), run_dir=out)
+    assert _snapshot(out) == before  # not one file of the new run, not one file of the old one lost
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_swapped_cell_is_recomputed_not_returned_as_the_other_planners(tmp_path) -> None:
+    store = tmp_path / "store"
+    megatron = cfg(*TINY, "planner=megatron", f"+results_dir={store}")
+    first = run(megatron, run_dir=tmp_path / "a")
+    run(cfg(*TINY, "planner=balanced", f"+results_dir={store}"), run_dir=tmp_path / "b")
+    cells = ResultsStore(store)
+    balanced_key = cell_key(cfg(*TINY, "planner=balanced", f"+results_dir={store}"))
+    cells.cell_path(cell_key(megatron)).write_bytes(cells.cell_path(balanced_key).read_bytes())
+    again = run(megatron, run_dir=tmp_path / "c")
+    assert again["planner"].tolist() == ["megatron"]
+    timed = [c for c in first.columns if c.endswith("_s") and ("plan" in c or "cp_" in c)]  # wall clock
+    pd.testing.assert_frame_equal(again.drop(columns=timed), first.drop(columns=timed))
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["reused_from"] is None  # recomputed
+
+
+def test_a_directory_at_a_cell_path_is_recomputed_and_left_out_of_the_analysis(tmp_path, capsys) -> None:
+    from analysis.__main__ import main as analysis
+
+    store = tmp_path / "results" / "quick_overhead"
+    c = cfg(*TINY, "planner=megatron", f"+results_dir={store}")
+    ResultsStore(store).cell_path(cell_key(c)).mkdir(parents=True)
+    fake = ResultsStore(store).cell_path("0" * 16)
+    fake.mkdir()
+    run(c, run_dir=tmp_path / "a")  # the directory is a corrupt cell: computed, and stored in its place
+    assert ResultsStore(store).cell_path(cell_key(c)).is_file()
+    analysis([str(tmp_path / "results"), "--out", str(tmp_path / "analysis")])  # no IsADirectoryError
+    assert str(fake) in " ".join(capsys.readouterr().out.split())
+
+
+def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_path) -> None:
+    import resource
+
+    def small_files() -> None:  # NOTE: as a full disk does, every file beyond 6 KiB fails to be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024))
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "--multirun", *TINY, "planner=megatron,eplb,balanced",
+         f"hydra.sweep.dir={sweep}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = proc.stderr[proc.stderr.index("3 cell(s) of the sweep failed:") :]
+    for num, planner in enumerate(["megatron", "eplb", "balanced"]):
+        assert f"planner={planner}: OSError" in summary, summary
+        assert f"cannot write the run file {sweep / str(num) / 'results.parquet'}" in summary, summary
+    assert "Traceback" not in proc.stderr
+
+
+def test_sweep_summary_callback_reads_failures_of_cells_run_elsewhere(tmp_path, capsys) -> None:
+    from omegaconf import OmegaConf
+
+    from experiments.sweep_check import FAILED_FILE, ValidateCells
+
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3" / FAILED_FILE).write_text(json.dumps({"cell": "seed=3", "error": "OSError: disk"}))
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with pytest.raises(SystemExit) as stop:
+        ValidateCells().on_multirun_end(config)
+    assert stop.value.code == 1 and "seed=3: OSError: disk" in capsys.readouterr().err
+    (tmp_path / "3" / FAILED_FILE).unlink()
+    ValidateCells().on_multirun_end(config)  # nothing failed: the sweep ends as it is
+
+
+def test_a_trace_declaring_more_than_its_file_holds_is_refused_before_allocating(
+    tmp_path, no_compute
+) -> None:
+    import io
+    import zipfile
+
+    header = {"descr": "<i2", "fortran_order": False, "shape": (10**12, 16, 8)}  # 233 TiB declared
+    path = tmp_path / "huge.npz"
+    arrays = _trace_arrays()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, value in arrays.items():
+            buf = io.BytesIO()
+            if name == "experts":
+                np.lib.format.write_array_header_1_0(buf, header)
+                buf.write(b"\0" * 64)
+            else:
+                np.save(buf, value)
+            archive.writestr(f"{name}.npy", buf.getvalue())
+    with pytest.raises(ConfigError, match=r"'experts'.*declares shape \(1000000000000, 16, 8\)"):
+        run(file_cfg(path), run_dir=tmp_path / "run")
+
+
+def test_a_trace_with_deeply_nested_or_huge_meta_is_refused(tmp_path, no_compute) -> None:
+    for name, meta in (("deep", "[" * 100_000), ("huge", json.dumps({"pad": "x" * (1 << 21)}))):
+        arrays = {**_trace_arrays(), "meta": np.array(meta)}
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        with pytest.raises(ConfigError, match=r"trace array 'meta': is"):
+            run(file_cfg(tmp_path / f"{name}.npz"), run_dir=tmp_path / "run")
+
+
+def test_a_directory_as_trace_path_is_named_and_the_format_doc_exists(tmp_path, no_compute) -> None:
+    from relibra.trace.format import FORMAT_DOC
+
+    with pytest.raises(ConfigError, match=rf"trace.path={tmp_path}: is a directory, not a trace file") as err:
+        run(file_cfg(tmp_path), run_dir=tmp_path / "run")
+    assert FORMAT_DOC in str(err.value) and (REPO / FORMAT_DOC).is_file()
+    assert "Routing trace file" in (REPO / FORMAT_DOC).read_text()
+
+
+def test_a_trace_of_another_model_warns_and_is_recorded(tmp_path, caplog) -> None:
+    path = tmp_path / "t.npz"
+    np.savez(path, **_trace_arrays())  # meta says model "olmoe"; the run's model is olmoe-1b-7b
+    with caplog.at_level("WARNING", logger="experiments.run"):
+        results = run(file_cfg(path, "planner=megatron"), run_dir=tmp_path / "run")
+    assert "recorded from model olmoe, not the run's model=olmoe-1b-7b" in caplog.text
+    assert results["trace_model"].tolist() == ["olmoe"]
+
+
+def _wandb_cores() -> set[int]:
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"wandb-core" in cmdline.read_bytes():
+                found.add(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blackhole) -> None:
+    pytest.importorskip("wandb")
+    from experiments.wandb_logger import STEP_ALLOWANCE_S
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", blackhole)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    before = _wandb_cores()
+    c = cfg(*TINY, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
+    results, per_layer, _ = run_module.compute(c)
+    from experiments.wandb_logger import log_run
+
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="W&B logging failed"):
+        assert not log_run(dict(c.logger), {}, results, per_layer, str(tmp_path))
+    took = time.monotonic() - start
+    assert took <= 1 + STEP_ALLOWANCE_S + 2, f"the W&B step took {took:.1f} s"
+    deadline = time.monotonic() + 10
+    while _wandb_cores() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _wandb_cores() - before, "a wandb-core process outlived the run"
+
+
+def test_ctrl_c_is_one_line_exit_130_and_removes_the_claim(tmp_path) -> None:
+    import signal
+
+    store = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.run", "model=olmoe-1b-7b", "planner=relibra",
+         "trace.num_batches=4", "trace.samples_per_batch=256", f"+results_dir={store}",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not list((store / "claims").glob("*.lock")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip() and "[HYDRA]" not in line]
+    assert proc.returncode == 130, err[-3000:]
+    assert len(lines) == 1 and "interrupted; kept" in lines[0], err[-3000:]
+    assert not list((store / "claims").glob("*.lock")) and not ResultsStore(store).keys()
+
+
+def test_reproduce_refuses_an_unknown_preset_without_making_a_folder(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    assert reproduce(["--results", str(tmp_path / "r"), "--presets", "bogus", "--no-analysis"]) == 2
+    err = capsys.readouterr().err
+    assert "--presets bogus: no such preset" in err and not (tmp_path / "r").exists()
+
+
+def test_reproduce_refuses_a_bad_override_once_before_the_grid(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    code = reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "--no-analysis",
+                      *TINY[:-2], "cluster.nodes=-1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("cluster.nodes=-1: must be >= 1") == 1, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r" / "quick_overhead" / "cells").exists()
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_analysis_of_a_missing_or_empty_store_is_one_line(tmp_path, what) -> None:
+    target = tmp_path / "store"
+    if what == "empty":
+        (target / "cells").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "analysis", str(target)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and str(target) in lines[0], proc.stderr[-3000:]

@@ -140,7 +140,7 @@ def test_cells_shared_by_presets_are_computed_once_and_copied(tmp_path: Path) ->
 
 
 def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv = ["--results", str(tmp_path), "--presets", "quick_overall,quick_overhead", "--no-analysis"]
     cell = [*TINY[:-1], "model=qwen3-30b-a3b", "trace.preset=mixed", "planner=relibra"]
@@ -149,7 +149,15 @@ def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
     assert re.search(r"^quick_overhead \[1/1\] .* relibra: [\d.]+ s copied from quick_overall", out, re.M)
     assert "quick_overhead: 0 cells run, 0 reused, 0 failed, 1 copied from the same cell" in out
     assert "1 cells computed, 1 copied" in out
-    # NOTE: EP 24 composes but its run refuses it; the copy fails with the cell it copies.
-    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=3"]) == 1
+    # NOTE: a cell that passes validation but fails while it runs (here: in this process, --workers 1);
+    # the copy fails with the cell it copies. (A grid every cell of which is refused by validation is
+    # refused before it starts: test_faults.py::test_reproduce_refuses_a_bad_override_once_before_the_grid.)
+    import experiments.run as run_module
+
+    def failing(cfg):
+        raise RuntimeError("planner crashed")
+
+    monkeypatch.setattr(run_module, "compute", failing)
+    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=1", "seed=1"]) == 1
     out = capsys.readouterr().out
-    assert out.count("FAILED") == 2 and "same cell as quick_overall's, which failed: ConfigError" in out
+    assert out.count("FAILED") == 2 and "same cell as quick_overall's, which failed: RuntimeError" in out

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from experiments.store import (
@@ -33,6 +36,18 @@ CONFIG = {
     "logger": {"name": "none"},
     "hydra": {"run": {"dir": "outputs/x"}},
 }
+
+
+def _named(name: str) -> tuple[str, dict]:
+    """A config of its own for a test cell called ``name``, and its key (a store refuses any other key)."""
+    config = {**CONFIG, "seed": name}
+    return cell_key(config), config
+
+
+def _put(store: ResultsStore, name: str, rows: pd.DataFrame, per_layer: pd.DataFrame | None = None) -> str:
+    key, config = _named(name)
+    store.write(key, rows, config, per_layer)
+    return key
 
 
 def _rows(tag: int, n: int = 3) -> pd.DataFrame:
@@ -92,17 +107,17 @@ def test_crash_during_write_leaves_no_cell_and_no_partial_file(
 
     monkeypatch.setattr(pq, "write_table", half_write)
     with pytest.raises(KeyboardInterrupt):
-        store.write("k", _rows(1), CONFIG)
-    assert not store.has("k")
+        store.write(cell_key(CONFIG), _rows(1), CONFIG)
+    assert not store.has(cell_key(CONFIG))
     assert list(store.cells_dir.iterdir()) == []
 
 
 def test_leftover_temp_files_are_ignored_and_cleaned(tmp_path: Path) -> None:
     store = ResultsStore(tmp_path)
-    store.write("done", _rows(1), CONFIG)
+    done = _put(store, "done", _rows(1))
     stale = store.cells_dir / ".tmp-crashed.parquet"
     stale.write_bytes(b"PAR1 truncated")
-    assert store.keys() == ["done"]
+    assert store.keys() == [done]
     assert len(store.load()) == 3
     assert store.clean_stale(older_than_s=0.0) == 1 and not stale.exists()
 
@@ -128,12 +143,12 @@ def test_rerun_reuses_finished_cells_and_redoes_unfinished(tmp_path: Path) -> No
 
 def test_grid_manifest_hides_stale_cells(tmp_path: Path) -> None:
     store = ResultsStore(tmp_path)
-    store.write("old", _rows(1), CONFIG)
-    store.write("new", _rows(2), CONFIG)
+    old = _put(store, "old", _rows(1))
+    new = _put(store, "new", _rows(2))
     assert len(load_experiment(tmp_path)) == 6  # no grid.json: every cell on disk
-    store.write_grid(["new", "not-run-yet"])
-    assert set(load_experiment(tmp_path)["cell"]) == {"new"}
-    assert set(load_experiment(tmp_path, all_cells=True)["cell"]) == {"old", "new"}
+    store.write_grid([new, "not-run-yet"])
+    assert set(load_experiment(tmp_path)["cell"]) == {new}
+    assert set(load_experiment(tmp_path, all_cells=True)["cell"]) == {old, new}
 
 
 def _writer(root: str, writer: int, rounds: int) -> None:
@@ -141,8 +156,8 @@ def _writer(root: str, writer: int, rounds: int) -> None:
     for i in range(rounds):
         tag = writer * 1000 + i
         # shared keys are written by every process; own keys by this one only
-        store.write(f"shared{i % 3}", _rows(tag, n=20_000), {"writer": writer, "round": i})
-        store.write(f"own{writer}-{i}", _rows(tag, n=50), {"writer": writer, "round": i})
+        _put(store, f"shared{i % 3}", _rows(tag, n=20_000))
+        _put(store, f"own{writer}-{i}", _rows(tag, n=50))
 
 
 def test_concurrent_writers_never_corrupt_the_store(tmp_path: Path) -> None:
@@ -152,20 +167,21 @@ def test_concurrent_writers_never_corrupt_the_store(tmp_path: Path) -> None:
     for p in procs:
         p.start()
     store = ResultsStore(tmp_path)
+    shared = {_named(f"shared{i}")[0] for i in range(3)}
     reads = 0
     deadline = time.time() + 60
     while any(p.is_alive() for p in procs) and time.time() < deadline:
         for key in store.keys():
             frame = store.read(key)  # must never be partial: one writer's whole frame
             assert frame["tag"].nunique() == 1
-            assert len(frame) == (20_000 if key.startswith("shared") else 50)
+            assert len(frame) == (20_000 if key in shared else 50)
             reads += 1
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     assert reads > 0
     assert sorted(store.keys()) == sorted(
-        [f"shared{i}" for i in range(3)] + [f"own{w}-{i}" for w in range(writers) for i in range(rounds)]
+        shared | {_named(f"own{w}-{i}")[0] for w in range(writers) for i in range(rounds)}
     )
     assert not list(store.cells_dir.glob(".tmp-*"))
     assert len(store.load()) == 3 * 20_000 + writers * rounds * 50
@@ -204,10 +220,10 @@ def test_truncated_cell_is_named_counted_missing_and_recomputed(tmp_path: Path, 
 
 def test_truncated_per_layer_file_is_left_out_of_loads(tmp_path: Path) -> None:
     store = ResultsStore(tmp_path)
-    store.write("a", _rows(1), CONFIG, per_layer=_rows(1, n=500))
-    store.write("b", _rows(2), CONFIG, per_layer=_rows(2))
-    _truncate(store.per_layer_path("a"))
-    assert set(store.load_per_layer()["cell"]) == {"b"}
+    a = _put(store, "a", _rows(1), per_layer=_rows(1, n=500))
+    b = _put(store, "b", _rows(2), per_layer=_rows(2))
+    _truncate(store.per_layer_path(a))
+    assert set(store.load_per_layer()["cell"]) == {b}
 
 
 def test_a_cell_is_computed_once_by_concurrent_writers(tmp_path: Path) -> None:
@@ -244,9 +260,9 @@ def test_result_files_respect_the_umask(tmp_path: Path, umask: int, monkeypatch)
     atomic._umask.cache_clear()
     try:
         store = ResultsStore(tmp_path)
-        store.write("k", _rows(1), CONFIG, per_layer=_rows(1))
-        store.write_grid(["k"])
-        files = [store.cell_path("k"), store.per_layer_path("k"), store.grid_path]
+        k = _put(store, "k", _rows(1), per_layer=_rows(1))
+        store.write_grid([k])
+        files = [store.cell_path(k), store.per_layer_path(k), store.grid_path]
         files.append(save_trace(make_trace(), tmp_path / "t.npz"))
         for path in files:
             assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
@@ -293,3 +309,147 @@ def _hold_claim(root: str, holding: str) -> None:
     with ResultsStore(Path(root)).claim(cell_key(CONFIG)):
         Path(holding).touch()
         time.sleep(600)
+
+
+# --- verified reads: a cell file is the cell asked for, whole and unchanged ------------------------------
+
+
+def _two_cells(tmp_path: Path) -> tuple[ResultsStore, str, str]:
+    store = ResultsStore(tmp_path)
+    a = _put(store, "megatron", _rows(1, n=50), per_layer=_rows(1))
+    b = _put(store, "balanced", _rows(2, n=50), per_layer=_rows(2))
+    return store, a, b
+
+
+def test_a_cell_file_copied_over_another_is_named_and_recomputed(tmp_path: Path) -> None:
+    store, a, b = _two_cells(tmp_path)
+    store.cell_path(a).write_bytes(store.cell_path(b).read_bytes())
+    with pytest.raises(CorruptCellError, match=f"holds cell {b}, not {a}"):
+        store.read(a)
+    assert store.corrupt_keys() == [a]
+    _, reused = run_cell(store, _named("megatron")[1], lambda: (_rows(9, n=50), None))
+    assert not reused and store.read(a)["tag"].iloc[0] == 9
+
+
+def test_a_per_layer_file_copied_over_another_is_refused(tmp_path: Path) -> None:
+    store, a, b = _two_cells(tmp_path)
+    store.per_layer_path(a).write_bytes(store.per_layer_path(b).read_bytes())
+    with pytest.raises(CorruptCellError, match="holds cell"):
+        store.read_per_layer(a)
+
+
+def _rewrite_with_metadata(path: Path, frame: pd.DataFrame) -> None:
+    """Write ``frame`` over ``path`` keeping the file's schema metadata (key, config, checksum)."""
+    meta = pq.read_schema(path).metadata
+    table = pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(meta)
+    pq.write_table(table, path)
+
+
+def test_changed_rows_under_the_old_checksum_are_named_and_recomputed(tmp_path: Path) -> None:
+    store, a, _ = _two_cells(tmp_path)
+    frame = store.read(a)
+    frame.loc[3, "step_time_s"] += 1e-9  # what a flipped mantissa bit that still decodes does
+    _rewrite_with_metadata(store.cell_path(a), frame)
+    with pytest.raises(CorruptCellError, match="do not match their checksum"):
+        store.read(a)
+    assert store.finished(a) is None and store.load()["cell"].tolist() == [_named("balanced")[0]] * 50
+
+
+def _column_chunk(path: Path, column: str) -> tuple[int, int]:
+    """(first byte, length) of ``column``'s chunk in row group 0 of the parquet file at ``path``."""
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    chunk = meta.row_group(0).column(names.index(column))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    return int(start), int(chunk.total_compressed_size)
+
+
+def test_every_bit_flipped_in_the_step_time_column_is_caught(tmp_path: Path) -> None:
+    store, a, _ = _two_cells(tmp_path)
+    path = store.cell_path(a)
+    original, good = path.read_bytes(), store.read(a)
+    start, length = _column_chunk(path, "step_time_s")
+    for offset in range(start, start + length):
+        damaged = bytearray(original)
+        damaged[offset] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        try:
+            rows = store.read(a)
+        except CorruptCellError:
+            continue
+        pd.testing.assert_frame_equal(rows, good)  # a flip that changes nothing decoded (e.g. page stats)
+    path.write_bytes(original)
+    pd.testing.assert_frame_equal(store.read(a), good)
+
+
+def test_a_cell_without_checksum_is_recomputed_with_a_message(tmp_path: Path, caplog) -> None:
+    store, a, _ = _two_cells(tmp_path)
+    meta = dict(pq.read_schema(store.cell_path(a)).metadata)
+    del meta[b"relibra.checksum"]  # as the suite wrote cells before checksums
+    table = pq.read_table(store.cell_path(a)).replace_schema_metadata(meta)
+    pq.write_table(table, store.cell_path(a))
+    with caplog.at_level("WARNING", logger="experiments.store"):
+        assert store.finished(a) is None
+    assert "no content checksum" in caplog.text and str(store.cell_path(a)) in caplog.text
+
+
+def test_a_stored_config_that_does_not_hash_to_the_key_is_refused(tmp_path: Path) -> None:
+    store, a, _ = _two_cells(tmp_path)
+    meta = dict(pq.read_schema(store.cell_path(a)).metadata)
+    meta[b"relibra.config"] = b'{"seed": "someone else"}'
+    pq.write_table(pq.read_table(store.cell_path(a)).replace_schema_metadata(meta), store.cell_path(a))
+    with pytest.raises(CorruptCellError, match="does not hash to its key"):
+        store.read(a)
+
+
+def test_a_directory_at_a_cell_path_is_a_corrupt_cell_and_is_replaced(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    key, config = _named("dir")
+    store.cell_path(key).mkdir(parents=True)
+    store.per_layer_path(key).mkdir(parents=True)
+    with pytest.raises(CorruptCellError, match="a directory"):
+        store.read(key)
+    assert store.corrupt_keys() == [key] and store.load().empty
+    rows, reused = run_cell(store, config, lambda: (_rows(4), _rows(4)))
+    assert not reused and store.cell_path(key).is_file()
+    pd.testing.assert_frame_equal(store.read(key), rows)
+    pd.testing.assert_frame_equal(store.read_per_layer(key), _rows(4))
+
+
+def test_a_store_refuses_a_key_that_is_not_the_configs() -> None:
+    with pytest.raises(ValueError, match="hashes to"):
+        ResultsStore(Path("/nonexistent")).write("0123456789abcdef", _rows(1), CONFIG)
+
+
+def test_a_verified_cell_is_still_plain_parquet(tmp_path: Path) -> None:
+    store, a, _ = _two_cells(tmp_path)
+    pd.testing.assert_frame_equal(pd.read_parquet(store.cell_path(a)), store.read(a))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_damaged_cell_is_either_refused_or_read_unchanged(tmp_path: Path, data) -> None:
+    store = ResultsStore(tmp_path / str(data.draw(st.integers(0, 10**9))))
+    key = _put(store, "fuzz", _rows(5, n=40))
+    path = store.cell_path(key)
+    original, good = path.read_bytes(), store.read(key)
+    damage = data.draw(st.sampled_from(["flip", "truncate", "zero", "swap"]))
+    raw = bytearray(original)
+    if damage == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    elif damage == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    elif damage == "zero":
+        start = data.draw(st.integers(0, len(raw) - 1))
+        raw[start : start + data.draw(st.integers(1, 64))] = b"\0" * len(raw[start : start + 64])
+    else:
+        other = _put(store, "other", _rows(6, n=40))
+        raw = bytearray(store.cell_path(other).read_bytes())
+    path.write_bytes(bytes(raw))
+    try:
+        rows = store.read(key)
+    except CorruptCellError as err:
+        assert str(path) in str(err)
+    else:
+        pd.testing.assert_frame_equal(rows, good)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,40 @@ def test_count_only_data(shared_traces: Path) -> None:
     assert np.all(prefill.counts.sum(-1) == prefill.tokens[:, None] * 8)
     qwen = load_qwen3_counts(shared_traces / "qwen3-moe-counts/counts30b.json")
     assert qwen.counts.shape == (1, 48, 128) and qwen.meta["model"] == "qwen3-30b-a3b"
+
+
+def test_from_vllm_refuses_meta_that_contradicts_the_routes() -> None:
+    routes = [np.zeros((3, 2, 2), dtype=np.int32) + np.array([0, 1])]
+    with pytest.raises(TraceFormatError, match=r"meta\['num_experts'\]=4 contradicts the num_experts"):
+        from_vllm(routes, num_experts=64, meta={"num_experts": 4})
+    with pytest.raises(TraceFormatError, match=r"meta\['top_k'\]=8 contradicts the routes' shape"):
+        from_vllm(routes, num_experts=64, meta={"top_k": 8})
+    assert from_vllm(routes, num_experts=64, meta={"num_experts": 64, "phase": "x"}).meta["phase"] == "x"
+
+
+def _olmoe_chunk(path: Path, **arrays: np.ndarray) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    base = {
+        "layer_index": np.tile(np.arange(16), 2),
+        "generated_token_index": np.repeat(np.arange(2), 16),
+        "requested_expert_ids": np.tile(np.arange(8), (32, 1)),
+        "sequence_id": np.array([7]),
+        "domain_id": np.array([1]),
+    }
+    np.savez(path, **{k: v for k, v in {**base, **arrays}.items() if v is not None})
+    return path
+
+
+def test_load_olmoe_decode_errors_name_the_file(tmp_path: Path) -> None:
+    good = _olmoe_chunk(tmp_path / "good" / "coding" / "sequence_0000.npz")
+    assert load_olmoe_decode(good.parents[1]).num_samples == 1
+    lacking = _olmoe_chunk(tmp_path / "lacking" / "coding" / "sequence_0000.npz", domain_id=None)
+    lacks = rf"{re.escape(str(lacking))}: lacks the arrays \['domain_id'\]"
+    with pytest.raises(TraceFormatError, match=lacks):
+        load_olmoe_decode(lacking.parents[1])
+    objects = _olmoe_chunk(
+        tmp_path / "objects" / "coding" / "sequence_0000.npz",
+        requested_expert_ids=np.array([[1, 2]] * 32, dtype=object),
+    )
+    with pytest.raises(TraceFormatError, match=rf"{re.escape(str(objects))}: not a readable OLMoE"):
+        load_olmoe_decode(objects.parents[1])

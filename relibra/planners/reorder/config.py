@@ -69,7 +69,10 @@ class AnnealConfig:
     def __post_init__(self) -> None:
         # NOTE: Hydra hands a list (or one int); a tuple keeps the config hashable and its repr stable.
         seeds = (self.seeds,) if isinstance(self.seeds, int) else self.seeds
-        object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
+        try:
+            object.__setattr__(self, "seeds", tuple(int(s) for s in seeds))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"seeds={self.seeds!r}; expected a list of integers ({err})") from None
         if self.objective not in ("microbatch", "aggregate"):
             raise ValueError(f"objective={self.objective!r}; expected 'microbatch' or 'aggregate'")
         if (self.iterations is not None and self.iterations < 0) or self.aggregate_warmup < 0:
