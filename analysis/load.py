@@ -85,6 +85,8 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
         for column, (key, default) in CLUSTER_COLUMNS.items():
             if column not in frame:
                 frame[column] = [_cell_cluster(store, cell, key, default) for cell in frame["cell"]]
+        if "step" not in frame:
+            frame["step"] = [_cell_step(store, cell) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
     return out
 
@@ -95,6 +97,13 @@ CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {
 }
 """Result columns taken from each cell's ``cluster`` config (for the communication sensitivity tables):
 column -> (cluster key, its value in cells whose config predates the key)."""
+
+
+def _cell_step(store: ResultsStore, key: str) -> str:
+    """The cell's ``simulator.step`` (``moe`` for cells whose config predates it: they priced the MoE-only
+    step)."""
+    sim = store.config(key).get("simulator")
+    return str(sim.get("step", "moe")) if isinstance(sim, Mapping) else "moe"
 
 
 def _cell_cluster(store: ResultsStore, key: str, name: str, default: object) -> object:

@@ -37,6 +37,7 @@ __all__ = [
     "step_by_dataset",
     "step_by_ep",
     "ultraep_headline",
+    "whole_step_shift",
 ]
 
 CELL = ["model", "dataset", "nodes", "gpus_per_node", "nvl_domain"]
@@ -453,6 +454,53 @@ def comm_sensitivity(frame: pd.DataFrame) -> Table:
     )
 
 
+SHIFT_BASELINES = ("megatron", "eplb", "ultraep", "llep")
+"""The headline ratios whose move from the MoE-only to the whole step the shift table shows."""
+
+
+def whole_step_shift(frame: pd.DataFrame) -> Table:
+    """How each headline ratio moves from the MoE-only step to the whole step: per (model, dataset, EP),
+    ReLibra's throughput over Megatron-LM, EPLB+, UltraEP and LLEP and as a % of force-balanced, under
+    ``simulator.step=moe`` and ``whole``, and their ratio (whole / moe); a last row holds the medians."""
+    if "step" not in frame or not {"moe", "whole"} <= set(frame["step"]):
+        raise ValueError("the whole-step shift table needs cells of both simulator.step=moe and whole")
+    if "relibra" not in set(frame["planner"]):
+        raise ValueError("the whole-step shift table needs rows of planner relibra")
+    data = frame.assign(EP=ep_size(frame))
+    wide = data.pivot_table(
+        index=["model", "dataset", "EP", "step"],
+        columns="planner",
+        values="throughput_tokens_per_s",
+        aggfunc="mean",
+    )
+    ratios = pd.DataFrame(index=wide.index)
+    for base in SHIFT_BASELINES:
+        if base in wide:
+            ratios[f"over {paper.label(base)}"] = wide["relibra"] / wide[base]
+    if "force_balanced" in wide:
+        ratios["% of force-balanced"] = 100.0 * wide["relibra"] / wide["force_balanced"]
+    by_step = ratios.unstack("step")
+    out = pd.DataFrame(index=by_step.index)
+    for col in ratios.columns:
+        out[f"{col} moe"] = by_step[(col, "moe")]
+        out[f"{col} whole"] = by_step[(col, "whole")]
+        out[f"{col} whole/moe"] = by_step[(col, "whole")] / by_step[(col, "moe")]
+    out = out.reset_index()
+    median = out.drop(columns=["model", "dataset", "EP"]).median()
+    out = pd.concat(
+        [out, pd.DataFrame([{"model": "median", "dataset": "all", "EP": 0, **median}])], ignore_index=True
+    )
+    return Table(
+        "whole_step_shift",
+        "Headline ratios on the MoE-only step and on the whole step (ReLibra over each baseline, x; % of "
+        "force-balanced)",
+        out,
+        {c: ".3f" for c in out.columns if c.endswith("whole/moe")}
+        | {c: ".1f" for c in out.columns if c.startswith("%") and not c.endswith("whole/moe")},
+        note="whole/moe: the ratio on the whole step over the same ratio on the MoE-only step.",
+    )
+
+
 def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], list[str]]:
     """Every table the present experiments allow, and why any other was skipped.
 
@@ -470,6 +518,7 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
         "real_trace": [overall_summary, overall_cells],
         "comm_sensitivity": [comm_sensitivity],
         "comm_sensitivity_overall": [comm_sensitivity],
+        "whole_step_shift": [whole_step_shift],
     }
     tables: list[Table] = []
     skipped: list[str] = []

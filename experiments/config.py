@@ -13,8 +13,9 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NoReturn
@@ -25,10 +26,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
+from relibra.cluster import PRECISIONS, ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import MigrationPayload, migration_payload
 from relibra.cost.model import CostModel, load_calibration
+from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
 from relibra.parallel import ParallelLayout, expert_data_parallel
 from relibra.planners.protocols import ClusterRequirements, Planner, PlannerPortfolio
@@ -44,6 +46,7 @@ __all__ = [
     "build_migration",
     "build_model",
     "build_planner",
+    "build_training",
     "build_workload_for",
     "dataset_name",
     "load_counts",
@@ -85,6 +88,18 @@ def build_cluster(cfg: DictConfig) -> ClusterSpec:
         dispatcher=str(cfg.cluster.get("dispatcher", "alltoall")),
         ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
         nvl_domain=_nvl_domain(cfg),
+        precision=str(cfg.cluster.get("precision", "bf16")),
+    )
+
+
+def build_training(cfg: DictConfig) -> TrainingSpec:
+    """``cfg.training`` with ``simulator.step`` and ``workload.rl_passes`` -> :class:`TrainingSpec`."""
+    sim = cfg.get("simulator") or {}
+    passes = cfg.workload.get("rl_passes", ["update"])
+    return TrainingSpec(
+        **_plain(cfg.training),
+        step=str(sim.get("step", "whole")),
+        rl_passes=tuple(passes) if isinstance(passes, Sequence) and not isinstance(passes, str) else passes,
     )
 
 
@@ -115,7 +130,13 @@ def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostM
     the migration payload of :func:`build_migration`."""
     path = cfg.cluster.get("calibration")
     calibration = load_calibration(path, model.name) if path else None
-    return CostModel(cluster, model, calibration=calibration, migration=build_migration(cfg, cluster))
+    return CostModel(
+        cluster,
+        model,
+        calibration=calibration,
+        training=build_training(cfg),
+        migration=build_migration(cfg, cluster),
+    )
 
 
 def build_planner(cfg: DictConfig) -> Any:
@@ -526,6 +547,45 @@ def _migration_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _step_problems(cfg: DictConfig) -> list[str]:
+    """The whole step's keys: ``training.*``, ``simulator.step``, ``workload.rl_passes``,
+    ``cluster.precision`` and the hardware constants they need."""
+    problems: list[str] = []
+    if cfg.get("training") is None:
+        return ["training: missing (choose one of experiments/conf/training/*.yaml, e.g. training=megatron)"]
+    known = {f.name for f in fields(TrainingSpec)} - {"step", "rl_passes"}
+    unknown = sorted(set(map(str, cfg.training)) - known)
+    missing = sorted(known - set(map(str, cfg.training)))
+    if unknown or missing:
+        return [f"training: unknown keys {unknown} / missing keys {missing} (keys: {sorted(known)})"]
+    passes = cfg.workload.get("rl_passes", ["update"])
+    whole = (cfg.get("simulator") or {}).get("step", "whole") == "whole"
+    if not isinstance(passes, Sequence) or isinstance(passes, str):
+        problems.append(f"workload.rl_passes={passes!r}: must be a list of passes from {list(RL_PASSES)}")
+    else:
+        try:
+            build_training(cfg)
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc))
+    hw = cfg.cluster.get("hardware") or {}
+    if whole and not float(hw.get("hbm_efficiency", 0.0) or 0.0) > 0:
+        problems.append(
+            f"cluster.hardware.hbm_efficiency={hw.get('hbm_efficiency')}: simulator.step=whole needs the "
+            "achievable HBM fraction > 0 (set it in the cluster yaml, with its source)"
+        )
+    precision = cfg.cluster.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        problems.append(f"cluster.precision={precision}: unknown; choose one of {', '.join(PRECISIONS)}")
+    elif precision == "fp8":
+        for key in ("fp8_flops", "fp8_gemm_efficiency"):
+            if not float(hw.get(key, 0.0) or 0.0) > 0:
+                problems.append(
+                    f"cluster.hardware.{key}={hw.get(key)}: cluster.precision=fp8 needs it > 0 (set it in "
+                    "the cluster yaml, with its source)"
+                )
+    return problems
+
+
 def validate(cfg: DictConfig) -> None:
     """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
 
@@ -601,6 +661,7 @@ def validate(cfg: DictConfig) -> None:
                 f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
             )
     problems.extend(_comm_problems(cfg))
+    problems.extend(_step_problems(cfg))
     spm = _int_key(cfg, "workload.samples_per_microbatch", problems)
     tpm = _int_key(cfg, "workload.tokens_per_microbatch", problems)
     if spm is not None and tpm is not None:

@@ -13,6 +13,10 @@ the quantity was a calibration input (its link rate was fitted to it) or an inde
   combine kernel times and the expert grouped GEMMs, H800, EP 64, 4096 tokens per GPU, FP8 GEMMs and
   dispatch, BF16 combine: checks.
 
+``--end-to-end`` sets the whole simulated step beside published end-to-end training runs
+(``end_to_end.json``, :mod:`experiments.end_to_end`): model / published per row and the median and worst
+absolute error of the check rows.
+
 ``--extract-profile FILE`` re-extracts the profile's numbers from the Chrome trace and prints the JSON.
 ``--estimate-error`` prints how far the load-based DeepEP estimate (what per-sample counts allow) is from
 exact per-token routes: the real traces under ``--traces`` (default ``../shared/traces``) and synthetic
@@ -44,7 +48,7 @@ from relibra.cost.linkrates import (
     load_points,
     predicted_bandwidth,
 )
-from relibra.cost.model import CostModel
+from relibra.cost.model import FP8_DISPATCH_VALUE_BYTES, CostModel
 from relibra.cost.route_estimate import estimate_error
 
 __all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validation_table"]
@@ -52,7 +56,7 @@ __all__ = ["DATA", "estimate_error_table", "extract_profile", "main", "validatio
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
 CONF = ROOT / "conf"
-FP8_VALUE_BYTES = 1.0 + 4.0 / 128
+FP8_VALUE_BYTES = FP8_DISPATCH_VALUE_BYTES
 """DeepEP's FP8 dispatch: one byte per value plus one fp32 scale per 128 values."""
 PROFILE_TOKENS = 4096
 """Tokens per GPU per micro-batch in the profile (one 4K sequence, EP 64, TP 1: its README)."""
@@ -327,9 +331,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
     ap.add_argument("--extract-profile", metavar="TRAIN_JSON", help="print the profile's numbers as JSON")
     ap.add_argument("--estimate-error", action="store_true", help="the DeepEP estimate against exact routes")
+    ap.add_argument(
+        "--end-to-end", action="store_true", help="the whole step against published training runs"
+    )
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
+    if args.end_to_end:
+        from experiments.end_to_end import end_to_end_table, errors
+
+        e2e = end_to_end_table()
+        cols = ["id", "role", "published", "model", "ratio", "step_time_s", "t_compute_s", "t_comm_s",
+                "t_attention_s", "t_permute_s", "t_other_s", "needs"]  # fmt: skip
+        with pd.option_context("display.width", 250, "display.max_colwidth", 60):
+            print(e2e[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        err = errors(e2e)
+        print(
+            f"\ncheck rows simulated: {err['rows']}; |model / published - 1|: median {err['median']:.1%}, "
+            f"worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
+        )
+        return 0
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))
         print(err.to_string(index=False, float_format=lambda v: f"{v:.3f}"))

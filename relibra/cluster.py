@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from relibra.cost.fabric import DISPATCHERS
 
+PRECISIONS = ("bf16", "fp8")
+"""Values of ``cluster.precision``: the GEMMs' (and the dispatch's) number format."""
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -38,10 +41,16 @@ class HardwareSpec:
     nic_efficiency: float
     """Achievable fraction of ``nic_bytes_per_s`` over RDMA."""
     fp8_flops: float = 0.0
-    """Dense FP8 peak, FLOP/s (0: unknown); only FP8 validation runs (``experiments.validate``) use it."""
+    """Dense FP8 peak, FLOP/s (0: unknown; ``cluster.precision=fp8`` is then refused)."""
+    fp8_gemm_efficiency: float = 0.0
+    """Fraction of ``fp8_flops`` a large FP8 grouped GEMM reaches (0: unknown; ``cluster.precision=fp8`` is
+    then refused)."""
+    hbm_efficiency: float = 0.0
+    """Achievable fraction of ``hbm_bytes_per_s`` for streaming (elementwise) kernels; the whole step's
+    memory-bound terms read it (0: unknown; ``simulator.step=whole`` is then refused)."""
     host_to_device_bytes_per_s: float = 0.0
-    """Achievable host-to-GPU copy rate per GPU, bytes/s (0: unknown); only the ``reload`` migration path
-    (``simulator.migration.path``, :mod:`relibra.cost.migration`) reads it."""
+    """Achievable host-to-GPU copy rate per GPU, bytes/s (0: unknown); the ``reload`` migration path
+    (``simulator.migration.path``, :mod:`relibra.cost.migration`) and ForeMoE's host path read it."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ class ClusterSpec:
     """GPUs per NVLink domain (``cluster.nvl_domain``; None: ``gpus_per_node``, a Hopper node). A multiple of
     ``gpus_per_node``; a domain larger than the EP group holds the whole group (a rack-scale system such as
     GB200 NVL72 running EP 8-64), a smaller one must divide it (:attr:`domain_gpus`)."""
+    precision: str = "bf16"
+    """GEMM number format (:data:`PRECISIONS`): ``fp8`` runs the expert and dense GEMMs at the FP8 peak and
+    dispatches FP8 tokens with their scales (combine stays bf16); core attention and the LM head stay bf16."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -73,6 +85,16 @@ class ClusterSpec:
         problem = nvl_domain_problem(self.nodes, self.gpus_per_node, self.nvl_domain)
         if problem:
             raise ValueError(problem)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"cluster.precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.precision == "fp8" and not (
+            self.hardware.fp8_flops > 0 and self.hardware.fp8_gemm_efficiency > 0
+        ):
+            raise ValueError(
+                "cluster.precision=fp8 needs cluster.hardware.fp8_flops and "
+                f"cluster.hardware.fp8_gemm_efficiency > 0 (hardware {self.hardware.name} has "
+                f"{self.hardware.fp8_flops} and {self.hardware.fp8_gemm_efficiency})"
+            )
 
     @property
     def num_gpus(self) -> int:
@@ -138,6 +160,8 @@ class ModelSpec:
     dense_ffn: int = 0
     """FFN width of the dense (non-MoE) layers, if any."""
     vocab: int = 151936
+    """Vocabulary size; the input embedding and the LM head are separate matrices (untied, as in all five
+    models of ``experiments/conf/model``)."""
 
     @property
     def expert_params(self) -> int:
@@ -150,6 +174,24 @@ class ModelSpec:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         return self.hidden * (q + 2 * kv) + q * self.hidden
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters outside the routed experts: embedding and LM head, every layer's attention, norms and
+        router, the shared experts and the dense layers' FFNs (:mod:`relibra.cost.step` shards them over the
+        data-parallel group)."""
+        norms = 2 * self.hidden * self.num_layers + self.hidden
+        router = self.hidden * self.num_experts * self.num_moe_layers
+        shared = 3 * self.hidden * self.shared_ffn * self.shared_experts * self.num_moe_layers
+        dense = 3 * self.hidden * self.dense_ffn * (self.num_layers - self.num_moe_layers)
+        return (
+            2 * self.vocab * self.hidden
+            + self.attention_params * self.num_layers
+            + norms
+            + router
+            + shared
+            + dense
+        )
 
     def check_ep(self, cluster: ClusterSpec) -> None:
         """Refuse an EP group that cannot hold this model's experts evenly."""

@@ -32,7 +32,8 @@ import pandas as pd
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel, MoEBreakdown
-from relibra.cost.pricing import Priced, batch_times, price_plan
+from relibra.cost.passes import LayerWork
+from relibra.cost.pricing import Priced, batch_times, permute_seconds, price_plan
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, static_placement
@@ -68,7 +69,25 @@ METRIC_COLUMNS = (
     "t_reorder_hidden_s",
     "t_attention_s",
     "t_critical_path_s",
+    "t_head_s",
+    "t_router_s",
+    "t_permute_s",
+    "t_norm_s",
+    "t_recompute_s",
+    "t_launch_s",
+    "t_optimizer_s",
+    "t_grad_reduce_s",
+    "t_param_gather_s",
+    "t_other_s",
+    "t_pass_update_s",
+    "t_pass_recompute_s",
+    "t_pass_reference_s",
 )
+"""The result columns of every run. The whole step's (``t_head_s`` .. ``t_pass_reference_s``, per batch,
+:mod:`relibra.cost.passes`) are 0 where ``simulator.step=moe`` or the pass is not run; ``t_other_s`` is the
+balance-independent part of the update (head, router, norms, host overhead, optimizer, exposed gradient
+reduce-scatter and parameter all-gather)."""
+WHOLE_STEP_COLUMNS = METRIC_COLUMNS[METRIC_COLUMNS.index("t_head_s") :]
 
 
 @runtime_checkable
@@ -160,19 +179,29 @@ class CostModelExecutor:
         return ExecutionReport(moe_time_s=np.concatenate(times, axis=0))
 
 
-def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slice) -> Priced:
+def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slice, cost: CostModel) -> Priced:
     br = bound.bound(ctx)
     g = workload.tokens.shape[1]
     # NOTE: an ideal has attention and dense layers at their mean over GPUs too: each GPU holds the mean
-    # tokens and causal pairs of its micro-batch (both times are linear in them), whatever the layout.
+    # tokens and causal pairs of its micro-batch (both times are linear in them), whatever the layout; and
+    # every GPU receives the mean of the expert slots (permutation is linear in them).
     tokens = np.repeat(workload.tokens[rows].mean(axis=1, keepdims=True), g, axis=1)
     pairs = np.repeat(workload.causal_pairs[rows].mean(axis=1, keepdims=True), g, axis=1)
+    received = np.asarray(ctx.load, dtype=np.float64).sum(axis=(-2, -1))[..., None] / g  # [Mb, L, 1]
+    permute = permute_seconds(cost, received)
+    training = cost.training
+    reference = None
+    if training is not None and "reference" in training.rl_passes:
+        zero = np.zeros(br.t_compute.shape)
+        reference = LayerWork(br.t_compute, br.t_comm, zero if permute is None else permute)
     return Priced(
         br=br,
         skew=np.ones(br.t_compute.shape),
         tokens=tokens,
         pairs=pairs,
         refill=np.zeros(br.t_compute.shape),
+        permute=permute,
+        reference=reference,
     )
 
 
@@ -206,6 +235,7 @@ def simulate(
     slots = {"buffer": budget.replica_slots, "redundant": 0}
     stats_sum: dict[str, float] = {}
     kept_plans: list[BatchPlan] = []
+    parts = dict.fromkeys(WHOLE_STEP_COLUMNS, 0.0)
     history: list[np.ndarray] = []
     # NOTE: the model starts in Megatron's placement, so moving away from it in batch 0 is charged too.
     prev_home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
@@ -221,7 +251,7 @@ def simulate(
         rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
         t0 = time.perf_counter()
         if isinstance(planner, Bound) and not isinstance(planner, Planner):
-            priced = _price_bound(planner, ctx, workload, rows)
+            priced = _price_bound(planner, ctx, workload, rows, cost)
             totals["plan"] += time.perf_counter() - t0
             history.append(ctx.load)
         else:
@@ -260,6 +290,8 @@ def simulate(
         totals["exposed"] += times.comm_exposed
         moved[b], moved_bytes[b] = priced.moved, priced.migration_bytes
         totals["critical"] += times.critical
+        for k in parts:
+            parts[k] += times.parts[k]
 
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
@@ -287,6 +319,7 @@ def simulate(
         "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
         "t_critical_path_s": totals["critical"] / nb,
         "redundant_slot_bytes": float(slots["redundant"] * counts.num_layers * expert_bytes),
+        **{k: v / nb for k, v in parts.items()},
     }
     for k, v in stats_sum.items():
         metrics.setdefault(k, v / nb)

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share
+from relibra.cost.step import TrainingSpec
 from relibra.invariants import sample_loads
 from relibra.planners.protocols import BatchContext
 from relibra.planners.replicate.terms import ReplicationCoefficients
@@ -56,7 +57,19 @@ def hand_hardware(
         nvlink_efficiency=0.8,
         nic_efficiency=0.8,
         host_to_device_bytes_per_s=host_to_device_bytes_per_s,
+        fp8_flops=2 * bf16_flops,
+        fp8_gemm_efficiency=0.6,
+        hbm_efficiency=0.85,
     )
+
+
+def training_spec(**overrides: Any) -> TrainingSpec:
+    """The :class:`TrainingSpec` of ``experiments/conf/training/megatron.yaml`` (the one place its constants
+    are written), with ``overrides`` (``step``, ``rl_passes``, ``recompute``, ...)."""
+    from omegaconf import OmegaConf
+
+    conf: Any = OmegaConf.to_container(OmegaConf.load(REPO / "experiments/conf/training/megatron.yaml"))
+    return TrainingSpec(**{**conf, **overrides})
 
 
 HOPPER = hand_hardware("test-hopper", 989e12, 3.35e12, 450e9, 50e9)

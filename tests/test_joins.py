@@ -5,7 +5,9 @@ A planner that compares candidate plans (the portfolio) prices them with ``predi
 results table reports what ``simulate`` charged. Both must be the same number for every kind of plan:
 static placements, reordering with migration, replica slots refilled behind attention, permanent redundant
 slots (EPLB+, LPLB+), online plans with critical-path time and fabric copies (UltraEP, LLEP), under both
-dispatchers and with the all-to-all overlapped (``cluster.ep_overlap``). The cells are built from the
+dispatchers and with the all-to-all overlapped (``cluster.ep_overlap``), on the whole step (the default:
+every term of relibra/cost/step.py, with activation recompute, FP8 and the RL step's forward-only passes
+in some cells) and on the MoE-only step (``simulator.step=moe``). The cells are built from the
 planner configs as ``python -m experiments.run`` builds them (control plane included); each batch's plan
 is re-priced on the context ``simulate`` gave it (same previous placement) and compared bitwise.
 """
@@ -30,7 +32,7 @@ from experiments.config import (
 )
 from experiments.grid import CONF_DIR
 from relibra.cost.pricing import predict_batch_time
-from relibra.simulator import batch_context, simulate
+from relibra.simulator import WHOLE_STEP_COLUMNS, batch_context, simulate
 
 CELL = [
     "model=olmoe-1b-7b",
@@ -47,6 +49,9 @@ CLUSTERS = {
     "alltoall": [],
     "deepep": ["cluster.dispatcher=deepep"],
     "ep_overlap": ["cluster.ep_overlap=true"],
+    "moe_step": ["simulator.step=moe"],
+    "rl_passes": ["workload.rl_passes=[reference,recompute,update]", "training.recompute=selective"],
+    "fp8_full": ["cluster.precision=fp8", "training.recompute=full", "cluster.ep_overlap=true"],
 }
 PLANNERS = (
     "megatron",
@@ -69,6 +74,10 @@ DEFAULT = {
     ("llep", "alltoall"),
     ("relibra", "deepep"),
     ("relibra_replicate_only", "ep_overlap"),
+    ("eplb", "moe_step"),
+    ("relibra", "rl_passes"),
+    ("ultraep", "rl_passes"),
+    ("llep", "fp8_full"),
 }
 """The cells of the default run (each kind of cost term once); the rest of the grid is marked slow."""
 TERMS = {
@@ -112,3 +121,14 @@ def test_prediction_is_the_simulated_batch_time(planner_name: str, cluster_name:
         assert sim.metrics[TERMS[planner_name]] > 0, TERMS[planner_name]
     if cluster.ep_overlap:
         assert sim.metrics["t_comm_hidden_s"] > 0
+    whole = [k for k in WHOLE_STEP_COLUMNS if k.startswith("t_pass_")]
+    if cluster_name == "moe_step":
+        assert all(sim.metrics[k] == 0.0 for k in WHOLE_STEP_COLUMNS if k not in whole)
+    else:
+        assert sim.metrics["t_other_s"] > 0 and sim.metrics["t_permute_s"] > 0
+    if cluster_name == "rl_passes":
+        assert sim.metrics["t_pass_recompute_s"] > 0 and sim.metrics["t_pass_reference_s"] > 0
+    if cluster_name in ("rl_passes", "fp8_full"):
+        assert sim.metrics["t_recompute_s"] > 0
+    passes = sum(sim.metrics[k] for k in whole)
+    assert passes == pytest.approx(sim.metrics["step_time_s"], rel=1e-12)

@@ -9,12 +9,13 @@ import pytest
 
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
+from relibra.cost.model import CostModel
 from relibra.cost.pricing import skewness
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, home_assign, static_placement
 from relibra.simulator import METRIC_COLUMNS, Bound, CostModelExecutor, SimOptions, simulate
 from relibra.types import BatchPlan
-from tests.builders import tiny_setup
+from tests.builders import tiny_setup, training_spec
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,23 @@ def setup():
 def test_planners_and_bounds_are_told_apart():
     assert isinstance(MegatronPlanner(), Planner) and not isinstance(MegatronPlanner(), Bound)
     assert isinstance(BalancedBound(), Bound) and not isinstance(BalancedBound(), Planner)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_whole_step_metrics_add_up(setup, recompute):
+    """The update pass is the MoE-only step's parts plus permutation, recompute and the balance-independent
+    part; the step is the sum of its passes."""
+    counts, workload, cluster, model, _ = setup
+    training = training_spec(recompute=recompute, rl_passes=("reference", "recompute", "update"))
+    cost = CostModel(cluster, model, training=training)
+    m = simulate(MegatronPlanner(), counts, workload, cluster, model, cost).metrics
+    moe = m["t_compute_s"] + m["t_comm_s"] + m["t_sync_exposed_s"] + m["t_reorder_s"] + m["t_attention_s"]
+    update = moe + m["t_critical_path_s"] + m["t_permute_s"] + m["t_recompute_s"] + m["t_other_s"]
+    assert m["t_pass_update_s"] == pytest.approx(update, rel=1e-12)
+    passes = m["t_pass_update_s"] + m["t_pass_recompute_s"] + m["t_pass_reference_s"]
+    assert m["step_time_s"] == pytest.approx(passes, rel=1e-12)
+    assert m["t_pass_reference_s"] > 0 and m["t_pass_recompute_s"] > 0 and m["t_other_s"] > 0
+    assert (m["t_recompute_s"] > 0) == (recompute != "none")
 
 
 def test_megatron_metrics_add_up(setup):

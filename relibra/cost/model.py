@@ -43,8 +43,11 @@ from relibra.cost.fabric import (
     rail_link_bytes,
 )
 from relibra.cost.migration import MigrationPayload
+from relibra.cost.step import TrainingSpec, WholeStepTerms
 
 BF16_BYTES = 2
+FP8_DISPATCH_VALUE_BYTES = 1.0 + 4.0 / 128
+"""FP8 dispatch (DeepEP, Hybrid-EP): one byte per value plus one fp32 scale per 128 values."""
 FWD_BWD_FLOP_FACTOR = 3.0
 """Forward (1x) plus backward (2x: input and weight gradients)."""
 WEIGHT_READS_FWD_BWD = 3.0
@@ -63,6 +66,14 @@ class LinearCosts:
     """Seconds per token crossing one NVLink direction, summed over the 4 all-to-all phases."""
     rdma_s_per_token: float
     """Seconds per token crossing one rail NIC direction, summed over the 4 all-to-all phases."""
+    nvlink_dispatch_s_per_token: float
+    """Seconds per token crossing one NVLink direction in one dispatch phase."""
+    rdma_dispatch_s_per_token: float
+    """Seconds per token crossing one rail NIC direction in one dispatch phase."""
+    nvlink_combine_s_per_token: float
+    """Seconds per token crossing one NVLink direction in one combine phase."""
+    rdma_combine_s_per_token: float
+    """Seconds per token crossing one rail NIC direction in one combine phase."""
 
 
 @dataclass(frozen=True)
@@ -90,34 +101,46 @@ class MoEBreakdown:
         return self.t_compute + self.t_comm
 
 
-class CostModel:
-    """Analytical (roofline) cost model; a calibration table may replace the expert GEMM curve."""
+class CostModel(WholeStepTerms):
+    """Analytical (roofline) cost model; a calibration table may replace the expert GEMM curve.
+
+    The whole step's terms beyond the MoE layers (:class:`relibra.cost.step.WholeStepTerms`) are methods
+    too; they need ``training``.
+    """
 
     def __init__(
         self,
         cluster: ClusterSpec,
         model: ModelSpec,
         calibration: tuple[np.ndarray, np.ndarray] | None = None,
-        dispatch_value_bytes: float = BF16_BYTES,
+        dispatch_value_bytes: float | None = None,
+        training: TrainingSpec | None = None,
         migration: MigrationPayload | None = None,
     ) -> None:
         """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM.
 
-        ``dispatch_value_bytes``: bytes per hidden value in the dispatch phases (bf16: 2; DeepSeek-V3's FP8
-        dispatch: ``1 + 4 / 128``, one scale per 128 values); combine is always bf16.
+        ``dispatch_value_bytes``: bytes per hidden value in the dispatch phases; default by
+        ``cluster.precision``: bf16 2, fp8 :data:`FP8_DISPATCH_VALUE_BYTES` (one scale per 128 values);
+        combine is always bf16. ``training``: how the step around the MoE layers runs (None: the MoE-only
+        step, no training terms; :mod:`relibra.cost.pricing` then charges none of them).
         ``migration``: what a re-homed expert carries and how (default: :class:`MigrationPayload`'s
         defaults); the simulator and the planners price moves with it (:mod:`relibra.cost.migration`).
         """
         self.cluster = cluster
         self.dispatcher = cluster.dispatcher
         self.model = model
+        self.training = training
         if calibration is not None:
             calibration = _check_calibration(calibration, model.name)
         self.calibration = calibration
         self.migration = migration if migration is not None else MigrationPayload()
         hw = cluster.hardware
+        fp8 = cluster.precision == "fp8"
+        if dispatch_value_bytes is None:
+            dispatch_value_bytes = FP8_DISPATCH_VALUE_BYTES if fp8 else BF16_BYTES
         self._w = float(model.expert_params)
-        self._peak = hw.bf16_flops * hw.gemm_efficiency
+        self._peak = hw.fp8_flops * hw.fp8_gemm_efficiency if fp8 else hw.bf16_flops * hw.gemm_efficiency
+        self._weight_bytes = 1.0 if fp8 else float(BF16_BYTES)
         self._token_bytes = float(model.hidden * BF16_BYTES)
         self.dispatch_token_bytes = float(model.hidden * dispatch_value_bytes)
         self._nvlink = hw.nvlink_bytes_per_s * hw.nvlink_efficiency
@@ -142,7 +165,7 @@ class CostModel:
             hw = self.cluster.hardware
             flops = 2.0 * self._w * n * FWD_BWD_FLOP_FACTOR
             t_flops = flops * (n + hw.gemm_half_tokens) / np.maximum(n, 1e-30) / self._peak
-            t_mem = WEIGHT_READS_FWD_BWD * self._w * BF16_BYTES / hw.hbm_bytes_per_s
+            t_mem = WEIGHT_READS_FWD_BWD * self._w * self._weight_bytes / hw.hbm_bytes_per_s
             t = np.maximum(t_flops, t_mem)
         return np.where(n > 0, t, 0.0)
 
@@ -254,6 +277,10 @@ class CostModel:
             compute_s_per_expert=per_tok * hw.gemm_half_tokens,
             nvlink_s_per_token=2.0 * (self.dispatch_token_bytes + self._token_bytes) / self._nvlink,
             rdma_s_per_token=2.0 * (self.dispatch_token_bytes + self._token_bytes) / self._nic,
+            nvlink_dispatch_s_per_token=self.dispatch_token_bytes / self._nvlink,
+            rdma_dispatch_s_per_token=self.dispatch_token_bytes / self._nic,
+            nvlink_combine_s_per_token=self._token_bytes / self._nvlink,
+            rdma_combine_s_per_token=self._token_bytes / self._nic,
         )
 
     # ---------------------------------------------------------------- attention
@@ -261,15 +288,18 @@ class CostModel:
         """Per-GPU seconds of one layer's attention and dense projections, fwd + bwd.
 
         tokens [..., G] and causal_pairs [..., G] (sum of ``len * (len + 1) / 2`` over samples).
-        Includes the shared experts, if the model has any, since they are dense per token.
+        Includes the shared experts, if the model has any, since they are dense per token. The projections
+        and shared experts run at the dense peak of ``cluster.precision``, the core attention (QK^T, PV) in
+        bf16 (FlashAttention), each at ``attention_efficiency``.
         """
         m = self.model
-        hw = self.cluster.hardware
         proj = 2.0 * m.attention_params * np.asarray(tokens, dtype=np.float64)
         shared = 2.0 * 3 * m.hidden * m.shared_ffn * m.shared_experts * np.asarray(tokens, dtype=np.float64)
         # QK^T and PV: 2 matmuls of 2 FLOPs per (pair, head dim, head).
         attn = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
-        return FWD_BWD_FLOP_FACTOR * (proj + shared + attn) / (hw.bf16_flops * hw.attention_efficiency)
+        if self.cluster.precision == "bf16":  # NOTE: one sum, so bf16 results keep their former rounding.
+            return FWD_BWD_FLOP_FACTOR * (proj + shared + attn) / self.dense_rate("bf16")
+        return FWD_BWD_FLOP_FACTOR * ((proj + shared) / self.dense_rate() + attn / self.dense_rate("bf16"))
 
     def dense_ffn_time(self, tokens: np.ndarray) -> np.ndarray:
         """Per-GPU seconds of one dense (non-MoE) layer's FFN, fwd + bwd; tokens [..., G] -> [..., G].
@@ -277,9 +307,8 @@ class CostModel:
         Zero when the model has no dense FFN (``dense_ffn == 0``).
         """
         m = self.model
-        hw = self.cluster.hardware
         flops = 2.0 * 3 * m.hidden * m.dense_ffn * np.asarray(tokens, dtype=np.float64)
-        return FWD_BWD_FLOP_FACTOR * flops / (hw.bf16_flops * hw.attention_efficiency)
+        return FWD_BWD_FLOP_FACTOR * flops / self.dense_rate()
 
     # ------------------------------------------------------------ replica buffer
     def expert_weight_bytes(self) -> float:

@@ -7,9 +7,15 @@ answers price them (the portfolio, the refill check, the overlap chain).
 * per batch (:func:`price_plan`, then :func:`batch_times`): attention and dense layers from the tokens and
   causal pairs each GPU holds, the MoE layers summed or overlapped (``cluster.ep_overlap``), the exposed
   refill or an online planner's critical path and copies, the migration of every expert whose home changed
-  (:mod:`relibra.cost.migration`) and the gradient sync of permanent redundant copies;
-  :func:`predict_batch_time` is the batch's seconds, equal to :func:`relibra.simulator.simulate`'s
-  (``tests/test_joins.py``).
+  (:mod:`relibra.cost.migration`) and the gradient sync of permanent redundant copies; with
+  ``simulator.step=whole`` the rest of the step (:mod:`relibra.cost.step`: permutation on the received
+  slots, router, norms, LM head, recompute, optimizer, gradient reduction) and the RL step's forward-only
+  passes (:mod:`relibra.cost.passes`); :func:`predict_batch_time` is the batch's seconds, equal to
+  :func:`relibra.simulator.simulate`'s (``tests/test_joins.py``).
+
+Planners' objectives price what a plan changes (``T_MoE``, the refill, the overlap, migration); the whole
+step's other terms are priced here, after planning, so :func:`predict_batch_time` (which a planner may call
+to compare whole plans) and the simulator agree by construction.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import numpy as np
 
 from relibra.cost.migration import migration_cost
 from relibra.cost.model import CostModel, MoEBreakdown
-from relibra.cost.overlap import OverlapNeighbours, microbatch_share, overlapped_time
-from relibra.planners.protocols import BatchContext, Replication, static_placement
+from relibra.cost.overlap import OverlapNeighbours, microbatch_share
+from relibra.cost.passes import LayerWork, forward_pass, token_work, update_pass
+from relibra.planners.protocols import BatchContext, Replication, home_assign, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 from relibra.workload import gpu_token_stats
 
@@ -110,6 +117,37 @@ class Priced:
     t_redundant: float = 0.0
     online: OnlineCopies | None = None
     """An online planner's critical-path record (UltraEP, LLEP); None: copies refilled behind attention."""
+    permute: np.ndarray | None = None
+    """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (None: 0, the MoE-only
+    step)."""
+    reference: LayerWork | None = None
+    """The reference model's forward work on Megatron's static placement (``workload.rl_passes`` holds
+    ``reference``; None otherwise)."""
+
+    def work(self) -> LayerWork:
+        """The plan's own MoE work."""
+        permute = np.zeros(self.br.t_compute.shape) if self.permute is None else self.permute
+        return LayerWork(compute=self.br.t_compute, comm=self.br.t_comm, permute=permute)
+
+
+def permute_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
+    """float64 [Mb, L]: the busiest GPU's permutation seconds for received slots [Mb, L, G]; None for the
+    MoE-only step."""
+    if cost.training is None or not cost.training.whole:
+        return None
+    return np.asarray(cost.permute_time(received).max(axis=-1))
+
+
+def reference_work(cost: CostModel, load: np.ndarray) -> LayerWork | None:
+    """The reference model's forward work for load [Mb, L, G, E] on Megatron's static placement, or None
+    when ``workload.rl_passes`` has no ``reference`` pass."""
+    if cost.training is None or "reference" not in cost.training.rl_passes:
+        return None
+    _, num_layers, g, num_experts = np.shape(load)
+    assign = home_assign(np.asarray(load), static_placement(num_layers, num_experts, g), g)
+    br = cost.moe(load, assign)
+    permute = permute_seconds(cost, assign.sum(axis=-2))
+    return LayerWork(br.t_compute, br.t_comm, np.zeros(br.t_compute.shape) if permute is None else permute)
 
 
 def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray) -> Priced:
@@ -137,6 +175,8 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         t_migration_hidden=moves.seconds - moves.exposed_s,
         t_redundant=redundant_sync_time(plan, cost),
         online=plan.online,
+        permute=permute_seconds(cost, plan.assign.sum(axis=-2)),
+        reference=reference_work(cost, plan.load),
     )
 
 
@@ -153,23 +193,40 @@ class BatchTimes:
     comm_exposed: float
     """All-to-all seconds not hidden behind compute (all of them without ``cluster.ep_overlap``)."""
     total: float
-    """The batch's seconds: per-layer MoE, attention and exposed sync, dense layers, migration, redundant."""
+    """The batch's seconds: every pass of ``workload.rl_passes`` (the update: per-layer MoE, attention and
+    exposed sync, dense layers, migration, redundant, and the whole step's terms)."""
+    parts: dict[str, float]
+    """Seconds of the whole step's named terms and of each pass (result columns ``t_*_s``, this batch)."""
 
 
 def batch_times(priced: Priced, cost: CostModel, dense_layers: int) -> BatchTimes:
-    attn_gpu = cost.attention_time(priced.tokens, priced.pairs)  # [Mb, G]
-    attn = attn_gpu.max(axis=-1)[:, None]  # [Mb, 1]
+    tw = token_work(cost, priced.tokens, priced.pairs)
+    attn = tw.attn  # [Mb, 1]
     sync = cost.exposed_refill(priced.refill, attn) if priced.online is None else online_sync(priced, attn)
     critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
-    dense = dense_layers * float((attn_gpu + cost.dense_ffn_time(priced.tokens)).max(axis=-1).sum())
-    comp = priced.br.t_compute + attn  # [Mb, L]
-    comm = float(priced.br.t_comm.sum())
-    if cost.cluster.ep_overlap:
-        moe, exposed = overlapped_time(comp, priced.br.t_comm)
-    else:
-        moe, exposed = float(comp.sum()) + comm, comm
-    total = moe + float(sync.sum()) + dense + priced.t_migration + priced.t_redundant + critical
-    return BatchTimes(attn=attn, sync=sync, dense=dense, critical=critical, comm_exposed=exposed, total=total)
+    work = priced.work()
+    fixed = (float(sync.sum()), priced.t_migration, priced.t_redundant, critical)
+    update = update_pass(cost, work, tw, dense_layers, fixed)
+    parts = dict(update.parts, t_pass_update_s=update.total, t_pass_recompute_s=0.0, t_pass_reference_s=0.0)
+    passes = cost.training.rl_passes if cost.training is not None else ("update",)
+    if "recompute" in passes:
+        # NOTE: the forward fill of the replica slots (or an online planner's copies after routing) and its
+        # critical path recur; the backward's gradient return does not.
+        fill = priced.refill if priced.online is not None else np.maximum(priced.refill - attn / 3, 0)
+        parts["t_pass_recompute_s"] = forward_pass(cost, work, tw, dense_layers, float(fill.sum()) + critical)
+    if "reference" in passes:
+        assert priced.reference is not None
+        parts["t_pass_reference_s"] = forward_pass(cost, priced.reference, tw, dense_layers, 0.0)
+    total = update.total + parts["t_pass_recompute_s"] + parts["t_pass_reference_s"]
+    return BatchTimes(
+        attn=attn,
+        sync=sync,
+        dense=dense_layers * float(tw.dense.sum()),
+        critical=critical,
+        comm_exposed=update.comm_exposed,
+        total=total,
+        parts=parts,
+    )
 
 
 def online_sync(priced: Priced, attn: np.ndarray) -> np.ndarray:

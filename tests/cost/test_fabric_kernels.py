@@ -27,11 +27,9 @@ loads (a fractional split, the ``deepep`` estimate's ``expm1`` / ``exp`` of log-
 ``_comm_lower_bound``, shrunk by design by its ``1e-9`` slack. The LP's objective, read back from GLOP, at
 ``rtol=1e-9`` (observed 5e-16).
 
-Known disagreement (pinned by a strict ``xfail``): the kernels price every phase at the mean of the
-dispatch and combine bytes per token (:meth:`CostModel.linear`), the cost model at each phase's own bytes.
-Equal for bf16 dispatch (every run); with ``dispatch_value_bytes`` other than 2 (FP8, used only by
-``experiments.validate``) ``alltoall`` across nodes differs, because a GPU's busiest dispatch and combine
-links differ there.
+FP8 dispatch (``cluster.precision=fp8``: one byte per value plus a scale per 128, combine bf16): every
+kernel prices a dispatch and a combine phase at its own bytes per token (:meth:`CostModel.linear`'s
+per-phase coefficients), checked by ``test_kernels_price_fp8_dispatch_as_the_cost_model``.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ from relibra.planners.reorder.problem import LayerProblem, layer_problem
 from relibra.planners.replicate.links import _comm_lower_bound, _deepep_link_totals, _gpu_link_totals
 from relibra.planners.replicate.milp import solve_split
 from relibra.planners.replicate.milp_model import _link_coefficients, dispatch_routing
-from relibra.planners.replicate.state import ALL_NODES, _home_state, _objective, _problem
+from relibra.planners.replicate.state import _NO_OVERLAP, ALL_NODES, _home_state, _objective, _problem
 from relibra.planners.replicate.terms import ReplicationCoefficients
 from tests.builders import HOPPER
 
@@ -260,7 +258,7 @@ def greedy_state(case: Case, m: int):
     x = case.load[m].astype(np.float64)
     p = _problem(
         x, case.home, case.gpn, 2, coef.fixed_tokens, coef.nvlink_per_token, coef.nic_per_token,
-        3, 4, 1e-9, TOP_K if case.deepep else 0,
+        3, 4, 1e-9, TOP_K if case.deepep else 0, _NO_OVERLAP, coef.dispatch_scale,
     )  # fmt: skip
     s = _home_state(p)
     base = (case.home // case.gpn) * case.gpn
@@ -297,7 +295,7 @@ def check_greedy(case: Case) -> None:
             totals = np.stack([_gpu_link_totals(s.traffic, case.gpn, g) for g in range(case.num_gpus)], 1)
             assert_links(totals, want_links[m], exact=False)
             bound = np.array(
-                [_comm_lower_bound(s.traffic, case.gpn, p.nvl, p.nic, g) for g in range(case.num_gpus)]
+                [_comm_lower_bound(s.traffic, case.gpn, p.nvl, p.nic, g, p.dsc) for g in range(case.num_gpus)]
             )
             assert np.all(bound <= s.comm)
             np.testing.assert_allclose(bound, s.comm, rtol=2e-9)
@@ -350,7 +348,10 @@ def check_milp_coefficients(case: Case, routing: np.ndarray | None = None) -> No
         disp, comb = _link_coefficients(x, x.sum(axis=0), gpu_of, routing)  # [4, G, E, gpn] each
         links = np.concatenate([np.einsum("coek,ek->co", k, a) for k in (disp, comb)])  # [8, G]
         assert_links(links, want_links[m], exact=False)
-        p = (links.reshape(2, 4, -1) * weights[None, :, None]).max(axis=1)  # [2, G]: p_dispatch, p_combine
+        scale = np.array([coef.dispatch_scale, 1.0])[:, None, None]  # a dispatch phase at its own bytes
+        p = (links.reshape(2, 4, -1) * weights[None, :, None] * scale).max(
+            axis=1
+        )  # [2, G]: p_dispatch, p_combine
         t = (2.0 * p.sum(axis=0) + coef.latency) * coef.seconds_per_token
         np.testing.assert_allclose(t, want_s[m], rtol=SECONDS_RTOL)
 
@@ -414,17 +415,6 @@ def test_milp_split_objective_prices_communication_as_the_cost_model(nodes: int,
     np.testing.assert_allclose(comm, want, rtol=LP_RTOL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the kernels price every phase at the mean of dispatch and combine bytes (CostModel.linear); "
-    "the cost model at each phase's own: they differ for FP8 dispatch across nodes (module docstring)",
-)
-def test_kernels_price_fp8_dispatch_as_the_cost_model() -> None:
-    case = make_case(2, 4, "alltoall", 0)
-    cost = CostModel(case.cost.cluster, case.cost.model, dispatch_value_bytes=1 + 4 / 128)
-    check_annealer_comm_time(replace(case, cost=cost))
-
-
 CHECKS = {
     "annealer_links": check_annealer_links,
     "annealer_comm_time": check_annealer_comm_time,
@@ -475,3 +465,16 @@ def test_a_domain_of_several_nodes_is_priced_as_one_big_node(
     if dispatcher == "alltoall":
         check_locality(case)
         check_milp_coefficients(case)
+
+
+@pytest.mark.parametrize("name", ["annealer_comm_time", "greedy", "locality", "milp_coefficients"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "deepep"])
+def test_kernels_price_fp8_dispatch_as_the_cost_model(name: str, dispatcher: str) -> None:
+    """FP8 dispatch (one byte per value plus scales, combine bf16): each kernel prices each phase at its
+    own bytes per token, as the cost model does."""
+    if dispatcher == "deepep" and name in ALLTOALL_ONLY:
+        pytest.skip("the check is alltoall's")
+    for shape in ((2, 4), (4, 2), (2, 8)):
+        case = make_case(*shape, dispatcher, 0)
+        cost = CostModel(case.cost.cluster, case.cost.model, dispatch_value_bytes=1 + 4 / 128)
+        CHECKS[name](replace(case, cost=cost))

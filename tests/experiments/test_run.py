@@ -117,6 +117,20 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["planner.candidates.t_moe.reorder.horizon=-2"],
         ),
         (["planner=relibra", "planner.reorder.start=random"], ["planner.reorder.start='random'"]),
+        (["simulator.step=partial"], ["simulator.step='partial'"]),
+        (["training.recompute=layers"], ["training.recompute='layers'"]),
+        (["workload.rl_passes=[recompute]"], ["workload.rl_passes=['recompute']", "holds update"]),
+        (["workload.rl_passes=[update,update]"], ["workload.rl_passes=['update', 'update']"]),
+        (["workload.rl_passes=update"], ["workload.rl_passes='update'"]),
+        (["training.optimizer_bytes_per_param=-1"], ["training.optimizer_bytes_per_param=-1"]),
+        (["training.overlap_grad_reduce=maybe"], ["training.overlap_grad_reduce='maybe'"]),
+        (["+training.bucket_mb=40"], ["training.bucket_mb: unknown key"]),
+        (["cluster.precision=fp4"], ["cluster.precision=fp4"]),
+        (["cluster.hardware.hbm_efficiency=0"], ["cluster.hardware.hbm_efficiency=0"]),
+        (
+            ["cluster.precision=fp8", "cluster.hardware.fp8_gemm_efficiency=0"],
+            ["cluster.hardware.fp8_gemm_efficiency=0"],
+        ),
         (["planner=relibra", "planner.replicate.split=simplex"], ["planner.replicate.split='simplex'"]),
         (
             ["planner=relibra_replicate_only", "planner.replicate.polish_moves=-1"],
@@ -453,3 +467,31 @@ def test_dispatcher_and_overlap_change_the_priced_communication(trace_file, tmp_
     assert o["t_comm_hidden_s"] > 0.0
     assert o["t_comm_exposed_s"] + o["t_comm_hidden_s"] == pytest.approx(o["t_comm_s"])
     assert o["step_time_s"] == pytest.approx(a["step_time_s"] - o["t_comm_hidden_s"])
+
+
+def test_bad_whole_step_keys_exit_2_naming_each(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.run",
+            "simulator.step=partial",
+            "training.recompute=layers",
+            "workload.rl_passes=[reference]",
+            "cluster.precision=fp4",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    for key in (
+        "simulator.step='partial'",
+        "training.recompute='layers'",
+        "workload.rl_passes=",
+        "cluster.precision",
+    ):
+        assert key in proc.stderr
+    assert not (tmp_path / "results.parquet").exists()

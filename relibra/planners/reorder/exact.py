@@ -99,7 +99,7 @@ def milp_reorder(
     idx, cnt = link_routes(cluster.num_domains, cluster.domain_gpus)
     route = _alltoall_route(idx, cnt) if not problem.deepep else None
     droutes = deepep_routes(cluster.num_domains, cluster.domain_gpus) if problem.deepep else None
-    cn, ci, lat = (float(v) for v in problem.coef)
+    cn_d, ci_d, cn_c, ci_c, lat = (float(v) for v in problem.coef)
     objective: list[Any] = []
     rows_ck: list[tuple[Any, Any]] = []
     for m in range(mb):
@@ -118,7 +118,7 @@ def milp_reorder(
             terms = _deepep_terms(solver, problem.lq[m], problem.tok[m], droutes, cluster, y, f"{m}")
         for gpu in range(g_total):
             halves = []
-            for base in (0, 4):  # dispatch, combine
+            for base, cn, ci in ((0, cn_d, ci_d), (4, cn_c, ci_c)):  # dispatch, combine
                 u = solver.NumVar(0.0, solver.infinity(), f"u_{m}_{gpu}_{base}")
                 halves.append(u)
                 for link, c in ((base, cn), (base + 1, cn), (base + 2, ci), (base + 3, ci)):

@@ -150,7 +150,7 @@ def _apply_swap_deepep(
 @njit(cache=True, inline="always")
 def _no_comm(coef: np.ndarray) -> bool:
     """Whether the communication term weighs nothing (``comm_weight=0``: every coefficient is 0)."""
-    return coef[0] == 0.0 and coef[1] == 0.0 and coef[2] == 0.0
+    return coef[0] == 0.0 and coef[1] == 0.0 and coef[2] == 0.0 and coef[3] == 0.0 and coef[4] == 0.0
 
 
 @njit(cache=True, inline="always")

@@ -93,24 +93,33 @@ def deepep_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarra
 
 
 def comm_coefficients(cost: CostModel) -> np.ndarray:
-    """The ``coef`` of :func:`comm_gpu` in seconds: float64 [3], seconds per token on one NVLink direction
-    and on one rail NIC direction in one all-to-all phase (:meth:`CostModel.linear` over its 4 phases), and
-    the 4 phases' fixed latency (0 on one GPU)."""
+    """The ``coef`` of :func:`comm_gpu` in seconds: float64 [5], seconds per token on one NVLink direction
+    and on one rail NIC direction in one dispatch phase, the same in one combine phase
+    (:meth:`CostModel.linear`: each phase at its own bytes per token, so FP8 dispatch is priced exactly),
+    and the 4 phases' fixed latency (0 on one GPU)."""
     lin = cost.linear()
     lat = 4.0 * cost.cluster.hardware.alltoall_latency_s if cost.cluster.num_gpus > 1 else 0.0
-    return np.array([lin.nvlink_s_per_token / 4.0, lin.rdma_s_per_token / 4.0, lat])
+    return np.array(
+        [
+            lin.nvlink_dispatch_s_per_token,
+            lin.rdma_dispatch_s_per_token,
+            lin.nvlink_combine_s_per_token,
+            lin.rdma_combine_s_per_token,
+            lat,
+        ]
+    )
 
 
 @njit(cache=True)
 def comm_gpu(link_m: np.ndarray, g: int, g_total: int, coef: np.ndarray) -> float:
-    """Normalised all-to-all time of GPU ``g`` from its eight link loads (4 phases plus latency)."""
-    cn = coef[0]
-    ci = coef[1]
+    """Normalised all-to-all time of GPU ``g`` from its eight link loads (4 phases plus latency); ``coef``
+    [5] as :func:`comm_coefficients` (dispatch NVLink, NIC; combine NVLink, NIC; latency)."""
     d = max(
-        cn * max(link_m[g], link_m[g_total + g]), ci * max(link_m[2 * g_total + g], link_m[3 * g_total + g])
+        coef[0] * max(link_m[g], link_m[g_total + g]),
+        coef[1] * max(link_m[2 * g_total + g], link_m[3 * g_total + g]),
     )
     c = max(
-        cn * max(link_m[4 * g_total + g], link_m[5 * g_total + g]),
-        ci * max(link_m[6 * g_total + g], link_m[7 * g_total + g]),
+        coef[2] * max(link_m[4 * g_total + g], link_m[5 * g_total + g]),
+        coef[3] * max(link_m[6 * g_total + g], link_m[7 * g_total + g]),
     )
-    return 2.0 * (d + c) + coef[2]
+    return 2.0 * (d + c) + coef[4]

@@ -58,7 +58,8 @@ class LayerProblem:
     w: np.ndarray
     """float64 [Mb, E]: normalised compute time of expert ``e`` (per-token + fixed per non-empty expert)."""
     coef: np.ndarray
-    """float64 [3]: normalised NVLink and NIC time per token per phase, and the normalised fixed latency."""
+    """float64 [5]: normalised NVLink and NIC time per token in a dispatch phase, the same in a combine phase,
+    and the normalised fixed latency (:func:`~relibra.planners.reorder.links.comm_coefficients`)."""
     mig: np.ndarray
     """float64 [E, G]: weighted normalised migration time if expert ``e`` is homed on ``g`` (0: no charge)."""
     scale: float

@@ -220,6 +220,7 @@ def replicate_greedy(
             polish_candidates,
             cost.model.top_k if cost.dispatcher == "deepep" else 0,
             ov,
+            coef.dispatch_scale,
         )
         replicas = replicas[..., :replica_slots]
     else:

@@ -17,8 +17,11 @@ BOUND_SLACK = 1e-9
 
 
 @njit(cache=True)
-def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
+def _comm_per_gpu(traffic, gpn, nvl, nic, out, dsc=1.0):  # pragma: no cover - compiled
     """Linearised ``T_comm(g)`` without latency; traffic [G(j), G(g)] dispatch tokens -> out [G].
+
+    ``nvl``, ``nic``: token equivalents per token in a combine phase; a dispatch phase costs ``dsc`` times
+    that (its bytes per token over the combine's: 1 for bf16 dispatch, about 0.52 for FP8).
 
     Same routing as :meth:`CostModel.link_bytes`: cross-rail traffic hops over NVLink to the source node's
     GPU on the destination rail, then over that rail's NIC. Combine is the transpose of dispatch.
@@ -65,7 +68,7 @@ def _comm_per_gpu(traffic, gpn, nvl, nic, out):  # pragma: no cover - compiled
                     acc[6, q] += t
                     s7 += t
         acc[0, j], acc[2, j], acc[5, j], acc[7, j] = s0, s2, s5, s7
-    _comm_from_totals(acc, nvl, nic, out)
+    _comm_from_totals(acc, nvl, nic, out, dsc)
 
 
 @njit(cache=True)
@@ -135,28 +138,29 @@ def _gpu_link_totals(traffic, gpn, g):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _comm_lower_bound(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
+def _comm_lower_bound(traffic, gpn, nvl, nic, g, dsc=1.0):  # pragma: no cover - compiled
     """A lower bound on what :func:`_comm_per_gpu` gives for GPU ``g`` alone, in O(G).
 
     :func:`_gpu_link_totals` shrunk by :data:`BOUND_SLACK`, far more than the rounding of either summation
     order (n terms: n * 1.1e-16 relative).
     """
     s = _gpu_link_totals(traffic, gpn, g) * (1.0 - BOUND_SLACK)
-    d = max(max(s[0], s[1]) * nvl, max(s[2], s[3]) * nic)
+    d = max(max(s[0], s[1]) * (nvl * dsc), max(s[2], s[3]) * (nic * dsc))
     c2 = max(max(s[4], s[5]) * nvl, max(s[6], s[7]) * nic)
     return 2.0 * (d + c2)
 
 
 @njit(cache=True)
-def _nvlink_binds(traffic, gpn, nvl, nic, g):  # pragma: no cover - compiled
+def _nvlink_binds(traffic, gpn, nvl, nic, g, dsc=1.0):  # pragma: no cover - compiled
     """Whether NVLink, not the NIC, binds GPU ``g`` in the dispatch or the combine exchange."""
-    return _binds_in(_gpu_link_totals(traffic, gpn, g), nvl, nic)
+    return _binds_in(_gpu_link_totals(traffic, gpn, g), nvl, nic, dsc)
 
 
 @njit(cache=True)
-def _binds_in(s, nvl, nic):  # pragma: no cover - compiled
+def _binds_in(s, nvl, nic, dsc=1.0):  # pragma: no cover - compiled
     """Whether NVLink binds in either exchange, from one GPU's eight link totals ``s`` [8]."""
-    return max(s[0], s[1]) * nvl >= max(s[2], s[3]) * nic or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
+    dispatch = max(s[0], s[1]) * (nvl * dsc) >= max(s[2], s[3]) * (nic * dsc)
+    return dispatch or max(s[4], s[5]) * nvl >= max(s[6], s[7]) * nic
 
 
 @njit(cache=True)
@@ -199,10 +203,11 @@ def _deepep_link_totals(miss_log, tok, gpn):  # pragma: no cover - compiled
 
 
 @njit(cache=True)
-def _comm_from_totals(acc, nvl, nic, out):  # pragma: no cover - compiled
-    """Linearised ``T_comm(g)`` [G] from the eight link totals [8, G] (busiest direction per phase)."""
+def _comm_from_totals(acc, nvl, nic, out, dsc=1.0):  # pragma: no cover - compiled
+    """Linearised ``T_comm(g)`` [G] from the eight link totals [8, G] (busiest direction per phase; a
+    dispatch phase at ``dsc`` times the combine's coefficients)."""
     for g in range(acc.shape[1]):
-        d = max(max(acc[0, g], acc[1, g]) * nvl, max(acc[2, g], acc[3, g]) * nic)
+        d = max(max(acc[0, g], acc[1, g]) * (nvl * dsc), max(acc[2, g], acc[3, g]) * (nic * dsc))
         c = max(max(acc[4, g], acc[5, g]) * nvl, max(acc[6, g], acc[7, g]) * nic)
         out[g] = 2.0 * (d + c)
 
@@ -211,5 +216,5 @@ def _comm_from_totals(acc, nvl, nic, out):  # pragma: no cover - compiled
 def _binds_nvlink(p, s, g):  # pragma: no cover - compiled
     """:func:`_nvlink_binds` for either dispatcher (``s.traffic`` holds the log-miss sums for deepep)."""
     if not p.deepep:
-        return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, g)
-    return _binds_in(_deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g].copy(), p.nvl, p.nic)
+        return _nvlink_binds(s.traffic, p.gpn, p.nvl, p.nic, g, p.dsc)
+    return _binds_in(_deepep_link_totals(s.traffic, p.tok, p.gpn)[:, g].copy(), p.nvl, p.nic, p.dsc)

@@ -146,8 +146,10 @@ def _alltoall_model(p: _Problem, routing: np.ndarray) -> LinkModel:
     c = p.coef
     weights = np.array([c.nvlink_per_token] * 2 + [c.nic_per_token] * 2)
     kcs = [
-        kc * weights[:, None, None, None] * p.active
-        for kc in _link_coefficients(p.x, p.tot, p.gpu_of, routing)
+        kc * (weights * scale)[:, None, None, None] * p.active
+        for kc, scale in zip(
+            _link_coefficients(p.x, p.tot, p.gpu_of, routing), (c.dispatch_scale, 1.0), strict=True
+        )
     ]
     return LinkModel(coef=np.stack(kcs), const=np.zeros((2, 4, p.x.shape[0])))
 

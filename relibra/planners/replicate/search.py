@@ -204,7 +204,22 @@ def _polish(p, s, moves, cands):  # pragma: no cover - compiled
 
 @njit(cache=True)
 def _greedy_batch(
-    x, home, gpn, r, fixed, nvl, nic, mode, sweeps, max_tries, rel_tol, polish_moves, polish_cands, top_k, ov
+    x,
+    home,
+    gpn,
+    r,
+    fixed,
+    nvl,
+    nic,
+    mode,
+    sweeps,
+    max_tries,
+    rel_tol,
+    polish_moves,
+    polish_cands,
+    top_k,
+    ov,
+    dsc=1.0,
 ):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
 
@@ -219,7 +234,7 @@ def _greedy_batch(
     replicas = -np.ones((p_n, g_n, r), np.int64)
     for q in range(p_n):
         ov_q = ov[q] if ov.shape[0] > 0 else _NO_OVERLAP
-        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k, ov_q)
+        p = _problem(x[q], home[q], gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k, ov_q, dsc)
         s, obj = _greedy_one(p, mode >= 1, False, False)
         if mode == 2:
             # comm-first (only where NVLink binds: keeping a sender's tokens local saves no NIC time);

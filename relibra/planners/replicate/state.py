@@ -44,7 +44,7 @@ class _Problem(NamedTuple):
     fixed: float
     """Token equivalents charged per expert copy (the grouped GEMM's small-count loss)."""
     nvl: float
-    """Token equivalents per token on one NVLink direction in one all-to-all phase."""
+    """Token equivalents per token on one NVLink direction in one combine phase."""
     nic: float
     """The same on one rail NIC direction."""
     sweeps: int
@@ -60,6 +60,8 @@ class _Problem(NamedTuple):
     """float64 [6] under ``cluster.ep_overlap`` (empty: the objective is ``T_MoE``), token equivalents: the
     micro-batch's attention, the all-to-all latency, then ``(compute, comm)`` of the previous and of the
     next micro-batch (compute negative where there is none); see :func:`_combine`."""
+    dsc: float = 1.0
+    """A dispatch phase's coefficients over a combine phase's (its bytes per token over bf16's)."""
 
 
 class _State(NamedTuple):
@@ -88,10 +90,10 @@ class _State(NamedTuple):
 
 @njit(cache=True)
 def _problem(
-    x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0, ov=_NO_OVERLAP
+    x, home, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k=0, ov=_NO_OVERLAP, dsc=1.0
 ):  # pragma: no cover
     """``top_k > 0``: the ``deepep`` estimate with ``T_j = sum_e x[j, e] / top_k``; 0: ``alltoall``.
-    ``ov``: :attr:`_Problem.ov`."""
+    ``ov``: :attr:`_Problem.ov`; ``dsc``: :attr:`_Problem.dsc`."""
     g_n, e_n = x.shape
     tot = np.zeros(e_n)
     tok = np.zeros(g_n)
@@ -108,7 +110,23 @@ def _problem(
                 for e in range(e_n):
                     lq[j, e] = math.log1p(-min(x[j, e] / tok[j], 1.0 - 1e-12))
     return _Problem(
-        x, tot, home, home // gpn, gpn, r, fixed, nvl, nic, sweeps, max_tries, rel_tol, top_k > 0, lq, tok, ov
+        x,
+        tot,
+        home,
+        home // gpn,
+        gpn,
+        r,
+        fixed,
+        nvl,
+        nic,
+        sweeps,
+        max_tries,
+        rel_tol,
+        top_k > 0,
+        lq,
+        tok,
+        ov,
+        dsc,
     )
 
 
@@ -203,7 +221,9 @@ def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
     elif node >= 0:
         _sync_node(p, s, node)
     if thr < np.inf and not p.deepep:  # NOTE: the O(G) bound is alltoall's; deepep evaluates in full
-        bound = _combine(p, t_comp, _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm)))
+        bound = _combine(
+            p, t_comp, _comm_lower_bound(s.traffic, p.gpn, p.nvl, p.nic, np.argmax(s.comm), p.dsc)
+        )
         if bound >= thr:
             return bound
     _comm_into(p, s)
@@ -214,6 +234,6 @@ def _objective(p, s, use_comm, node, thr):  # pragma: no cover - compiled
 def _comm_into(p, s):  # pragma: no cover - compiled
     """``s.comm`` from ``s.traffic`` by the problem's dispatcher."""
     if p.deepep:
-        _comm_from_totals(_deepep_link_totals(s.traffic, p.tok, p.gpn), p.nvl, p.nic, s.comm)
+        _comm_from_totals(_deepep_link_totals(s.traffic, p.tok, p.gpn), p.nvl, p.nic, s.comm, p.dsc)
     else:
-        _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm)
+        _comm_per_gpu(s.traffic, p.gpn, p.nvl, p.nic, s.comm, p.dsc)

@@ -19,13 +19,16 @@ class ReplicationCoefficients:
     fixed_tokens: float
     """Token equivalents charged per expert copy a GPU computes (``compute_s_per_expert / per_token``)."""
     nvlink_per_token: float
-    """Token equivalents per token crossing one NVLink direction in one all-to-all phase."""
+    """Token equivalents per token crossing one NVLink direction in one combine phase."""
     nic_per_token: float
-    """Token equivalents per token crossing one rail NIC direction in one all-to-all phase."""
+    """Token equivalents per token crossing one rail NIC direction in one combine phase."""
     latency: float
     """Token equivalents of the four all-to-all phases' fixed latency (a constant of the objective)."""
     seconds_per_token: float
     """Compute seconds per token: multiply token equivalents by this to get seconds."""
+    dispatch_scale: float = 1.0
+    """A dispatch phase's per-token coefficients over a combine phase's (dispatch bytes per token over the
+    combine's bf16: 1, or about 0.52 for FP8 dispatch with its scales)."""
 
     @staticmethod
     def from_cost(cost: CostModel) -> ReplicationCoefficients:
@@ -34,10 +37,11 @@ class ReplicationCoefficients:
         lat = cost.cluster.hardware.alltoall_latency_s if cost.cluster.num_gpus > 1 else 0.0
         return ReplicationCoefficients(
             fixed_tokens=lin.compute_s_per_expert / c,
-            nvlink_per_token=lin.nvlink_s_per_token / 4.0 / c,
-            nic_per_token=lin.rdma_s_per_token / 4.0 / c,
+            nvlink_per_token=lin.nvlink_combine_s_per_token / c,
+            nic_per_token=lin.rdma_combine_s_per_token / c,
             latency=4.0 * lat / c,
             seconds_per_token=c,
+            dispatch_scale=lin.nvlink_dispatch_s_per_token / lin.nvlink_combine_s_per_token,
         )
 
 

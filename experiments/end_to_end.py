@@ -1,0 +1,145 @@
+"""The whole simulated step beside published end-to-end training runs: ``python -m experiments.validate
+--end-to-end``.
+
+Each row of ``experiments/data/end_to_end.json`` is one published measurement (source, URL at a commit,
+date, the exact configuration, value, unit) with its role, ``calibration`` or ``check``, fixed before any
+constant was set. The file's ``fitted_constants`` maps each constant fitted to published end-to-end numbers
+to the rows it was fitted to; only ``calibration`` rows may appear there (:func:`check_roles`), and the
+model's value of a row is computed from its configuration alone (:func:`simulate_row`: the published value
+is never read), which ``tests/experiments/test_end_to_end.py`` checks by perturbing every check value.
+
+A row is simulated as its run was measured: force-balanced routing (uniform top-k, Megatron's static
+placement; the tables' footnote), ``global_batch`` samples of exactly ``seq_len`` tokens in one batch,
+``micro_batch`` samples per GPU per micro-batch, the whole step (``simulator.step=whole``), the row's
+``overrides`` (model, cluster, precision, dispatcher, recompute). Rows with ``needs`` (a parallel layout
+the simulator does not have yet) are listed and left out of the errors.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from hydra import compose, initialize_config_dir
+
+from baselines.force_balanced import uniform_routing
+from experiments.config import (
+    build_cluster,
+    build_cost,
+    build_model,
+    build_planner,
+    sim_options,
+    validate,
+)
+from relibra.simulator import simulate
+from relibra.types import SampleCounts
+from relibra.workload import build_workload
+
+__all__ = ["ROLES", "check_roles", "end_to_end_table", "errors", "load_rows", "simulate_row"]
+
+DATA_FILE = Path(__file__).resolve().parent / "data" / "end_to_end.json"
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+ROLES = ("calibration", "check")
+
+
+def load_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
+    """The end-to-end data file (format: module doc), its roles checked (:func:`check_roles`)."""
+    doc: dict[str, Any] = json.loads(Path(path).read_text())
+    check_roles(doc)
+    return doc
+
+
+def check_roles(doc: dict[str, Any]) -> None:
+    """Refuse a file whose rows lack a role, or whose fitted constants name a ``check`` row or no row."""
+    roles = {}
+    for row in doc["rows"]:
+        if row.get("role") not in ROLES:
+            raise ValueError(
+                f"end-to-end row {row.get('id')!r}: role={row.get('role')!r}; expected one of {ROLES}"
+            )
+        roles[row["id"]] = row["role"]
+    for constant, ids in (doc.get("fitted_constants") or {}).items():
+        for rid in ids:
+            if roles.get(rid) != "calibration":
+                raise ValueError(
+                    f"fitted constant {constant!r} uses row {rid!r}, whose role is {roles.get(rid)!r}: only "
+                    "calibration rows may be fitted to"
+                )
+
+
+def _counts(
+    num_samples: int, seq_len: int, num_layers: int, num_experts: int, top_k: int, seed: int
+) -> SampleCounts:
+    """``num_samples`` samples of ``seq_len`` tokens in one batch, routed uniformly (force-balanced)."""
+    blank = SampleCounts(
+        counts=np.zeros((num_samples, num_layers, num_experts), dtype=np.int32),
+        tokens=np.full(num_samples, seq_len, dtype=np.int64),
+        batch_offsets=np.array([0, num_samples], dtype=np.int64),
+        top_k=top_k,
+        meta={"source": "end-to-end validation"},
+    )
+    return uniform_routing(blank, seed)
+
+
+def simulate_row(row: dict[str, Any]) -> dict[str, float]:
+    """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
+    ``config`` and ``overrides`` only, never its published ``value``."""
+    conf = row["config"]
+    overrides = [
+        *row["overrides"],
+        "planner=force_balanced",
+        "simulator.step=whole",
+        f"workload.samples_per_microbatch={int(conf['micro_batch'])}",
+        f"trace.samples_per_batch={int(conf['global_batch'])}",
+        f"trace.max_tokens={int(conf['seq_len'])}",
+        "trace.num_batches=1",
+        "control_plane.enabled=false",
+    ]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="end_to_end"):
+        cfg = compose("config", overrides=overrides)
+    validate(cfg)
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    g = cluster.num_gpus
+    if g != int(conf["gpus"]) or g != int(conf["ep"]):
+        raise ValueError(
+            f"row {row['id']}: the overrides give {g} GPUs; the run had {conf['gpus']} at EP {conf['ep']}"
+        )
+    cost = build_cost(cfg, cluster, model)
+    counts = _counts(int(conf["global_batch"]), int(conf["seq_len"]), model.num_moe_layers, model.num_experts,
+                     model.top_k, int(cfg.seed))  # fmt: skip
+    workload = build_workload(
+        counts, g, samples_per_microbatch=int(conf["micro_batch"]), layout=str(cfg.workload.layout)
+    )
+    result = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
+    m = result.metrics
+    out = {"model": m["throughput_tokens_per_s"] / g, "step_time_s": m["step_time_s"]}
+    out.update({k: float(v) for k, v in m.items() if k.startswith("t_")})
+    return out
+
+
+def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
+    """One row per published measurement: published, model, ratio, role, whether it is simulated, and the
+    simulated step's terms."""
+    doc = load_rows(path)
+    rows = []
+    for row in doc["rows"]:
+        base = {"id": row["id"], "role": row["role"], "published": float(row["value"]), "unit": row["unit"]}
+        if row.get("needs"):
+            rows.append({**base, "model": float("nan"), "ratio": float("nan"), "needs": row["needs"]})
+            continue
+        sim = simulate_row(row)
+        rows.append({**base, **sim, "ratio": sim["model"] / float(row["value"]), "needs": ""})
+    return pd.DataFrame(rows)
+
+
+def errors(table: pd.DataFrame) -> dict[str, float]:
+    """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows."""
+    check = table[(table.role == "check") & (table.needs == "")]
+    err = (check.ratio - 1.0).abs().tolist()
+    if not err:
+        return {"rows": 0, "median": float("nan"), "worst": float("nan")}
+    return {"rows": len(err), "median": float(statistics.median(err)), "worst": float(max(err))}

@@ -1,0 +1,215 @@
+"""How the terms of one batch join into its seconds: the policy update (forward, backward, optimizer) and the
+RL step's forward-only passes over the same tokens (``workload.rl_passes``), each a result column.
+
+Per (micro-batch, MoE layer) the busiest GPU's compute work is ``T_comp + attention + permutation +
+router + norms`` and its communication ``T_comm``; both join as ``cluster.ep_overlap`` says
+(:func:`relibra.cost.overlap.overlapped_time`, or their sums). Activation recompute (``training.recompute``)
+adds, in the update's backward, the core attention's forward (``selective``) or every layer's forward,
+its all-to-all included (``full``). Per batch the update adds the dense layers, the LM head, the exposed
+replica refill, migration, redundant-copy sync, an online planner's critical path, the host overhead, the
+optimizer step and the exposed parts of the distributed optimizer's gradient reduce-scatter (behind the
+last micro-batch's backward with ``overlap_grad_reduce``) and parameter all-gather (behind the first
+micro-batch's forward with ``overlap_param_gather``).
+
+A forward-only pass (``recompute``: the old policy's log-probabilities under the same replayed routing,
+priced with the method's own plan; ``reference``: the reference model's forward, priced on Megatron's
+static placement, since no method balances the reference model and its routing is not replayed) does a
+third of each GEMM's fwd + bwd seconds (:data:`relibra.cost.step.FORWARD_FLOPS_SHARE`), half of each
+memory-bound kernel's (:data:`~relibra.cost.step.FORWARD_BYTES_SHARE`) and the dispatch and combine
+forward (half of the four phases, latency included).
+
+With ``simulator.step=moe`` every term of :mod:`relibra.cost.step` is zero and the update's seconds are
+the MoE-only step's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relibra.cost.model import CostModel
+from relibra.cost.overlap import overlapped_time
+from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE
+
+__all__ = ["LayerWork", "PassTimes", "TokenWork", "forward_pass", "token_work", "update_pass"]
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """Busiest-GPU seconds of one pass's plan-priced MoE work, fwd + bwd, [Mb, L] each."""
+
+    compute: np.ndarray
+    """float64 [Mb, L]: ``max_g T_comp`` (expert grouped GEMMs)."""
+    comm: np.ndarray
+    """float64 [Mb, L]: ``max_g T_comm`` (dispatch and combine, 4 phases)."""
+    permute: np.ndarray
+    """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (0: MoE-only step)."""
+
+
+@dataclass(frozen=True)
+class TokenWork:
+    """Busiest-GPU seconds of the work that follows the tokens each GPU holds (not the placement), fwd +
+    bwd, per micro-batch."""
+
+    attn: np.ndarray
+    """float64 [Mb, 1]: one layer's attention and projections."""
+    core_attn: np.ndarray
+    """float64 [Mb]: one layer's core attention (QK^T, PV), what selective recompute repeats."""
+    dense: np.ndarray
+    """float64 [Mb]: one dense layer's attention and FFN."""
+    router: np.ndarray
+    """float64 [Mb]: one MoE layer's router."""
+    norm: np.ndarray
+    """float64 [Mb]: one layer's norms and residual adds."""
+    head: np.ndarray
+    """float64 [Mb]: embedding, LM head and loss."""
+    head_forward: np.ndarray
+    """float64 [Mb]: their forward share (the log-probabilities of a forward-only pass)."""
+
+
+def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
+    """:class:`TokenWork` from the tokens [Mb, G] and causal pairs [Mb, G] each GPU holds."""
+    attn_gpu = cost.attention_time(tokens, pairs)  # [Mb, G]
+    dense = (attn_gpu + cost.dense_ffn_time(tokens)).max(axis=-1)
+    mb = attn_gpu.shape[0]
+    if cost.training is None or not cost.training.whole:
+        zero = np.zeros(mb)
+        return TokenWork(attn_gpu.max(axis=-1)[:, None], zero, dense, zero, zero, zero, zero)
+    return TokenWork(
+        attn=attn_gpu.max(axis=-1)[:, None],
+        core_attn=cost.core_attention_time(pairs).max(axis=-1),
+        dense=dense,
+        router=cost.router_time(tokens).max(axis=-1),
+        norm=cost.norm_time(tokens).max(axis=-1),
+        head=cost.head_time(tokens).max(axis=-1),
+        head_forward=cost.head_forward_time(tokens).max(axis=-1),
+    )
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """One pass's seconds and the named parts it reports (result columns, per batch)."""
+
+    total: float
+    comm_exposed: float
+    """All-to-all seconds not hidden behind compute."""
+    parts: dict[str, float]
+
+
+def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool) -> tuple[float, float]:
+    """(seconds, exposed all-to-all seconds) of the MoE layers' compute and comm [Mb, L]."""
+    if overlap:
+        return overlapped_time(comp, comm)
+    total_comm = float(comm.sum())
+    return float(comp.sum()) + total_comm, total_comm
+
+
+def update_pass(
+    cost: CostModel,
+    work: LayerWork,
+    tw: TokenWork,
+    dense_layers: int,
+    fixed: tuple[float, float, float, float],
+) -> PassTimes:
+    """The policy update: forward + backward of every micro-batch, then the optimizer step.
+
+    ``fixed``: the batch's seconds priced elsewhere that join as they are: (exposed refill, migration,
+    redundant-copy sync, critical path) (:func:`relibra.cost.pricing.batch_times`).
+    """
+    spec = cost.training
+    whole = spec is not None and spec.whole
+    recompute = spec.recompute if (spec is not None and whole) else "none"
+    layer_tokens = tw.router[:, None] + tw.norm[:, None]  # [Mb, 1]
+    comp = work.compute + tw.attn + work.permute + layer_tokens  # [Mb, L]
+    comm = work.comm
+    dense_mb = tw.dense + tw.norm  # [Mb]: one dense layer
+    if recompute == "full":
+        rc_comp, rc_comm = comp * FORWARD_FLOPS_SHARE, comm * 0.5
+        rc_dense = dense_layers * float(dense_mb.sum()) * FORWARD_FLOPS_SHARE
+    elif recompute == "selective":
+        rc_comp = np.broadcast_to(tw.core_attn[:, None] * FORWARD_FLOPS_SHARE, comp.shape)
+        rc_comm = np.zeros_like(comm)
+        rc_dense = dense_layers * float(tw.core_attn.sum()) * FORWARD_FLOPS_SHARE
+    else:
+        rc_comp, rc_comm, rc_dense = np.zeros_like(comp), np.zeros_like(comm), 0.0
+    comp_u, comm_u = comp + rc_comp, comm + rc_comm
+    moe, exposed = _join(comp_u, comm_u, cost.cluster.ep_overlap)
+    if recompute == "full" and exposed > 0:
+        # NOTE: the exposed all-to-all is attributed to the update's own and the recomputed all-to-all in
+        # proportion, so t_comm_exposed_s stays a part of t_comm_s (the recompute's is in t_recompute_s).
+        exposed *= float(comm.sum()) / float(comm_u.sum())
+    dense = dense_layers * float(tw.dense.sum())
+    head = float(tw.head.sum())
+    parts = dict.fromkeys(_UPDATE_PARTS, 0.0)
+    if whole:
+        assert spec is not None
+        directions = 3.0 if recompute == "full" else 2.0
+        per_mb = comp_u.sum(axis=1) + comm_u.sum(axis=1) + dense_layers * dense_mb + tw.head  # [Mb]
+        rs, ag = cost.grad_reduce_time(), cost.param_gather_time()
+        parts.update(
+            t_head_s=head,
+            t_router_s=float(tw.router.sum()) * work.compute.shape[1],
+            t_norm_s=float(tw.norm.sum()) * (work.compute.shape[1] + dense_layers),
+            t_permute_s=float(work.permute.sum()),
+            t_recompute_s=float(rc_comp.sum() + rc_comm.sum()) + rc_dense,
+            t_launch_s=cost.launch_time(comp.shape[0], directions),
+            t_optimizer_s=cost.optimizer_time(),
+            # NOTE: the reduce-scatter overlaps the last micro-batch's backward (two thirds of its fwd + bwd),
+            # the all-gather the first micro-batch's forward (one third), as Megatron's bucketed overlap does.
+            t_grad_reduce_s=max(rs - 2.0 * float(per_mb[-1]) / 3.0, 0.0) if spec.overlap_grad_reduce else rs,
+            t_param_gather_s=max(ag - float(per_mb[0]) / 3.0, 0.0) if spec.overlap_param_gather else ag,
+        )
+    # NOTE: the MoE-only step's sum first, in its former order, so simulator.step=moe keeps its bits.
+    sync, migration, redundant, critical = fixed
+    total = moe + sync + dense + migration + redundant + critical
+    extra = (
+        dense_layers * float(tw.norm.sum())
+        + rc_dense
+        + head
+        + parts["t_launch_s"]
+        + parts["t_optimizer_s"]
+        + parts["t_grad_reduce_s"]
+        + parts["t_param_gather_s"]
+    )
+    if whole:
+        total += extra
+    parts["t_other_s"] = sum(parts[k] for k in _BALANCE_INDEPENDENT)
+    return PassTimes(total=total, comm_exposed=exposed, parts=parts)
+
+
+_UPDATE_PARTS = (
+    "t_head_s",
+    "t_router_s",
+    "t_norm_s",
+    "t_permute_s",
+    "t_recompute_s",
+    "t_launch_s",
+    "t_optimizer_s",
+    "t_grad_reduce_s",
+    "t_param_gather_s",
+)
+_BALANCE_INDEPENDENT = (
+    "t_head_s",
+    "t_router_s",
+    "t_norm_s",
+    "t_launch_s",
+    "t_optimizer_s",
+    "t_grad_reduce_s",
+    "t_param_gather_s",
+)
+"""The parts no plan changes (``t_other_s`` is their sum): they follow the model, the layout's tokens per GPU
+and the cluster. Permutation follows the plan's ``assign``; recompute repeats plan-priced work."""
+
+
+def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: int, fixed: float) -> float:
+    """Seconds of one forward-only pass over the batch; ``fixed``: its exposed copies and critical path."""
+    whole = cost.training is not None and cost.training.whole
+    f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
+    comp = (work.compute + tw.attn) * f + (work.permute + tw.router[:, None] + tw.norm[:, None]) * h
+    moe, _ = _join(comp, work.comm * 0.5, cost.cluster.ep_overlap)
+    dense = dense_layers * float((tw.dense * f + tw.norm * h).sum())
+    total = moe + fixed + dense
+    if whole:
+        total += float(tw.head_forward.sum()) + cost.launch_time(comp.shape[0], 1.0)
+    return total

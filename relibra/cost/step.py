@@ -1,0 +1,331 @@
+"""The rest of the whole training step (DESIGN.md glossary "whole step"): every term beyond the MoE layers'
+expert GEMMs and all-to-all, attention and dense layers, as methods of :class:`relibra.cost.model.CostModel`
+(through :class:`WholeStepTerms`), each with its own result column.
+
+Per micro-batch and GPU, from the tokens the GPU holds (``tokens`` [..., G]) or receives (``received``
+[..., G], the expert slots ``sum_e assign[e, g]`` of one MoE layer), forward plus backward:
+
+* :meth:`~WholeStepTerms.head_time`: input embedding (gather, then the gradient's scatter-add), the LM head
+  GEMM ``2 * hidden * vocab`` FLOPs per token forward (bf16: Megatron's output layer is not an FP8 module)
+  and the fused cross-entropy over the vocabulary (HBM-bound, ``loss_bytes_per_logit``);
+* :meth:`~WholeStepTerms.router_time` per MoE layer: the router GEMM ``2 * hidden * E`` and its score,
+  top-k and auxiliary elementwise work over the ``E`` logits (fp32, ``router_bytes_per_logit``);
+* :meth:`~WholeStepTerms.permute_time` per MoE layer: token permutation and un-permutation
+  (``permute_values_per_hidden`` bf16 values per received slot and hidden unit) and SwiGLU with the
+  probability multiply (``swiglu_values_per_ffn`` per expert-FFN unit), on the slots the GPU *receives*,
+  so it follows the plan's ``assign`` (the one balance-dependent term here);
+* :meth:`~WholeStepTerms.norm_time` per layer: the two RMSNorms and two residual adds;
+* :meth:`~WholeStepTerms.core_attention_time`: the part of attention that selective recompute repeats;
+* per step: :meth:`~WholeStepTerms.optimizer_time` (Adam over the parameters and states a GPU holds,
+  HBM-bound), :meth:`~WholeStepTerms.grad_reduce_time` and :meth:`~WholeStepTerms.param_gather_time` (the
+  distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group
+  for dense parameters and the expert-data-parallel group for expert parameters),
+  :meth:`~WholeStepTerms.launch_time` (host overhead per MoE layer and pass).
+
+Memory-bound terms run at ``hbm_bytes_per_s * hbm_efficiency``; dense GEMMs at the dense peak of
+``cluster.precision`` times ``attention_efficiency``. How they join the step (which hide what, recompute,
+the RL passes) is :mod:`relibra.cost.pricing`'s. Constants: ``experiments/conf/training/*.yaml`` (kernel
+structure, optimizer, gradient formats) and ``experiments/conf/cluster/*.yaml`` (rates), each with its source.
+
+Choices left open (documented in docs/validation.md, "The whole step"): a forward-only pass does a third of
+a GEMM's fwd + bwd FLOPs and half of a memory-bound kernel's fwd + bwd bytes; the gradient reduce-scatter
+and parameter all-gather run as rings over the data-parallel group, on the rail NICs when the group spans
+nodes and on NVLink otherwise, and do not contend with the all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost.migration import MigrationPayload
+
+__all__ = [
+    "FORWARD_BYTES_SHARE",
+    "FORWARD_FLOPS_SHARE",
+    "RECOMPUTE",
+    "RL_PASSES",
+    "STEPS",
+    "ParallelGroups",
+    "TrainingSpec",
+    "WholeStepTerms",
+    "parallel_groups",
+]
+
+STEPS = ("whole", "moe")
+"""Values of ``simulator.step``: the whole training step, or the MoE-only step of earlier releases."""
+RECOMPUTE = ("none", "selective", "full")
+"""Values of ``training.recompute`` (Megatron's ``recompute_granularity``; ``selective`` = core attention)."""
+RL_PASSES = ("reference", "recompute", "update")
+"""Values in ``workload.rl_passes``: the reference model's forward, the old policy's log-prob recompute
+(forward only, the same replayed routing) and the policy update (forward + backward + optimizer)."""
+FORWARD_FLOPS_SHARE = 1.0 / 3.0
+"""A GEMM's forward share of its fwd + bwd FLOPs (backward computes input and weight gradients)."""
+FORWARD_BYTES_SHARE = 0.5
+"""A memory-bound kernel's forward share of its fwd + bwd bytes (the backward kernels move about as much;
+the per-kernel counts of ``experiments/conf/training/megatron.yaml`` give 0.38-0.5)."""
+BF16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """How the trainer runs a step around the MoE layers. Values and sources: ``experiments/conf/training``.
+
+    ``step``, ``rl_passes`` come from ``simulator.step`` and ``workload.rl_passes``; the rest from
+    ``training.*``. No field but those two has a default: the kernel counts are written once, in the yaml.
+    """
+
+    recompute: str
+    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (every layer's forward)."""
+    overlap_grad_reduce: bool
+    """Megatron's ``overlap_grad_reduce``: the reduce-scatter runs behind the last micro-batch's backward."""
+    overlap_param_gather: bool
+    """Megatron's ``overlap_param_gather``: the all-gather runs behind the first micro-batch's forward."""
+    distributed_optimizer: bool
+    """Megatron's distributed optimizer (optimizer state and master weights sharded over the data-parallel
+    group: reduce-scatter + all-gather); False: every rank holds them all and all-reduces gradients."""
+    norm_values_per_hidden: float
+    """bf16 values moved per token and hidden unit by one layer's norms and residual adds, fwd + bwd."""
+    embedding_values_per_hidden: float
+    """bf16 values moved per token and hidden unit by the input embedding, fwd + bwd."""
+    permute_values_per_hidden: float
+    """bf16 values moved per received slot and hidden unit by permutation and un-permutation, fwd + bwd."""
+    swiglu_values_per_ffn: float
+    """bf16 values moved per received slot and expert-FFN unit by SwiGLU with the probability multiply."""
+    router_bytes_per_logit: float
+    """Bytes moved per token and expert by the router's scores, top-k and auxiliary work, fwd + bwd."""
+    loss_bytes_per_logit: float
+    """Bytes moved per token and vocabulary entry by the fused cross-entropy, fwd + bwd."""
+    optimizer_bytes_per_param: float
+    """Bytes the Adam step reads and writes per parameter it updates."""
+    grad_reduce_bytes_per_param: float
+    """Bytes per gradient in the reduce-scatter (bf16: 2, ``grad_reduce_in_fp32``: 4)."""
+    param_gather_bytes_per_param: float
+    """Bytes per parameter in the all-gather (bf16: 2)."""
+    host_overhead_s: float
+    """Exposed host seconds per MoE layer and pass direction (the dropless dispatcher's host sync and the
+    launches after it); 0 where no measurement isolates one."""
+    step: str = "whole"
+    """``simulator.step``: ``whole`` or ``moe`` (the MoE-only step: every term of this module is 0)."""
+    rl_passes: tuple[str, ...] = ("update",)
+    """``workload.rl_passes``: the passes over the batch's tokens, ``update`` always among them."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.step not in STEPS:
+            problems.append(f"simulator.step={self.step!r}: choose one of {', '.join(STEPS)}")
+        if self.recompute not in RECOMPUTE:
+            problems.append(f"training.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        passes = tuple(self.rl_passes)
+        if (
+            any(p not in RL_PASSES for p in passes)
+            or len(set(passes)) != len(passes)
+            or "update" not in passes
+        ):
+            problems.append(
+                f"workload.rl_passes={list(passes)}: a list of distinct passes from {list(RL_PASSES)} that "
+                "holds update"
+            )
+        for name in (
+            "norm_values_per_hidden",
+            "embedding_values_per_hidden",
+            "permute_values_per_hidden",
+            "swiglu_values_per_ffn",
+            "router_bytes_per_logit",
+            "loss_bytes_per_logit",
+            "optimizer_bytes_per_param",
+            "grad_reduce_bytes_per_param",
+            "param_gather_bytes_per_param",
+            "host_overhead_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                problems.append(f"training.{name}={value!r}: must be a number >= 0")
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "distributed_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"training.{name}={getattr(self, name)!r}: must be true or false")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def whole(self) -> bool:
+        """Whether the step's terms beyond the MoE-only step are priced (``simulator.step=whole``)."""
+        return self.step == "whole"
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The gradient groups of the distributed optimizer around one EP group."""
+
+    dp: int
+    """Data-parallel group size of the dense parameters."""
+    edp: int
+    """Expert-data-parallel group size of the expert parameters (``dp * tp / (ep * etp)`` in Megatron)."""
+    dp_nodes: int
+    """Nodes the data-parallel group spans (its ring runs on the rail NICs when > 1)."""
+    edp_nodes: int
+    """Nodes the expert-data-parallel group spans."""
+
+
+def parallel_groups(cluster: ClusterSpec, replicas: int = 1) -> ParallelGroups:
+    """The one definition of the gradient groups while data parallelism is all that surrounds EP.
+
+    The simulated EP group is ``G = cluster.nodes * cluster.gpus_per_node`` GPUs with TP = PP = CP = 1, and
+    ``replicas`` (``parallel.dp``, :mod:`relibra.parallel`) copies of it train side by side on their own
+    nodes. Every GPU is its own data-parallel rank for the dense parameters (``dp = replicas * G``), and, with
+    EP = G, each expert lives on one GPU of each replica: ``edp = dp / ep = replicas`` (1: expert gradients
+    need no reduction), a group whose ranks sit on ``replicas`` different nodes. The full parallel layout
+    (``parallel.tp``, ``parallel.pp``) replaces this function.
+    """
+    return ParallelGroups(
+        dp=replicas * cluster.num_gpus,
+        edp=replicas,
+        dp_nodes=replicas * cluster.nodes,
+        edp_nodes=replicas,
+    )
+
+
+class WholeStepTerms:
+    """The whole step's terms; a base of :class:`~relibra.cost.model.CostModel` (which sets the fields)."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    training: TrainingSpec | None
+    migration: MigrationPayload
+    """Read for ``expert_data_parallel`` (``parallel.dp``), the replicas the gradient groups span."""
+
+    # ----------------------------------------------------------------- rates
+    def _spec(self) -> TrainingSpec:
+        if self.training is None:
+            raise ValueError("the whole step's terms need a TrainingSpec (CostModel(training=...))")
+        return self.training
+
+    def _groups(self) -> ParallelGroups:
+        return parallel_groups(self.cluster, self.migration.expert_data_parallel)
+
+    def hbm_rate(self) -> float:
+        """Bytes/s of a streaming kernel: ``hbm_bytes_per_s * hbm_efficiency``."""
+        hw = self.cluster.hardware
+        if hw.hbm_efficiency <= 0:
+            raise ValueError(
+                f"cluster.hardware.hbm_efficiency={hw.hbm_efficiency}: the whole step's memory-bound terms "
+                "need it > 0 (set it in the cluster yaml, or simulator.step=moe)"
+            )
+        return hw.hbm_bytes_per_s * hw.hbm_efficiency
+
+    def dense_rate(self, precision: str | None = None) -> float:
+        """FLOP/s of a dense GEMM in ``precision`` (default ``cluster.precision``), at
+        ``attention_efficiency``."""
+        hw = self.cluster.hardware
+        fp8 = (precision or self.cluster.precision) == "fp8"
+        return (hw.fp8_flops if fp8 else hw.bf16_flops) * hw.attention_efficiency
+
+    # ------------------------------------------------------- per-GPU terms
+    def head_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Embedding, LM head and loss seconds, fwd + bwd: tokens [..., G] -> [..., G]."""
+        spec, m = self._spec(), self.model
+        t = np.asarray(tokens, dtype=np.float64)
+        gemm = 3.0 * 2.0 * m.hidden * m.vocab * t / self.dense_rate("bf16")
+        loss = t * m.vocab * spec.loss_bytes_per_logit / self.hbm_rate()
+        embed = t * m.hidden * spec.embedding_values_per_hidden * BF16_BYTES / self.hbm_rate()
+        return np.asarray(gemm + loss + embed)
+
+    def head_forward_time(self, tokens: np.ndarray) -> np.ndarray:
+        """The forward share of :meth:`head_time` (log-probabilities of a forward-only pass) [..., G]."""
+        spec, m = self._spec(), self.model
+        t = np.asarray(tokens, dtype=np.float64)
+        gemm = 2.0 * m.hidden * m.vocab * t / self.dense_rate("bf16")
+        mem = t * (
+            m.vocab * spec.loss_bytes_per_logit + m.hidden * spec.embedding_values_per_hidden * BF16_BYTES
+        )
+        return np.asarray(gemm + FORWARD_BYTES_SHARE * mem / self.hbm_rate())
+
+    def router_time(self, tokens: np.ndarray) -> np.ndarray:
+        """One MoE layer's router seconds (GEMM, scores, top-k), fwd + bwd: tokens [..., G] -> [..., G]."""
+        spec, m = self._spec(), self.model
+        t = np.asarray(tokens, dtype=np.float64)
+        gemm = 3.0 * 2.0 * m.hidden * m.num_experts * t / self.dense_rate("bf16")
+        return np.asarray(gemm + t * m.num_experts * spec.router_bytes_per_logit / self.hbm_rate())
+
+    def norm_time(self, tokens: np.ndarray) -> np.ndarray:
+        """One layer's norms and residual adds, fwd + bwd: tokens [..., G] -> seconds [..., G]."""
+        spec, m = self._spec(), self.model
+        t = np.asarray(tokens, dtype=np.float64)
+        return np.asarray(t * m.hidden * spec.norm_values_per_hidden * BF16_BYTES / self.hbm_rate())
+
+    def permute_time(self, received: np.ndarray) -> np.ndarray:
+        """One MoE layer's permutation, un-permutation and SwiGLU on the received slots, fwd + bwd.
+
+        received [..., G] (``sum_e assign[..., e, g]``) -> seconds [..., G].
+        """
+        spec, m = self._spec(), self.model
+        r = np.asarray(received, dtype=np.float64)
+        values = m.hidden * spec.permute_values_per_hidden + m.moe_ffn * spec.swiglu_values_per_ffn
+        return np.asarray(r * values * BF16_BYTES / self.hbm_rate())
+
+    def core_attention_time(self, causal_pairs: np.ndarray) -> np.ndarray:
+        """QK^T and PV of one layer (bf16, at ``attention_efficiency``), fwd + bwd: causal pairs [..., G] ->
+        seconds [..., G]."""
+        m = self.model
+        flops = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
+        return np.asarray(3.0 * flops / self.dense_rate("bf16"))
+
+    # ------------------------------------------------------ per-step terms
+    def params_per_gpu(self) -> tuple[float, float]:
+        """(dense, expert) parameters one GPU updates: dense ones sharded over the data-parallel group and
+        expert ones (``E / G`` per MoE layer) over the expert-data-parallel group with the distributed
+        optimizer; unsharded without it."""
+        spec, m, groups = self._spec(), self.model, self._groups()
+        dense = float(m.dense_params)
+        expert = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        if spec.distributed_optimizer:
+            return dense / groups.dp, expert / groups.edp
+        return dense, expert
+
+    def optimizer_time(self) -> float:
+        """Seconds of one Adam step over the parameters this GPU updates (HBM-bound)."""
+        dense, expert = self.params_per_gpu()
+        return (dense + expert) * self._spec().optimizer_bytes_per_param / self.hbm_rate()
+
+    def _ring_time(self, nbytes: float, size: int, nodes: int) -> float:
+        """One ring reduce-scatter or all-gather of ``nbytes`` (the whole buffer) over ``size`` GPUs."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        hw = self.cluster.hardware
+        rate = (
+            hw.nic_bytes_per_s * hw.nic_efficiency
+            if nodes > 1
+            else hw.nvlink_bytes_per_s * hw.nvlink_efficiency
+        )
+        return (size - 1) / size * nbytes / rate + hw.alltoall_latency_s
+
+    def grad_reduce_time(self) -> float:
+        """Seconds of the gradient reduction, dense (data-parallel group) plus expert (expert-data-parallel
+        group) parameters: a reduce-scatter with the distributed optimizer, else an all-reduce (twice its
+        traffic). Before any overlap."""
+        spec, m, groups = self._spec(), self.model, self._groups()
+        factor = 1.0 if spec.distributed_optimizer else 2.0
+        expert_full = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        b = spec.grad_reduce_bytes_per_param
+        return factor * (
+            self._ring_time(m.dense_params * b, groups.dp, groups.dp_nodes)
+            + self._ring_time(expert_full * b, groups.edp, groups.edp_nodes)
+        )
+
+    def param_gather_time(self) -> float:
+        """Seconds of the distributed optimizer's parameter all-gather (0 without it). Before any overlap."""
+        spec, m, groups = self._spec(), self.model, self._groups()
+        if not spec.distributed_optimizer:
+            return 0.0
+        expert_full = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        b = spec.param_gather_bytes_per_param
+        return self._ring_time(m.dense_params * b, groups.dp, groups.dp_nodes) + self._ring_time(
+            expert_full * b, groups.edp, groups.edp_nodes
+        )
+
+    def launch_time(self, microbatches: int, directions: float) -> float:
+        """Exposed host seconds of ``microbatches`` micro-batches, ``directions`` passes each (forward 1,
+        backward 1, recompute 1) over every MoE layer."""
+        return self._spec().host_overhead_s * self.model.num_moe_layers * microbatches * directions

@@ -1,0 +1,194 @@
+"""The whole step's terms (relibra/cost/step.py) and how they join (relibra/cost/passes.py), each against
+a hand computation on round numbers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost.model import CostModel
+from relibra.cost.passes import LayerWork, TokenWork, forward_pass, update_pass
+from relibra.cost.step import TrainingSpec, parallel_groups
+from tests.builders import HOPPER
+
+MODEL = ModelSpec(
+    name="round", num_layers=3, num_moe_layers=2, hidden=1000, moe_ffn=500, num_experts=8, top_k=2,
+    num_heads=4, num_kv_heads=2, head_dim=10, dense_ffn=3000, vocab=5000,
+)  # fmt: skip
+SPEC = TrainingSpec(
+    recompute="none", overlap_grad_reduce=True, overlap_param_gather=True, distributed_optimizer=True,
+    norm_values_per_hidden=20.0, embedding_values_per_hidden=5.0, permute_values_per_hidden=8.0,
+    swiglu_values_per_ffn=8.0, router_bytes_per_logit=24.0, loss_bytes_per_logit=8.0,
+    optimizer_bytes_per_param=28.0, grad_reduce_bytes_per_param=2.0, param_gather_bytes_per_param=2.0,
+    host_overhead_s=1e-5,
+)  # fmt: skip
+HBM = 3.35e12 * 0.85
+DENSE = 989e12 * 0.5
+NIC = 50e9 * 0.8
+NVL = 450e9 * 0.8
+
+
+def cost(nodes: int = 2, gpn: int = 2, spec: TrainingSpec = SPEC, **cluster: object) -> CostModel:
+    return CostModel(ClusterSpec(nodes, gpn, HOPPER, **cluster), MODEL, training=spec)  # type: ignore[arg-type]
+
+
+def test_head_router_norm_permute_and_core_attention_by_hand() -> None:
+    c, t = cost(), np.array([1000.0, 2000.0])
+    head = 6 * 1000 * 5000 * t / DENSE + t * 5000 * 8 / HBM + t * 1000 * 5 * 2 / HBM
+    np.testing.assert_allclose(c.head_time(t), head, rtol=1e-12)
+    head_fwd = 2 * 1000 * 5000 * t / DENSE + 0.5 * (t * 5000 * 8 + t * 1000 * 5 * 2) / HBM
+    np.testing.assert_allclose(c.head_forward_time(t), head_fwd, rtol=1e-12)
+    np.testing.assert_allclose(c.router_time(t), 6 * 1000 * 8 * t / DENSE + t * 8 * 24 / HBM, rtol=1e-12)
+    np.testing.assert_allclose(c.norm_time(t), t * 1000 * 20 * 2 / HBM, rtol=1e-12)
+    received = np.array([[300.0, 0.0]])
+    np.testing.assert_allclose(
+        c.permute_time(received), received * (1000 * 8 + 500 * 8) * 2 / HBM, rtol=1e-12
+    )
+    pairs = np.array([5.0e5])
+    np.testing.assert_allclose(c.core_attention_time(pairs), 3 * 4 * 5.0e5 * 4 * 10 / DENSE, rtol=1e-12)
+
+
+def test_parameters_optimizer_and_gradient_collectives_by_hand() -> None:
+    c = cost(nodes=2, gpn=2)  # G = 4 = DP; EDP = 1
+    groups = parallel_groups(c.cluster)
+    assert (groups.dp, groups.edp) == (4, 1)
+    attention = 1000 * (40 + 2 * 20) + 40 * 1000
+    dense = 2 * 5000 * 1000 + 3 * attention + (2 * 1000 * 3 + 1000) + 1000 * 8 * 2 + 3 * 1000 * 3000 * 1
+    assert MODEL.dense_params == dense
+    expert = 2 * (8 // 4) * 3 * 1000 * 500
+    assert c.params_per_gpu() == (dense / 4, expert)
+    assert c.optimizer_time() == pytest.approx((dense / 4 + expert) * 28 / HBM, rel=1e-12)
+    # a ring over 4 GPUs of 2 nodes: 3/4 of the buffer through each rail NIC, plus one latency
+    assert c.grad_reduce_time() == pytest.approx(0.75 * dense * 2 / NIC + 10e-6, rel=1e-12)
+    assert c.param_gather_time() == pytest.approx(0.75 * dense * 2 / NIC + 10e-6, rel=1e-12)
+    one_node = cost(nodes=1, gpn=4)
+    assert one_node.grad_reduce_time() == pytest.approx(0.75 * dense * 2 / NVL + 10e-6, rel=1e-12)
+    plain = cost(spec=replace(SPEC, distributed_optimizer=False))
+    assert plain.params_per_gpu() == (dense, expert)
+    assert plain.grad_reduce_time() == pytest.approx(2 * (0.75 * dense * 2 / NIC + 10e-6), rel=1e-12)
+    assert plain.param_gather_time() == 0.0
+    assert c.launch_time(3, 2.0) == pytest.approx(1e-5 * 2 * 3 * 2)
+
+
+def _work() -> tuple[LayerWork, TokenWork]:
+    """Two micro-batches, two MoE layers, every number hand-chosen."""
+    work = LayerWork(
+        compute=np.array([[1.0, 2.0], [3.0, 4.0]]),
+        comm=np.array([[0.5, 0.5], [1.0, 1.0]]),
+        permute=np.array([[0.1, 0.1], [0.2, 0.2]]),
+    )
+    tw = TokenWork(
+        attn=np.array([[0.3], [0.3]]),
+        core_attn=np.array([0.06, 0.06]),
+        dense=np.array([0.9, 0.9]),
+        router=np.array([0.01, 0.01]),
+        norm=np.array([0.02, 0.02]),
+        head=np.array([0.4, 0.4]),
+        head_forward=np.array([0.15, 0.15]),
+    )
+    return work, tw
+
+
+def test_update_pass_joins_every_term_by_hand() -> None:
+    c = cost()
+    work, tw = _work()
+    res = update_pass(c, work, tw, dense_layers=1, fixed=(0.05, 0.0, 0.0, 0.0))
+    comp = work.compute + 0.3 + work.permute + 0.03  # [Mb, L]
+    moe = comp.sum() + work.comm.sum()
+    rs, ag = c.grad_reduce_time(), c.param_gather_time()
+    per_mb = comp.sum(axis=1) + work.comm.sum(axis=1) + (0.9 + 0.02) + 0.4
+    rs_exp, ag_exp = max(rs - 2 * per_mb[-1] / 3, 0.0), max(ag - per_mb[0] / 3, 0.0)
+    launch = 1e-5 * 2 * 2 * 2
+    other = 0.8 + 0.01 * 2 * 2 + 0.02 * 2 * 3 + launch + c.optimizer_time() + rs_exp + ag_exp
+    expected = moe + 0.05 + 1.8 + (0.02 * 2 + 0.8 + launch + c.optimizer_time() + rs_exp + ag_exp)
+    assert res.total == pytest.approx(expected, rel=1e-12)
+    assert res.parts["t_other_s"] == pytest.approx(other, rel=1e-12)
+    assert res.parts["t_permute_s"] == pytest.approx(0.6)
+    assert res.comm_exposed == pytest.approx(3.0)
+    exposed = update_pass(cost(spec=replace(SPEC, overlap_grad_reduce=False, overlap_param_gather=False)),
+                          work, tw, 1, (0.05, 0.0, 0.0, 0.0))  # fmt: skip
+    assert exposed.parts["t_grad_reduce_s"] == pytest.approx(rs) and exposed.parts["t_param_gather_s"] == ag
+
+
+def test_recompute_adds_the_forward_it_repeats() -> None:
+    work, tw = _work()
+    base = update_pass(cost(), work, tw, 1, (0.0, 0.0, 0.0, 0.0))
+    sel = update_pass(cost(spec=replace(SPEC, recompute="selective")), work, tw, 1, (0.0, 0.0, 0.0, 0.0))
+    # core attention's forward again: 0.06 / 3 per (micro-batch, MoE layer) and per dense layer
+    assert sel.parts["t_recompute_s"] == pytest.approx(0.02 * 4 + 0.02 * 2)
+    full = update_pass(cost(spec=replace(SPEC, recompute="full")), work, tw, 1, (0.0, 0.0, 0.0, 0.0))
+    comp = work.compute + 0.3 + work.permute + 0.03
+    assert full.parts["t_recompute_s"] == pytest.approx(comp.sum() / 3 + work.comm.sum() / 2 + 2 * 0.92 / 3)
+    assert full.parts["t_launch_s"] == pytest.approx(1.5 * base.parts["t_launch_s"])
+    assert full.comm_exposed == pytest.approx(base.comm_exposed)  # the recompute's all-to-all is its own
+    assert full.total > sel.total > base.total
+
+
+def test_forward_pass_is_a_third_of_gemms_and_half_of_memory_and_comm() -> None:
+    work, tw = _work()
+    got = forward_pass(cost(), work, tw, dense_layers=1, fixed=0.07)
+    comp = (work.compute + 0.3) / 3 + (work.permute + 0.03) / 2
+    moe = comp.sum() + work.comm.sum() / 2
+    dense = 2 * (0.9 / 3 + 0.02 / 2)
+    assert got == pytest.approx(moe + 0.07 + dense + 0.3 + 1e-5 * 2 * 2, rel=1e-12)
+
+
+def test_moe_step_prices_none_of_the_whole_step() -> None:
+    work, tw = _work()
+    z = np.zeros(2)
+    zero = TokenWork(tw.attn, core_attn=z, dense=tw.dense, router=z, norm=z, head=z, head_forward=z)
+    moe_only = cost(spec=replace(SPEC, step="moe", recompute="full"))
+    res = update_pass(moe_only, replace(work, permute=np.zeros((2, 2))), zero, 1, (0.05, 0.1, 0.2, 0.3))
+    comp = work.compute + 0.3
+    assert res.total == comp.sum() + work.comm.sum() + 0.05 + 0.9 * 2 + 0.1 + 0.2 + 0.3
+    assert all(v == 0.0 for v in res.parts.values())
+
+
+def test_fp8_prices_gemms_at_the_fp8_peak_and_dispatch_with_scales() -> None:
+    bf16, fp8 = cost(), cost(precision="fp8")
+    n = np.array([4096.0])
+    flops = 2 * 3 * 1000 * 500 * 4096 * 3
+    assert bf16.expert_time(n)[0] == pytest.approx(flops * (4096 + 128) / 4096 / (989e12 * 0.7), rel=1e-12)
+    assert fp8.expert_time(n)[0] == pytest.approx(flops * (4096 + 128) / 4096 / (2 * 989e12 * 0.6), rel=1e-12)
+    assert bf16.dispatch_token_bytes == 2000 and fp8.dispatch_token_bytes == pytest.approx(
+        1000 * (1 + 4 / 128)
+    )
+    tokens, pairs = np.array([100.0]), np.array([5000.0])
+    proj = 2 * MODEL.attention_params * 100.0
+    core = 4 * 5000.0 * 4 * 10
+    assert fp8.attention_time(tokens, pairs)[0] == pytest.approx(3 * (proj / (2 * DENSE) + core / DENSE))
+    lin = fp8.linear()
+    assert lin.nvlink_dispatch_s_per_token == pytest.approx(1000 * (1 + 4 / 128) / NVL)
+    assert lin.rdma_combine_s_per_token == pytest.approx(2000 / NIC)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"step": "partial"}, "simulator.step='partial'"),
+        ({"recompute": "layers"}, "training.recompute='layers'"),
+        ({"rl_passes": ("recompute",)}, "workload.rl_passes=['recompute']"),
+        ({"rl_passes": ("update", "update")}, "workload.rl_passes"),
+        ({"rl_passes": ("update", "rollout")}, "workload.rl_passes"),
+        ({"norm_values_per_hidden": -1.0}, "training.norm_values_per_hidden=-1.0"),
+        ({"host_overhead_s": "x"}, "training.host_overhead_s='x'"),
+        ({"overlap_grad_reduce": 1}, "training.overlap_grad_reduce=1"),
+    ],
+)
+def test_training_spec_refuses_bad_values(change: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(key)):
+        replace(SPEC, **change)  # type: ignore[arg-type]
+
+
+def test_cluster_refuses_unknown_precision_and_fp8_without_its_rates() -> None:
+    with pytest.raises(ValueError, match=r"cluster\.precision='fp4'"):
+        ClusterSpec(1, 2, HOPPER, precision="fp4")
+    with pytest.raises(ValueError, match=r"cluster\.precision=fp8 needs"):
+        ClusterSpec(1, 2, replace(HOPPER, fp8_gemm_efficiency=0.0), precision="fp8")
+    with pytest.raises(ValueError, match="hbm_efficiency"):
+        cost(nodes=1, gpn=2).__class__(ClusterSpec(1, 2, replace(HOPPER, hbm_efficiency=0.0)), MODEL,
+                                       training=SPEC).norm_time(np.ones(2))  # fmt: skip
