@@ -49,12 +49,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from relibra.cost.model import CostModel
+from relibra.cluster import ClusterSpec, ModelSpec
 
 __all__ = [
     "DEFAULT_BYTES_PER_PARAM",
@@ -68,6 +67,17 @@ __all__ = [
 
 MIGRATION_PATHS = ("network", "reload")
 """How a moved expert's bytes arrive (glossary: migration path)."""
+
+
+class CostModel(Protocol):
+    """What the migration charge reads of :class:`relibra.cost.model.CostModel` (a Protocol, so this module
+    does not import the cost model, which imports it)."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    migration: MigrationPayload
+
+    def transfer_time(self, src: np.ndarray, dst: np.ndarray, bytes_each: float) -> float: ...
 
 
 @dataclass(frozen=True)
