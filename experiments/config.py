@@ -393,7 +393,11 @@ def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> s
     cell = time_probe.cell_cost(per_rank, max(tokens, 1), top_k, probe_h, probe_f)
     probe_rate = rate if (probe_h, probe_f) == (hidden, ffn) else budget.matmul_rate(probe_h, probe_f)
     overhead = budget.cell_overhead_s(cell.seconds, cell.flops, probe_rate)
-    start = cell.init_s + (time_probe.start_cost_s() if str(cfg.executor.start_method) == "spawn" else 0.0)
+    start = (
+        cell.init_s
+        + cell.first_s
+        + (time_probe.start_cost_s() if str(cfg.executor.start_method) == "spawn" else 0.0)
+    )
     est = budget.estimate_time_s(flops, rate, overhead, num_gpus, cores, start)
     if est <= float(limit):
         return None

@@ -45,6 +45,8 @@ class CellCost:
     """FLOPs of one probe cell (:func:`~relibra.executors.budget.layer_flops` at the probe's shape)."""
     init_s: float
     """Seconds to create and destroy the one-rank process group."""
+    first_s: float
+    """Seconds of the first, untimed 1 x 1 call (first-call costs every fresh worker pays once)."""
 
 
 def probe_tokens(tokens: int, experts: int, top_k: int, hidden: int, ffn: int) -> int:
@@ -99,7 +101,9 @@ def cell_cost(experts: int, tokens: int, top_k: int, hidden: int, ffn: int) -> C
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     init_s = time.perf_counter() - t0
     try:
+        t0 = time.perf_counter()
         run_batches(0, 1, plans(1, 1), opts)  # first-call costs
+        first_s = time.perf_counter() - t0
         m, num_layers = PROBE_CELLS
         t0 = time.perf_counter()
         run_batches(0, 1, plans(m, num_layers), opts)
@@ -110,7 +114,7 @@ def cell_cost(experts: int, tokens: int, top_k: int, hidden: int, ffn: int) -> C
         init_s += time.perf_counter() - t1
         torch.set_num_threads(threads)
     flops = float(layer_flops(np.array(t), np.array(t * k), hidden, ffn, experts))
-    return CellCost(seconds=seconds, flops=flops, init_s=init_s)
+    return CellCost(seconds=seconds, flops=flops, init_s=init_s, first_s=first_s)
 
 
 @functools.cache

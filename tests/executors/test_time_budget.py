@@ -54,7 +54,7 @@ def test_cell_cost_times_the_worker_code_in_process() -> None:
     from relibra.executors import time_probe
 
     cost = time_probe.cell_cost(4, 16, 2, 16, 8)
-    assert cost.seconds > 0 and cost.init_s > 0 and not dist.is_initialized()
+    assert cost.seconds > 0 and cost.init_s > 0 and cost.first_s > 0 and not dist.is_initialized()
     assert cost.flops == budget.layer_flops(np.array(16), np.array(32), 16, 8, 4)
     assert time_probe.cell_cost(4, 16, 2, 16, 8) is cost  # cached per process
 
