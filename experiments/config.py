@@ -366,30 +366,46 @@ def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> s
 
     The estimate (:func:`relibra.executors.budget.estimate_time_s`) counts the FLOPs of every micro-batch
     and layer of the workload ``load`` [M, L, G, E] at the executor's expert shape, under the static
-    placement, at a matmul rate measured on this host now.
+    placement, at a matmul rate measured on this host now, plus the per-cell overhead and the process start
+    measured now (:mod:`relibra.executors.time_probe`).
     """
     if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
         return None
     limit = OmegaConf.select(cfg, "executor.max_time_s", default=None)
     if limit is None:
         return None
-    from relibra.executors import budget
+    from relibra.executors import budget, time_probe
 
     hidden = int(cfg.executor.hidden or cfg.model.hidden)
     ffn = int(cfg.executor.moe_ffn or cfg.model.moe_ffn)
     e, num_layers = int(cfg.model.num_experts), load.shape[1]
+    top_k = int(cfg.model.top_k)
     home = np.broadcast_to(np.arange(e) // (e // num_gpus), (num_layers, e))
-    flops = budget.workload_flops(load, home, int(cfg.model.top_k), hidden, ffn, bool(cfg.executor.warmup))
+    flops = budget.workload_flops(load, home, top_k, hidden, ffn, bool(cfg.executor.warmup))
     device = "cuda" if str(cfg.executor.backend) == "nccl" else "cpu"
     rate = budget.matmul_rate(hidden, ffn, device)
     cores = num_gpus if device == "cuda" else budget.available_cores()
-    est = budget.estimate_time_s(flops, rate, num_gpus, cores, str(cfg.executor.start_method))
+    per_rank = e // num_gpus
+    tokens = round(float(load[0].sum()) / (top_k * num_gpus * num_layers)) if load.size else 0
+    probe_h, probe_f = hidden, ffn
+    if per_rank * 3 * hidden * ffn > time_probe.PROBE_MAX_PARAMS:
+        probe_h, probe_f = 64, 32  # NOTE: the executor's default shape (TorchExecutor); compute at `rate`
+    cell = time_probe.cell_cost(per_rank, max(tokens, 1), top_k, probe_h, probe_f)
+    probe_rate = rate if (probe_h, probe_f) == (hidden, ffn) else budget.matmul_rate(probe_h, probe_f)
+    overhead = budget.cell_overhead_s(cell.seconds, cell.flops, probe_rate)
+    start = (
+        cell.init_s
+        + cell.first_s
+        + (time_probe.start_cost_s() if str(cfg.executor.start_method) == "spawn" else 0.0)
+    )
+    est = budget.estimate_time_s(flops, rate, overhead, num_gpus, cores, start)
     if est <= float(limit):
         return None
     return (
         f"executor.max_time_s={_yaml(limit)}: the torch executor run is estimated at {est:.0f} s "
         f"({flops.shape[0]} micro-batch passes x {num_layers} layers of expert shape {hidden} x {ffn} on "
-        f"{num_gpus} ranks, {rate / 1e9:.1f} GFLOP/s per rank measured here); give a smaller "
+        f"{num_gpus} ranks, {rate / 1e9:.1f} GFLOP/s and {cell.seconds * 1e3:.1f} ms per probed cell "
+        "per rank measured here); give a smaller "
         "executor.hidden / executor.moe_ffn, fewer batches (trace.num_batches), or raise executor.max_time_s "
         "(null: no limit)"
     )

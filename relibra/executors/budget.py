@@ -1,4 +1,4 @@
-"""What a torch-executor run holds in memory, estimated before any process starts.
+"""What a torch-executor run holds in memory and how long it takes, estimated before any process starts.
 
 Each rank of :class:`~relibra.executors.torch_executor.TorchExecutor` keeps, per MoE layer, the flat fp32
 weight rows of its home experts and of its replica and redundant slots (``3 * hidden * ffn`` values each,
@@ -22,6 +22,7 @@ __all__ = [
     "STATE_COPIES",
     "available_cores",
     "available_host_bytes",
+    "cell_overhead_s",
     "estimate_time_s",
     "layer_flops",
     "matmul_rate",
@@ -58,11 +59,6 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ time
-PROCESS_START_S = {"spawn": 2.0, "fork": 0.3}
-"""Seconds to start one worker and join the process group, per start method: a rough figure (a fresh
-interpreter importing torch under ``spawn``, a forked child under ``fork``), not yet measured with a recorded
-command; to be replaced by a measurement (docs/benchmarks.md, "Torch executor time estimate")."""
-
 RATE_PROBE_S = 0.05
 """Wall seconds the matmul rate probe runs for (the brief bound is 0.2 s; 0.05 s gives a stable rate)."""
 
@@ -104,13 +100,23 @@ def workload_flops(
     return np.concatenate([flops[:1], flops]) if warmup and m else flops
 
 
-def estimate_time_s(flops: np.ndarray, rate: float, world: int, cores: int, start_method: str) -> float:
+def cell_overhead_s(cell_s: float, cell_flops: float, rate: float) -> float:
+    """Seconds of a probed (micro-batch, layer) cell that its FLOPs at ``rate`` do not explain: the Python
+    loop over experts, index and scatter ops, the Adam step's share (:func:`relibra.executors.time_probe.
+    cell_cost` measures ``cell_s`` for a cell of ``cell_flops``); never negative."""
+    return max(cell_s - cell_flops / rate, 0.0)
+
+
+def estimate_time_s(
+    flops: np.ndarray, rate: float, overhead_s: float, world: int, cores: int, start_s: float
+) -> float:
     """Wall seconds of a torch-executor run: ``flops`` [M, L] of the busiest rank per (micro-batch, layer)
-    (collectives make every rank wait for it), at ``rate`` FLOP/s per rank, slowed by ``world / cores`` where
-    ranks outnumber cores (each rank runs one thread), plus starting ``world`` processes on ``cores``."""
+    (collectives make every rank wait for it), each cell costing ``overhead_s`` (:func:`cell_overhead_s`)
+    plus its FLOPs at ``rate`` FLOP/s per rank, plus ``start_s`` to start one rank; all slowed by
+    ``world / cores`` where ranks outnumber cores (each rank runs one thread)."""
     share = max(1.0, world / max(cores, 1))
-    start = PROCESS_START_S[start_method] * share
-    return float(np.sum(flops)) / rate * share + start
+    cells = overhead_s * np.size(flops) + float(np.sum(flops)) / rate
+    return (cells + start_s) * share
 
 
 @functools.cache
