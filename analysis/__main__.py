@@ -2,25 +2,36 @@
 
 RESULTS_DIR holds one store per experiment (``results/<experiment>/cells/*.parquet``), or is one store.
 Tables are printed and written as Markdown and LaTeX to ``--out`` (default ``RESULTS_DIR/analysis``);
-figures go to ``--out/figures`` as PNG and PDF.
+figures go to ``--out/figures`` as PNG and PDF. Each table states the code version of its cells and the
+command that wrote it; an experiment whose cells mix code versions is refused (exit 1,
+:mod:`analysis.provenance`). Written to ``docs/results``, the tables also rewrite the generated blocks of
+the hand-written docs (:mod:`analysis.docs_blocks`); ``--check-docs`` only names the stale ones (exit 1)
+and ``--write-docs`` rewrites them from the committed tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import pandas as pd
 from rich.console import Console
 
+from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
-from analysis.load import code_versions, experiment_dirs, load_per_layer_results, load_results
+from analysis.load import experiment_dirs, load_per_layer_results, load_results
+from analysis.provenance import (
+    IdenticalVersionsError,
+    load_identical_groups,
+    mixed_versions_refusal,
+    provenance_line,
+)
 from analysis.render import write_table
 from analysis.tables import all_tables
 from experiments.store import ResultsStore
+from relibra.provenance import code_version
 
 __all__ = ["AnalysisOutput", "analyse", "main"]
 
@@ -35,23 +46,40 @@ class AnalysisOutput:
     skipped: list[str]
     """Why a table or figure could not be built (e.g. a planner missing from a partial grid)."""
     warnings: list[str] = field(default_factory=list)
-    """What the reader should know about the inputs: cells of several code versions merged in one table,
-    unreadable cell files left out."""
+    """What the reader should know about the inputs: unreadable cell files left out."""
+    refused: list[str] = field(default_factory=list)
+    """Experiments that got no tables because their cells mix code versions, each with why."""
 
 
-def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | None = None) -> AnalysisOutput:
-    """Build every table and figure the results allow; print tables to ``console`` when given."""
+def analyse(
+    results_dir: Path,
+    out_dir: Path | None = None,
+    console: Console | None = None,
+    command: str | None = None,
+) -> AnalysisOutput:
+    """Build every table and figure the results allow; print tables to ``console`` when given.
+
+    An experiment whose cells mix code versions gets no tables (:func:`analysis.provenance.
+    mixed_versions_refusal`; the reason is in ``refused``). Every table states the code version of its cells
+    and ``command``, the command that wrote it (default: ``python -m analysis RESULTS_DIR``).
+    """
     out_dir = out_dir or results_dir / "analysis"
+    command = command or f"python -m analysis {results_dir}"
     results = load_results(results_dir)
     if not results:
         raise FileNotFoundError(
             f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
         )
-    warnings = _input_warnings(results_dir, results)
+    warnings = _input_warnings(results_dir)
+    groups = load_identical_groups(results_dir)
+    refused = [why for name, frame in results.items() if (why := mixed_versions_refusal(name, frame, groups))]
+    results = {n: f for n, f in results.items() if mixed_versions_refusal(n, f, groups) is None}
     tables: list[Path] = []
     built, skipped = all_tables(results)
     for table in built:
-        tables += write_table(table, out_dir, console)
+        experiment = table.name.split(".", 1)[0]
+        line = provenance_line(results[experiment], command, code_version())
+        tables += write_table(replace(table, provenance=line), out_dir, console)
     figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
     skipped += skipped_figures
     if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only
@@ -62,19 +90,13 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
     if console is not None:
         for why in [*warnings, *skipped]:
             console.print(f"[yellow]{why}")
-    return AnalysisOutput(tables, figures, out_dir, skipped, warnings)
+        for why in refused:
+            console.print(f"[red]{why}")
+    return AnalysisOutput(tables, figures, out_dir, skipped, warnings, refused)
 
 
-def _input_warnings(results_dir: Path, results: dict[str, pd.DataFrame]) -> list[str]:
+def _input_warnings(results_dir: Path) -> list[str]:
     out = []
-    for name, frame in results.items():
-        versions = code_versions(frame)
-        if len(versions) > 1:
-            listed = ", ".join(f"{n} rows by {v}" for v, n in sorted(versions.items()))
-            out.append(
-                f"{name}: its tables merge cells computed by {len(versions)} code versions ({listed}); "
-                "`python -m experiments.reproduce --recompute-stale` recomputes the older ones"
-            )
     for name, directory in experiment_dirs(results_dir).items():
         for key in ResultsStore(directory).corrupt_keys():
             out.append(
@@ -83,24 +105,79 @@ def _input_warnings(results_dir: Path, results: dict[str, pd.DataFrame]) -> list
     return out
 
 
+REPO = Path(__file__).resolve().parents[1]
+DOCS_RESULTS = REPO / "docs" / "results"
+"""The committed tables that the docs' generated blocks are read from."""
+
+
+def _docs(tables_dir: Path, write: bool) -> int:
+    """``--check-docs`` / ``--write-docs``: 1 naming each stale or broken block, else 0."""
+    docs = doc_files(REPO)
+    if write:
+        changed, broken = write_docs(docs, tables_dir)
+        for path in changed:
+            print(f"rewrote the generated blocks of {path}")
+        for block in broken:
+            print(block, file=sys.stderr)
+        return 1 if broken else 0
+    stale = check_docs(docs, tables_dir)
+    for block in stale:
+        print(block, file=sys.stderr)
+    if stale:
+        print(f"{len(stale)} generated block(s) stale or broken; `python -m analysis --write-docs` "
+              "rewrites the stale ones", file=sys.stderr)  # fmt: skip
+    return 1 if stale else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "results_dir", type=Path, help="results root (one folder per experiment) or one store"
+        "results_dir", type=Path, nargs="?", help="results root (one folder per experiment) or one store"
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default RESULTS_DIR/analysis)")
+    parser.add_argument(
+        "--check-docs",
+        action="store_true",
+        help="name each generated block of README.md and docs/*.md stale against --tables (exit 1 if any)",
+    )
+    parser.add_argument(
+        "--write-docs", action="store_true", help="rewrite the generated blocks of the docs from --tables"
+    )
+    parser.add_argument(
+        "--tables",
+        type=Path,
+        default=DOCS_RESULTS,
+        help="tables the docs' blocks read (default docs/results)",
+    )
     args = parser.parse_args(argv)
+    if args.check_docs or args.write_docs:
+        if not args.tables.is_dir():
+            print(f"python -m analysis: --tables {args.tables}: no such directory", file=sys.stderr)
+            return 2
+        return _docs(args.tables, write=args.write_docs)
     console = Console() if sys.stdout.isatty() else Console(width=160)  # NOTE: rich assumes 80 off a tty
+    if args.results_dir is None:
+        parser.print_usage(sys.stderr)
+        print("python -m analysis: RESULTS_DIR is required (or --check-docs / --write-docs)", file=sys.stderr)
+        return 2
     if not args.results_dir.is_dir():
         print(f"python -m analysis: {args.results_dir}: no such results directory", file=sys.stderr)
         return 2
+    command = "python -m analysis " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
-        out = analyse(args.results_dir, args.out, console)
-    except FileNotFoundError as exc:  # NOTE: an empty store: nothing to build tables from
+        out = analyse(args.results_dir, args.out, console, command)
+    except (FileNotFoundError, IdenticalVersionsError) as exc:  # NOTE: nothing to build tables from
         print(f"python -m analysis: {exc}", file=sys.stderr)
         return 2
     console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
     console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")
+    if out.out_dir.resolve() == DOCS_RESULTS.resolve():
+        changed, broken = write_docs(doc_files(REPO), DOCS_RESULTS)
+        console.print(f"generated blocks rewritten in {len(changed)} doc(s)")
+        for block in broken:
+            console.print(f"[red]{block}")
+    if out.refused:
+        return 1
     if not out.tables and not out.figures:
         console.print(f"[red]no table or figure could be built from {args.results_dir} (reasons above)")
         return 1

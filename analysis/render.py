@@ -21,6 +21,8 @@ def to_markdown(table: Table) -> str:
     lines = [f"### {table.title}", "", head, rule, *body]
     if table.note:
         lines += ["", table.note]
+    if table.provenance:
+        lines += ["", table.provenance]
     return "\n".join(lines) + "\n"
 
 
@@ -35,8 +37,9 @@ def to_latex(table: Table) -> str:
     """A LaTeX ``table`` float (booktabs rules, cells and headers escaped) with the title as caption."""
     text = table.formatted().replace("–", "--")
     styler = text.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
+    caption = table.title + (f" {table.provenance}" if table.provenance else "")
     return styler.to_latex(
-        caption=_escape_latex(table.title),
+        caption=_escape_latex(caption.replace("`", "")),
         label=f"tab:{table.name}",
         hrules=True,
         position="ht",
@@ -48,7 +51,8 @@ def to_latex(table: Table) -> str:
 def to_rich(table: Table) -> RichTable:
     """A rich table for the terminal; columns holding paper numbers are dimmed."""
     text = table.formatted()
-    out = RichTable(title=table.title, caption=table.note or None, title_justify="left")
+    caption = "\n".join(t for t in (table.note, table.provenance) if t)
+    out = RichTable(title=table.title, caption=caption or None, title_justify="left")
     for i, col in enumerate(text.columns):
         style = "dim" if "paper" in str(col) and "ours" not in str(col) else None
         out.add_column(str(col), justify="left" if i == 0 else "right", style=style)

@@ -81,6 +81,8 @@ class Table:
     formats: Mapping[str, str] = field(default_factory=dict)
     """Column -> format spec (``".2f"``); float columns not named use ``".2f"``."""
     note: str = ""
+    provenance: str = ""
+    """Which code computed the cells and which command wrote the table (:mod:`analysis.provenance`)."""
 
     def formatted(self) -> pd.DataFrame:
         """The frame with every float rendered as text (NaN as an en dash)."""

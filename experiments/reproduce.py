@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute finished cells whose results came from other code (their code_version)",
     )
     args = parser.parse_args(argv)
+    args.command = " ".join(["python -m experiments.reproduce", *(argv if argv is not None else sys.argv[1:])])
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
@@ -446,7 +447,7 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     if not args.no_analysis:
         from analysis.__main__ import analyse
 
-        out = analyse(root, root / "analysis", console)
+        out = analyse(root, root / "analysis", console, command=args.command)
         console.print(f"tables (Markdown, LaTeX): {out.out_dir}")
         console.print(f"figures (PNG, PDF): {out.out_dir / 'figures'}")
         for path in out.figures:

@@ -419,14 +419,74 @@ def test_one_planner_preset_writes_no_empty_table(tmp_path: Path) -> None:
     assert any("quick_overall: overall_summary skipped" in why for why in out.skipped), out.skipped
 
 
-def test_mixed_code_versions_are_warned_about(tmp_path: Path) -> None:
-    rows = [{**_row(m, d, p, 4), "code_version": f"0.1.0+g{'a' if m == MODELS[0] else 'b'}"} for m in MODELS
+def _mixed_rows(second: str = "0.1.0+gb") -> list[dict]:
+    return [{**_row(m, d, p, 4), "code_version": "0.1.0+ga" if m == MODELS[0] else second} for m in MODELS
             for d in DATASETS for p in ("megatron", "relibra_reorder_only", "relibra")]  # fmt: skip
-    _write(tmp_path, "quick_ablation", rows)
+
+
+def test_mixed_code_versions_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, "quick_ablation", _mixed_rows())
+    _write(tmp_path, "quick_overhead", [{**_row(m, "mixed", "relibra", 4), "code_version": "0.1.0+ga"}
+                                        for m in MODELS])  # fmt: skip
     out = analyse(tmp_path)
-    assert any("2 code versions" in w and "0.1.0+ga" in w and "0.1.0+gb" in w for w in out.warnings), (
-        out.warnings
-    )
+    assert len(out.refused) == 1, out.refused
+    why = out.refused[0]
+    assert why.startswith("quick_ablation:") and "2 code versions" in why, why
+    assert "0.1.0+ga" in why and "0.1.0+gb" in why and "identical_versions.json" in why, why
+    assert not [p for p in out.tables if p.name.startswith("quick_ablation.")]
+    assert [p for p in out.tables if p.name.startswith("quick_overhead.")]  # one version: built
+    assert main([str(tmp_path), "--out", str(tmp_path / "a")]) == 1
+
+
+def test_versions_shown_identical_are_allowed(tmp_path: Path) -> None:
+    import json
+
+    _write(tmp_path, "quick_ablation", _mixed_rows())
+    groups = {"groups": [{"versions": ["0.1.0+ga", "0.1.0+gb"], "evidence": "pinned cells identical"}]}
+    (tmp_path / "identical_versions.json").write_text(json.dumps(groups))
+    out = analyse(tmp_path)
+    assert not out.refused
+    md = next(p for p in out.tables if p.name == "quick_ablation.ablation.md").read_text()
+    assert "`0.1.0+ga` (6 rows)" in md and "`0.1.0+gb` (6 rows)" in md, md
+
+
+def test_a_third_version_outside_the_identical_group_is_refused(tmp_path: Path) -> None:
+    import json
+
+    rows = _mixed_rows() + [{**_row(MODELS[0], "coding", p, 4), "code_version": "0.1.0+gc"}
+                            for p in ("megatron", "relibra")]  # fmt: skip
+    _write(tmp_path, "quick_ablation", rows)
+    groups = {"groups": [{"versions": ["0.1.0+ga", "0.1.0+gb"], "evidence": "pinned cells identical"}]}
+    (tmp_path / "identical_versions.json").write_text(json.dumps(groups))
+    out = analyse(tmp_path)
+    assert out.refused and "3 code versions" in out.refused[0], out.refused
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("{", "not JSON"),
+        ('{"groups": 1}', "'groups'"),
+        ('{"groups": [{"versions": ["a"], "evidence": "x"}]}', "groups[0].versions"),
+        ('{"groups": [{"versions": ["a", "b"]}]}', "groups[0].evidence"),
+    ],
+)
+def test_bad_identical_versions_file_is_refused_with_exit_2(
+    tmp_path: Path, text: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path, "quick_ablation", _mixed_rows())
+    (tmp_path / "identical_versions.json").write_text(text)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "identical_versions.json" in err and named in err, err
+
+
+def test_every_table_states_its_cells_version_and_command(results: Path) -> None:
+    out = analyse(results, command="python -m experiments.reproduce --scale quick")
+    for path in out.tables:
+        text = path.read_text().replace("`", "")  # NOTE: the LaTeX caption drops Markdown's code marks
+        assert "Provenance: cells computed by unknown" in text, path
+        assert "python -m experiments.reproduce --scale quick at 0.1.0" in text, path
 
 
 def test_unreadable_cell_is_warned_about_and_left_out(tmp_path: Path) -> None:
