@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paper
+from analysis.spread import is_tie, per_seed, seeds, summarise
 
 __all__ = [
     "Table",
@@ -83,17 +84,39 @@ class Table:
     note: str = ""
     provenance: str = ""
     """Which code computed the cells and which command wrote the table (:mod:`analysis.provenance`)."""
+    spread: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Column (a mean over trace seeds) -> its (min, max) columns over the seeds: shown as ``mean (min-max)``
+    in one cell, the two columns hidden (:mod:`analysis.spread`)."""
+    ties: frozenset[str] = frozenset()
+    """Ratio columns of :attr:`spread` whose cells read ``tie`` where the seeds' range contains 1."""
 
     def formatted(self) -> pd.DataFrame:
-        """The frame with every float rendered as text (NaN as an en dash)."""
-        out = self.frame.copy()
+        """The frame with every float rendered as text (NaN as an en dash), spreads beside their means."""
+        hidden = {c for pair in self.spread.values() for c in pair}
+        out = self.frame.drop(columns=[c for c in hidden if c in self.frame])
         for col in out.columns:
             if pd.api.types.is_float_dtype(out[col]):
                 spec = self.formats.get(col, ".2f")
-                out[col] = [("–" if pd.isna(v) else format(v, spec)) for v in out[col]]
+                text = [("–" if pd.isna(v) else format(v, spec)) for v in out[col]]
+                if col in self.spread:
+                    lo_col, hi_col = self.spread[col]
+                    lows, highs = self.frame[lo_col].to_numpy(), self.frame[hi_col].to_numpy()
+                    text = [
+                        _with_spread(t, lo, hi, spec, col in self.ties)
+                        for t, lo, hi in zip(text, lows, highs, strict=True)
+                    ]
+                out[col] = text
             else:
                 out[col] = out[col].astype(str)
         return out
+
+
+def _with_spread(text: str, lo: float, hi: float, spec: str, tie_mark: bool) -> str:
+    """``mean (min-max)`` where the seeds differ, with ``tie`` where that range contains 1."""
+    if pd.isna(lo) or pd.isna(hi) or lo == hi:
+        return text
+    out = f"{text} ({format(lo, spec)}-{format(hi, spec)})"
+    return f"{out} tie" if tie_mark and is_tie(lo, hi, 2) else out
 
 
 def ep_size(frame: pd.DataFrame) -> pd.Series:
@@ -132,27 +155,59 @@ OVERALL_REFERENCES = (*paper.OVERALL_SPEEDUP, *ONLINE_BASELINES, "relibra_replic
 """What each ReLibra variant's throughput is divided by in the overall table (where present)."""
 
 
+def seed_note(frame: pd.DataFrame) -> str:
+    """What a table's spreads are: over how many trace seeds, min-max, and the tie rule."""
+    n = seeds(frame)
+    if n <= 1:
+        return "One trace seed per cell: no spread over seeds (the paper-scale presets run three)."
+    return (
+        f"Each ratio is taken per trace seed ({n} seeds) and shown as its mean (min-max over the seeds); "
+        "'tie': that range contains 1, so the seeds do not agree on which planner is faster."
+    )
+
+
+def _add_spread(
+    cols: dict[str, pd.Series], spread: dict[str, tuple[str, str]], name: str, per_seed_values: pd.Series,
+    keys: list[str], scale: float = 1.0,
+) -> None:  # fmt: skip
+    """Mean, min and max over seeds of ``per_seed_values`` (times ``scale``) as columns ``name``,
+    ``name min``, ``name max``."""
+    stats = summarise(per_seed_values * scale, keys)
+    cols[name], cols[f"{name} min"], cols[f"{name} max"] = stats["mean"], stats["min"], stats["max"]
+    spread[name] = (f"{name} min", f"{name} max")
+
+
 def overall_cells(frame: pd.DataFrame) -> Table:
     """Each ReLibra variant's throughput over every baseline, per (model, dataset, EP size); % of Balanced.
 
     One row per cell and variant (:data:`RELIBRA_VARIANTS` present in the results), labelled in ``ReLibra``.
+    Ratios are per trace seed, summarised by their mean and min-max over seeds (:mod:`analysis.spread`).
     """
-    wide = _cells(frame, "throughput_tokens_per_s")
+    keys = [c for c in CELL if c in frame.columns]
+    wide = per_seed(frame, keys, "throughput_tokens_per_s")
     variants = [v for v in RELIBRA_VARIANTS if v in wide]
     if "relibra" not in variants:
         raise ValueError("overall table needs rows with planner == 'relibra'; none found in the results")
+    index = wide.index.droplevel("seed").unique()
     parts = []
+    spread: dict[str, tuple[str, str]] = {}
+    ties: set[str] = set()
     for rank, variant in enumerate(variants):
-        out = wide[["model", "dataset"]].copy()
-        out["EP"] = (wide["nodes"] * wide["gpus_per_node"]).astype(int)
-        out.insert(0, "ReLibra", paper.label(variant))
-        out["rank"] = rank
+        cols: dict[str, pd.Series] = {}
         for base in OVERALL_REFERENCES:
             if base in wide:
-                out[f"over {paper.label(base)}"] = wide[variant] / wide[base]
+                name = f"over {paper.label(base)}"
+                _add_spread(cols, spread, name, wide[variant] / wide[base], keys)
+                ties.add(name)
         for bound, col in BOUND_COLUMNS.items():
             if bound in wide:
-                out[col] = 100.0 * wide[variant] / wide[bound]
+                _add_spread(cols, spread, col, wide[variant] / wide[bound], keys, 100.0)
+        ratios = pd.DataFrame(cols).reindex(index).reset_index()
+        out = ratios[["model", "dataset"]].copy()
+        out["EP"] = (ratios["nodes"] * ratios["gpus_per_node"]).astype(int)
+        out.insert(0, "ReLibra", paper.label(variant))
+        out["rank"] = rank
+        out = pd.concat([out, ratios[list(cols)]], axis=1)
         parts.append(out)
     cells = pd.concat(parts, ignore_index=True).sort_values(["model", "dataset", "EP", "rank"])
     return Table(
@@ -161,12 +216,17 @@ def overall_cells(frame: pd.DataFrame) -> Table:
         "recommended configuration",
         cells.drop(columns="rank").reset_index(drop=True),
         dict.fromkeys(BOUND_COLUMNS.values(), ".1f"),
+        seed_note(frame),
+        spread=spread,
+        ties=frozenset(ties),
     )
 
 
 def overall_summary(frame: pd.DataFrame) -> Table:
-    """Range of each ReLibra variant's speedup over each baseline across the grid, beside the paper's."""
-    cells = overall_cells(frame).frame
+    """Range of each ReLibra variant's speedup over each baseline across the grid, beside the paper's, and
+    how many cells are ties over the trace seeds (:mod:`analysis.spread`)."""
+    table = overall_cells(frame)
+    cells = table.frame
     rows = []
     for variant, group in cells.groupby("ReLibra", sort=False):
         for base in OVERALL_REFERENCES:
@@ -174,40 +234,55 @@ def overall_summary(frame: pd.DataFrame) -> Table:
             if col in group:
                 ours = group[col].dropna()
                 lo, hi = paper.OVERALL_SPEEDUP.get(base, (float("nan"), float("nan")))
-                rows.append((variant, col, ours.min(), ours.max(), lo, hi))
+                low, high = group[f"{col} min"], group[f"{col} max"]
+                tied = sum(is_tie(a, b, 2) for a, b in zip(low, high, strict=True) if a < b)
+                rows.append((variant, col, ours.min(), ours.max(), lo, hi, f"{tied} of {len(ours)}"))
         for bound, col in BOUND_COLUMNS.items():
             if col in group:
                 frac = group[col].dropna() / 100.0
                 theirs = paper.FRACTION_OF_BALANCED if bound == "balanced" else (float("nan"), float("nan"))
-                rows.append((variant, f"of {paper.label(bound)}", frac.min(), frac.max(), *theirs))
-    out = pd.DataFrame(rows, columns=["ReLibra", "against", "ours lo", "ours hi", "paper lo", "paper hi"])
-    out["ours/paper lo"] = out["ours lo"] / out["paper lo"]
-    out["ours/paper hi"] = out["ours hi"] / out["paper hi"]
+                rows.append((variant, f"of {paper.label(bound)}", frac.min(), frac.max(), *theirs, "–"))
+    columns = ["ReLibra", "against", "ours lo", "ours hi", "paper lo", "paper hi", "cells tied"]
+    out = pd.DataFrame(rows, columns=columns)
+    out.insert(6, "ours/paper lo", out["ours lo"] / out["paper lo"])
+    out.insert(7, "ours/paper hi", out["ours hi"] / out["paper hi"])
     return Table(
         "overall",
         "Overall training throughput: ReLibra (the paper's algorithm and the recommended configuration) over "
         "each baseline (x) and as a fraction of Balanced and of force-balanced",
         out,
-        note="paper lo / hi: the paper's range for its ReLibra, set beside both variants.",
+        note="ours lo / hi: the lowest and highest cell of the grid (each cell's mean over trace seeds); "
+        "cells tied: cells whose ratio's min-max over seeds contains 1. paper lo / hi: the paper's range for its "
+        f"ReLibra, set beside both variants. {seed_note(frame)}",
     )
 
 
 def ablation(frame: pd.DataFrame) -> Table:
     """Each ablation variant's throughput over Megatron-LM per dataset (geometric mean over models)."""
-    wide = _cells(frame, "throughput_tokens_per_s")
+    wide = per_seed(frame, CELL, "throughput_tokens_per_s")
     if "megatron" not in wide:
         raise ValueError("ablation table needs rows with planner == 'megatron' (the reference)")
     order = ("relibra_reorder_no_locality", "relibra_reorder_only", "relibra_replicate_only", "relibra")
     variants = [p for p in order if p in wide]
     rows = []
-    for dataset, group in wide.groupby("dataset"):
-        for var in variants:
-            rel = (group[var] / group["megatron"]).dropna()
-            ours = float(np.exp(np.log(rel).mean())) if len(rel) else float("nan")
+    for var in variants:  # NOTE: the geometric mean over models is taken per seed, then spread over seeds
+        log_rel = np.log(wide[var] / wide["megatron"]).dropna()
+        per_seed_mean = np.exp(log_rel.groupby(level=["dataset", "seed"]).mean())
+        for dataset, stats in summarise(per_seed_mean, ["dataset"]).iterrows():
             theirs = paper.ABLATION.get((var, str(dataset)), float("nan"))
-            rows.append((paper.label(var), dataset, ours, theirs, ours / theirs))
-    out = pd.DataFrame(rows, columns=["variant", "dataset", "ours (x Megatron-LM)", "paper", "ours/paper"])
-    return Table("ablation", "Ablation: throughput relative to Megatron-LM", out)
+            ours = float(stats["mean"])
+            rows.append((paper.label(var), dataset, ours, stats["min"], stats["max"], theirs, ours / theirs))
+    ours_col = "ours (x Megatron-LM)"
+    columns = ["variant", "dataset", ours_col, "min", "max", "paper", "ours/paper"]
+    out = pd.DataFrame(rows, columns=columns).sort_values("dataset", kind="stable").reset_index(drop=True)
+    return Table(
+        "ablation",
+        "Ablation: throughput relative to Megatron-LM",
+        out,
+        note=f"Geometric mean over the models. {seed_note(frame)}",
+        spread={ours_col: ("min", "max")},
+        ties=frozenset({ours_col}),
+    )
 
 
 def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Mapping[str, tuple]) -> Table:
@@ -224,14 +299,23 @@ def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Map
 
 
 def _step_table(frame: pd.DataFrame, by: str, name: str, title: str) -> Table:
-    data = frame.assign(EP=ep_size(frame))
-    wide = data.groupby([by, "planner"])["step_time_s"].mean().unstack("planner").sort_index()
+    wide = per_seed(frame.assign(EP=ep_size(frame)), [by], "step_time_s").sort_index()
     if "relibra" not in wide.columns:
         raise ValueError("no relibra rows: the step table is relative to ReLibra")
-    out = pd.DataFrame({by: wide.index, "ReLibra step s": wide["relibra"].to_numpy()})
+    cols: dict[str, pd.Series] = {"ReLibra step s": summarise(wide["relibra"], [by])["mean"]}
+    spread: dict[str, tuple[str, str]] = {}
     for planner in wide.columns.drop("relibra"):
-        out[f"{paper.label(planner)} / ReLibra"] = (wide[planner] / wide["relibra"]).to_numpy()
-    return Table(name, title, out, {"ReLibra step s": ".3f"} | {c: ".3f" for c in out.columns[2:]})
+        _add_spread(cols, spread, f"{paper.label(planner)} / ReLibra", wide[planner] / wide["relibra"], [by])
+    out = pd.DataFrame(cols).rename_axis(by).reset_index()
+    return Table(
+        name,
+        title,
+        out,
+        {c: ".3f" for c in out.columns[1:]},
+        seed_note(frame),
+        spread=spread,
+        ties=frozenset(spread),
+    )
 
 
 def step_by_ep(frame: pd.DataFrame) -> Table:

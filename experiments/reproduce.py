@@ -373,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute finished cells whose results came from other code (their code_version)",
     )
     args = parser.parse_args(argv)
-    args.command = " ".join(["python -m experiments.reproduce", *(argv if argv is not None else sys.argv[1:])])
+    args.command = " ".join(
+        ["python -m experiments.reproduce", *(argv if argv is not None else sys.argv[1:])]
+    )
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
@@ -439,6 +441,7 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     else:
         run_jobs(jobs, args.workers, tracker.done)
     summarise(console, reports, args.recompute_stale, code_version())
+    console.print(_seeds_line(chosen, args.overrides), highlight=False)
     console.print(
         f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "
         f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}",
@@ -454,6 +457,20 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
             if path.suffix == ".png":
                 console.print(f"  {path}")
     return 1 if any(rep.failed for rep in reports) else 0
+
+
+def _seeds_line(presets: list[str], overrides: list[str]) -> str:
+    """Which trace seeds each preset ran: one seed means its tables show no spread over seeds."""
+    by_count: dict[int, list[str]] = {}
+    for preset in presets:
+        seeds = {dict(o.split("=", 1) for o in cell).get("seed", "0") for cell in cells(preset, overrides)}
+        by_count.setdefault(len(seeds), []).append(preset)
+    parts = [
+        f"{', '.join(names)}: {n} trace seed{'s' if n > 1 else ''}"
+        + (" (the tables show no spread over seeds)" if n == 1 else " (the tables show mean and min-max)")
+        for n, names in sorted(by_count.items())
+    ]
+    return "trace seeds: " + "; ".join(parts)
 
 
 def _positive_int(text: str) -> int:
