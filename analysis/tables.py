@@ -252,8 +252,8 @@ def overall_summary(frame: pd.DataFrame) -> Table:
         "each baseline (x) and as a fraction of Balanced and of force-balanced",
         out,
         note="ours lo / hi: the lowest and highest cell of the grid (each cell's mean over trace seeds); "
-        "cells tied: cells whose ratio's min-max over seeds contains 1. paper lo / hi: the paper's range for its "
-        f"ReLibra, set beside both variants. {seed_note(frame)}",
+        "cells tied: cells whose ratio's min-max over seeds contains 1. paper lo / hi: the paper's range "
+        f"for its ReLibra, set beside both variants. {seed_note(frame)}",
     )
 
 
