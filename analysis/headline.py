@@ -3,8 +3,8 @@
 Drawn from the ``overall`` preset (the paper's scale) when it has finished cells, else from
 ``quick_overall``. Methods are bars; the bounds (``balanced``, ``force_balanced``) are reference marks
 over each group of bars (a black bar for Balanced, a grey one for force-balanced) so that an ideal that
-no plan reaches does not dwarf the methods. Written as ``headline.png`` and ``headline.pdf`` beside the
-tables (``results/analysis/``).
+no plan reaches does not dwarf the methods. Over several trace seeds each bar carries its min-max
+whisker. Written as ``headline.png`` and ``headline.pdf`` beside the tables (``results/analysis/``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,17 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from analysis import paper
-from analysis.figures import PLANNER_ORDER, relative_throughput, save
+from analysis.figures import PLANNER_ORDER, save
+from analysis.spread import per_seed, summarise
 
-__all__ = ["BOUNDS", "HEADLINE_PRESETS", "headline_source", "plot_headline", "write_headline"]
+__all__ = [
+    "BOUNDS",
+    "HEADLINE_PRESETS",
+    "headline_source",
+    "plot_headline",
+    "relative_spread",
+    "write_headline",
+]
 
 BOUNDS = {"balanced": ("black", "-"), "force_balanced": ("0.45", "--")}
 """Reference planners drawn as marks, not bars: name -> (colour, line style)."""
@@ -42,9 +50,24 @@ def headline_source(by_experiment: Mapping[str, pd.DataFrame]) -> str:
     raise ValueError(f"the headline figure needs finished cells of one of {list(HEADLINE_PRESETS)}")
 
 
+def relative_spread(frame: pd.DataFrame) -> pd.DataFrame:
+    """Each planner's throughput over Megatron-LM's per (model, dataset, EP) cell: the ratio per trace seed,
+    then its ``relative`` mean and ``low`` / ``high`` (min-max over seeds; equal to the mean for one seed)."""
+    keys = ["model", "dataset", "nodes", "gpus_per_node"]
+    wide = per_seed(frame, keys, "throughput_tokens_per_s")
+    if "megatron" not in wide:
+        raise ValueError("normalised throughput needs rows with planner == 'megatron' (the reference)")
+    ratios = wide.div(wide["megatron"], axis=0).stack().rename("ratio")
+    stats = summarise(ratios, [*keys, "planner"]).reset_index()
+    return stats.rename(columns={"mean": "relative", "min": "low", "max": "high"})
+
+
 def plot_headline(frame: pd.DataFrame, title: str = "") -> Figure:
-    """Throughput over Megatron-LM: one panel per model, a group of bars per dataset, bounds as marks."""
-    data = relative_throughput(frame)
+    """Throughput over Megatron-LM: one panel per model, a group of bars per dataset, bounds as marks.
+
+    Over several trace seeds a bar is the mean ratio and its whisker the min-max over the seeds.
+    """
+    data = relative_spread(frame)
     methods = data[~data["planner"].isin(list(BOUNDS))]
     planners = [p for p in PLANNER_ORDER if p in set(methods["planner"])]
     planners += sorted(set(methods["planner"]) - set(planners))
@@ -56,10 +79,15 @@ def plot_headline(frame: pd.DataFrame, title: str = "") -> Figure:
     for ax, model in zip(axes[0], models):
         rows = data[data["model"] == model]
         for i, planner in enumerate(planners):
-            values = rows[rows["planner"] == planner].set_index("dataset")["relative"]
+            values = rows[rows["planner"] == planner].set_index("dataset")
             x = np.arange(len(datasets)) - 0.4 + (i + 0.5) * width
-            heights = [values.get(d, np.nan) for d in datasets]
+            heights = np.array([values["relative"].get(d, np.nan) for d in datasets])
+            low = np.array([values["low"].get(d, np.nan) for d in datasets])
+            high = np.array([values["high"].get(d, np.nan) for d in datasets])
+            spread = None if np.allclose(low, high, equal_nan=True) else [heights - low, high - heights]
             ax.bar(x, heights, width, color=palette[i], label=paper.label(planner))
+            if spread is not None:
+                ax.errorbar(x, heights, yerr=spread, fmt="none", ecolor="0.15", elinewidth=0.8, capsize=1.5)
         for bound, (colour, style) in BOUNDS.items():
             values = rows[rows["planner"] == bound].set_index("dataset")["relative"]
             for j, dataset in enumerate(datasets):

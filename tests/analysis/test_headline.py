@@ -60,3 +60,17 @@ def test_both_relibra_variants_are_labelled() -> None:
     assert "ReLibra (paper)" in labels and "ReLibra (recommended)" in labels
     heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches)
     assert heights == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3, 1.4, 1.4]
+
+
+def test_over_several_seeds_bars_are_means_with_min_max_whiskers() -> None:
+    frames = [
+        _frame({**PLANNERS, "relibra": value}).assign(seed=seed) for seed, value in enumerate((120.0, 140.0))
+    ]
+    fig = plot_headline(pd.concat(frames, ignore_index=True))
+    ax = fig.axes[0]
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3]  # ReLibra's bar: the mean of 1.2 and 1.4
+    whiskers = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(whiskers) == 1  # ReLibra's alone: the other planners agree across seeds
+    segments = whiskers[0].lines[2][0].get_segments()
+    assert sorted((round(s[0][1], 6), round(s[1][1], 6)) for s in segments) == [(1.2, 1.4), (1.2, 1.4)]
