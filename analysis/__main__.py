@@ -16,8 +16,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pandas as pd
 from rich.console import Console
 
+from analysis.claims import paper_claims
 from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
@@ -80,6 +82,16 @@ def analyse(
         experiment = table.name.split(".", 1)[0]
         line = provenance_line(results[experiment], command, code_version())
         tables += write_table(replace(table, provenance=line), out_dir, console)
+    if results:
+        try:
+            claims = paper_claims(results)
+        except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other tables
+            skipped.append(f"paper_claims skipped: {exc}")
+        else:
+            line = provenance_line(
+                pd.concat(list(results.values()), ignore_index=True), command, code_version()
+            )
+            tables += write_table(replace(claims, provenance=line), out_dir, console)
     figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
     skipped += skipped_figures
     if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only
