@@ -40,7 +40,10 @@ def test_methods_are_bars_normalised_to_megatron_and_bounds_are_marks() -> None:
         assert heights == [1.0, 1.0, 1.1, 1.1, 1.3, 1.3]  # 3 methods x 2 datasets, over Megatron-LM
         marks = [c for c in ax.collections if isinstance(c, LineCollection)]
         levels = sorted(round(float(seg[0][1]), 6) for c in marks for seg in c.get_segments())
-        assert levels == [1.5, 1.5, 1.6, 1.6]  # force-balanced and Balanced, once per dataset
+        assert levels == [1.5, 1.5]  # force-balanced, once per dataset
+        written = sorted(t.get_text() for t in ax.texts)
+        assert written == ["Balanced\n1.60x", "Balanced\n1.60x"]  # the ideal bound: its value, not a mark
+        assert ax.get_ylim()[1] == pytest.approx(1.18 * 1.5)  # set by what is drawn, not by Balanced
 
 
 def test_the_paper_scale_preset_is_preferred(tmp_path: Path) -> None:
