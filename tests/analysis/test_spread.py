@@ -93,3 +93,12 @@ def test_step_ratios_are_spread_and_tied_per_seed() -> None:
     frame = _rows({"a": (1.05, 0.97, 1.02)})  # Megatron-LM's step over ReLibra's is the throughput ratio
     shown = step_by_ep(frame).formatted()
     assert list(shown["Megatron-LM / ReLibra"]) == ["1.013 (0.970-1.050) tie"]
+
+
+def test_the_fraction_of_balanced_has_no_ours_over_paper() -> None:
+    rows = _rows(RATIOS)
+    bound = rows[rows["planner"] == "megatron"].assign(planner="balanced", throughput_tokens_per_s=300.0)
+    summary = overall_summary(pd.concat([rows, bound], ignore_index=True))
+    row = summary.frame.set_index("against").loc["of Balanced"]
+    assert row[["ours/paper lo", "ours/paper hi"]].isna().all() and row["paper lo"] == 0.90
+    assert "not comparable" in summary.note
