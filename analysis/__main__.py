@@ -78,9 +78,10 @@ def analyse(
     results = {n: f for n, f in results.items() if mixed_versions_refusal(n, f, groups) is None}
     tables: list[Path] = []
     built, skipped = all_tables(results)
-    for table in built:
-        experiment = table.name.split(".", 1)[0]
-        line = provenance_line(results[experiment], command, code_version())
+    everything = pd.concat(list(results.values()), ignore_index=True) if results else pd.DataFrame()
+    for table in built:  # NOTE: a table over every grid (no ``<experiment>.`` prefix) states all its cells
+        source = results.get(table.name.split(".", 1)[0], everything)
+        line = provenance_line(source, command, code_version())
         tables += write_table(replace(table, provenance=line), out_dir, console)
     if results:
         try:
@@ -88,9 +89,7 @@ def analyse(
         except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other tables
             skipped.append(f"paper_claims skipped: {exc}")
         else:
-            line = provenance_line(
-                pd.concat(list(results.values()), ignore_index=True), command, code_version()
-            )
+            line = provenance_line(everything, command, code_version())
             tables += write_table(replace(claims, provenance=line), out_dir, console)
     figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
     skipped += skipped_figures
