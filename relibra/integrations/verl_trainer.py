@@ -9,8 +9,9 @@ the hooks need are methods it calls once per step, so the supported way in is to
   probabilities); its ``_update_actor`` calls :meth:`VerlReLibraHook.before_update` (the batch reordered
   for the plan), puts the :class:`~relibra.integrations.verl.VerlStepPlan` into ``batch.meta_info`` under
   :data:`STEP_KEY`, then runs verl's ``_update_actor``. verl turns ``meta_info`` into non-tensor entries
-  of the ``TensorDict`` it sends (``DataProto.to_tensordict``), and its dispatch hands every data-parallel
-  chunk those entries (``chunk_tensordict``), so each actor rank receives the plan with its samples.
+  of the ``TensorDict`` it sends (``DataProto.to_tensordict``), and its dispatch hands every
+  data-parallel chunk those entries (``dispatch_nd_compute_dataproto``), so each actor rank receives the
+  plan with its samples.
 * :func:`relibra_actor_worker`: a subclass of verl's actor worker (``ActorRolloutRefWorker``,
   ``verl/workers/engine_workers.py``) whose ``update_actor`` reads the plan from its data
   (:func:`take_step_plan`) and runs verl's update between :meth:`VerlActorHook.begin_update` and
