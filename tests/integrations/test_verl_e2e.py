@@ -38,6 +38,7 @@ from relibra.megatron.planning import load_hardware, planning_specs
 from relibra.planners.compose import relibra
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
+from tests.integrations.verl_builders import verl_trainer_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.verl, pytest.mark.slow]
 
@@ -55,23 +56,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def verl_config():  # type: ignore[no-untyped-def]
-    """verl's own Megatron trainer config with the keys the hook needs (docs/integrations.md)."""
-    import verl
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")
-    for key, value in {
-        "actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
-        "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": MICRO,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": PROMPTS,
-        "actor_rollout_ref.rollout.n": N,
-        "actor_rollout_ref.actor.megatron.expert_model_parallel_size": WORLD,
-        "trainer.nnodes": 1,
-        "trainer.n_gpus_per_node": WORLD,
-    }.items():
-        OmegaConf.update(cfg, key, value)
-    return cfg
+    return verl_trainer_config(WORLD, MICRO, PROMPTS, N)
 
 
 def embedding() -> torch.Tensor:

@@ -12,8 +12,6 @@ rewards and log-probabilities (here: nothing changes the batch's rows), then ``_
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -32,6 +30,7 @@ from relibra.integrations.verl_trainer import (
 from relibra.planners.compose import relibra
 from relibra.planners.reorder.config import AnnealConfig
 from tests.builders import make_cost
+from tests.integrations.verl_builders import verl_trainer_config
 from tests.trace.rl_builders import sample_routes, verl_batch
 
 pytestmark = pytest.mark.verl
@@ -42,23 +41,7 @@ MAX_PROMPT, MAX_RESPONSE = 8, 24
 
 
 def verl_config():  # type: ignore[no-untyped-def]
-    """verl's own Megatron trainer config with the keys the hook needs (docs/integrations.md)."""
-    import verl
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(Path(verl.__file__).parent / "trainer/config/_generated_ppo_megatron_trainer.yaml")
-    for key, value in {
-        "actor_rollout_ref.actor.megatron.router_replay.mode": "R3",
-        "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": MICRO,
-        "actor_rollout_ref.actor.ppo_mini_batch_size": PROMPTS,
-        "actor_rollout_ref.rollout.n": N,
-        "actor_rollout_ref.actor.megatron.expert_model_parallel_size": WORLD,
-        "trainer.nnodes": 1,
-        "trainer.n_gpus_per_node": WORLD,
-    }.items():
-        OmegaConf.update(cfg, key, value)
-    return cfg
+    return verl_trainer_config(WORLD, MICRO, PROMPTS, N)
 
 
 def rollout(rng: np.random.Generator):  # type: ignore[no-untyped-def]
