@@ -32,6 +32,7 @@ from analysis.provenance import (
 )
 from analysis.render import write_table
 from analysis.tables import all_tables
+from analysis.targets import recommended_targets
 from experiments.store import ResultsStore
 from relibra.provenance import code_version
 
@@ -78,6 +79,10 @@ def analyse(
     results = {n: f for n, f in results.items() if mixed_versions_refusal(n, f, groups) is None}
     tables: list[Path] = []
     built, skipped = all_tables(results)
+    try:  # NOTE: across every grid, so not one of all_tables' per-experiment builders
+        built.append(recommended_targets(results))
+    except (ValueError, KeyError) as exc:
+        skipped.append(f"recommended_targets skipped: {exc}")
     everything = pd.concat(list(results.values()), ignore_index=True) if results else pd.DataFrame()
     for table in built:  # NOTE: a table over every grid (no ``<experiment>.`` prefix) states all its cells
         source = results.get(table.name.split(".", 1)[0], everything)

@@ -302,7 +302,8 @@ def test_one_store_can_be_analysed_alone(results: Path) -> None:
         "quick_ablation.ablation.md",
         "quick_ablation.ablation.tex",
     }
-    assert out.skipped == []
+    # NOTE: a table over every grid says why it needs other grids; the store's own tables skip nothing
+    assert [why for why in out.skipped if not why.startswith("recommended_targets")] == []
 
 
 def test_empty_results_dir_is_refused(tmp_path: Path) -> None:
