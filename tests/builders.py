@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from hydra import compose, initialize_config_dir
 
+import experiments  # noqa: F401  (registers the planner config nodes cfg() composes, as the CLI does)
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share

@@ -4,12 +4,11 @@ Every candidate plans the batch; each plan is priced by the cost model the plann
 the simulated executor prices it (:func:`relibra.cost.pricing.predict_batch_time`: per-layer ``T_MoE``,
 attention, exposed replica refill, dense layers and the migration from the previous placement), and the
 plan with the lowest predicted batch time is returned. ``planner=relibra_portfolio``, the recommended
-configuration, has three candidates: ReLibra's ``T_MoE`` configuration and its balance-first configuration
-(two objectives that win at different EP sizes, docs/reorder.md, "Step time against skewness"), both with
-the incremental reordering (``relibra_incremental``, ``relibra_balance_incremental``: from the placement in
-force, migration charged over a horizon; docs/reorder.md, "Incremental reordering"), and the placement in
-force kept (``relibra_keep_placement``: no migration). The kept placement is always a candidate, so the
-portfolio never predicts a batch slower than keeping it; it costs the planning work of all three.
+configuration, has two candidates: ReLibra's balance-first configuration with the incremental reordering
+(``relibra_balance_incremental``: from the placement in force, migration charged over a horizon;
+docs/reorder.md, "Incremental reordering") and the placement in force kept (``relibra_keep_placement``: no
+migration). The kept placement is always a candidate, so the portfolio never predicts a batch slower than
+keeping it; it costs the planning work of both.
 
 Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
 fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).

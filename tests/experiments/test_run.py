@@ -106,15 +106,15 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["planner.reorder.locality_tolerance=1.5"],
         ),
         (
-            ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.locality_tolerance=-1"],
-            ["planner.candidates.t_moe.reorder.locality_tolerance=-1"],
+            ["planner=relibra_portfolio", "planner.candidates.balance.reorder.locality_tolerance=-1"],
+            ["planner.candidates.balance.reorder.locality_tolerance=-1"],
         ),
         (["parallel.dp=0"], ["parallel.dp=0"]),
         (["simulator.migration.path=disk"], ["simulator.migration.path=disk"]),
         (["simulator.migration.window_s=-1.0"], ["simulator.migration.window_s=-1.0"]),
         (
-            ["planner=relibra_portfolio", "planner.candidates.t_moe.reorder.horizon=-2"],
-            ["planner.candidates.t_moe.reorder.horizon=-2"],
+            ["planner=relibra_portfolio", "planner.candidates.balance.reorder.horizon=-2"],
+            ["planner.candidates.balance.reorder.horizon=-2"],
         ),
         (["planner=relibra", "planner.reorder.start=random"], ["planner.reorder.start='random'"]),
         (["simulator.step=partial"], ["simulator.step='partial'"]),
@@ -383,7 +383,6 @@ def test_portfolio_candidates_each_get_a_control_plane():
         assert isinstance(wrapped, PortfolioPlanner) and wrapped.name == "relibra_portfolio"
         assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
         assert [c.name for c in wrapped.candidates] == [
-            "relibra_incremental",
             "relibra_balance_incremental",
             "relibra_keep_placement",
         ]

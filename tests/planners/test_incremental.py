@@ -38,7 +38,7 @@ def _with_cost(ctx: BatchContext, dispatcher: str, overlap: bool, path: str = "n
 
 def _recommended() -> object:
     """``planner=relibra_portfolio`` as composed (fewer annealing proposals, to keep the test fast)."""
-    over = [f"planner.candidates.{c}.reorder.{k}={v}" for c in ("t_moe", "balance") for k, v in
+    over = [f"planner.candidates.{c}.reorder.{k}={v}" for c in ("balance",) for k, v in
             (("iterations", 150), ("aggregate_warmup", 100), ("locality_iterations", 2))]  # fmt: skip
     return instantiate(cfg("planner=relibra_portfolio", *over).planner, _convert_="all")
 
@@ -107,7 +107,9 @@ def test_first_batch_starts_from_the_static_placement() -> None:
 def test_moved_experts_are_the_diff_of_home_against_prev_home_after_relabelling(planner: str) -> None:
     counts, workload, cluster, model, cost = tiny_setup(nodes=2, gpus_per_node=4, num_experts=16)
     over = (
-        [] if planner == "relibra" else [f"planner.candidates.{c}.reorder.horizon=1000.0" for c in ("t_moe",)]
+        []
+        if planner == "relibra"
+        else [f"planner.candidates.{c}.reorder.horizon=1000.0" for c in ("balance",)]
     )
     built = instantiate(cfg(f"planner={planner}", *over).planner, _convert_="all")
     res = simulate(built, counts, workload, cluster, model, cost, SimOptions(keep_plans=True))

@@ -108,7 +108,7 @@ def test_portfolio_refuses_bad_candidates() -> None:
         portfolio({"x": 3})  # type: ignore[dict-item]
 
 
-def test_portfolio_config_composes_the_three_candidates() -> None:
+def test_portfolio_config_composes_its_two_candidates() -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(
             config_name="config",
@@ -120,17 +120,15 @@ def test_portfolio_config_composes_the_three_candidates() -> None:
     planner = instantiate(cfg.planner, _convert_="all")
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
-    t_moe, balance, keep = planner.candidates
-    names = ("relibra_incremental", "relibra_balance_incremental", "relibra_keep_placement")
-    assert (t_moe.name, balance.name, keep.name) == names
-    for inc in (t_moe, balance):  # the recommended configuration reorders incrementally
-        assert inc.reorderer.config.start == "previous"  # type: ignore[attr-defined]
-        assert inc.reorderer.config.horizon == cfg.planner.candidates.t_moe.reorder.horizon > 0  # type: ignore[attr-defined]
-    assert t_moe.replica_slots == balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
+    balance, keep = planner.candidates
+    assert (balance.name, keep.name) == ("relibra_balance_incremental", "relibra_keep_placement")
+    # the recommended configuration reorders incrementally
+    assert balance.reorderer.config.start == "previous"  # type: ignore[attr-defined]
+    assert balance.reorderer.config.horizon == cfg.planner.candidates.balance.reorder.horizon > 0  # type: ignore[attr-defined]
+    assert balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
     assert isinstance(keep.reorderer, PreviousReorderer)  # type: ignore[attr-defined]
     assert balance.replicator.config.acceptance == "compute"  # type: ignore[attr-defined]
     assert balance.reorderer.config.comm_weight == 0.0  # type: ignore[attr-defined]
-    assert t_moe.reorderer.config.comm_weight == 1.0  # type: ignore[attr-defined]
 
 
 def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) -> None:
