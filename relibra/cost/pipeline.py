@@ -131,7 +131,7 @@ def pipelined(
     moe_stage = np.asarray(stage_of_layer)[dense_layers:]
     dense_stage = np.asarray(stage_of_layer)[:dense_layers]
     bubble = bubble_fraction(pp, vpp, mb)
-    best = (-np.inf, 0, 0.0, 0.0, ())
+    best: tuple[float, int, float, float, tuple[float, ...]] = (-np.inf, 0, 0.0, 0.0, ())
     exposed_all = 0.0
     for s in range(pp):
         cols = np.flatnonzero(moe_stage == s)
