@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core; a file's tests stay in one process (their fixtures are built once).
+TEST_WORKERS ?= auto
 
 .PHONY: venv test test-slow test-verl reproduce reproduce-paper lint typecheck bench clean
 
@@ -19,7 +21,7 @@ venv: $(STAMP)
 
 # Lint and types first (cheap), then the suite. pytest exits 5 when no test ran: that must fail, never pass.
 test: venv lint typecheck
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: no tests ran" >&2; exit 1; fi; exit $$rc
 
 # The verl tests (tests/integrations, the verl fixtures of tests/trace/test_importers_rl.py) skip here:

@@ -20,6 +20,7 @@ from analysis.headline import HEADLINE_PRESETS, write_headline
 from analysis.load import code_versions, experiment_dirs, load_per_layer_results, load_results
 from analysis.render import write_table
 from analysis.tables import all_tables
+from analysis.targets import recommended_targets
 from experiments.store import ResultsStore
 
 __all__ = ["AnalysisOutput", "analyse", "main"]
@@ -50,6 +51,10 @@ def analyse(results_dir: Path, out_dir: Path | None = None, console: Console | N
     warnings = _input_warnings(results_dir, results)
     tables: list[Path] = []
     built, skipped = all_tables(results)
+    try:  # NOTE: across every grid, so not one of all_tables' per-experiment builders
+        built.append(recommended_targets(results))
+    except (ValueError, KeyError) as exc:
+        skipped.append(f"recommended_targets skipped: {exc}")
     for table in built:
         tables += write_table(table, out_dir, console)
     figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")

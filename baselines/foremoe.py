@@ -1,27 +1,29 @@
 """ForeMoE: micro-step-level load balancing from routing replay, with a hierarchical planner and a transfer
 engine of two paths (arXiv 2606.11867, Zhou et al., June 2026; no public code).
 
-Only the paper's abstract and the opening of its introduction could be read here (its HTML version as stored
-by the search index, and third-party summaries); its method sections, equations and evaluation settings
-could not. So this module implements what the abstract, ``../shared/DESIGN.md`` and issue 29 state, and
-every algorithmic choice below is this suite's, not a claim about the paper (docs/baselines.md, "ForeMoE",
-lists them):
+What could be read of the paper (docs/baselines.md, "ForeMoE", lists the sources and what each held): its
+abstract, the first paragraph of its introduction, and the opening of a third-party technical review. Its
+method sections, equations, algorithm boxes and evaluation settings could not be read, so no function
+below cites a section or an equation; each names the sentence it follows, and every algorithmic detail is
+this suite's choice (listed in docs/baselines.md):
 
-* *replay-based, micro-step granularity* (stated): the routing of every micro-step (micro-batch) of the
-  recompute and policy-update stages is known from rollout, so the planner gets the oracle loads
-  ``x[m, l, j, e]`` before the step and plans off the critical path, one plan per (micro-batch, layer);
-* *hierarchical planner* "that decomposes the NP-hard load balancing problem into tractable
-  sub-components" (stated; the decomposition is ours): level 1 evens the NVLink domains' tokens with copies
-  of hot experts in other domains (:func:`_balance_domains`), level 2 evens the GPUs of each domain with
-  copies inside it (:func:`_balance_gpus`); both are greedy moves of tokens from the most to the least
-  loaded unit, bounded by ``replica_slots`` copies per GPU per layer;
-* *transfer engine* "that leverages complementary hardware paths (CPU-assisted and GPU-direct) for
-  overlapped expert transfer" (stated; the path rule and the overlap are ours): each copy is read over the
-  faster of the fabric from its home and the GPU's host link
-  (``cluster.hardware.host_to_device_bytes_per_s``), both
-  paths at once (:meth:`relibra.cost.model.CostModel.engine_copy_time`), and, planned ahead, the fill
-  overlaps the layer's attention as ReLibra's layer-shared buffer does (forward fill, backward gradient
-  return), only the excess exposed.
+* [A1] abstract, "uses foreseeable routing information from the rollout stage to proactively guide load
+  balancing in the remaining stages" and [R] the review: the routing of every gradient-accumulation
+  micro-step of the recompute and policy-update stages is known before they run, while the step-level load
+  is stable. Here: the oracle loads ``x[m, l, j, e]`` of each micro-batch (ReLibra's), the static placement
+  kept for the step, one plan per (micro-batch, layer) before the step (:meth:`ForeMoEPlanner.plan`);
+* [A2] abstract, "a hierarchical planner that decomposes the NP-hard load balancing problem into tractable
+  sub-components" for "frequent per-micro-step reconfiguration". Here (the decomposition is ours): level 1
+  evens the NVLink domains' tokens with copies of hot experts in other domains (:func:`_balance_domains`),
+  level 2 evens the GPUs of each domain with copies inside it (:func:`_balance_gpus`); both greedy moves of
+  tokens from the most to the least loaded unit, bounded by ``replica_slots`` copies per GPU per layer;
+* [A3] abstract, "a transfer engine that leverages complementary hardware paths (CPU-assisted and
+  GPU-direct) for overlapped expert transfer". Here (path rule and overlap ours): each copy is read over
+  the faster of the fabric from its home and the GPU's host link
+  (``cluster.hardware.host_to_device_bytes_per_s``), both paths at once
+  (:meth:`relibra.cost.model.CostModel.engine_copy_time`); planned ahead, the fill overlaps the layer's
+  forward attention, and the copies' gradients return home over the fabric during the backward attention
+  (:meth:`relibra.cost.model.CostModel.exposed_copies`), only the excess exposed.
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ def _release(replicas: np.ndarray, assign: np.ndarray, home: np.ndarray, e: int,
 
 @njit(cache=True)
 def _balance_domains(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray, domain: int) -> int:
-    """Level 1: move tokens from the most to the least loaded NVLink domain, the hottest expert of the
-    sender (its tokens computed there) to the least loaded GPU of the receiver that holds it or has a slot,
-    ``min(its tokens, sender excess, receiver deficit)`` at a time. Returns the moves made.
+    """Level 1 of the hierarchical planner ([A2]; the rule is this suite's): move tokens from the most to
+    the least loaded NVLink domain, the hottest expert of the sender (its tokens computed there) to the least
+    loaded GPU of the receiver that holds it or has a slot, ``min(its tokens, sender excess, receiver
+    deficit)`` at a time (taken from the sender's busiest GPUs holding it), while the sender is above the
+    mean and the receiver below it. Returns the moves made.
 
     assign int64 [E, G] (updated), replicas int64 [G, r] (updated), home int64 [E]."""
     num_experts, g = assign.shape
@@ -133,9 +137,12 @@ def _balance_domains(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray,
 
 @njit(cache=True)
 def _balance_gpus(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray, domain: int) -> int:
-    """Level 2, in each NVLink domain: move tokens from its most to its least loaded GPU, the busiest GPU's
-    hottest expert that the least loaded one holds or has a slot for, half their gap (at most the expert's
-    tokens there) at a time, until the gap is one token or no expert can move. Returns the moves made."""
+    """Level 2 of the hierarchical planner ([A2]; the rule is this suite's), in each NVLink domain: move
+    tokens from its most to its least loaded GPU, the busiest GPU's hottest expert that the least loaded one
+    holds or has a slot for, half their gap (at most the expert's tokens there) at a time, until the gap is
+    one token or no expert can move. Returns the moves made.
+
+    assign int64 [E, G] (updated), replicas int64 [G, r] (updated), home int64 [E]."""
     num_experts, g = assign.shape
     moves = 0
     for d in range(g // domain):
@@ -167,8 +174,11 @@ def _balance_gpus(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray, do
 def _plan_layer(
     x: np.ndarray, home: np.ndarray, domain: int, slots: int
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """One (micro-batch, layer): x int64 [G, E], home int64 [E] -> (assign int64 [E, G], replicas int32
-    [G, slots], level-1 moves, level-2 moves)."""
+    """One (micro-batch, layer), one micro-step's reconfiguration ([A2]): every expert's tokens at home,
+    then level 1 (only when the EP group spans several NVLink domains), then level 2.
+
+    x int64 [G, E], home int64 [E] -> (assign int64 [E, G], replicas int32 [G, slots], level-1 moves,
+    level-2 moves)."""
     g, num_experts = x.shape
     count = x.sum(axis=0)
     assign = np.zeros((num_experts, g), np.int64)
@@ -197,9 +207,9 @@ def plan_layer(
 
 @dataclass(frozen=True)
 class ForeMoEPlanner:
-    """ForeMoE as a :class:`~relibra.planners.protocols.Planner`: static placement; per (micro-batch,
-    layer) copies planned from the replayed loads, across NVLink domains (level 1) and inside them
-    (level 2), fetched by the two-path transfer engine behind attention.
+    """ForeMoE as a :class:`~relibra.planners.protocols.Planner` ([A1]-[A3]): static placement; per
+    (micro-batch, layer) copies planned from the replayed loads, across NVLink domains (level 1) and inside
+    them (level 2), fetched by the two-path transfer engine behind attention.
 
     ``replica_slots``: copies per GPU per layer, in a buffer shared by all layers (as ReLibra's).
     """
@@ -232,8 +242,9 @@ class ForeMoEPlanner:
         return []
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
-        """ctx.load [Mb, L, G, E] -> BatchPlan with replicas [Mb, L, G, r], assign [Mb, L, E, G],
-        ``host_path`` set (the transfer engine prices the fills)."""
+        """[A1]: ctx.load [Mb, L, G, E] (the replayed loads of the step's micro-batches) -> BatchPlan with
+        replicas [Mb, L, G, r], assign [Mb, L, E, G], ``host_path`` set ([A3]: the transfer engine prices
+        the fills, the fabric the gradients' return)."""
         problems = self.cluster_problems(ctx.model.num_experts, ctx.cluster)
         if problems:
             raise ValueError("; ".join(problems))

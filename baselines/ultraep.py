@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from relibra.planners.protocols import BatchContext, SlotBudget, static_placement
-from relibra.types import BatchPlan, OnlineCopies
+from baselines.online import plan_every_microbatch
+from relibra.planners.protocols import BatchContext, SlotBudget
+from relibra.types import BatchPlan
 
 __all__ = ["DomainSolution", "UltraEPPlanner", "solve_domain", "split_sources"]
 
@@ -466,37 +467,11 @@ class UltraEPPlanner:
         """ctx.load [Mb, L, G, E] -> BatchPlan with replicas [Mb, L, G, r], assign [Mb, L, E, G] and the
         critical-path record (:class:`~relibra.types.OnlineCopies`)."""
         t0 = time.perf_counter()
-        mb, num_layers, g, num_experts = ctx.load.shape
-        gpn = ctx.cluster.domain_gpus
-        assign = np.zeros((mb, num_layers, num_experts, g), np.int32)
-        replicas = np.full((mb, num_layers, g, self.replica_slots), -1, np.int32)
-        measured = np.zeros((mb, num_layers))
-        x = np.asarray(ctx.load, dtype=np.int64)
-        args = (gpn, self.replica_slots, self.balance_threshold, self.oracle_eps, self.min_tokens_per_replica,
-                self.allow_zero_master_quota, self.locality_aware)  # fmt: skip
-        _plan_layer(x[0, 0], *args)  # NOTE: untimed, so a compilation or cache load is not measured.
-        for m in range(mb):
-            for layer in range(num_layers):
-                t = time.perf_counter()
-                a, rep, _ = _plan_layer(x[m, layer], *args)
-                measured[m, layer] = time.perf_counter() - t
-                assign[m, layer], replicas[m, layer] = a, rep
-        charged = measured if self.critical_path_s is None else np.full_like(measured, self.critical_path_s)
-        copies = (replicas >= 0).sum(axis=-1)
-        stats = {
-            "ultraep_measured_plan_s_per_layer": float(measured.mean()),
-            "ultraep_critical_path_s_per_layer": float(charged.mean()),
-            "ultraep_replicas_per_layer": float(copies.sum(axis=-1).mean()),
-            "replicas_mean": float(copies.mean()),
-            "reorder_moved_experts": 0.0,
-        }
-        return BatchPlan(
-            home=static_placement(num_layers, num_experts, g),
-            assign=assign,
-            load=ctx.load,
-            sample_gpu=ctx.sample_gpu,
-            replicas=replicas,
-            plan_time_s=time.perf_counter() - t0,
-            stats=stats,
-            online=OnlineCopies(critical_path_s=charged, exposed_copies=2, overlapped_gradient_reduce=True),
-        )
+        args = (ctx.cluster.domain_gpus, self.replica_slots, self.balance_threshold, self.oracle_eps,
+                self.min_tokens_per_replica, self.allow_zero_master_quota, self.locality_aware)  # fmt: skip
+
+        def kernel(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            a, rep, _ = _plan_layer(x, *args)
+            return a, rep
+
+        return plan_every_microbatch(ctx, kernel, self.replica_slots, self.critical_path_s, "ultraep", t0)

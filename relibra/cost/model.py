@@ -366,9 +366,22 @@ class CostModel(WholeStepTerms):
         forward attention (a third of fwd + bwd, backward being twice the forward FLOPs); the backward
         gradient reduction sends the same bytes home during the backward attention (two thirds).
         """
-        refill = np.asarray(refill, dtype=np.float64)
+        return CostModel.exposed_copies(refill, refill, attention)
+
+    @staticmethod
+    def exposed_copies(
+        fill: np.ndarray, grad_return: np.ndarray, attention: np.ndarray | float
+    ) -> np.ndarray:
+        """:meth:`exposed_refill` when the backward gradient return takes other links than the forward fill
+        (ForeMoE: the fill by :meth:`engine_copy_time`, the gradients home over :meth:`fabric_copy_time`).
+
+        fill [...], grad_return [...] (seconds) and attention [...] (fwd + bwd seconds) broadcast together;
+        the fill overlaps a third of the attention, the gradient return the other two thirds.
+        """
+        fill = np.asarray(fill, dtype=np.float64)
+        grad_return = np.asarray(grad_return, dtype=np.float64)
         attention = np.asarray(attention, dtype=np.float64)
-        return np.maximum(refill - attention / 3, 0) + np.maximum(refill - 2 * attention / 3, 0)
+        return np.maximum(fill - attention / 3, 0) + np.maximum(grad_return - 2 * attention / 3, 0)
 
     def fabric_copy_time(self, replicas: np.ndarray, home: np.ndarray) -> np.ndarray:
         """Seconds to copy every listed slot's expert from its home GPU at once, on the fabric (NVLink inside
@@ -400,7 +413,9 @@ class CostModel(WholeStepTerms):
         (``host_to_device_bytes_per_s``) when that link is faster than the fabric link it would otherwise take
         from its
         home (NVLink inside the NVLink domain, the rail NIC across domains), else over the fabric; the slower
-        path bounds the fill.
+        path bounds the fill. The forward fill only: the host holds the weights (reloaded after rollout, and
+        constant through the step's micro-steps), not the copies' gradients, which go home over the fabric
+        (:meth:`fabric_copy_time`, :meth:`exposed_copies`).
 
         replicas int [..., L, G, r] (expert in each slot, -1 empty), home int [L, E] -> float64 [..., L].
         """

@@ -106,7 +106,10 @@ class Priced:
     pairs: np.ndarray
     """float64 [Mb, G]: causal attention pairs each GPU holds."""
     refill: np.ndarray
-    """float64 [Mb, L]: one-direction replica-buffer refill seconds."""
+    """float64 [Mb, L]: one-direction replica-buffer refill seconds (the forward fill)."""
+    grad_return: np.ndarray | None = None
+    """float64 [Mb, L]: seconds to send the copies' gradients home in the backward pass; None: ``refill``'s
+    (the same links in reverse). Set when the fill also reads host memory (ForeMoE's transfer engine)."""
     buffer_slots: int = 0
     moved: int = 0
     migration_bytes: float = 0.0
@@ -161,14 +164,19 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
     moves = migration_cost(cost, prev_home, plan.home)
     # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
     fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
+    grad_return = None
     if plan.host_path:
         fill = cost.engine_copy_time
+        # NOTE: the host path reads weights the host holds; gradients are made on the copies' GPUs and
+        # summed into their homes' accumulators, so they return over the fabric.
+        grad_return = cost.fabric_copy_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape)
     return Priced(
         br=br,
         skew=skewness(plan.assign.sum(axis=-2)),
         tokens=tokens,
         pairs=pairs,
         refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
+        grad_return=grad_return,
         buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
         moved=moves.moved,
         migration_bytes=moves.network_bytes,
@@ -203,7 +211,11 @@ class BatchTimes:
 def batch_times(priced: Priced, cost: CostModel, dense_layers: int) -> BatchTimes:
     tw = token_work(cost, priced.tokens, priced.pairs)
     attn = tw.attn  # [Mb, 1]
-    sync = cost.exposed_refill(priced.refill, attn) if priced.online is None else online_sync(priced, attn)
+    back = priced.refill if priced.grad_return is None else priced.grad_return
+    if priced.online is None:
+        sync = cost.exposed_copies(priced.refill, back, attn)
+    else:
+        sync = online_sync(priced, attn)
     critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
     work = priced.work()
     fixed = (float(sync.sum()), priced.t_migration, priced.t_redundant, critical)

@@ -15,16 +15,13 @@ forward is cut into the stages of Megatron-LM's all-to-all token dispatcher:
 The unbalanced reference is the same layer under Megatron-LM's static placement with every token computed at
 home; :func:`reference_forward` computes it in one process without communication.
 
-Integer proportional split rule (shared by every executor of plans)
--------------------------------------------------------------------
-``BatchPlan.assign[m, l, e, :]`` says how many of expert ``e``'s tokens each GPU computes. A source GPU
-``j`` holding ``x = x[j, e]`` slots routed to ``e`` sends ``n[j, e, g]`` of them to copy ``g`` where
-``n`` is the largest-remainder rounding of ``x * assign[e, g] / sum_g assign[e, g]``: every copy first gets
-``floor(x * a_g / A)``; the ``x - sum floor`` left-over slots go one each to the copies with the largest
-remainders ``(x * a_g) mod A``, ties to the lower GPU id. The slots themselves are taken in token order
-(slot ``t * k + i`` for token ``t``, top-k position ``i``): the first ``n[j, e, 0]`` go to GPU 0, the next
-``n[j, e, 1]`` to GPU 1, and so on. Copies with ``assign == 0`` never receive a slot, and summed over
-sources a copy computes ``assign[e, g]`` tokens up to a rounding of less than one token per source.
+Integer split rule (shared by every executor of plans)
+------------------------------------------------------
+``BatchPlan.assign[m, l, e, :]`` says how many of expert ``e``'s tokens each GPU computes; how many of
+them each source GPU sends to each copy is :func:`relibra.executors.split.split_counts` (re-exported here):
+an integer rounding of the proportional split whose per-source sums are the loads and whose per-copy sums
+are exactly ``assign``. The slots themselves are taken in token order (slot ``t * k + i`` for token ``t``,
+top-k position ``i``): the first ``n[j, e, 0]`` go to GPU 0, the next ``n[j, e, 1]`` to GPU 1, and so on.
 
 Expert weights are flat rows of ``P = 3 * hidden * ffn`` values: ``gate [ffn, hidden]``, ``up [ffn, hidden]``,
 ``down [hidden, ffn]``; an expert computes ``down @ (silu(gate @ x) * (up @ x))``.
@@ -42,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
+from relibra.executors.split import split_counts
 
 __all__ = [
     "DispatchLayout",
@@ -90,20 +88,6 @@ class MicroBatchPlan:
 
 
 # ---------------------------------------------------------------------------------------------- math
-def split_counts(load: np.ndarray, assign: np.ndarray) -> np.ndarray:
-    """Integer proportional split (module docstring). load [G, E], assign [E, G] -> int64 [G(j), E, G(g)]."""
-    x = np.asarray(load, dtype=np.int64)[:, :, None]  # [J, E, 1]
-    a = np.asarray(assign, dtype=np.int64)[None]  # [1, E, G]
-    total = np.maximum(a.sum(axis=-1, keepdims=True), 1)  # [1, E, 1]
-    num = x * a  # [J, E, G]
-    base, rem = num // total, num % total
-    short = x[..., 0] - base.sum(axis=-1)  # [J, E]
-    order = np.argsort(-rem, axis=-1, kind="stable")  # largest remainder first, ties to lower g
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.broadcast_to(np.arange(a.shape[-1]), order.shape), axis=-1)
-    return base + (rank < short[..., None])
-
-
 def expert_init(layer: int, expert: int, shape: ExpertShape, seed: int = 0) -> torch.Tensor:
     """Self-identifying weights of expert ``(layer, expert)``: float32 [P], a function of the ids only."""
     gen = torch.Generator().manual_seed(((seed * 1_000_003 + layer) * 100_003 + expert) & 0x7FFF_FFFF)

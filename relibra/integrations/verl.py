@@ -450,8 +450,11 @@ class VerlActorHook:
     old and reference log-probabilities), unchecked.
     """
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, optimizer: Any = None) -> None:
         self.adapter = adapter
+        self.optimizer = optimizer
+        """The optimizer whose state moves with the experts (Adam's moments), unless ``begin_update``
+        names one."""
         self._step: VerlStepPlan | None = None
         self.microbatches_run = 0
         """Training micro-batch forwards since :meth:`begin_update`."""
@@ -461,7 +464,9 @@ class VerlActorHook:
     def begin_update(self, step: VerlStepPlan, optimizer: Any = None) -> int:
         """Move experts to ``step.plan.home`` (collective over the EP group) and arm the per-micro-batch
         plan and replay checks. Returns the experts this rank's group moved."""
-        moved = int(self.adapter.apply_placement(step.plan.home, optimizer))
+        moved = int(
+            self.adapter.apply_placement(step.plan.home, self.optimizer if optimizer is None else optimizer)
+        )
         self._step, self.microbatches_run = step, 0
         return moved
 

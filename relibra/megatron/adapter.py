@@ -29,9 +29,9 @@ What the adapter does to a model built with :func:`replicating_router` routers a
    an autograd hook at the layer's output refills it in backward, before the layer's expert backward
    reads the weights again;
 3. **token split**: the router wrapper maps each routed (token, expert) to the home row or a replica slot
-   by the integer proportional split rule (``relibra.executors.torch_moe.split_counts``): source rank
-   ``j`` sends ``split[j, e, g]`` of its tokens for ``e`` to the copy on rank ``g``, in token order, copies
-   by ascending rank;
+   by the integer split rule (``relibra.executors.split.split_counts``): source rank ``j`` sends
+   ``split[j, e, g]`` of its tokens for ``e`` to the copy on rank ``g``, in token order, copies by
+   ascending rank; summed over sources, each copy computes exactly the plan's ``assign``;
 4. **replica gradients**: an autograd hook at the layer's input, reached after the layer's expert
    backward, sends every replica slot's weight gradient to the home rank and adds it into the home
    expert's gradient (``relibra.executors.replica_buffer.reduce_slot_grads``).
@@ -55,7 +55,7 @@ from torch import nn
 
 from relibra.executors.reorder_ops import param_state_tensors
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
-from relibra.executors.torch_moe import split_counts
+from relibra.executors.split import split_counts
 from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
 from relibra.megatron.router import ReplicatingRouter
 from relibra.types import BatchPlan

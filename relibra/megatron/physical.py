@@ -92,9 +92,9 @@ def slot_table(
     """Where one source rank's tokens of each expert go, for one (micro-batch, layer).
 
     home_phys [E] (``log2phy[l]``), home [E] (home rank), replicas [G, r] (-1 empty) or None, split [E, G]
-    (this source's row of :func:`split_counts`) -> ``phys`` int64 [E, G] (physical id of ``e``'s copy on
-    rank ``g``) and ``bound`` int64 [E, G] (``cumsum(split, axis=1)``: the copy of a token is the number of
-    bounds its rank among ``e``'s tokens reaches).
+    (this source's row of :func:`relibra.executors.split.split_counts`) -> ``phys`` int64 [E, G] (physical
+    id of ``e``'s copy on rank ``g``) and ``bound`` int64 [E, G] (``cumsum(split, axis=1)``: the copy of a
+    token is the number of bounds its rank among ``e``'s tokens reaches).
     """
     e_total, g_total = split.shape
     phys = np.broadcast_to(np.asarray(home_phys, dtype=np.int64)[:, None], (e_total, g_total)).copy()

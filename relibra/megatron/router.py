@@ -1,5 +1,5 @@
 """The router wrapper of the Megatron adapter: maps each routed (token, logical expert) to its home row or a
-replica slot by the plan's integer proportional split (:func:`relibra.executors.torch_moe.split_counts`)."""
+replica slot by the plan's integer split rule (:func:`relibra.executors.split.split_counts`)."""
 
 from __future__ import annotations
 

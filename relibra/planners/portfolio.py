@@ -14,10 +14,10 @@ portfolio never predicts a batch slower than keeping it; it costs the planning w
 Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
 fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).
 
-Stats: those of the chosen plan, plus ``portfolio_choice`` (index of the chosen candidate) and
-``portfolio_<name>_s`` (each candidate's predicted batch seconds); the simulator averages stats over
-batches, so ``portfolio_choice`` is the mean candidate index (with two candidates, the share of batches
-that took the second).
+Stats: those of the chosen plan, plus ``portfolio_choice`` (index of the chosen candidate),
+``portfolio_<name>_s`` (each candidate's predicted batch seconds) and ``portfolio_<name>_plan_s`` (its
+planning wall seconds); the simulator averages stats over batches, so ``portfolio_choice`` is the mean
+candidate index (with two candidates, the share of batches that took the second).
 """
 
 from __future__ import annotations
@@ -60,13 +60,18 @@ class PortfolioPlanner:
 
     def plan(self, ctx: BatchContext) -> BatchPlan:
         t0 = time.perf_counter()
-        plans = [c.plan(ctx) for c in self.candidates]
+        plans, plan_s = [], []
+        for c in self.candidates:
+            t = time.perf_counter()
+            plans.append(c.plan(ctx))
+            plan_s.append(time.perf_counter() - t)
         predicted = [predict_batch_time(p, ctx) for p in plans]
         best = min(range(len(plans)), key=predicted.__getitem__)
         stats = dict(plans[best].stats)
         stats["portfolio_choice"] = float(best)
-        for c, t in zip(self.candidates, predicted, strict=True):
+        for c, t, s in zip(self.candidates, predicted, plan_s, strict=True):
             stats[f"portfolio_{c.name}_s"] = t
+            stats[f"portfolio_{c.name}_plan_s"] = s
         return replace(plans[best], plan_time_s=time.perf_counter() - t0, stats=stats)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError, positive_int
+from relibra.trace.rl_rows import select_layers
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -210,17 +211,9 @@ def from_sglang(
 
 def _moe_layers(name: str, arr: np.ndarray, moe_layers: Sequence[int]) -> np.ndarray:
     """``arr [T, L, k]`` restricted to the layer indices ``moe_layers`` (distinct, in ``[0, L)``)."""
-    idx = np.asarray(list(moe_layers))
     if arr.ndim != 3:
         raise TraceFormatError(f"{name} must be [seq_len, layer_num, topk], got shape {arr.shape}")
-    if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
-        raise TraceFormatError(f"moe_layers must be a non-empty list of layer indices, got {moe_layers!r}")
-    if idx.min() < 0 or idx.max() >= arr.shape[1] or np.unique(idx).size != idx.size:
-        raise TraceFormatError(
-            f"moe_layers must be distinct indices in [0, {arr.shape[1]}) ({name} records {arr.shape[1]} "
-            f"layers), got {idx.tolist()}"
-        )
-    return arr[:, idx]
+    return select_layers(name, arr, moe_layers)
 
 
 def from_router_replay(

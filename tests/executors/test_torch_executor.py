@@ -1,4 +1,4 @@
-"""The torch executor: integer split rule, plan refusal, equivalence with the unbalanced layer (gloo, CPU).
+"""The torch executor: plan refusal, equivalence with the unbalanced layer (gloo, CPU).
 
 Equivalence cases run in one spawned process group per world size (world 4 = 2 nodes x 2 GPUs, world 8 =
 2 x 4); the single-process reference is computed here and every case is checked by its own test.
@@ -14,8 +14,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.executors.plan_check import PlanRefused, check_plan, routes_load
@@ -28,7 +26,6 @@ from relibra.executors.torch_moe import (
     dense_init,
     expert_init,
     reference_forward,
-    split_counts,
 )
 from relibra.invariants import PlanInvariantError
 from relibra.planners.protocols import home_assign, static_placement
@@ -439,31 +436,6 @@ def test_mismatched_reference_is_caught() -> None:
     ]
     with pytest.raises(AssertionError, match="output of rank 0"):
         assert_equivalent(case, fake)
-
-
-# ------------------------------------------------------------------------------------ split rule
-@settings(max_examples=60, deadline=None)
-@given(
-    x=st.lists(st.integers(0, 50), min_size=1, max_size=4),
-    a=st.lists(st.integers(0, 30), min_size=1, max_size=5),
-)
-def test_split_counts_conserve_and_stay_within_one_token(x: list[int], a: list[int]) -> None:
-    assign = np.array(a)[None]  # [E=1, G]
-    if assign.sum() == 0:
-        assign[0, 0] = 1
-    load = np.array(x)[:, None]  # [J, E=1]
-    n = split_counts(load, assign)  # [J, 1, G]
-    assert (n.sum(axis=-1)[:, 0] == load[:, 0]).all()
-    exact = load[:, :, None] * assign[None] / assign.sum()
-    assert (np.abs(n - exact) < 1).all()
-    assert (n[:, :, assign[0] == 0] == 0).all()
-
-
-def test_split_counts_largest_remainder_ties_to_lower_gpu() -> None:
-    assert split_counts(np.array([[1]]), np.array([[1, 1]])).tolist() == [[[1, 0]]]
-    assert split_counts(np.array([[5]]), np.array([[1, 2, 2]])).tolist() == [[[1, 2, 2]]]
-    assert split_counts(np.array([[4]]), np.array([[1, 1, 1]])).tolist() == [[[2, 1, 1]]]
-    assert split_counts(np.array([[2]]), np.array([[0, 1, 3]])).tolist() == [[[0, 1, 1]]]
 
 
 # ------------------------------------------------------------------------------------ plan refusal
