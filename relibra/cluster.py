@@ -16,8 +16,8 @@ class HardwareSpec:
 
     No field but ``fp8_flops``, ``host_to_device_bytes_per_s`` and ``hbm_bytes`` has a default: the rates
     and efficiencies are measured or derived per machine (the link efficiencies from DeepEP's published
-    bandwidth tables, :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written and a hand-built
-    spec states every one of them.
+    bandwidth tables, :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written
+    and a hand-built spec states every one of them.
     """
 
     name: str
