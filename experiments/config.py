@@ -26,13 +26,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
+from experiments.layout_check import build_layout, layout_problems, memory_problems
 from relibra.cluster import PRECISIONS, ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import MigrationPayload, migration_payload
 from relibra.cost.model import CostModel, load_calibration
 from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
-from relibra.parallel import ParallelLayout, expert_data_parallel
+from relibra.parallel import expert_data_parallel
 from relibra.planners.protocols import ClusterRequirements, Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import FORMAT_DOC, RoutingTrace, TraceFormatError, load_trace
@@ -117,7 +118,7 @@ def build_model(cfg: DictConfig) -> ModelSpec:
 def build_migration(cfg: DictConfig, cluster: ClusterSpec) -> MigrationPayload:
     """``simulator.migration`` with the expert-data-parallel size of ``parallel.*`` and the host link of
     ``cluster.hardware`` (:func:`relibra.cost.migration.migration_payload`)."""
-    layout = ParallelLayout(**_plain(cfg.parallel)) if cfg.get("parallel") is not None else ParallelLayout()
+    layout = build_layout(cfg)
     return migration_payload(
         (cfg.get("simulator") or {}).get("migration"),
         expert_data_parallel=expert_data_parallel(layout, cluster.num_gpus),
@@ -136,6 +137,7 @@ def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostM
         calibration=calibration,
         training=build_training(cfg),
         migration=build_migration(cfg, cluster),
+        layout=build_layout(cfg),
     )
 
 
@@ -546,9 +548,7 @@ def _migration_problems(cfg: DictConfig) -> list[str]:
     """``parallel.*`` and ``simulator.migration.*`` (with the host link of ``cluster.hardware``)."""
     problems: list[str] = []
     dp = _int_key(cfg, "parallel.dp", problems)
-    parallel = cfg.get("parallel")
-    if parallel is not None and (unknown := sorted(set(map(str, parallel)) - {"dp"})):
-        problems.append(f"parallel: unknown keys {unknown}; expected dp")
+    problems += layout_problems(cfg)
     if problems:
         return problems
     try:
@@ -699,6 +699,10 @@ def validate(cfg: DictConfig) -> None:
     results_dir = cfg.get("results_dir")
     if results_dir and (why := writable_dir("results_dir", str(results_dir))):
         problems.append(why)
+    if (
+        not problems
+    ):  # NOTE: the memory check builds the cost model, so it needs a config that passed the rest
+        problems += memory_problems(cfg)
     if problems:
         raise ConfigError("bad configuration: " + "; ".join(dict.fromkeys(problems)))
 

@@ -11,8 +11,10 @@ is never read), which ``tests/experiments/test_end_to_end.py`` checks by perturb
 A row is simulated as its run was measured: force-balanced routing (uniform top-k, Megatron's static
 placement; the tables' footnote), ``global_batch`` samples of exactly ``seq_len`` tokens in one batch,
 ``micro_batch`` samples per GPU per micro-batch, the whole step (``simulator.step=whole``), the row's
-``overrides`` (model, cluster, precision, dispatcher, recompute). Rows with ``needs`` (a parallel layout
-the simulator does not have yet) are listed and left out of the errors.
+``overrides`` (model, cluster, precision, dispatcher, recompute, parallel layout). Rows with PP or TP give
+their layout as ``parallel.*`` overrides: tokens/s/GPU is then the pipeline's tokens over its ``pp * G``
+GPUs. Rows with ``needs`` (something the simulator does not have: a model) are listed and left out of the
+errors.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from experiments.config import (
     sim_options,
     validate,
 )
+from experiments.layout_check import build_layout
 from relibra.simulator import simulate
 from relibra.types import SampleCounts
 from relibra.workload import build_workload
@@ -85,16 +88,33 @@ def _counts(
     return uniform_routing(blank, seed)
 
 
+def _replicas(row: dict[str, Any]) -> int:
+    """``parallel.dp`` of the row's overrides (1 when absent): the pipeline replicas the batch is split
+    over."""
+    for o in row["overrides"]:
+        if o.startswith("parallel.dp="):
+            return int(o.split("=", 1)[1])
+    return 1
+
+
+def _samples_per_gpu(conf: dict[str, Any]) -> int:
+    """Samples per GPU per micro-batch: the published micro-batch is a tensor-parallel group's, shared by its
+    ``tp`` GPUs (:mod:`relibra.cost.tensor`); at least one sample per GPU, so a micro-batch smaller than
+    ``tp`` runs as ``tp`` samples per group (half the published micro-batches for ``tp = 2``, ``mbs = 1``)."""
+    return max(int(conf["micro_batch"]) // int(conf.get("tp") or 1), 1)
+
+
 def simulate_row(row: dict[str, Any]) -> dict[str, float]:
     """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
     ``config`` and ``overrides`` only, never its published ``value``."""
     conf = row["config"]
+    dp = _replicas(row)
     overrides = [
         *row["overrides"],
         "planner=force_balanced",
         "simulator.step=whole",
-        f"workload.samples_per_microbatch={int(conf['micro_batch'])}",
-        f"trace.samples_per_batch={int(conf['global_batch'])}",
+        f"workload.samples_per_microbatch={_samples_per_gpu(conf)}",
+        f"trace.samples_per_batch={int(conf['global_batch']) // dp}",
         f"trace.max_tokens={int(conf['seq_len'])}",
         "trace.num_batches=1",
         "control_plane.enabled=false",
@@ -104,19 +124,24 @@ def simulate_row(row: dict[str, Any]) -> dict[str, float]:
     validate(cfg)
     cluster, model = build_cluster(cfg), build_model(cfg)
     g = cluster.num_gpus
-    if g != int(conf["gpus"]) or g != int(conf["ep"]):
+    layout = build_layout(cfg)
+    world = layout.world_size(g)
+    if world != int(conf["gpus"]) or g != int(conf["ep"]) or layout.pp != int(conf.get("pp") or 1):
         raise ValueError(
-            f"row {row['id']}: the overrides give {g} GPUs; the run had {conf['gpus']} at EP {conf['ep']}"
+            f"row {row['id']}: the overrides give {world} GPUs at EP {g}, PP {layout.pp}; the run had "
+            f"{conf['gpus']} at EP {conf['ep']}, PP {conf.get('pp')}"
         )
     cost = build_cost(cfg, cluster, model)
-    counts = _counts(int(conf["global_batch"]), int(conf["seq_len"]), model.num_moe_layers, model.num_experts,
+    counts = _counts(int(conf["global_batch"]) // dp, int(conf["seq_len"]), model.num_moe_layers,
+                     model.num_experts,
                      model.top_k, int(cfg.seed))  # fmt: skip
     workload = build_workload(
-        counts, g, samples_per_microbatch=int(conf["micro_batch"]), layout=str(cfg.workload.layout)
+        counts, g, samples_per_microbatch=_samples_per_gpu(conf), layout=str(cfg.workload.layout)
     )
     result = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
     m = result.metrics
-    out = {"model": m["throughput_tokens_per_s"] / g, "step_time_s": m["step_time_s"]}
+    # NOTE: the simulated batch is one pipeline replica's: its tokens pass through pp stages of G GPUs.
+    out = {"model": m["throughput_tokens_per_s"] / (g * layout.pp), "step_time_s": m["step_time_s"]}
     out.update({k: float(v) for k, v in m.items() if k.startswith("t_")})
     return out
 
@@ -127,7 +152,10 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     doc = load_rows(path)
     rows = []
     for row in doc["rows"]:
-        base = {"id": row["id"], "role": row["role"], "published": float(row["value"]), "unit": row["unit"]}
+        conf = row["config"]
+        layout = "pp/tp" if int(conf.get("pp") or 1) > 1 or int(conf.get("tp") or 1) > 1 else "ep"
+        base = {"id": row["id"], "role": row["role"], "layout": layout, "published": float(row["value"]),
+                "unit": row["unit"]}  # fmt: skip
         if row.get("needs"):
             rows.append({**base, "model": float("nan"), "ratio": float("nan"), "needs": row["needs"]})
             continue
@@ -136,9 +164,12 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def errors(table: pd.DataFrame) -> dict[str, float]:
-    """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows."""
+def errors(table: pd.DataFrame, layout: str | None = None) -> dict[str, float]:
+    """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows
+    (``layout``: only the ``ep`` or the ``pp/tp`` rows; None: all)."""
     check = table[(table.role == "check") & (table.needs == "")]
+    if layout is not None:
+        check = check[check.layout == layout]
     err = (check.ratio - 1.0).abs().tolist()
     if not err:
         return {"rows": 0, "median": float("nan"), "worst": float("nan")}

@@ -49,6 +49,7 @@ from experiments.config import (
     writable_dir,
 )
 from experiments.inputs import cell_inputs
+from experiments.layout_check import workload_memory_problems
 from experiments.run_dir import commit_run
 from experiments.store import (
     CorruptCellError,
@@ -114,6 +115,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
     cluster, model = build_cluster(cfg), build_model(cfg)
     model.check_ep(cluster)
     cost = build_cost(cfg, cluster, model)
+    log.info("%s", cost.layout.describe(cluster.num_gpus))
     planner = build_planner(cfg)
     executor = (
         CostModelExecutor(cost)
@@ -121,6 +123,8 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
     counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
+    if memory := workload_memory_problems(cfg, workload.tokens, workload.mb_batch):
+        raise ConfigError(memory[0])  # NOTE: needs the workload's micro-batches; still before planning
     slow = executor_time_problem(cfg, workload.load, cluster.num_gpus)
     if slow is not None:  # NOTE: needs the workload's token counts; still before planning and any process
         raise ConfigError(slow)

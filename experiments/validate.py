@@ -341,15 +341,18 @@ def main(argv: list[str] | None = None) -> int:
         from experiments.end_to_end import end_to_end_table, errors
 
         e2e = end_to_end_table()
-        cols = ["id", "role", "published", "model", "ratio", "step_time_s", "t_compute_s", "t_comm_s",
-                "t_attention_s", "t_permute_s", "t_other_s", "needs"]  # fmt: skip
+        cols = ["id", "role", "layout", "published", "model", "ratio", "step_time_s", "t_compute_s",
+                "t_comm_s", "t_attention_s", "t_permute_s", "t_other_s", "t_bubble_s", "t_tp_comm_s",
+                "needs"]  # fmt: skip
         with pd.option_context("display.width", 250, "display.max_colwidth", 60):
             print(e2e[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-        err = errors(e2e)
-        print(
-            f"\ncheck rows simulated: {err['rows']}; |model / published - 1|: median {err['median']:.1%}, "
-            f"worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
-        )
+        print()
+        for name, layout in (("all", None), ("EP-only", "ep"), ("PP/TP", "pp/tp")):
+            err = errors(e2e, layout)
+            print(
+                f"{name} check rows simulated: {err['rows']}; |model / published - 1|: median "
+                f"{err['median']:.1%}, worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
+            )
         return 0
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))

@@ -14,10 +14,10 @@ PRECISIONS = ("bf16", "fp8")
 class HardwareSpec:
     """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``.
 
-    No field but ``fp8_flops`` and ``host_to_device_bytes_per_s`` has a default: the rates and efficiencies
-    are measured or derived per machine (the link efficiencies from DeepEP's published bandwidth tables,
-    :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written and a hand-built
-    spec states every one of them.
+    No field but ``fp8_flops``, ``host_to_device_bytes_per_s`` and ``hbm_bytes`` has a default: the rates
+    and efficiencies are measured or derived per machine (the link efficiencies from DeepEP's published
+    bandwidth tables, :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written
+    and a hand-built spec states every one of them.
     """
 
     name: str
@@ -51,6 +51,9 @@ class HardwareSpec:
     host_to_device_bytes_per_s: float = 0.0
     """Achievable host-to-GPU copy rate per GPU, bytes/s (0: unknown); the ``reload`` migration path
     (``simulator.migration.path``, :mod:`relibra.cost.migration`) and ForeMoE's host path read it."""
+    hbm_bytes: float = 0.0
+    """HBM capacity per GPU, bytes (0: unknown; ``simulator.memory_check`` then cannot run and says so,
+    :mod:`relibra.cost.memory`)."""
 
 
 @dataclass(frozen=True)

@@ -82,11 +82,15 @@ METRIC_COLUMNS = (
     "t_pass_update_s",
     "t_pass_recompute_s",
     "t_pass_reference_s",
+    "t_bubble_s",
+    "t_p2p_s",
+    "t_tp_comm_s",
 )
 """The result columns of every run. The whole step's (``t_head_s`` .. ``t_pass_reference_s``, per batch,
 :mod:`relibra.cost.passes`) are 0 where ``simulator.step=moe`` or the pass is not run; ``t_other_s`` is the
 balance-independent part of the update (head, router, norms, host overhead, optimizer, exposed gradient
-reduce-scatter and parameter all-gather)."""
+reduce-scatter and parameter all-gather). The parallel layout's (``t_bubble_s``, ``t_p2p_s``, ``t_tp_comm_s``,
+:mod:`relibra.cost.pipeline`, :mod:`relibra.cost.tensor`) are 0 without pipeline or tensor parallelism."""
 WHOLE_STEP_COLUMNS = METRIC_COLUMNS[METRIC_COLUMNS.index("t_head_s") :]
 
 

@@ -7,7 +7,8 @@ static placements, reordering with migration, replica slots refilled behind atte
 slots (EPLB+, LPLB+), online plans with critical-path time and fabric copies (UltraEP, LLEP), under both
 dispatchers and with the all-to-all overlapped (``cluster.ep_overlap``), on the whole step (the default:
 every term of relibra/cost/step.py, with activation recompute, FP8 and the RL step's forward-only passes
-in some cells) and on the MoE-only step (``simulator.step=moe``). The cells are built from the
+in some cells), under pipeline and tensor parallelism (``parallel.pp``, ``parallel.tp``) and on the MoE-only
+step (``simulator.step=moe``). The cells are built from the
 planner configs as ``python -m experiments.run`` builds them (control plane included); each batch's plan
 is re-priced on the context ``simulate`` gave it (same previous placement) and compared bitwise.
 """
@@ -52,6 +53,8 @@ CLUSTERS = {
     "moe_step": ["simulator.step=moe"],
     "rl_passes": ["workload.rl_passes=[reference,recompute,update]", "training.recompute=selective"],
     "fp8_full": ["cluster.precision=fp8", "training.recompute=full", "cluster.ep_overlap=true"],
+    "pipeline": ["parallel.pp=2", "parallel.vpp=2", "workload.rl_passes=[recompute,update]"],
+    "tensor": ["parallel.tp=2", "training.recompute=full", "cluster.ep_overlap=true"],
 }
 PLANNERS = (
     "megatron",
@@ -78,6 +81,10 @@ DEFAULT = {
     ("relibra", "rl_passes"),
     ("ultraep", "rl_passes"),
     ("llep", "fp8_full"),
+    ("relibra", "pipeline"),
+    ("megatron", "pipeline"),
+    ("relibra_portfolio", "tensor"),
+    ("ultraep", "tensor"),
 }
 """The cells of the default run (each kind of cost term once); the rest of the grid is marked slow."""
 TERMS = {
@@ -130,5 +137,9 @@ def test_prediction_is_the_simulated_batch_time(planner_name: str, cluster_name:
         assert sim.metrics["t_pass_recompute_s"] > 0 and sim.metrics["t_pass_reference_s"] > 0
     if cluster_name in ("rl_passes", "fp8_full"):
         assert sim.metrics["t_recompute_s"] > 0
+    if cluster_name == "pipeline":
+        assert sim.metrics["t_bubble_s"] > 0 and sim.metrics["t_p2p_s"] > 0
+    if cluster_name == "tensor":
+        assert sim.metrics["t_tp_comm_s"] > 0
     passes = sum(sim.metrics[k] for k in whole)
     assert passes == pytest.approx(sim.metrics["step_time_s"], rel=1e-12)

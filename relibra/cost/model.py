@@ -44,6 +44,7 @@ from relibra.cost.fabric import (
 )
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import TrainingSpec, WholeStepTerms
+from relibra.parallel import ParallelLayout
 
 BF16_BYTES = 2
 FP8_DISPATCH_VALUE_BYTES = 1.0 + 4.0 / 128
@@ -116,6 +117,7 @@ class CostModel(WholeStepTerms):
         dispatch_value_bytes: float | None = None,
         training: TrainingSpec | None = None,
         migration: MigrationPayload | None = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
         """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM.
 
@@ -125,6 +127,9 @@ class CostModel(WholeStepTerms):
         step, no training terms; :mod:`relibra.cost.pricing` then charges none of them).
         ``migration``: what a re-homed expert carries and how (default: :class:`MigrationPayload`'s
         defaults); the simulator and the planners price moves with it (:mod:`relibra.cost.migration`).
+        ``layout``: the parallel layout around the EP group (default: EP only, :mod:`relibra.parallel`);
+        tensor parallelism needs ``tp`` to divide ``cluster.gpus_per_node`` (its groups ride one node's
+        NVLink).
         """
         self.cluster = cluster
         self.dispatcher = cluster.dispatcher
@@ -134,6 +139,13 @@ class CostModel(WholeStepTerms):
             calibration = _check_calibration(calibration, model.name)
         self.calibration = calibration
         self.migration = migration if migration is not None else MigrationPayload()
+        self.layout = layout if layout is not None else ParallelLayout()
+        if cluster.gpus_per_node % self.layout.tp:
+            raise ValueError(
+                f"parallel.tp={self.layout.tp} does not divide cluster.gpus_per_node="
+                f"{cluster.gpus_per_node}: "
+                "a tensor-parallel group rides one node's NVLink"
+            )
         hw = cluster.hardware
         fp8 = cluster.precision == "fp8"
         if dispatch_value_bytes is None:

@@ -30,7 +30,9 @@ import numpy as np
 
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import overlapped_time
+from relibra.cost.pipeline import StagePass, p2p_send_time, pipelined
 from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE
+from relibra.cost.tensor import tp_block_time, tp_group_mean
 
 __all__ = ["LayerWork", "PassTimes", "TokenWork", "forward_pass", "token_work", "update_pass"]
 
@@ -66,10 +68,18 @@ class TokenWork:
     """float64 [Mb]: embedding, LM head and loss."""
     head_forward: np.ndarray
     """float64 [Mb]: their forward share (the log-probabilities of a forward-only pass)."""
+    tp_block: np.ndarray | None = None
+    """float64 [Mb]: one tensor-parallel block's exposed collectives, fwd + bwd (None: ``tp = 1``;
+    :func:`relibra.cost.tensor.tp_block_time`)."""
+    p2p: np.ndarray | None = None
+    """float64 [Mb]: one pipeline send of a micro-batch's activations (or their gradient) between stages
+    (None: ``pp = 1``; :func:`relibra.cost.pipeline.p2p_send_time`)."""
 
 
 def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
     """:class:`TokenWork` from the tokens [Mb, G] and causal pairs [Mb, G] each GPU holds."""
+    if not cost.layout.trivial:
+        return _layout_token_work(cost, tokens, pairs)
     attn_gpu = cost.attention_time(tokens, pairs)  # [Mb, G]
     dense = (attn_gpu + cost.dense_ffn_time(tokens)).max(axis=-1)
     mb = attn_gpu.shape[0]
@@ -84,6 +94,32 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
         norm=cost.norm_time(tokens).max(axis=-1),
         head=cost.head_time(tokens).max(axis=-1),
         head_forward=cost.head_forward_time(tokens).max(axis=-1),
+    )
+
+
+def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
+    """:func:`token_work` under tensor or pipeline parallelism: the split GEMMs at their tensor-parallel
+    group's mean (:func:`relibra.cost.tensor.tp_group_mean`), routers and norms on each GPU's own
+    (sequence-parallel) tokens, the tensor-parallel collectives and the pipeline sends."""
+    tp = cost.layout.tp
+    attn_gpu = tp_group_mean(cost.attention_time(tokens, pairs), tp)  # [Mb, G / tp]
+    dense = (attn_gpu + tp_group_mean(cost.dense_ffn_time(tokens), tp)).max(axis=-1)
+    mb = attn_gpu.shape[0]
+    tp_block = tp_block_time(cost.cluster, cost.model, tp, tokens) if tp > 1 else None
+    p2p = p2p_send_time(cost, tokens) if cost.layout.pp > 1 else None
+    if cost.training is None or not cost.training.whole:
+        zero = np.zeros(mb)
+        return TokenWork(attn_gpu.max(axis=-1)[:, None], zero, dense, zero, zero, zero, zero, tp_block, p2p)
+    return TokenWork(
+        attn=attn_gpu.max(axis=-1)[:, None],
+        core_attn=tp_group_mean(cost.core_attention_time(pairs), tp).max(axis=-1),
+        dense=dense,
+        router=cost.router_time(tokens).max(axis=-1),
+        norm=cost.norm_time(tokens).max(axis=-1),
+        head=tp_group_mean(cost.head_time(tokens), tp).max(axis=-1),
+        head_forward=tp_group_mean(cost.head_forward_time(tokens), tp).max(axis=-1),
+        tp_block=tp_block,
+        p2p=p2p,
     )
 
 
@@ -121,6 +157,8 @@ def update_pass(
     whole = spec is not None and spec.whole
     recompute = spec.recompute if (spec is not None and whole) else "none"
     layer_tokens = tw.router[:, None] + tw.norm[:, None]  # [Mb, 1]
+    if tw.tp_block is not None:  # the attention block's (and the shared experts') collectives
+        layer_tokens = layer_tokens + _moe_tp_blocks(cost) * tw.tp_block[:, None]
     comp = work.compute + tw.attn + work.permute + layer_tokens  # [Mb, L]
     comm = work.comm
     dense_mb = tw.dense + tw.norm  # [Mb]: one dense layer
@@ -134,6 +172,8 @@ def update_pass(
     else:
         rc_comp, rc_comm, rc_dense = np.zeros_like(comp), np.zeros_like(comm), 0.0
     comp_u, comm_u = comp + rc_comp, comm + rc_comm
+    if not cost.layout.trivial:
+        return _layout_update(cost, work, tw, dense_layers, fixed, comp_u, comm_u, rc_comp + rc_comm)
     moe, exposed = _join(comp_u, comm_u, cost.cluster.ep_overlap)
     if recompute == "full" and exposed > 0:
         # NOTE: the exposed all-to-all is attributed to the update's own and the recomputed all-to-all in
@@ -175,7 +215,106 @@ def update_pass(
     if whole:
         total += extra
     parts["t_other_s"] = sum(parts[k] for k in _BALANCE_INDEPENDENT)
+    parts.update(dict.fromkeys(_LAYOUT_PARTS, 0.0))
     return PassTimes(total=total, comm_exposed=exposed, parts=parts)
+
+
+def _moe_tp_blocks(cost: CostModel) -> int:
+    """Tensor-parallel blocks of a MoE layer: attention, and the shared experts if the model has any."""
+    return 1 + int(cost.model.shared_experts > 0)
+
+
+def _dense_recompute(spec_recompute: str, dense_mb: np.ndarray, tw: TokenWork) -> np.ndarray:
+    """float64 [Mb]: one dense layer's recompute seconds in the update's backward."""
+    if spec_recompute == "full":
+        return dense_mb * FORWARD_FLOPS_SHARE
+    if spec_recompute == "selective":
+        return tw.core_attn * FORWARD_FLOPS_SHARE
+    return np.zeros_like(dense_mb)
+
+
+def _layout_update(
+    cost: CostModel,
+    work: LayerWork,
+    tw: TokenWork,
+    dense_layers: int,
+    fixed: tuple[float, float, float, float],
+    comp_u: np.ndarray,
+    comm_u: np.ndarray,
+    rc_moe: np.ndarray,
+) -> PassTimes:
+    """:func:`update_pass` through the pipeline and with tensor parallelism (:mod:`relibra.cost.pipeline`,
+    :mod:`relibra.cost.tensor`). ``comp_u``, ``comm_u`` [Mb, L]: the MoE layers' seconds with their
+    recompute (``rc_moe`` [Mb, L]) and tensor-parallel collectives.
+
+    Per-layer parts sum every stage's layers (the model's work); the exposed gradient collectives, the
+    bubble and the pipeline sends are the slowest stage's, the optimizer step the longest stage's.
+    """
+    spec = cost.training
+    whole = spec is not None and spec.whole
+    recompute = spec.recompute if (spec is not None and whole) else "none"
+    lay = cost.layout
+    tp_block = tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)
+    p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
+    dense_mb = tw.dense + tw.norm + 2.0 * tp_block  # [Mb]: one dense layer (attention and FFN blocks)
+    rc_dense = _dense_recompute(recompute, dense_mb, tw)
+    head = (tw.head + tp_block) if whole else np.zeros_like(tw.dense)
+    directions = 3.0 if recompute == "full" else 2.0
+    launch = cost.launch_time(comp_u.shape[0], directions) if whole else 0.0
+    sp = StagePass(
+        comp=comp_u,
+        comm=comm_u,
+        dense=(dense_mb if whole else tw.dense + 2.0 * tp_block) + rc_dense,
+        head=head,
+        p2p=2.0 * lay.vpp * p2p,
+        spread=sum(fixed) + launch,
+        overlap=cost.cluster.ep_overlap,
+    )
+
+    def per_step(stage: int, first_mb: float, last_mb: float) -> tuple[float, ...]:
+        assert spec is not None
+        rs, ag = cost.grad_reduce_time(stage), cost.param_gather_time(stage)
+        # NOTE: as update_pass: the reduce-scatter hides behind the last micro-batch's backward, the
+        # all-gather behind the first micro-batch's forward.
+        return (
+            cost.optimizer_time(stage),
+            max(rs - 2.0 * last_mb / 3.0, 0.0) if spec.overlap_grad_reduce else rs,
+            max(ag - first_mb / 3.0, 0.0) if spec.overlap_param_gather else ag,
+        )
+
+    st = pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
+    comm = work.comm
+    exposed = st.comm_exposed
+    if recompute == "full" and exposed > 0:
+        exposed *= float(comm.sum()) / float(comm_u.sum())  # NOTE: as update_pass
+    parts = dict.fromkeys(_UPDATE_PARTS, 0.0)
+    num_moe = work.compute.shape[1]
+    if whole:
+        _, grad_reduce, param_gather = st.per_step
+        parts.update(
+            t_head_s=float(head.sum()),
+            t_router_s=float(tw.router.sum()) * num_moe,
+            t_norm_s=float(tw.norm.sum()) * (num_moe + dense_layers),
+            t_permute_s=float(work.permute.sum()),
+            t_recompute_s=float(rc_moe.sum()) + dense_layers * float(rc_dense.sum()),
+            t_launch_s=launch,
+            # NOTE: every stage's optimizer runs at once; the longest is plan-independent.
+            t_optimizer_s=max(cost.optimizer_time(s) for s in range(lay.pp)),
+            t_grad_reduce_s=grad_reduce,
+            t_param_gather_s=param_gather,
+        )
+    parts["t_other_s"] = sum(parts[k] for k in _BALANCE_INDEPENDENT)
+    parts.update(
+        t_bubble_s=st.bubble,
+        t_p2p_s=st.p2p,
+        t_tp_comm_s=float(tp_block.sum()) * (_moe_tp_blocks(cost) * num_moe + 2 * dense_layers + int(whole)),
+    )
+    return PassTimes(total=st.total, comm_exposed=exposed, parts=parts)
+
+
+_LAYOUT_PARTS = ("t_bubble_s", "t_p2p_s", "t_tp_comm_s")
+"""The layout's parts (0 without tensor or pipeline parallelism): the slowest stage's bubble and pipeline
+sends, and the tensor-parallel collectives of every layer."""
 
 
 _UPDATE_PARTS = (
@@ -207,9 +346,38 @@ def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: 
     whole = cost.training is not None and cost.training.whole
     f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
     comp = (work.compute + tw.attn) * f + (work.permute + tw.router[:, None] + tw.norm[:, None]) * h
+    if not cost.layout.trivial:
+        return _layout_forward(cost, work, tw, dense_layers, fixed, comp)
     moe, _ = _join(comp, work.comm * 0.5, cost.cluster.ep_overlap)
     dense = dense_layers * float((tw.dense * f + tw.norm * h).sum())
     total = moe + fixed + dense
     if whole:
         total += float(tw.head_forward.sum()) + cost.launch_time(comp.shape[0], 1.0)
     return total
+
+
+FORWARD_TP_SHARE = 2.0 / 3.0
+"""The forward's share of a tensor-parallel block's exposed collectives (the input all-gather and the
+output reduce-scatter of :data:`relibra.cost.tensor.TP_EXPOSED_COLLECTIVES`)."""
+
+
+def _layout_forward(
+    cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: int, fixed: float, comp: np.ndarray
+) -> float:
+    """:func:`forward_pass` through the pipeline (``vpp`` sends per stage and micro-batch, the same bubble)
+    and with tensor parallelism's forward collectives."""
+    whole = cost.training is not None and cost.training.whole
+    f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
+    lay = cost.layout
+    tp_fwd = (tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)) * FORWARD_TP_SHARE
+    p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
+    sp = StagePass(
+        comp=comp + _moe_tp_blocks(cost) * tp_fwd[:, None],
+        comm=work.comm * 0.5,
+        dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd,
+        head=(tw.head_forward + tp_fwd) if whole else np.zeros_like(tw.dense),
+        p2p=lay.vpp * p2p,
+        spread=fixed + (cost.launch_time(comp.shape[0], 1.0) if whole else 0.0),
+        overlap=cost.cluster.ep_overlap,
+    )
+    return pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total

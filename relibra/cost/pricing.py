@@ -29,6 +29,7 @@ from relibra.cost.migration import migration_cost
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share
 from relibra.cost.passes import LayerWork, forward_pass, token_work, update_pass
+from relibra.cost.tensor import tp_group_mean
 from relibra.planners.protocols import BatchContext, Replication, home_assign, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 from relibra.workload import gpu_token_stats
@@ -275,7 +276,10 @@ def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
     tokens, pairs = gpu_token_stats(
         ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
     )
-    return np.asarray(ctx.cost.attention_time(tokens, pairs).max(axis=-1), dtype=np.float64)
+    attn = ctx.cost.attention_time(tokens, pairs)
+    if ctx.cost.layout.tp > 1:  # a tensor-parallel group's mean (relibra.cost.tensor)
+        attn = tp_group_mean(attn, ctx.cost.layout.tp)
+    return np.asarray(attn.max(axis=-1), dtype=np.float64)
 
 
 def layer_terms(

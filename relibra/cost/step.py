@@ -41,6 +41,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.migration import MigrationPayload
+from relibra.parallel import ParallelLayout, stage_layers
 
 __all__ = [
     "FORWARD_BYTES_SHARE",
@@ -169,18 +170,21 @@ class ParallelGroups:
     """Nodes the expert-data-parallel group spans."""
 
 
-def parallel_groups(cluster: ClusterSpec, replicas: int = 1) -> ParallelGroups:
-    """The one definition of the gradient groups while data parallelism is all that surrounds EP.
+def parallel_groups(
+    cluster: ClusterSpec, replicas: int = 1, layout: ParallelLayout | None = None
+) -> ParallelGroups:
+    """The one definition of the gradient groups around one stage's EP group.
 
-    The simulated EP group is ``G = cluster.nodes * cluster.gpus_per_node`` GPUs with TP = PP = CP = 1, and
-    ``replicas`` (``parallel.dp``, :mod:`relibra.parallel`) copies of it train side by side on their own
-    nodes. Every GPU is its own data-parallel rank for the dense parameters (``dp = replicas * G``), and, with
-    EP = G, each expert lives on one GPU of each replica: ``edp = dp / ep = replicas`` (1: expert gradients
-    need no reduction), a group whose ranks sit on ``replicas`` different nodes. The full parallel layout
-    (``parallel.tp``, ``parallel.pp``) replaces this function.
+    The simulated EP group is ``G = cluster.nodes * cluster.gpus_per_node`` GPUs and ``replicas``
+    (``parallel.dp``, :mod:`relibra.parallel`) copies of the pipeline train side by side on their own
+    nodes. Megatron's dense data-parallel group is ``world / (tp * pp) = replicas * G / tp`` ranks, which
+    span every node of the stage in every replica; with EP = G each expert lives on one GPU of each
+    replica's stage: ``edp = world / (etp * ep * pp) = replicas`` (1: expert gradients need no reduction),
+    a group whose ranks sit on ``replicas`` different nodes. ``layout`` None: ``tp = pp = 1``.
     """
+    tp = 1 if layout is None else layout.tp
     return ParallelGroups(
-        dp=replicas * cluster.num_gpus,
+        dp=replicas * cluster.num_gpus // tp,
         edp=replicas,
         dp_nodes=replicas * cluster.nodes,
         edp_nodes=replicas,
@@ -195,6 +199,8 @@ class WholeStepTerms:
     training: TrainingSpec | None
     migration: MigrationPayload
     """Read for ``expert_data_parallel`` (``parallel.dp``), the replicas the gradient groups span."""
+    layout: ParallelLayout
+    """The parallel layout around the EP group (:mod:`relibra.parallel`)."""
 
     # ----------------------------------------------------------------- rates
     def _spec(self) -> TrainingSpec:
@@ -203,7 +209,42 @@ class WholeStepTerms:
         return self.training
 
     def _groups(self) -> ParallelGroups:
-        return parallel_groups(self.cluster, self.migration.expert_data_parallel)
+        return parallel_groups(self.cluster, self.migration.expert_data_parallel, self.layout)
+
+    def stage_of_layer(self) -> np.ndarray:
+        """int64 [num_layers]: the pipeline stage of each layer, dense layers first (model order; the
+        models' dense layers lead, ``first_k_dense_replace``)."""
+        return stage_layers(self.model.num_layers, self.layout)
+
+    def stage_layer_counts(self, stage: int) -> tuple[int, int]:
+        """(dense, MoE) layers pipeline stage ``stage`` holds."""
+        m = self.model
+        on = self.stage_of_layer() == stage
+        dense_layers = m.num_layers - m.num_moe_layers
+        return int(on[:dense_layers].sum()), int(on[dense_layers:].sum())
+
+    def stage_parameters(self, stage: int = 0) -> tuple[float, float]:
+        """(dense, expert) parameters held by one GPU of pipeline stage ``stage``, unsharded by the optimizer.
+
+        Dense: the tensor-parallel ones (attention projections, shared experts, dense FFNs, the input
+        embedding on stage 0 and the LM head on the last stage) over ``tp``, the replicated ones (norms,
+        routers, the final norm on the last stage) whole, as Megatron shards them
+        (``megatron/training/theoretical_memory_usage.py``). Expert: ``E / G`` experts of each MoE layer.
+        With every layout size 1 these are :attr:`ModelSpec.dense_params` and every MoE layer's experts.
+        """
+        m, lay = self.model, self.layout
+        nd, nm = self.stage_layer_counts(stage)
+        first, last = stage == 0, stage == lay.pp - 1
+        sharded = (
+            m.attention_params * (nd + nm)
+            + 3 * m.hidden * m.shared_ffn * m.shared_experts * nm
+            + 3 * m.hidden * m.dense_ffn * nd
+            + m.vocab * m.hidden * (int(first) + int(last))
+        )
+        replicated = 2 * m.hidden * (nd + nm) + m.hidden * int(last) + m.hidden * m.num_experts * nm
+        dense = float(sharded + replicated) if lay.tp == 1 else sharded / lay.tp + replicated
+        expert = float(nm * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        return dense, expert
 
     def hbm_rate(self) -> float:
         """Bytes/s of a streaming kernel: ``hbm_bytes_per_s * hbm_efficiency``."""
@@ -273,20 +314,19 @@ class WholeStepTerms:
         return np.asarray(3.0 * flops / self.dense_rate("bf16"))
 
     # ------------------------------------------------------ per-step terms
-    def params_per_gpu(self) -> tuple[float, float]:
-        """(dense, expert) parameters one GPU updates: dense ones sharded over the data-parallel group and
-        expert ones (``E / G`` per MoE layer) over the expert-data-parallel group with the distributed
-        optimizer; unsharded without it."""
-        spec, m, groups = self._spec(), self.model, self._groups()
-        dense = float(m.dense_params)
-        expert = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+    def params_per_gpu(self, stage: int = 0) -> tuple[float, float]:
+        """(dense, expert) parameters one GPU of ``stage`` updates (:meth:`stage_parameters`): dense ones
+        sharded over the data-parallel group and expert ones over the expert-data-parallel group with the
+        distributed optimizer; unsharded without it."""
+        spec, groups = self._spec(), self._groups()
+        dense, expert = self.stage_parameters(stage)
         if spec.distributed_optimizer:
             return dense / groups.dp, expert / groups.edp
         return dense, expert
 
-    def optimizer_time(self) -> float:
+    def optimizer_time(self, stage: int = 0) -> float:
         """Seconds of one Adam step over the parameters this GPU updates (HBM-bound)."""
-        dense, expert = self.params_per_gpu()
+        dense, expert = self.params_per_gpu(stage)
         return (dense + expert) * self._spec().optimizer_bytes_per_param / self.hbm_rate()
 
     def _ring_time(self, nbytes: float, size: int, nodes: int) -> float:
@@ -301,27 +341,27 @@ class WholeStepTerms:
         )
         return (size - 1) / size * nbytes / rate + hw.alltoall_latency_s
 
-    def grad_reduce_time(self) -> float:
+    def grad_reduce_time(self, stage: int = 0) -> float:
         """Seconds of the gradient reduction, dense (data-parallel group) plus expert (expert-data-parallel
         group) parameters: a reduce-scatter with the distributed optimizer, else an all-reduce (twice its
         traffic). Before any overlap."""
-        spec, m, groups = self._spec(), self.model, self._groups()
+        spec, groups = self._spec(), self._groups()
         factor = 1.0 if spec.distributed_optimizer else 2.0
-        expert_full = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        dense, expert_full = self.stage_parameters(stage)
         b = spec.grad_reduce_bytes_per_param
         return factor * (
-            self._ring_time(m.dense_params * b, groups.dp, groups.dp_nodes)
+            self._ring_time(dense * b, groups.dp, groups.dp_nodes)
             + self._ring_time(expert_full * b, groups.edp, groups.edp_nodes)
         )
 
-    def param_gather_time(self) -> float:
+    def param_gather_time(self, stage: int = 0) -> float:
         """Seconds of the distributed optimizer's parameter all-gather (0 without it). Before any overlap."""
-        spec, m, groups = self._spec(), self.model, self._groups()
+        spec, groups = self._spec(), self._groups()
         if not spec.distributed_optimizer:
             return 0.0
-        expert_full = float(m.num_moe_layers * m.num_experts // self.cluster.num_gpus * m.expert_params)
+        dense, expert_full = self.stage_parameters(stage)
         b = spec.param_gather_bytes_per_param
-        return self._ring_time(m.dense_params * b, groups.dp, groups.dp_nodes) + self._ring_time(
+        return self._ring_time(dense * b, groups.dp, groups.dp_nodes) + self._ring_time(
             expert_full * b, groups.edp, groups.edp_nodes
         )
 

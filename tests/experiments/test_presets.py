@@ -32,9 +32,19 @@ PLANNERS = {
 }
 
 
+MEMORY = "simulator.memory_check=warn"
+"""The presets' cells are composed and run here for everything but their memory, which
+tests/experiments/test_layout_check.py checks (some of the paper's shapes do not fit, NOT_FITTING there)."""
+
+
 def tiny(cfg_nodes: int) -> list[str]:
     """Tiny mode: one step of two rollouts per GPU of at most 64 tokens (model and EP size kept)."""
-    return ["trace.num_batches=1", f"trace.samples_per_batch={2 * 8 * cfg_nodes}", "trace.max_tokens=64"]
+    return [
+        "trace.num_batches=1",
+        f"trace.samples_per_batch={2 * 8 * cfg_nodes}",
+        "trace.max_tokens=64",
+        MEMORY,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +67,7 @@ def olmoe_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _extra(preset: str, trace: Path) -> list[str]:
-    return [f"trace.path={trace}"] if preset.removeprefix("quick_") == "real_trace" else []
+    return [f"trace.path={trace}", MEMORY] if preset.removeprefix("quick_") == "real_trace" else [MEMORY]
 
 
 def test_every_paper_preset_and_its_quick_variant_exist() -> None:

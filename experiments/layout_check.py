@@ -1,0 +1,129 @@
+"""The parallel layout's keys and the memory check, before any work (:func:`experiments.config.validate`).
+
+:func:`layout_problems` checks ``parallel.*`` against the cluster and the model (each size an integer >= 1,
+``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, the layers cut into ``pp * vpp`` chunks,
+``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the layout
+(:func:`relibra.cost.memory.memory_estimate`) against ``cluster.hardware.hbm_bytes`` as
+``simulator.memory_check`` says (``error``: a problem; ``warn``: a logged warning; ``off``: nothing), in two
+steps: :func:`experiments.config.validate` checks what needs no input (parameters, gradients, optimizer
+state, replica buffer), and :func:`experiments.run.compute` checks it again with the activations of the
+workload's largest micro-batch (:func:`workload_memory_problems`) once the inputs are built, before planning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from relibra.cost.memory import MEMORY_CHECKS, memory_estimate
+from relibra.parallel import LAYOUT_KEYS, ParallelLayout, layer_split_problem
+
+__all__ = ["build_layout", "layout_problems", "memory_problems", "workload_memory_problems"]
+
+log = logging.getLogger(__name__)
+
+
+def build_layout(cfg: DictConfig) -> ParallelLayout:
+    """``cfg.parallel`` -> :class:`ParallelLayout` (absent keys keep their defaults)."""
+    node = cfg.get("parallel")
+    if node is None:
+        return ParallelLayout()
+    values: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+    if values.get("chunk_layers") is not None:
+        values["chunk_layers"] = tuple(values["chunk_layers"])
+    return ParallelLayout(**values)
+
+
+def layout_problems(cfg: DictConfig) -> list[str]:
+    """What in ``parallel.*`` cannot work with this cluster and model (one message per problem)."""
+    node = cfg.get("parallel")
+    if node is not None and (unknown := sorted(set(map(str, node)) - set(LAYOUT_KEYS))):
+        return [f"parallel: unknown keys {unknown}; expected {list(LAYOUT_KEYS)}"]
+    try:
+        layout = build_layout(cfg)
+    except (TypeError, ValueError) as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    nodes, gpn = cfg.cluster.get("nodes"), cfg.cluster.get("gpus_per_node")
+    if not (isinstance(nodes, int) and isinstance(gpn, int)) or nodes < 1 or gpn < 1:
+        return problems  # NOTE: reported by validate() under cluster.*
+    g = nodes * gpn
+    if gpn % layout.tp:
+        problems.append(
+            f"parallel.tp={layout.tp} does not divide cluster.gpus_per_node={gpn}: a tensor-parallel group "
+            "rides one node's NVLink"
+        )
+    for key in ("num_heads", "num_kv_heads"):
+        heads = cfg.model.get(key)
+        if isinstance(heads, int) and heads % layout.tp:
+            problems.append(f"parallel.tp={layout.tp} does not divide model.{key}={heads}")
+    layers = cfg.model.get("num_layers")
+    if isinstance(layers, int) and (why := layer_split_problem(layers, layout)):
+        problems.append(why)
+    if layout.gpus is not None and layout.gpus != layout.world_size(g):
+        problems.append(
+            f"parallel.gpus={layout.gpus} but parallel.dp * parallel.pp * (cluster.nodes * "
+            f"cluster.gpus_per_node) = {layout.dp} * {layout.pp} * ({nodes} * {gpn}) = "
+            f"{layout.world_size(g)}: the layout's sizes do not multiply to the GPUs given"
+        )
+    return problems
+
+
+def memory_problems(
+    cfg: DictConfig, tokens_per_gpu: float | None = None, microbatches: int | None = None
+) -> list[str]:
+    """The memory check (module doc): [] when it fits, warns or is off; else one message naming the keys.
+
+    ``tokens_per_gpu``: the busiest GPU's tokens in its largest micro-batch and ``microbatches`` the most
+    micro-batches of a step, from the run's workload; None (:func:`experiments.config.validate`, before any
+    input is read): the check of what needs no workload, the parameters, gradients, optimizer state and
+    replica buffer. Call it on a config that passed every other check.
+    """
+    from experiments.config import build_cluster, build_cost, build_model
+
+    mode = (cfg.get("simulator") or {}).get("memory_check", MEMORY_CHECKS[0])
+    if mode not in MEMORY_CHECKS:
+        return [f"simulator.memory_check={mode}: choose one of {', '.join(MEMORY_CHECKS)}"]
+    if mode == "off":
+        return []
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    capacity = cluster.hardware.hbm_bytes
+    if not capacity > 0:
+        return [
+            f"cluster.hardware.hbm_bytes={capacity}: simulator.memory_check={mode} needs the GPU's memory "
+            "capacity (set it in the cluster yaml with its source, or simulator.memory_check=off)"
+        ]
+    cost = build_cost(cfg, cluster, model)
+    slots = int(cfg.planner.get("replica_slots", 0) or 0)
+    est = memory_estimate(cost, tokens_per_gpu or 0.0, max(microbatches or 1, 1), slots)
+    if est.total <= capacity:
+        return []
+    lay = cost.layout
+    what = (
+        f"micro-batches of up to {tokens_per_gpu:.0f} tokens per GPU (workload.samples_per_microbatch / "
+        "workload.tokens_per_microbatch, trace.max_tokens)"
+        if tokens_per_gpu
+        else "before any activation"
+    )
+    text = (
+        f"the layout does not fit in memory: {est.describe()} > cluster.hardware.hbm_bytes="
+        f"{capacity / 1e9:.1f} GB, by {(est.total - capacity) / 1e9:.1f} GB, {what} (model={model.name}, "
+        f"EP group cluster.nodes * cluster.gpus_per_node = {cluster.num_gpus}, parallel.tp={lay.tp}, "
+        f"parallel.pp={lay.pp}, parallel.vpp={lay.vpp}, parallel.dp={lay.dp}, training.recompute="
+        f"{cost.training.recompute if cost.training else None}); raise parallel.pp, parallel.tp or the EP "
+        "group, recompute, shrink the micro-batches, or set simulator.memory_check=warn"
+    )
+    if mode == "warn":
+        log.warning("%s", text)
+        return []
+    return [text]
+
+
+def workload_memory_problems(cfg: DictConfig, tokens: np.ndarray, mb_batch: np.ndarray) -> list[str]:
+    """:func:`memory_problems` for a built workload: tokens [M, G] each GPU holds per micro-batch and
+    mb_batch [M] (the batch of each micro-batch)."""
+    most = int(np.bincount(np.asarray(mb_batch)).max()) if np.size(mb_batch) else 1
+    return memory_problems(cfg, float(np.max(tokens)) if np.size(tokens) else 0.0, most)

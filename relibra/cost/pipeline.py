@@ -1,0 +1,158 @@
+"""Pipeline parallelism around the EP group (``parallel.pp``, ``parallel.vpp``; :mod:`relibra.parallel`).
+
+Every stage is its own EP group of ``G`` GPUs holding its layers (:func:`relibra.parallel.stage_layers`);
+one micro-batch visits every stage, so every stage sees the same tokens per GPU and the planner's plan for
+a layer is the plan of the stage that holds it. A pass over the batch is Megatron's interleaved 1F1B
+schedule (``megatron/core/pipeline_parallel/schedules.py``; Narayanan et al. 2021, arXiv 2104.04473,
+Section 2.2.2): the slowest stage sets the pace, and the pipeline's fill and drain idle it for a bubble of
+``(pp - 1) / (vpp * M)`` of its busy seconds over ``M`` micro-batches (:func:`bubble_fraction`). After the
+flush every stage runs its own optimizer step and gradient collectives at once; the step is the slowest
+stage's busy seconds times ``1 + bubble``, plus its per-step seconds (:func:`pipelined`).
+
+Between stages each micro-batch's activations travel forward and their gradients back, once per model
+chunk (``vpp`` sends each way per stage and micro-batch): ``tokens x hidden`` bf16 per GPU to the same GPU
+of the next stage, over the rail NIC (stages are whole nodes), or NVLink when the whole pipeline lies in
+one NVLink domain (:func:`p2p_send_time`). They are charged exposed (NOTE: Megatron's ``overlap_p2p_comm``
+hides part of them under the interleaved schedule; not modelled).
+
+Terms summed over layers but kept per batch (exposed refill, migration, redundant-copy sync, an online
+planner's critical path, host overhead) are apportioned to a stage by its share of the MoE layers: each
+stage moves and refreshes its own layers' experts over its own EP group, in parallel with the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cost.overlap import overlapped_time
+from relibra.parallel import ParallelLayout
+
+__all__ = ["StagePass", "StageTimes", "bubble_fraction", "p2p_send_time", "pipelined"]
+
+BF16_BYTES = 2
+
+
+class _Cost(Protocol):
+    """What :func:`p2p_send_time` reads of the cost model."""
+
+    cluster: ClusterSpec
+    model: ModelSpec
+    layout: ParallelLayout
+
+
+def bubble_fraction(pp: int, vpp: int, microbatches: int) -> float:
+    """Interleaved 1F1B's idle share of a stage's busy seconds: ``(pp - 1) / (vpp * M)``."""
+    return (pp - 1) / (vpp * microbatches) if microbatches > 0 else 0.0
+
+
+def p2p_send_time(cost: _Cost, tokens: np.ndarray) -> np.ndarray:
+    """Seconds of one stage-to-stage send of a micro-batch's activations: tokens [Mb, G] -> [Mb].
+
+    Each GPU sends its ``tokens x hidden`` bf16 values to its counterpart in the next stage, all GPUs at
+    once on their own links: the busiest GPU's bytes over the rail NIC (``nic_bytes_per_s *
+    nic_efficiency``), or over NVLink when ``cluster.nvl_domain`` holds the whole pipeline, plus
+    ``alltoall_latency_s``.
+    """
+    c, hw = cost.cluster, cost.cluster.hardware
+    one_domain = c.nvl_domain is not None and c.nvl_domain >= c.num_gpus * cost.layout.pp
+    rate = (
+        hw.nvlink_bytes_per_s * hw.nvlink_efficiency if one_domain else hw.nic_bytes_per_s * hw.nic_efficiency
+    )
+    t = np.asarray(tokens, dtype=np.float64)
+    return np.asarray(t.max(axis=-1) * cost.model.hidden * BF16_BYTES / rate + hw.alltoall_latency_s)
+
+
+@dataclass(frozen=True)
+class StagePass:
+    """One pass's seconds per micro-batch before the stages are cut, every layer of the model."""
+
+    comp: np.ndarray
+    """float64 [Mb, L]: each MoE layer's compute (everything but the all-to-all)."""
+    comm: np.ndarray
+    """float64 [Mb, L]: each MoE layer's all-to-all."""
+    dense: np.ndarray
+    """float64 [Mb]: one dense layer."""
+    head: np.ndarray
+    """float64 [Mb]: embedding, LM head and loss (on the last stage)."""
+    p2p: np.ndarray
+    """float64 [Mb]: every pipeline send of one stage for the micro-batch (``vpp`` or ``2 * vpp`` sends)."""
+    spread: float
+    """Seconds over all MoE layers kept per batch, apportioned by each stage's share of them."""
+    overlap: bool
+    """``cluster.ep_overlap``: join compute and all-to-all as :func:`relibra.cost.overlap.overlapped_time`."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """A pipelined pass: its seconds and the slowest stage's parts."""
+
+    total: float
+    comm_exposed: float
+    """All-to-all seconds not hidden behind compute, summed over every stage's layers."""
+    slowest: int
+    """The stage that sets the pace."""
+    bubble: float
+    """The slowest stage's bubble seconds."""
+    p2p: float
+    """The slowest stage's pipeline-send seconds."""
+    per_step: tuple[float, ...]
+    """The slowest stage's per-step seconds (as ``per_step`` returned them)."""
+
+
+def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool) -> tuple[float, float]:
+    if comp.shape[-1] == 0:
+        return 0.0, 0.0
+    if overlap:
+        return overlapped_time(comp, comm)
+    total_comm = float(comm.sum())
+    return float(comp.sum()) + total_comm, total_comm
+
+
+def pipelined(
+    stage_of_layer: np.ndarray,
+    dense_layers: int,
+    pp: int,
+    vpp: int,
+    sp: StagePass,
+    per_step: Callable[[int, float, float], tuple[float, ...]] | None = None,
+) -> StageTimes:
+    """Seconds of one pass through the pipeline (module doc).
+
+    ``stage_of_layer`` int [num_layers] (model order, the ``dense_layers`` dense layers first); ``per_step``
+    (stage, first micro-batch's seconds, last micro-batch's seconds) -> the stage's per-step seconds after
+    the flush (None: a forward-only pass, none).
+    """
+    mb, num_moe = sp.comp.shape
+    moe_stage = np.asarray(stage_of_layer)[dense_layers:]
+    dense_stage = np.asarray(stage_of_layer)[:dense_layers]
+    bubble = bubble_fraction(pp, vpp, mb)
+    best: tuple[float, int, float, float, tuple[float, ...]] = (-np.inf, 0, 0.0, 0.0, ())
+    exposed_all = 0.0
+    for s in range(pp):
+        cols = np.flatnonzero(moe_stage == s)
+        nd = int((dense_stage == s).sum())
+        last = s == pp - 1
+        moe, exposed = _join(sp.comp[:, cols], sp.comm[:, cols], sp.overlap)
+        exposed_all += exposed
+        share = len(cols) / num_moe if num_moe else 0.0
+        per_mb = sp.comp[:, cols].sum(axis=1) + sp.comm[:, cols].sum(axis=1) + nd * sp.dense + sp.p2p
+        if last:
+            per_mb = per_mb + sp.head
+        busy = (
+            moe
+            + nd * float(sp.dense.sum())
+            + (float(sp.head.sum()) if last else 0.0)
+            + float(sp.p2p.sum())
+            + share * sp.spread
+        )
+        after = per_step(s, float(per_mb[0]), float(per_mb[-1])) if per_step is not None else ()
+        total = busy * (1.0 + bubble) + sum(after)
+        if total > best[0]:
+            best = (total, s, busy * bubble, float(sp.p2p.sum()), after)
+    total, s, b, p2p, after = best
+    return StageTimes(float(total), exposed_all, int(s), float(b), float(p2p), tuple(after))
