@@ -73,10 +73,10 @@ __all__ = [
 ]
 
 IGNORED_KEYS: frozenset[str] = frozenset(
-    {"hydra", "logger", "results_dir", "run_dir", "output_dir", "experiment_name"}
+    {"hydra", "logger", "results_dir", "run_dir", "output_dir", "experiment_name", "simulator.memory_check"}
 )
-"""Dotted config paths left out of the cell key: they choose where and how results are written, not what
-they are."""
+"""Dotted config paths left out of the cell key: they choose where and how results are written, or whether
+a run that does not fit in memory stops or warns (``simulator.memory_check``), not what they are."""
 
 _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"
