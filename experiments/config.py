@@ -702,7 +702,8 @@ def validate(cfg: DictConfig) -> None:
     if (
         not problems
     ):  # NOTE: the memory check builds the cost model, so it needs a config that passed the rest
-        problems += memory_problems(cfg)
+        cluster, model = build_cluster(cfg), build_model(cfg)
+        problems += memory_problems(cfg, build_cost(cfg, cluster, model))
     if problems:
         raise ConfigError("bad configuration: " + "; ".join(dict.fromkeys(problems)))
 

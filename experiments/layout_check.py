@@ -19,6 +19,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from relibra.cost.memory import MEMORY_CHECKS, memory_estimate
+from relibra.cost.model import CostModel
 from relibra.parallel import LAYOUT_KEYS, ParallelLayout, layer_split_problem
 
 __all__ = ["build_layout", "layout_problems", "memory_problems", "workload_memory_problems"]
@@ -73,30 +74,29 @@ def layout_problems(cfg: DictConfig) -> list[str]:
 
 
 def memory_problems(
-    cfg: DictConfig, tokens_per_gpu: float | None = None, microbatches: int | None = None
+    cfg: DictConfig, cost: CostModel, tokens_per_gpu: float | None = None, microbatches: int | None = None
 ) -> list[str]:
     """The memory check (module doc): [] when it fits, warns or is off; else one message naming the keys.
 
     ``tokens_per_gpu``: the busiest GPU's tokens in its largest micro-batch and ``microbatches`` the most
     micro-batches of a step, from the run's workload; None (:func:`experiments.config.validate`, before any
     input is read): the check of what needs no workload, the parameters, gradients, optimizer state and
-    replica buffer. Call it on a config that passed every other check.
+    replica buffer. ``cost``: the run's cost model (its cluster, model, training constants and layout).
+    Call it on a config that passed every other check.
     """
-    from experiments.config import build_cluster, build_cost, build_model
 
     mode = (cfg.get("simulator") or {}).get("memory_check", MEMORY_CHECKS[0])
     if mode not in MEMORY_CHECKS:
         return [f"simulator.memory_check={mode}: choose one of {', '.join(MEMORY_CHECKS)}"]
     if mode == "off":
         return []
-    cluster, model = build_cluster(cfg), build_model(cfg)
+    cluster, model = cost.cluster, cost.model
     capacity = cluster.hardware.hbm_bytes
     if not capacity > 0:
         return [
             f"cluster.hardware.hbm_bytes={capacity}: simulator.memory_check={mode} needs the GPU's memory "
             "capacity (set it in the cluster yaml with its source, or simulator.memory_check=off)"
         ]
-    cost = build_cost(cfg, cluster, model)
     slots = int(cfg.planner.get("replica_slots", 0) or 0)
     est = memory_estimate(cost, tokens_per_gpu or 0.0, max(microbatches or 1, 1), slots)
     if est.total <= capacity:
@@ -122,8 +122,10 @@ def memory_problems(
     return [text]
 
 
-def workload_memory_problems(cfg: DictConfig, tokens: np.ndarray, mb_batch: np.ndarray) -> list[str]:
+def workload_memory_problems(
+    cfg: DictConfig, cost: CostModel, tokens: np.ndarray, mb_batch: np.ndarray
+) -> list[str]:
     """:func:`memory_problems` for a built workload: tokens [M, G] each GPU holds per micro-batch and
     mb_batch [M] (the batch of each micro-batch)."""
     most = int(np.bincount(np.asarray(mb_batch)).max()) if np.size(mb_batch) else 1
-    return memory_problems(cfg, float(np.max(tokens)) if np.size(tokens) else 0.0, most)
+    return memory_problems(cfg, cost, float(np.max(tokens)) if np.size(tokens) else 0.0, most)

@@ -123,7 +123,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         else hydra.utils.instantiate(cfg.executor, _convert_="all")
     )
     counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
-    if memory := workload_memory_problems(cfg, workload.tokens, workload.mb_batch):
+    if memory := workload_memory_problems(cfg, cost, workload.tokens, workload.mb_batch):
         raise ConfigError(memory[0])  # NOTE: needs the workload's micro-batches; still before planning
     slow = executor_time_problem(cfg, workload.load, cluster.num_gpus)
     if slow is not None:  # NOTE: needs the workload's token counts; still before planning and any process

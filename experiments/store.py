@@ -196,7 +196,10 @@ def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.Dat
         raise CorruptCellError(
             path, "no content checksum: written by a version of the suite before checksums"
         )
-    frame = table.to_pandas()
+    try:  # NOTE: a damaged pandas schema entry (JSON in the metadata) fails here, before the checksum
+        frame = table.to_pandas()
+    except (pa.ArrowException, KeyError, TypeError, ValueError) as err:
+        raise CorruptCellError(path, f"its pandas metadata is damaged ({type(err).__name__}: {err})") from err
     if content_checksum(frame) != meta[_CHECKSUM_META].decode(errors="replace"):
         raise CorruptCellError(path, "its rows do not match their checksum (damaged or edited)")
     if has_config:
