@@ -15,7 +15,7 @@ it is converted once to ``RESULTS/traces/olmoe-decode.npz`` and the preset is sk
 
 Examples::
 
-    python -m experiments.reproduce                          # the quick presets (about 10 minutes)
+    python -m experiments.reproduce                          # the quick presets (about 13 min on 2 cores)
     python -m experiments.reproduce --presets quick_ablation,quick_datasets
     python -m experiments.reproduce --scale paper            # the same grids at the paper's scale
     python -m experiments.reproduce logger=wandb             # extra overrides go to every cell
@@ -62,17 +62,15 @@ __all__ = [
     "schedule",
 ]
 
+PAPER_PRESETS = ("overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace")
+"""The seven grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
 QUICK_PRESETS = (
-    "quick_overall",
-    "quick_ablation",
-    "quick_ep_scaling",
-    "quick_nvl72",
-    "quick_datasets",
-    "quick_overhead",
-    "quick_real_trace",
+    *(f"quick_{p}" for p in PAPER_PRESETS),
+    "quick_whole_step_shift",
+    "quick_comm_sensitivity",
 )
-PAPER_PRESETS = tuple(p.removeprefix("quick_") for p in QUICK_PRESETS)
-"""The same seven grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
+"""The same grids at the quick scale (``make reproduce``), and two that are cheap only there: the MoE-only vs
+whole-step shift (docs/validation.md) and the communication sensitivity of ``ep_scaling``."""
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 OLMOE_SAMPLES_PER_BATCH = 100
@@ -352,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--presets",
         default=None,
-        help="comma-separated presets to run, in order (default: the six presets of --scale)",
+        help="comma-separated presets to run, in order (default: those of --scale)",
     )
     parser.add_argument(
         "--scale",
