@@ -78,7 +78,8 @@ def plot_headline(frame: pd.DataFrame, title: str = "") -> Figure:
     planners += sorted(set(methods["planner"]) - set(planners))
     datasets = list(dict.fromkeys(data["dataset"]))
     models = list(dict.fromkeys(data["model"]))
-    palette = sns.color_palette("colorblind", len(planners))
+    # NOTE: "colorblind" has 10 colours and repeats after them; more planners get distinct "husl" hues
+    palette = sns.color_palette("colorblind" if len(planners) <= 10 else "husl", len(planners))
     drawn = data[data["planner"] != ANNOTATED_BOUND]
     top = 1.18 * float(np.nanmax(drawn["high"].to_numpy()))  # NOTE: room for the written bound's value
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.6), sharey=True, squeeze=False)
