@@ -303,6 +303,8 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
                 "quick_nvl72",
                 "quick_datasets",
                 "quick_overhead",
+                "quick_whole_step_shift",
+                "quick_comm_sensitivity",
             ],
         ),
         (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead"]),
