@@ -8,7 +8,6 @@ Plain functions of a ``DictConfig``: :func:`validate` (one :class:`ConfigError` 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import re
 import sys
@@ -26,6 +25,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
+from experiments.config_keys import _int_key, _number_key
+from experiments.executor_check import _executor_problems
 from experiments.layout_check import build_layout, layout_problems, memory_problems
 from relibra.cluster import PRECISIONS, ClusterSpec, HardwareSpec, ModelSpec, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
@@ -205,49 +206,6 @@ def read_trace(path: str) -> RoutingTrace:
     return _read_trace(str(path), stat.st_mtime_ns, stat.st_size)
 
 
-def _int_key(
-    cfg: DictConfig,
-    key: str,
-    problems: list[str],
-    least: int | None = 1,
-    required: bool = False,
-    most: int | None = None,
-) -> int | None:
-    """``cfg.<key>`` when it is an integer in [``least``, ``most``] (None when unset; a problem when unset
-    and ``required``); else a problem naming the key."""
-    value = OmegaConf.select(cfg, key, default=None)
-    if value is None:
-        if required:
-            problems.append(f"{key}=null: must be an integer" + (f" >= {least}" if least is not None else ""))
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        problems.append(f"{key}={value!r}: must be an integer")
-        return None
-    if least is not None and value < least:
-        problems.append(f"{key}={value}: must be >= {least}")
-        return None
-    if most is not None and value > most:
-        problems.append(f"{key}={value}: must be <= {most}")
-        return None
-    return value
-
-
-def _number_key(
-    cfg: DictConfig, key: str, problems: list[str], least: float = 0.0, strict: bool = False
-) -> float | None:
-    """``cfg.<key>`` when it is a finite number >= ``least`` (> with ``strict``; None when unset)."""
-    value = OmegaConf.select(cfg, key, default=None)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        problems.append(f"{key}={value!r}: must be a finite number")
-        return None
-    if value < least or (strict and value == least):
-        problems.append(f"{key}={value}: must be {'>' if strict else '>='} {least:g}")
-        return None
-    return float(value)
-
-
 SEED_MAX = int(np.iinfo(np.int64).max)
 """Largest ``seed``: the results' ``seed`` column is int64 (parquet), and numpy's generators refuse
 negative seeds, so seeds lie in ``[0, 2**63 - 1]``."""
@@ -291,126 +249,6 @@ def _spec_problems(cfg: DictConfig) -> list[str]:
             else:
                 _number_key(cfg, key, problems)
     return problems
-
-
-def _yaml(value: Any) -> str:
-    return "null" if value is None else str(value)
-
-
-TORCH_BACKENDS = ("gloo", "nccl")
-TORCH_START_METHODS = ("spawn", "fork")
-
-
-def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
-    """``executor=torch``: its shape and backend settings, and its memory estimated before any process
-    starts (:mod:`relibra.executors.budget`, a lower bound), against what this host (or GPU) has."""
-    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
-        return []
-    problems: list[str] = []
-    hidden = _int_key(cfg, "executor.hidden", problems)
-    ffn = _int_key(cfg, "executor.moe_ffn", problems)
-    slots = [_int_key(cfg, f"executor.{k}", problems, least=0) for k in ("replica_slots", "redundant_slots")]
-    max_world = _int_key(cfg, "executor.max_world", problems, required=True)
-    max_time = OmegaConf.select(cfg, "executor.max_time_s", default=None)
-    if max_time is not None:
-        _number_key(cfg, "executor.max_time_s", problems)
-    backend = OmegaConf.select(cfg, "executor.backend", default=None)
-    if backend not in TORCH_BACKENDS:
-        problems.append(f"executor.backend={backend!r}: choose one of {', '.join(TORCH_BACKENDS)}")
-    start = OmegaConf.select(cfg, "executor.start_method", default=None)
-    if start not in TORCH_START_METHODS:
-        problems.append(f"executor.start_method={start!r}: choose one of {', '.join(TORCH_START_METHODS)}")
-    if num_gpus is None or problems:
-        return problems
-    if max_world is not None and num_gpus > max_world:
-        problems.append(
-            f"executor.max_world={max_world}: the torch executor starts one process per GPU and the cluster "
-            f"has {num_gpus} (raise executor.max_world or use a smaller cluster)"
-        )
-    gpu_bytes: int | None = None
-    if backend == "nccl":
-        import torch  # NOTE: only executor=torch needs torch; imported here, not at module import
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() < num_gpus:
-            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            return [
-                *problems,
-                f"executor.backend=nccl needs one CUDA GPU per rank ({num_gpus}) and this host has {found}; "
-                "use executor.backend=gloo on CPU",
-            ]
-        gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(num_gpus))
-    from relibra.executors.budget import available_host_bytes, rank_bytes
-
-    shape_h = hidden if hidden is not None else OmegaConf.select(cfg, "model.hidden")
-    shape_f = ffn if ffn is not None else OmegaConf.select(cfg, "model.moe_ffn")
-    planner_slots = OmegaConf.select(cfg, "planner.replica_slots", default=0) or 0
-    held = (slots[0] if slots[0] is not None else int(planner_slots)) + (slots[1] or 0)
-    per_rank = rank_bytes(
-        int(cfg.model.num_moe_layers), int(cfg.model.num_experts), num_gpus, int(shape_h), int(shape_f), held
-    )
-    limit, where = (
-        (gpu_bytes, "each GPU has") if gpu_bytes is not None else (available_host_bytes(), "this host has")
-    )
-    need = per_rank if gpu_bytes is not None else per_rank * num_gpus
-    if limit is not None and need > limit:
-        problems.append(
-            f"executor.hidden={_yaml(hidden)} executor.moe_ffn={_yaml(ffn)} (expert shape {shape_h} x "
-            f"{shape_f}): the torch executor needs at least {need / 2**30:.1f} GiB ({num_gpus} ranks of "
-            f"{per_rank / 2**30:.1f} GiB: "
-            f"fp32 weights, gradients and Adam moments of each rank's experts) and {where} "
-            f"{limit / 2**30:.1f} GiB available; give a smaller executor.hidden / executor.moe_ffn"
-        )
-    return problems
-
-
-def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> str | None:
-    """``executor=torch``: why the run would exceed ``executor.max_time_s`` (None: it fits, or no limit).
-
-    The estimate (:func:`relibra.executors.budget.estimate_time_s`) counts the FLOPs of every micro-batch
-    and layer of the workload ``load`` [M, L, G, E] at the executor's expert shape, under the static
-    placement, at a matmul rate measured on this host now, plus the per-cell overhead and the process start
-    measured now (:mod:`relibra.executors.time_probe`).
-    """
-    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
-        return None
-    limit = OmegaConf.select(cfg, "executor.max_time_s", default=None)
-    if limit is None:
-        return None
-    from relibra.executors import budget, time_probe
-
-    hidden = int(cfg.executor.hidden or cfg.model.hidden)
-    ffn = int(cfg.executor.moe_ffn or cfg.model.moe_ffn)
-    e, num_layers = int(cfg.model.num_experts), load.shape[1]
-    top_k = int(cfg.model.top_k)
-    home = np.broadcast_to(np.arange(e) // (e // num_gpus), (num_layers, e))
-    flops = budget.workload_flops(load, home, top_k, hidden, ffn, bool(cfg.executor.warmup))
-    device = "cuda" if str(cfg.executor.backend) == "nccl" else "cpu"
-    rate = budget.matmul_rate(hidden, ffn, device)
-    cores = num_gpus if device == "cuda" else budget.available_cores()
-    per_rank = e // num_gpus
-    tokens = round(float(load[0].sum()) / (top_k * num_gpus * num_layers)) if load.size else 0
-    probe_h, probe_f = hidden, ffn
-    if per_rank * 3 * hidden * ffn > time_probe.PROBE_MAX_PARAMS:
-        probe_h, probe_f = 64, 32  # NOTE: the executor's default shape (TorchExecutor); compute at `rate`
-    cell = time_probe.cell_cost(per_rank, max(tokens, 1), top_k, probe_h, probe_f)
-    probe_rate = rate if (probe_h, probe_f) == (hidden, ffn) else budget.matmul_rate(probe_h, probe_f)
-    overhead = budget.cell_overhead_s(cell.seconds, cell.flops, probe_rate)
-    start = (
-        cell.init_s
-        + cell.first_s
-        + (time_probe.start_cost_s() if str(cfg.executor.start_method) == "spawn" else 0.0)
-    )
-    est = budget.estimate_time_s(flops, rate, overhead, num_gpus, cores, start)
-    if est <= float(limit):
-        return None
-    return (
-        f"executor.max_time_s={_yaml(limit)}: the torch executor run is estimated at {est:.0f} s "
-        f"({flops.shape[0]} micro-batch passes x {num_layers} layers of expert shape {hidden} x {ffn} on "
-        f"{num_gpus} ranks, {rate / 1e9:.1f} GFLOP/s and {cell.seconds * 1e3:.1f} ms per probed cell "
-        "per rank measured here); give a smaller "
-        "executor.hidden / executor.moe_ffn, fewer batches (trace.num_batches), or raise executor.max_time_s "
-        "(null: no limit)"
-    )
 
 
 def writable_dir(key: str, value: str) -> str | None:

@@ -40,7 +40,6 @@ from experiments.config import (
     build_model,
     build_planner,
     dataset_name,
-    executor_time_problem,
     planning,
     refuse,
     routing,
@@ -48,6 +47,7 @@ from experiments.config import (
     validate,
     writable_dir,
 )
+from experiments.executor_check import executor_time_problem
 from experiments.inputs import cell_inputs
 from experiments.layout_check import workload_memory_problems
 from experiments.run_dir import commit_run

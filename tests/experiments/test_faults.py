@@ -695,7 +695,7 @@ def test_analysis_of_a_missing_or_empty_store_is_one_line(tmp_path, what) -> Non
 
 
 def test_torch_executor_time_limit_null_disables_the_guard(monkeypatch) -> None:
-    from experiments.config import executor_time_problem
+    from experiments.executor_check import executor_time_problem
     from relibra.executors import budget
 
     monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)
