@@ -101,7 +101,7 @@ def test_node_level_ignores_intra_node_placement() -> None:
         gpu_p = layer_problem(ctx.load[:, l], ctx.cost)
         node_p = layer_problem(ctx.load[:, l], ctx.cost, compute_level="node")
         assert node_p.compute_group == 4 and gpu_p.compute_group == 1
-        no_comm = np.zeros(3)
+        no_comm = np.zeros_like(gpu_p.coef)
         home = rng.permutation(np.repeat(np.arange(8), 4)).astype(np.int32)
         a = int(np.flatnonzero(home == 0)[0])
         b = int(np.flatnonzero(home == 1)[0])  # GPUs 0 and 1 share node 0
@@ -116,6 +116,14 @@ def test_node_level_ignores_intra_node_placement() -> None:
             else:
                 assert before == pytest.approx(after, rel=1e-12)
     assert gpu_changed > 0
+
+
+def test_problem_refuses_a_short_coefficient_vector() -> None:
+    # The kernels read five coefficients unchecked; a shorter vector must stop at construction.
+    ctx = layer_ctx(2, 4, 32, seed=3)
+    full = layer_problem(ctx.load[:, 0], ctx.cost)
+    with pytest.raises(ValueError, match="coef has shape"):
+        replace(full, coef=np.zeros(3))
 
 
 def test_link_routes_counts() -> None:
@@ -339,7 +347,7 @@ def test_comm_weight_scales_the_communication_term(weight: float) -> None:
     home = np.random.default_rng(3).permutation(np.repeat(np.arange(8), 4)).astype(np.int32)
     full = layer_problem(load_l, ctx.cost)
     weighted = layer_problem(load_l, ctx.cost, comm_weight=weight)
-    no_comm = placement_objective(replace(full, coef=np.zeros(3)), home, ctx.cluster)
+    no_comm = placement_objective(replace(full, coef=np.zeros_like(full.coef)), home, ctx.cluster)
     comm = placement_objective(full, home, ctx.cluster) - no_comm
     assert comm > 0
     got = placement_objective(weighted, home, ctx.cluster)

@@ -78,6 +78,11 @@ class LayerProblem:
     """Micro-batches the rows stand for under ``cluster.ep_overlap`` (``Mb``, or the batch's count for the
     aggregate row); 0: no overlap, the objective sums the rows' ``T_MoE``."""
 
+    def __post_init__(self) -> None:
+        # The kernels index ``coef`` without bounds checks: a short vector would read memory past its end.
+        if np.shape(self.coef) != (5,):
+            raise ValueError(f"coef has shape {np.shape(self.coef)}; expected [5] (comm_coefficients)")
+
     @property
     def deepep(self) -> bool:
         return self.lq.size > 0
