@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paper
-from analysis.spread import is_tie, per_seed, seeds, summarise
+from analysis.spread import SEED, is_tie, per_seed, seeds, summarise, with_seed
 from analysis.table import Table
 
 __all__ = [
@@ -243,16 +243,20 @@ def ablation(frame: pd.DataFrame) -> Table:
 
 
 def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Mapping[str, tuple]) -> Table:
-    data = frame.assign(EP=ep_size(frame))
-    wide = data.groupby([by, "planner"])["skew_mean"].mean().unstack("planner").sort_index()
-    out = pd.DataFrame({by: wide.index})
+    """Skewness per ``by`` and planner: the mean over seeds of each seed's mean (min-max over the seeds
+    beside it), the paper's range and ours over it for the planners the paper reports."""
+    wide = per_seed(frame.assign(EP=ep_size(frame)), [by], "skew_mean").sort_index()
+    cols: dict[str, pd.Series] = {}
+    spread: dict[str, tuple[str, str]] = {}
     for planner in wide.columns:
-        out[f"{paper.label(planner)}"] = wide[planner].to_numpy()
+        label = paper.label(planner)
+        _add_spread(cols, spread, label, wide[planner], [by])
         if planner in bounds:
             lo, hi = bounds[planner]
-            out[f"{paper.label(planner)} paper"] = f"{lo:.2f}-{hi:.2f}"
-            out[f"{paper.label(planner)} ours/paper"] = [range_ratio(v, lo, hi) for v in wide[planner]]
-    return Table(name, title, out, dict.fromkeys(out.columns, ".3f"))
+            cols[f"{label} paper"] = pd.Series(f"{lo:.2f}-{hi:.2f}", index=cols[label].index)
+            cols[f"{label} ours/paper"] = cols[label].map(lambda v, lo=lo, hi=hi: range_ratio(v, lo, hi))
+    out = pd.DataFrame(cols).rename_axis(by).reset_index()
+    return Table(name, title, out, dict.fromkeys(out.columns, ".3f"), seed_note(frame), spread=spread)
 
 
 def _step_table(frame: pd.DataFrame, by: str, name: str, title: str) -> Table:
@@ -341,8 +345,10 @@ def overhead(frame: pd.DataFrame) -> Table:
     rank = {v: i for i, v in enumerate(RELIBRA_VARIANTS)}
     agg = rows.groupby(["model", "planner"]).agg(cols)
     spread = rows.groupby(["model", "planner"])["share"].agg(["median", "min", "max"])
+    by_seed = with_seed(rows).groupby(["model", "planner", SEED])[["t_reorder_s", "step_time_s"]].mean()
+    seed_share = summarise(100.0 * by_seed["t_reorder_s"] / by_seed["step_time_s"], ["model", "planner"])
     order = sorted(agg.index, key=lambda key: (key[0], rank[key[1]]))
-    agg, spread = agg.loc[order], spread.loc[order]
+    agg, spread, seed_share = agg.loc[order], spread.loc[order], seed_share.reindex(order)
     models = [m for m, _ in order]
     out = pd.DataFrame({"model": models, "ReLibra": [paper.label(p) for _, p in order]})
     buf = agg["replica_buffer_bytes"].to_numpy() / MIB
@@ -363,6 +369,8 @@ def overhead(frame: pd.DataFrame) -> Table:
     share = 100.0 * agg["t_reorder_s"].to_numpy() / agg["step_time_s"].to_numpy()
     lo, hi = paper.REORDER_OVERHEAD_PCT
     out["reorder % batch"] = share
+    out["reorder % batch min"] = seed_share["min"].to_numpy()
+    out["reorder % batch max"] = seed_share["max"].to_numpy()
     out["reorder % median cell"] = spread["median"].to_numpy()
     out["reorder % cells"] = [f"{a:.2f}-{b:.2f}" for a, b in zip(spread["min"], spread["max"], strict=True)]
     out["paper reorder %"] = f"{lo:.1f}-{hi:.1f}"
@@ -383,8 +391,10 @@ def overhead(frame: pd.DataFrame) -> Table:
             "layers kept %": ".1f",
             "least-kept layer %": ".1f",
         },
-        "reorder % batch: mean migration over mean step of the model's cells; median cell and cells: the "
-        "per-cell shares. Moves are per batch (the first batch moves from Megatron-LM's static placement).",
+        "reorder % batch: mean migration over mean step of the model's cells (min-max of that share over "
+        "the trace seeds beside it); median cell and cells: the per-cell shares. Moves are per batch (the "
+        "first batch moves from Megatron-LM's static placement). " + seed_note(frame),
+        spread={"reorder % batch": ("reorder % batch min", "reorder % batch max")},
     )
 
 

@@ -62,8 +62,17 @@ __all__ = [
     "schedule",
 ]
 
-PAPER_PRESETS = ("overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace")
-"""The seven grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
+PAPER_PRESETS = (
+    "overall",
+    "overall_deepep",
+    "ablation",
+    "ep_scaling",
+    "nvl72",
+    "datasets",
+    "overhead",
+    "real_trace",
+)
+"""The eight grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
 QUICK_PRESETS = (
     *(f"quick_{p}" for p in PAPER_PRESETS),
     "quick_whole_step_shift",

@@ -545,3 +545,30 @@ def test_loaded_results_carry_each_cells_dispatcher_and_overlap(tmp_path: Path) 
     frame = frame.rename(index={cell_key(config): name for name, config in configs.items()})
     assert (frame.loc["a", "dispatcher"], bool(frame.loc["a", "ep_overlap"])) == ("deepep", True)
     assert (frame.loc["b", "dispatcher"], bool(frame.loc["b", "ep_overlap"])) == ("alltoall", False)
+
+
+def test_skew_and_overhead_show_their_spread_over_seeds() -> None:
+    # Two trace seeds whose skewness and migration differ: the tables give the mean and the min-max beside it.
+    rows = []
+    for seed, (bump, reorder) in enumerate(((0.0, 0.2), (0.1, 0.4))):
+        for planner in ("megatron", "relibra"):
+            row = _row("qwen3-30b-a3b", "mixed", planner, 2) | {"seed": seed, "t_reorder_s": reorder}
+            rows.append(row | {"skew_mean": row["skew_mean"] + bump})
+    frame = pd.DataFrame(rows)
+    skew = skew_by_ep(frame)
+    got = skew.frame.set_index("EP")
+    assert got.loc[16, "ReLibra (paper)"] == pytest.approx(SKEW["relibra"] + 0.02 + 0.05)
+    assert (got.loc[16, "ReLibra (paper) min"], got.loc[16, "ReLibra (paper) max"]) == pytest.approx(
+        (SKEW["relibra"] + 0.02, SKEW["relibra"] + 0.12)
+    )
+    text = skew.formatted().set_index("EP").loc["16", "ReLibra (paper)"]
+    assert text == f"{SKEW['relibra'] + 0.07:.3f} ({SKEW['relibra'] + 0.02:.3f}-{SKEW['relibra'] + 0.12:.3f})"
+    assert "2 seeds" in skew.note
+    table = overhead(frame)
+    step = 10.0 / FACTOR["relibra"]
+    rel = table.frame.set_index("ReLibra").loc[paper.label("relibra")]
+    assert rel["reorder % batch"] == pytest.approx(100 * 0.3 / step)
+    assert (rel["reorder % batch min"], rel["reorder % batch max"]) == pytest.approx(
+        (100 * 0.2 / step, 100 * 0.4 / step)
+    )
+    assert "(" in table.formatted().set_index("ReLibra").loc[paper.label("relibra"), "reorder % batch"]

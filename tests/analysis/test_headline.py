@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from matplotlib.collections import LineCollection
 
-from analysis.headline import headline_source, plot_headline, write_headline
+from analysis.headline import headline_source, headline_sources, plot_headline, write_headline
 
 
 def _frame(throughput: dict[str, float]) -> pd.DataFrame:
@@ -77,3 +77,27 @@ def test_over_several_seeds_bars_are_means_with_min_max_whiskers() -> None:
     assert len(whiskers) == 1  # ReLibra's alone: the other planners agree across seeds
     segments = whiskers[0].lines[2][0].get_segments()
     assert sorted((round(s[0][1], 6), round(s[1][1], 6)) for s in segments) == [(1.2, 1.4), (1.2, 1.4)]
+
+
+def test_one_row_per_dispatcher_of_the_same_scale(tmp_path: Path) -> None:
+    alltoall = _frame(PLANNERS)
+    deepep = _frame({**PLANNERS, "relibra": 90.0})  # ReLibra loses to Megatron-LM under DeepEP here
+    by = {"overall": alltoall, "overall_deepep": deepep, "quick_overall_deepep": deepep}
+    assert headline_sources(by) == {"alltoall": "overall", "deepep": "overall_deepep"}
+    # NOTE: the quick DeepEP row is never drawn beside the paper-scale all-to-all one
+    assert headline_sources({"overall": alltoall, "quick_overall_deepep": deepep}) == {"alltoall": "overall"}
+    assert headline_sources({"quick_overall": alltoall, "quick_overall_deepep": deepep}) == {
+        "alltoall": "quick_overall",
+        "deepep": "quick_overall_deepep",
+    }
+    fig = plot_headline({"alltoall": alltoall, "deepep": deepep})
+    assert len(fig.axes) == 4  # 2 dispatchers x 2 models
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["a, alltoall", "b, alltoall", "a, deepep", "b, deepep"]
+    low_row = sorted(round(p.get_height(), 6) for p in fig.axes[2].patches)
+    assert low_row == [0.9, 0.9, 1.0, 1.0, 1.1, 1.1]  # the losing cell is drawn below 1, not left out
+    labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert len(labels) == len(set(labels)) == 5  # one entry per planner and bound, not one per row
+    assert set(labels[-2:]) == {"Balanced (ideal bound, value written)", "force-balanced"}  # bounds last
+    paths = write_headline(by, tmp_path)
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -13,7 +13,7 @@ from experiments.grid import cells, compose_cell, compose_cells, presets
 from experiments.grid_jobs import GridReport
 from experiments.store import ResultsStore, cell_key
 
-FULL = ["overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace"]
+FULL = ["overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL]
 PLANNERS = {
     "megatron",
@@ -143,6 +143,18 @@ def test_overall_covers_models_datasets_planners_at_paper_ep_sizes() -> None:
         cfg = compose_cell("overall", [f"model={model}"])
         g = cfg.cluster.nodes * cfg.cluster.gpus_per_node
         assert 32 <= g <= 160 and cfg.model.num_experts % g == 0
+
+
+def test_overall_deepep_is_overall_under_the_deepep_dispatcher() -> None:
+    """The headline's DeepEP row: overall's cells, one for one, with only the dispatcher changed."""
+    for preset in ("overall_deepep", "quick_overall_deepep"):
+        base = preset.replace("_deepep", "")
+        grid = cells(preset)
+        assert sorted(map(sorted, grid)) == sorted(map(sorted, cells(base)))
+        for cfg_a, cfg_b in zip(compose_cells(preset, grid[:3]), compose_cells(base, grid[:3])):
+            assert (cfg_a.cluster.dispatcher, cfg_b.cluster.dispatcher) == ("deepep", "alltoall")
+            assert cfg_a.cluster.ep_overlap is False
+            assert cfg_a.planner == cfg_b.planner and cfg_a.model == cfg_b.model
 
 
 def test_nvl72_holds_every_ep_group_in_one_nvlink_domain() -> None:
@@ -298,6 +310,7 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
             [],
             [
                 "quick_overall",
+                "quick_overall_deepep",
                 "quick_ablation",
                 "quick_ep_scaling",
                 "quick_nvl72",
@@ -307,14 +320,17 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
                 "quick_comm_sensitivity",
             ],
         ),
-        (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "nvl72", "datasets", "overhead"]),
+        (
+            ["--scale", "paper"],
+            ["overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets", "overhead"],
+        ),
         (["--scale", "paper", "--presets", "datasets"], ["datasets"]),
     ],
 )
 def test_reproduce_scale_selects_the_presets(
     argv: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--scale paper` (make reproduce-paper) runs the seven grids at the paper's scale; --presets wins."""
+    """`--scale paper` (make reproduce-paper) runs the eight grids at the paper's scale; --presets wins."""
     from experiments import reproduce
 
     ran: list[str] = []
