@@ -97,19 +97,10 @@ def test_the_cli_refuses_a_layout_with_exit_status_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and "parallel.tp=3" in lines[0]
 
 
-NOT_FITTING = {
-    ("glm4.5-106b-a12b", 64, "H100-SXM"),
-    ("qwen3-235b-a22b", 64, "H100-SXM"),
-    ("qwen3-30b-a3b", 8, "H100-SXM"),
-    ("qwen3-30b-a3b", 16, "H100-SXM"),
-    ("qwen3-235b-a22b", 8, "B200-GB200"),
-    ("qwen3-235b-a22b", 16, "B200-GB200"),
-    ("qwen3-235b-a22b", 32, "B200-GB200"),
-    ("qwen3-235b-a22b", 64, "B200-GB200"),
-}
-"""(model, EP group, GPU) of preset cells whose estimate exceeds the GPU's memory with the presets' layout (EP
-only, ``training.recompute=none``, the paper's micro-batches), as computed on the presets as they are; the
-presets are left as they are until their layout is decided (docs/spine.md, "Parallel layout")."""
+NOT_FITTING: set[tuple[str, int, str]] = set()
+"""(model, EP group, GPU) of preset cells whose estimate exceeds the GPU's memory: none, with the presets'
+layouts (full recompute, and pipeline stages and replicas where the model needs them: common/paper_scale.yaml,
+nvl72.yaml; docs/spine.md)."""
 MEMORY_KEYS = ("model", "cluster", "workload", "trace", "training", "parallel")
 
 
@@ -122,7 +113,6 @@ def test_every_preset_cell_is_checked_against_memory(preset: str) -> None:
     shapes: dict[tuple[str, ...], list[str]] = {}
     for cell in cells(preset):
         kept = [o for o in cell if o.split("=")[0].split(".")[0] in MEMORY_KEYS]
-        # NOTE: the presets warn (common/*_scale.yaml); the verdict is the error mode's
         shapes.setdefault(tuple(kept), [*kept, "simulator.memory_check=error"])
     if preset.endswith("real_trace"):
         pytest.skip("real_trace reads the shared OLMoE trace (tests/experiments/test_presets.py checks it)")
@@ -135,3 +125,11 @@ def test_every_preset_cell_is_checked_against_memory(preset: str) -> None:
             _, work = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
             problems = workload_memory_problems(cfg, cost, work.tokens, work.mb_batch)
         assert bool(problems) == (key in NOT_FITTING), (key, problems)
+
+
+@pytest.mark.parametrize("preset", ["overall", "quick_overall", "nvl72", "ep_scaling"])
+def test_presets_stop_a_cell_that_does_not_fit(preset: str) -> None:
+    """Every preset fits (above), so none needs the warn mode: a cell that does not fit stops before work."""
+    cfg = compose_cells(preset, cells(preset)[:1])[0]
+    assert cfg.simulator.memory_check == "error"
+    assert cfg.training.recompute == "full"
