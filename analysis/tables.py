@@ -563,6 +563,7 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
     """
     builders = {
         "overall": [overall_summary, overall_cells, replay_adds, ultraep_headline, overhead],
+        "overall_deepep": [overall_summary, overall_cells, replay_adds],
         "ablation": [ablation],
         "ep_scaling": [skew_by_ep, step_by_ep, replay_adds],
         "nvl72": [skew_by_ep, step_by_ep, replay_adds, ultraep_headline],
