@@ -243,8 +243,7 @@ def ablation(frame: pd.DataFrame) -> Table:
 
 
 def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Mapping[str, tuple]) -> Table:
-    """Skewness per ``by`` and planner: the mean over seeds of each seed's mean (min-max over the seeds
-    beside it), the paper's range and ours over it for the planners the paper reports."""
+    """Skewness per ``by`` and planner over seeds (mean, min-max), with the paper's range where it has one."""
     wide = per_seed(frame.assign(EP=ep_size(frame)), [by], "skew_mean").sort_index()
     cols: dict[str, pd.Series] = {}
     spread: dict[str, tuple[str, str]] = {}
