@@ -1,5 +1,6 @@
 """Readers of one config key each, collecting a problem naming the key instead of raising (the checks of
-:func:`experiments.config.validate` gather every problem of a configuration before refusing it once)."""
+:func:`experiments.config_checks.validate` gather every problem of a configuration before refusing it
+once)."""
 
 from __future__ import annotations
 

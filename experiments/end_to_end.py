@@ -29,14 +29,8 @@ import pandas as pd
 from hydra import compose, initialize_config_dir
 
 from baselines.force_balanced import uniform_routing
-from experiments.config import (
-    build_cluster,
-    build_cost,
-    build_model,
-    build_planner,
-    sim_options,
-    validate,
-)
+from experiments.config import build_cluster, build_cost, build_model, build_planner, sim_options
+from experiments.config_checks import validate
 from experiments.layout_check import build_layout
 from relibra.simulator import simulate
 from relibra.types import SampleCounts

@@ -146,7 +146,8 @@ def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
     problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
     cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
     with its reason, when the grid ends (one bad cell must not cost the rest)."""
-    from experiments.config import ConfigError, validate
+    from experiments.config import ConfigError
+    from experiments.config_checks import validate
 
     problems: dict[str, int] = {}
     for cfg in configs:

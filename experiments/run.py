@@ -2,7 +2,7 @@
 
 ``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
 
-1. :func:`~experiments.config.validate` refuses a bad config before any work (nothing is written, not
+1. :func:`~experiments.config_checks.validate` refuses a bad config before any work (nothing is written, not
    even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
@@ -44,9 +44,8 @@ from experiments.config import (
     refuse,
     routing,
     sim_options,
-    validate,
-    writable_dir,
 )
+from experiments.config_checks import validate, writable_dir
 from experiments.executor_check import executor_time_problem
 from experiments.inputs import cell_inputs
 from experiments.layout_check import workload_memory_problems

@@ -1,12 +1,12 @@
 """A Hydra callback that validates every cell of a ``--multirun`` sweep before the first one runs, and
 ends the sweep with a summary of every cell that failed.
 
-Installed by ``conf/config.yaml`` (``hydra.callbacks.validate_cells``). In ``on_multirun_start`` (the
-sweeping process, before the sweeper writes or launches anything) it expands the sweep exactly as Hydra's
-basic sweeper will (:func:`experiments.grid.expand`), composes each cell and runs
-:func:`experiments.config.validate` on it. A bad cell (``seed=abc``, ``planner.replica_slots=4,999``, an
-unreadable trace) is refused with one line naming the cell and the key, and exit status 2, on every
-launcher (in-process, ``submitit_local``, Slurm).
+Installed by ``conf/config.yaml`` (``hydra.callbacks.validate_cells``). In ``on_multirun_start`` (the sweeping
+process, before the sweeper writes or launches anything) it expands the sweep exactly as Hydra's basic sweeper
+will (:func:`experiments.grid.expand`), composes each cell and runs :func:`experiments.config_checks.validate`
+on it. A bad cell (``seed=abc``, ``planner.replica_slots=4,999``, an unreadable trace) is refused with one
+line naming the cell and the key, and exit status 2, on every launcher (in-process, ``submitit_local``,
+Slurm).
 
 NOTE: without it, a cell's ConfigError would travel back to the sweeping process inside the job's result,
 where Hydra's sweeper re-raises it (``JobReturn.return_value``) and ``run_and_report`` prints it as a
@@ -36,7 +36,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import ConfigError, refuse, validate
+from experiments.config import ConfigError, refuse
+from experiments.config_checks import validate
 from experiments.grid import expand
 
 __all__ = ["FAILED_FILE", "CellFailure", "ValidateCells"]

@@ -108,7 +108,7 @@ class Planner(Protocol):
 @runtime_checkable
 class ClusterRequirements(Protocol):
     """A planner whose method cannot run on every EP group says why, before any work
-    (``experiments/config.py: validate`` asks it; exit status 2 with its message)."""
+    (``experiments/config_checks.py: validate`` asks it; exit status 2 with its message)."""
 
     def cluster_problems(self, num_experts: int, cluster: ClusterSpec) -> list[str]:
         """Why this planner cannot plan ``num_experts`` experts on ``cluster`` (each problem names its config

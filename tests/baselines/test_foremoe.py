@@ -190,7 +190,8 @@ def test_cli_refuses_bad_settings_exit_2_one_line(override: str, named: str, tmp
 
 
 def test_refusals() -> None:
-    from experiments.config import ConfigError, validate
+    from experiments.config import ConfigError
+    from experiments.config_checks import validate
 
     with pytest.raises(ValueError, match=r"planner\.redundant_slots"):
         ForeMoEPlanner(redundant_slots=1)

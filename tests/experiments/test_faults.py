@@ -184,7 +184,7 @@ def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_comp
     with pytest.raises(ConfigError, match=r"needs at least 100\.1 GiB \(4 ranks of 25\.0 GiB.*has 8\.0 GiB"):
         run(c, run_dir=tmp_path / "run")
     validate_ok = cfg(*TINY, "executor=torch")  # the default small shape fits
-    from experiments.config import validate
+    from experiments.config_checks import validate
 
     validate(validate_ok)
 

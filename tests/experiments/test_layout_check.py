@@ -18,8 +18,8 @@ from experiments.config import (
     build_model,
     build_workload_for,
     load_counts,
-    validate,
 )
+from experiments.config_checks import validate
 from experiments.grid import CONF_DIR, cells, compose_cells, presets
 from experiments.layout_check import memory_problems, workload_memory_problems
 

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 import experiments.run as run_module
-from experiments.config import build_cluster, validate
+from experiments.config import build_cluster
+from experiments.config_checks import validate
 from experiments.grid import cells, compose_cell, compose_cells, presets
 from experiments.grid_jobs import GridReport
 from experiments.store import ResultsStore, cell_key

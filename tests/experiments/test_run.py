@@ -420,7 +420,7 @@ def test_calibration_file_for_another_model_is_refused(trace_file, tmp_path):
 )
 def test_validate_accepts_deepep_for_the_milp_and_the_lp_split(planner):
     """The replication MILP and the LP split price deepep by majorize-minimize: no refusal any more."""
-    from experiments.config import validate
+    from experiments.config_checks import validate
 
     c = cfg("cluster.dispatcher=deepep", *planner)
     validate(c)
@@ -443,7 +443,7 @@ def test_bad_majorize_setting_stops_before_work(trace_file, tmp_path, override, 
 
 
 def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():
-    from experiments.config import validate
+    from experiments.config_checks import validate
 
     bad = cfg("cluster.ep_overlap=true", "trace.samples_per_batch=16", "workload.samples_per_microbatch=2")
     with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):

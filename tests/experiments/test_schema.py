@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError, validate
+from experiments.config import ConfigError
+from experiments.config_checks import validate
 from experiments.schema import _leaves, config_schema, override_problems
 from tests.builders import cfg
 
