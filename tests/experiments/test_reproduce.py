@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from experiments import inputs, reproduce
+from experiments.config import ConfigError
 from experiments.grid_jobs import CellJob, CellOutcome
 from experiments.store import ResultsStore
 
@@ -84,6 +86,39 @@ def _planned(root: Path) -> list[CellJob]:
         for preset, sweep in SHARED.items()
         for job in reproduce.plan_grid(preset, root, [*TINY, *sweep])[1]
     ]
+
+
+def test_presets_planned_in_worker_processes_are_those_planned_in_one(tmp_path: Path) -> None:
+    """plan_grids with two spawned planners returns, in the order given, the reports and jobs (cells,
+    configs, keys) that planning each preset here returns."""
+    plans = [(preset, [*TINY, *sweep]) for preset, sweep in SHARED.items()]
+    one = reproduce.plan_grids(plans, tmp_path / "one", workers=1)
+    two = reproduce.plan_grids(plans, tmp_path / "two", workers=2)
+    assert [report.preset for report, _ in two] == list(SHARED)
+    for (report1, jobs1), (report2, jobs2) in zip(one, two, strict=True):
+        assert (report1.total, report1.reused, report1.failed) == (
+            report2.total,
+            report2.reused,
+            report2.failed,
+        )
+        assert [(j.preset, j.cell, j.label, j.key) for j in jobs1] == [
+            (j.preset, j.cell, j.label, j.key) for j in jobs2
+        ]
+        for a, b in zip(jobs1, jobs2, strict=True):  # the same run config, up to its own results folder
+            assert OmegaConf.to_yaml(a.cfg).replace(str(tmp_path / "one"), "R") == OmegaConf.to_yaml(
+                b.cfg
+            ).replace(str(tmp_path / "two"), "R")
+
+
+def test_a_preset_that_cannot_be_planned_stops_the_planning_in_workers(tmp_path: Path) -> None:
+    """A preset every cell of which is refused raises its ConfigError from plan_grids, as from plan_grid,
+    naming the preset."""
+    plans = [(p, [*TINY, *s]) for p, s in SHARED.items()]
+    plans[1] = (plans[1][0], [*plans[1][1], "trace.samples_per_batch=2"])
+    with pytest.raises(
+        ConfigError, match=re.escape("preset quick_ablation: bad configuration: trace.samples_per_batch=2")
+    ):
+        reproduce.plan_grids(plans, tmp_path, workers=2)
 
 
 def test_schedule_computes_each_cell_once_grouped_by_trace(tmp_path: Path) -> None:
