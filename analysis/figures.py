@@ -60,6 +60,49 @@ PLANNER_ORDER = [
 ]
 
 
+PLANNER_COLOURS: dict[str, tuple[str, int]] = {
+    "megatron": ("colorblind", 7),
+    "popfetcher": ("colorblind", 5),
+    "eplb": ("colorblind", 8),
+    "lplb": ("dark", 8),
+    "llep": ("colorblind", 2),
+    "ultraep": ("colorblind", 9),
+    "moonep": ("dark", 2),
+    "relibra_reorder_no_locality": ("pastel", 4),
+    "relibra_reorder_only": ("colorblind", 4),
+    "relibra_replicate_only": ("pastel", 0),
+    "relibra": ("colorblind", 0),
+    "relibra_balance": ("colorblind", 6),
+    "relibra_portfolio": ("dark", 0),
+    "foremoe": ("colorblind", 3),
+    "relibra_no_locality": ("dark", 4),
+    "force_balanced": ("dark", 7),
+    "balanced": ("colorblind", 1),
+}
+"""Each planner's colour in every figure, as (seaborn palette, index): one colour per planner wherever it is
+drawn; ReLibra's variants in blues and purples (the recommended configuration darkest), the online 2026
+balancers in greens and cyan, the paper's baselines in grey, brown and olive, ForeMoE in red."""
+
+
+def planner_colours(planners: list[str]) -> dict[str, tuple[float, float, float]]:
+    """Colour of each planner's label (:func:`analysis.paper.label`): :data:`PLANNER_COLOURS`, distinct
+    ``husl`` hues for planners it does not list."""
+    unknown = [p for p in planners if p not in PLANNER_COLOURS]
+    extra = dict(zip(unknown, sns.color_palette("husl", len(unknown)), strict=True))
+    out = {}
+    for p in planners:
+        if p in extra:
+            out[paper.label(p)] = extra[p]
+        else:
+            name, index = PLANNER_COLOURS[p]
+            out[paper.label(p)] = sns.color_palette(name)[index]
+    return out
+
+
+def _palette(present: pd.Series) -> dict[str, tuple[float, float, float]]:
+    return planner_colours(list(dict.fromkeys(present)))
+
+
 def _order(present: pd.Series) -> list[str]:
     names = set(present.unique())
     return [paper.label(p) for p in PLANNER_ORDER if p in names] + sorted(
@@ -95,7 +138,7 @@ def plot_throughput(frame: pd.DataFrame) -> Figure:
         col_wrap=min(3, data["model"].nunique()),
         height=3.2,
         aspect=1.3,
-        palette="colorblind",
+        palette=_palette(data["planner"]),
         legend_out=True,
     )
     grid.set_axis_labels("dataset", "throughput / Megatron-LM")
@@ -122,7 +165,7 @@ def plot_ablation(frame: pd.DataFrame) -> Figure:
         hue="planner_label",
         hue_order=order,
         ax=ax,
-        palette="colorblind",
+        palette=_palette(data["planner"]),
     )
     datasets = list(dict.fromkeys(data["dataset"]))
     width = 0.8 / len(order)
@@ -154,7 +197,7 @@ def plot_skew_by_ep(frame: pd.DataFrame) -> Figure:
         hue_order=_order(data["planner"]),
         marker="o",
         ax=ax,
-        palette="colorblind",
+        palette=_palette(data["planner"]),
         errorbar=None,
     )
     ax.set_xscale("log", base=2)

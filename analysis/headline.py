@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.typing import LineStyleType
 
 from analysis import paper
-from analysis.figures import PLANNER_ORDER, save
+from analysis.figures import PLANNER_ORDER, planner_colours, save
 from analysis.spread import per_seed, summarise
 
 __all__ = [
@@ -103,8 +103,8 @@ def plot_headline(rows_by: pd.DataFrame | Mapping[str, pd.DataFrame], title: str
     planners += sorted(set(methods["planner"]) - set(planners))
     datasets = list(dict.fromkeys(data["dataset"]))
     models = list(dict.fromkeys(data["model"]))
-    # NOTE: "colorblind" has 10 colours and repeats after them; more planners get distinct "husl" hues
-    palette = sns.color_palette("colorblind" if len(planners) <= 10 else "husl", len(planners))
+    colours = planner_colours(planners)
+    palette = [colours[paper.label(p)] for p in planners]
     drawn = data[data["planner"] != ANNOTATED_BOUND]
     top = 1.18 * float(np.nanmax(drawn["high"].to_numpy()))  # NOTE: room for the written bound's value
     fig, axes = plt.subplots(

@@ -101,3 +101,37 @@ def test_one_row_per_dispatcher_of_the_same_scale(tmp_path: Path) -> None:
     assert set(labels[-2:]) == {"Balanced (ideal bound, value written)", "force-balanced"}  # bounds last
     paths = write_headline(by, tmp_path)
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_every_planner_keeps_one_colour_distinct_from_the_others() -> None:
+    """Each listed planner has its own colour (no two closer than 0.1 in RGB), the same whichever other
+    planners a figure draws; a planner the list lacks still gets one."""
+    import itertools
+
+    import numpy as np
+
+    from analysis import paper
+    from analysis.figures import PLANNER_COLOURS, PLANNER_ORDER, planner_colours
+
+    assert set(PLANNER_ORDER) <= set(PLANNER_COLOURS)
+    colours = planner_colours(PLANNER_ORDER)
+    assert len(colours) == len(PLANNER_ORDER)
+    for (a, ca), (b, cb) in itertools.combinations(colours.items(), 2):
+        assert np.linalg.norm(np.subtract(ca, cb)) > 0.1, (a, b)
+    some = planner_colours(["foremoe", "megatron", "not_a_planner"])
+    assert some[paper.label("foremoe")] == colours[paper.label("foremoe")]
+    assert some[paper.label("megatron")] == colours[paper.label("megatron")]
+    assert len(some) == 3
+
+
+def test_the_headline_draws_each_planner_in_its_colour() -> None:
+    from matplotlib.colors import to_rgb
+
+    from analysis import paper
+    from analysis.figures import planner_colours
+
+    fig = plot_headline(_frame({"megatron": 1.0, "relibra": 1.3, "relibra_portfolio": 1.4, "foremoe": 1.2}))
+    colours = planner_colours(["megatron", "relibra", "relibra_portfolio", "foremoe"])
+    found = {c.get_label(): to_rgb(c.patches[0].get_facecolor()) for c in fig.axes[0].containers}
+    for planner in ("megatron", "relibra", "relibra_portfolio", "foremoe"):
+        assert found[paper.label(planner)] == pytest.approx(colours[paper.label(planner)])
