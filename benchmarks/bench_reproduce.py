@@ -5,6 +5,8 @@ Usage::
     python benchmarks/bench_reproduce.py [--preset quick_ep_scaling] [--workers 2] [overrides ...]
     python benchmarks/bench_reproduce.py --against REF [--preset overall,ablation,overhead] [--repeats 2]
         [overrides ...]
+    python benchmarks/bench_reproduce.py --planning [--preset quick_overall,quick_overall_deepep,quick_nvl72]
+        [--workers 2] [overrides ...]
 
 Default mode: runs every cell of ``--preset`` into fresh temporary stores, side by side in one
 invocation: in this process one cell after another (``--workers 1``, the runner's old code path) and
@@ -17,6 +19,11 @@ revision ``REF`` (``git archive`` into a temporary folder) and through this work
 ``python -m experiments.reproduce`` process with ``--workers`` workers, order old, new (, new, old with
 ``--repeats 2``); prints wall seconds and CPU seconds (user + sys of the runner and its workers), the
 cells each computed, and the ratios. Each tree's numba cache is warmed first (not timed).
+
+``--planning``: only the grid planning (composing and checking every cell of the comma-separated presets,
+:func:`experiments.reproduce.plan_grids`), in this process and with ``--workers`` spawned planners, order
+one, many, many, one; prints wall seconds per run, the mean and the ratio, and checks that every run plans
+the same jobs (cells and keys). Nothing is computed.
 
 Every run must store the same rows, cell for cell (checked on the deterministic result columns).
 Extra arguments are Hydra overrides for every cell (e.g. ``model=qwen3-30b-a3b trace.preset=mixed``).
@@ -91,6 +98,34 @@ def _in_process_vs_workers(args: argparse.Namespace) -> None:
     Console(width=140).print(table)
 
 
+def _planning(args: argparse.Namespace) -> None:
+    presets = [p for p in args.preset.split(",") if p]
+    load_before = os.getloadavg()[0]
+    walls: dict[int, list[float]] = {1: [], args.workers: []}
+    planned: list[list[tuple[str, str]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, workers in enumerate((1, args.workers, args.workers, 1)):
+            plans = [(preset, list(args.overrides)) for preset in presets]
+            start = time.perf_counter()
+            out = reproduce.plan_grids(plans, Path(tmp) / f"run{i}", workers=workers)
+            walls[workers].append(time.perf_counter() - start)
+            planned.append([(job.preset, job.key) for _, jobs in out for job in jobs])
+    if any(run != planned[0] for run in planned[1:]):
+        raise SystemExit("the runs planned different jobs")
+    one_s, many_s = (sum(walls[w]) / len(walls[w]) for w in (1, args.workers))
+    table = Table(
+        title=f"planning {', '.join(presets)}: {len(planned[0])} cells (load average {load_before:.1f} "
+        f"before, {os.getloadavg()[0]:.1f} after; {os.cpu_count()} cores)"
+    )
+    for column in ("planner processes", "wall s (each run)", "mean s", "s per cell", "speed-up"):
+        table.add_column(column, justify="right")
+    for workers, seconds in ((1, one_s), (args.workers, many_s)):
+        runs = ", ".join(f"{w:.1f}" for w in walls[workers])
+        per_cell = seconds / max(1, len(planned[0]))
+        table.add_row(str(workers), runs, f"{seconds:.1f}", f"{per_cell:.3f}", f"{one_s / seconds:.2f}")
+    Console(width=140).print(table)
+
+
 def _export(ref: str, into: Path) -> Path:
     """The tree of git revision ``ref`` under ``into`` (``git archive``)."""
     data = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
@@ -148,7 +183,7 @@ def _against(args: argparse.Namespace) -> None:
     )
     for column in ("code", "wall s (each run)", "CPU s (each run)", "wall ratio", "CPU ratio"):
         table.add_column(column, justify="right")
-    mean = {n: [sum(r[i] for r in runs[n]) / len(runs[n]) for i in (0, 1)] for n in runs}
+    mean = {n: [sum(float(r[i]) for r in runs[n]) / len(runs[n]) for i in (0, 1)] for n in runs}
     grids = []
     for name in ("old", "new"):
         label = f"{args.against} (old)" if name == "old" else "working tree (new)"
@@ -194,9 +229,12 @@ def main() -> None:
     parser.add_argument(
         "--log", type=Path, default=None, help="with --against: write every run's output here"
     )
+    parser.add_argument("--planning", action="store_true", help="time only the grid planning (plan_grids)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    if args.against is None:
+    if args.planning:
+        _planning(args)
+    elif args.against is None:
         _in_process_vs_workers(args)
     else:
         _against(args)
