@@ -342,7 +342,8 @@ def test_reproduce_scale_selects_the_presets(
 
     monkeypatch.setattr(reproduce, "plan_grid", record)
     monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
-    assert reproduce.main(["--results", str(tmp_path), "--no-analysis", *argv]) == 0
+    # NOTE: one worker, so that the grids are planned in this process, where plan_grid is replaced
+    assert reproduce.main(["--results", str(tmp_path), "--no-analysis", "--workers", "1", *argv]) == 0
     assert ran == expected
 
 
