@@ -70,6 +70,29 @@ def _timed(preset: str, workers: int, overrides: list[str], root: Path) -> tuple
     return time.perf_counter() - start, _rows(root, [preset])
 
 
+def _one_vs_many(
+    title: str,
+    walls: dict[int, list[float]],
+    workers: int,
+    load_before: float,
+    cells: int,
+    names: tuple[str, str],
+) -> None:
+    """Print the wall seconds of the one-process runs (``walls[1]``) against the ``workers``-process ones."""
+    one_s, many_s = (sum(walls[w]) / len(walls[w]) for w in (1, workers))
+    table = Table(
+        title=f"{title} (load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"{os.cpu_count()} cores)"
+    )
+    for column in ("runner", "processes", "wall s (each run)", "mean s", "s per cell", "speed-up"):
+        table.add_column(column, justify="right")
+    for name, n, seconds in ((names[0], 1, one_s), (names[1], workers, many_s)):
+        runs = ", ".join(f"{w:.1f}" for w in walls[n])
+        per_cell = seconds / max(1, cells)
+        table.add_row(name, str(n), runs, f"{seconds:.1f}", f"{per_cell:.3f}", f"{one_s / seconds:.2f}")
+    Console(width=140).print(table)
+
+
 def _in_process_vs_workers(args: argparse.Namespace) -> None:
     compile_kernels()
     load_before = os.getloadavg()[0]
@@ -82,20 +105,10 @@ def _in_process_vs_workers(args: argparse.Namespace) -> None:
             frames.append(frame)
     for frame in frames[1:]:
         pd.testing.assert_frame_equal(frames[0], frame, check_exact=True)
-    one_s, many_s = (sum(walls[w]) / len(walls[w]) for w in (1, args.workers))
-    table = Table(
-        title=f"{args.preset}: {len(frames[0])} cells, grid wall time (load average "
-        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after; {os.cpu_count()} cores)"
+    title = f"{args.preset}: {len(frames[0])} cells, grid wall time"
+    _one_vs_many(
+        title, walls, args.workers, load_before, len(frames[0]), ("in process (old path)", "worker processes")
     )
-    for column in ("runner", "workers", "wall s (each run)", "mean s", "speed-up"):
-        table.add_column(column, justify="right")
-    for name, workers, seconds in (
-        ("in process (old path)", 1, one_s),
-        ("worker processes", args.workers, many_s),
-    ):
-        runs = ", ".join(f"{w:.1f}" for w in walls[workers])
-        table.add_row(name, str(workers), runs, f"{seconds:.1f}", f"{one_s / seconds:.2f}")
-    Console(width=140).print(table)
 
 
 def _planning(args: argparse.Namespace) -> None:
@@ -112,18 +125,10 @@ def _planning(args: argparse.Namespace) -> None:
             planned.append([(job.preset, job.key) for _, jobs in out for job in jobs])
     if any(run != planned[0] for run in planned[1:]):
         raise SystemExit("the runs planned different jobs")
-    one_s, many_s = (sum(walls[w]) / len(walls[w]) for w in (1, args.workers))
-    table = Table(
-        title=f"planning {', '.join(presets)}: {len(planned[0])} cells (load average {load_before:.1f} "
-        f"before, {os.getloadavg()[0]:.1f} after; {os.cpu_count()} cores)"
+    title = f"planning {', '.join(presets)}: {len(planned[0])} cells"
+    _one_vs_many(
+        title, walls, args.workers, load_before, len(planned[0]), ("in process", "planner processes")
     )
-    for column in ("planner processes", "wall s (each run)", "mean s", "s per cell", "speed-up"):
-        table.add_column(column, justify="right")
-    for workers, seconds in ((1, one_s), (args.workers, many_s)):
-        runs = ", ".join(f"{w:.1f}" for w in walls[workers])
-        per_cell = seconds / max(1, len(planned[0]))
-        table.add_row(str(workers), runs, f"{seconds:.1f}", f"{per_cell:.3f}", f"{one_s / seconds:.2f}")
-    Console(width=140).print(table)
 
 
 def _export(ref: str, into: Path) -> Path:
