@@ -80,8 +80,10 @@ def _balance_domains(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray,
     """Level 1 of the hierarchical planner ([A2]; the rule is this suite's): move tokens from the most to
     the least loaded NVLink domain, the hottest expert of the sender (its tokens computed there) to the least
     loaded GPU of the receiver that holds it or has a slot, ``min(its tokens, sender excess, receiver
-    deficit)`` at a time (taken from the sender's busiest GPUs holding it), while the sender is above the
-    mean and the receiver below it. Returns the moves made.
+    deficit, the GPU's room below the busiest GPU)`` at a time (taken from the sender's busiest GPUs
+    holding it), while the sender is above the mean and the receiver below it. The room keeps the busiest
+    GPU's load from growing (level 2 then evens the receiving domain), so no GPU ends busier than the
+    busiest one of the static placement. Returns the moves made.
 
     assign int64 [E, G] (updated), replicas int64 [G, r] (updated), home int64 [E]."""
     num_experts, g = assign.shape
@@ -113,10 +115,11 @@ def _balance_domains(assign: np.ndarray, replicas: np.ndarray, home: np.ndarray,
             if _holds(replicas, home, best, t) or (replicas[t] < 0).any():
                 if target < 0 or per_gpu[t] < target_load:
                     target, target_load = t, per_gpu[t]
-        if target < 0:
+        room = per_gpu.max() - target_load
+        if target < 0 or room <= 0:
             tried[best, lo] = True
             continue
-        take = min(best_tok, excess, deficit)
+        take = min(best_tok, excess, deficit, room)
         _place(replicas, home, best, target)
         # Take from the sender's GPUs holding the expert, the busiest first.
         left = take
