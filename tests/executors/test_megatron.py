@@ -28,6 +28,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
+from relibra.integrations.expert_names import ExpertNaming, to_logical
 from relibra.invariants import check_plan
 from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
 from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
@@ -223,6 +224,20 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
             }
         )
     out["buffer_fills"] = relib.adapter.buffer.fills
+    # The physical model's experts as a weight converter names them (mbridge, Megatron-Bridge: global id
+    # = rank * local rows + row, local rows = E / G + r here), gathered over the EP group as their export is.
+    slots = relib.layout.slots_per_gpu
+    named = [
+        (f"decoder.layers.{layer}.mlp.experts.{rank * slots + i}.{part}.weight",
+         getattr(mlp, part).weight.detach().numpy().copy())
+        for layer in range(NUM_LAYERS)
+        for i, mlp in enumerate(relib.moe[layer].experts.local_experts)
+        for part in ("linear_fc1", "linear_fc2")
+    ]  # fmt: skip
+    exported: list = [None] * world
+    dist.all_gather_object(exported, named)
+    out["exported"] = [pair for rank_pairs in exported for pair in rank_pairs]
+    out["phy2log"] = relib.adapter.phy2log.copy()
     # RECORD -> trace file -> REPLAY_FORWARD, on the plain model (the rollout side).
     x = inputs[0][0][rank]
     with torch.no_grad(), recording(plain.routers):
@@ -407,6 +422,37 @@ def test_placement_moves_grads(run, batch: int) -> None:  # type: ignore[no-unty
             np.testing.assert_allclose(
                 moved[e], before[e], atol=ATOL, rtol=RTOL, err_msg=f"layer {layer} expert {e}"
             )
+
+
+MCORE_EXPERTS = ExpertNaming(r"decoder\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\..+")
+
+
+def test_export_of_the_physical_model_is_the_logical_model(run) -> None:  # type: ignore[no-untyped-def]
+    """After placement moves and training, the physical model's gathered export, renamed through the
+    adapter's phy2log (:func:`relibra.integrations.expert_names.to_logical`), holds each logical expert
+    once, with the weights the adapter holds for it (which match the plain model's:
+    test_weights_after_adam_step_match_plain_layer); named through the static placement it would not."""
+    _, _, ranks = run
+    layout = PhysicalLayout(NUM_EXPERTS, WORLD, R)
+    phy2log = ranks[0]["phy2log"]
+    assert all(np.array_equal(r["phy2log"], phy2log) for r in ranks)
+    assert not np.array_equal(phy2log, layout.static_phy2log(NUM_LAYERS))  # the plans moved experts
+    trained = [_merged([r["weights"][-1]["relibra"][layer] for r in ranks]) for layer in range(NUM_LAYERS)]
+    pairs = ranks[0]["exported"]
+    assert len(pairs) == NUM_LAYERS * layout.num_physical * 2  # replica slots exported too
+    logical = dict(to_logical(pairs, layout, phy2log, MCORE_EXPERTS))
+    assert len(logical) == NUM_LAYERS * NUM_EXPERTS * 2
+    for layer in range(NUM_LAYERS):
+        for e in range(NUM_EXPERTS):
+            name = f"decoder.layers.{layer}.mlp.experts.{e}"
+            flat = np.concatenate(
+                [logical[f"{name}.{p}.weight"].ravel() for p in ("linear_fc1", "linear_fc2")]
+            )
+            np.testing.assert_array_equal(flat, trained[layer][e].ravel(), err_msg=name)
+    static = dict(to_logical(pairs, layout, layout.static_phy2log(NUM_LAYERS), MCORE_EXPERTS))
+    assert any(not np.array_equal(static[k], logical[k]) for k in logical), (
+        "the static placement would name the moved experts' weights wrongly"
+    )
 
 
 def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped-def]
