@@ -553,6 +553,7 @@ def test_cpu_patches_apply_and_restore() -> None:
 
 
 # ------------------------------------------------------------------------------------------ example
+@pytest.mark.slow  # 51 s (four megatron-core imports); the adapter checks above cover the same path
 def test_rl_step_example_matches_plain_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
     """``examples/megatron_rl_step.py`` end to end (4 ranks, default sizes): it records, plans with
     ``relibra``, re-homes experts, fills replica slots and trains the same step as plain Megatron."""

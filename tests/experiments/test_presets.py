@@ -276,6 +276,7 @@ def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp
     assert prepare_olmoe_trace(tmp_path / "absent", tmp_path / "other.npz") is None
 
 
+@pytest.mark.slow
 def test_reproduce_reports_and_recomputes_cells_of_other_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -184,6 +184,7 @@ def test_grid_results_match_local_runs(cluster: SlurmCluster, tmp_path: Path) ->
     assert seen == {(p, d) for p in ("megatron", "eplb") for d in ("reasoning", "coding")}
 
 
+@pytest.mark.slow
 def test_killed_task_fails_the_sweep_and_rerun_completes_only_missing_cells(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -238,6 +239,7 @@ def test_killed_task_fails_the_sweep_and_rerun_completes_only_missing_cells(
         assert len(pd.read_parquet(sweep_dir / str(num) / "results.parquet")) == 1
 
 
+@pytest.mark.slow
 def test_preempted_task_checkpoints_requeues_and_finishes(cluster: SlurmCluster, tmp_path: Path) -> None:
     sweep_dir, store = tmp_path / "sweep", tmp_path / "store"
     marker = tmp_path / "paused.json"
@@ -390,6 +392,7 @@ def test_timed_out_task_is_requeued_at_most_max_num_timeout_times(
     assert len(after) == 2 and {k: after[k] for k in done} == done
 
 
+@pytest.mark.slow
 def test_task_killed_by_the_oom_killer_fails_the_sweep_and_rerun_completes_it(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -70,7 +70,14 @@ def test_milp_equals_best_lp_over_every_replica_set() -> None:
 
 
 @pytest.mark.parametrize(
-    ("nodes", "gpn", "seed", "heavy"), [(1, 4, 0, 1), (1, 4, 1, 1), (2, 2, 2, 1), (2, 4, 3, 1), (1, 8, 4, 6)]
+    ("nodes", "gpn", "seed", "heavy"),
+    [
+        (1, 4, 0, 1),
+        (1, 4, 1, 1),
+        (2, 2, 2, 1),
+        (2, 4, 3, 1),
+        pytest.param(1, 8, 4, 6, marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_close_to_milp_on_small_cases(nodes: int, gpn: int, seed: int, heavy: int) -> None:
     """``heavy``: GPU 0 holds that many times the others' tokens (a communication-bound problem)."""
