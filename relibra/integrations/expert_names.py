@@ -10,12 +10,11 @@ rank ``g`` owns ``g * (E / G + r) ...``). This module maps such names back to lo
 
 * :func:`logical_expert` / :func:`logical_name`: physical id -> logical expert through the current
   placement (``phy2log [L, G, E / G]``, which moves with every plan); replica slots map to ``None``
-  (their weights are copies, filled from the home rows, never a checkpoint's);
+  (their weights are copies, filled from the home rows, never a checkpoint's). On load it names the
+  checkpoint weight a physical row reads; on export, the name a row's weight is sent under;
 * :func:`to_logical`: a stream of ``(name, tensor)`` a converter exports from a physical model ->
   the logical stream, replica slots dropped, checked to hold every logical expert of every exported layer
   exactly once per weight (a missing or doubled expert raises, never a silently partial sync);
-* :func:`load_source`: for a physical row being loaded, the checkpoint name to read (its logical
-  expert's), or ``None`` for a replica slot;
 * :func:`strip_router_wrapper`: ReLibra's router wraps Megatron's (``router.logical.weight``); the
   converters know ``router.weight``.
 
@@ -44,7 +43,6 @@ __all__ = [
     "HF_MLP_EXPERTS",
     "ExpertNaming",
     "ExpertSyncError",
-    "load_source",
     "logical_expert",
     "logical_name",
     "strip_router_wrapper",
@@ -117,26 +115,15 @@ def logical_name(
     naming: ExpertNaming = HF_MLP_EXPERTS,
     moe_layers: Sequence[int] | None = None,
 ) -> str | None:
-    """A physical model's parameter name -> the logical checkpoint's (``None``: a replica slot, not a
-    checkpoint weight). Names that are not routed experts come back unchanged."""
+    """A physical model's parameter name -> the logical checkpoint's: what a converter reads into that
+    row on load and sends it as on export (``None``: a replica slot, not a checkpoint weight; the adapter
+    fills it from the home rows). Names that are not routed experts come back unchanged."""
     m = naming.match(name)
     if m is None:
         return name
     moe_layer = _moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
     expert = logical_expert(layout, phy2log, moe_layer, int(m["expert"]))
     return None if expert is None else naming.with_expert(m, expert)
-
-
-def load_source(
-    name: str,
-    layout: PhysicalLayout,
-    phy2log: np.ndarray,
-    naming: ExpertNaming = HF_MLP_EXPERTS,
-    moe_layers: Sequence[int] | None = None,
-) -> str | None:
-    """The checkpoint name a converter should read for physical parameter ``name`` (its logical expert's);
-    ``None`` for a replica slot, whose rows the adapter fills from the home rows."""
-    return logical_name(name, layout, phy2log, naming, moe_layers)
 
 
 def to_logical(

@@ -13,7 +13,6 @@ from relibra.integrations.expert_names import (
     HF_MLP_EXPERTS,
     ExpertNaming,
     ExpertSyncError,
-    load_source,
     logical_name,
     strip_router_wrapper,
     to_logical,
@@ -72,15 +71,15 @@ def test_every_logical_expert_once_with_its_home_row(
         assert logical_name(f"model.layers.0.mlp.experts.{replica}.up_proj.weight", layout, phy2log) is None
 
 
-def test_load_source_names_the_logical_expert_and_skips_replica_slots() -> None:
+def test_a_loaded_row_reads_its_logical_expert_and_replica_slots_read_nothing() -> None:
     layout = PhysicalLayout(8, 2, 1)  # rank 0: physical 0-3 home, 4 replica; rank 1: 5-8 home, 9 replica
     phy2log = layout.static_phy2log(1)
     phy2log[0, 1] = [7, 4, 5, 6]
-    assert load_source("model.layers.0.mlp.experts.5.gate_proj.weight", layout, phy2log) == (
+    assert logical_name("model.layers.0.mlp.experts.5.gate_proj.weight", layout, phy2log) == (
         "model.layers.0.mlp.experts.7.gate_proj.weight"
     )
-    assert load_source("model.layers.0.mlp.experts.9.gate_proj.weight", layout, phy2log) is None
-    assert load_source("model.layers.0.self_attn.q_proj.weight", layout, phy2log) == (
+    assert logical_name("model.layers.0.mlp.experts.9.gate_proj.weight", layout, phy2log) is None
+    assert logical_name("model.layers.0.self_attn.q_proj.weight", layout, phy2log) == (
         "model.layers.0.self_attn.q_proj.weight"
     )
 
