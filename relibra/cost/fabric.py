@@ -30,6 +30,8 @@ from typing import Literal
 
 import numpy as np
 
+from relibra import numerics
+
 __all__ = [
     "DISPATCHERS",
     "LINK_KEYS",
@@ -161,12 +163,12 @@ def deepep_link_tokens_estimate(
     # NOTE: log P(miss) = sum_e share[e, X] * log(1 - q_e): exact for a single copy (share 0 or 1); for a
     # split expert it treats the copies as (1 - q)^share, within O(q^2) of 1 - q * share. It is linear in
     # the share, one matmul for all sources.
-    lq = np.log1p(-np.minimum(q, 1.0 - 1e-12))  # [..., G(j), E]
-    log_miss_gpu = lq @ s  # [..., G(j), G(g)]
+    lq = numerics.log1p(-np.minimum(q, 1.0 - 1e-12))  # [..., G(j), E]
+    log_miss_gpu = numerics.matmul(lq, s)  # [..., G(j), G(g)]
     s_node = s.reshape(*s.shape[:-1], nodes, gpn).sum(axis=-1)  # [..., E, N]
-    log_miss_node = lq @ s_node  # [..., G(j), N]
-    hit_gpu = tok[..., None] * -np.expm1(log_miss_gpu)  # tokens of j reaching GPU g
-    hit_node = tok[..., None] * -np.expm1(log_miss_node)  # tokens of j reaching node b
+    log_miss_node = numerics.matmul(lq, s_node)  # [..., G(j), N]
+    hit_gpu = tok[..., None] * -numerics.expm1(log_miss_gpu)  # tokens of j reaching GPU g
+    hit_node = tok[..., None] * -numerics.expm1(log_miss_node)  # tokens of j reaching node b
     jj = np.arange(g)
     src_node = jj // gpn
     remote = src_node[:, None] != np.arange(nodes)[None, :]  # [G(j), N]

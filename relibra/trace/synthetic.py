@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from relibra import numerics
 from relibra.trace.format import RoutingTrace
 from relibra.types import SampleCounts
 
@@ -107,7 +108,7 @@ def get_preset(preset: str | WorkloadPreset) -> WorkloadPreset:
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
     z = logits - logits.max(axis=-1, keepdims=True)
-    np.exp(z, out=z)
+    numerics.exp(z, out=z)
     z /= z.sum(axis=-1, keepdims=True)
     return z
 
@@ -337,7 +338,7 @@ def generate_trace(
                 f"the trace would exceed max_total_tokens={max_total_tokens}; "
                 "use generate_counts for large cases"
             )
-        logp = np.log(np.maximum(probs, 1e-300))
+        logp = numerics.log(np.maximum(probs, 1e-300))
         for s in range(lens.shape[0]):
             gumbel = rng.gumbel(size=(int(lens[s]), num_layers, num_experts))
             keys = logp[s][None] + gumbel

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from relibra import numerics
 from relibra.cluster import ClusterSpec
 from relibra.cost.overlap import share_term
 from relibra.planners.reorder.kernels import placement_objective
@@ -277,7 +278,7 @@ def _deepep_terms(
         used = np.flatnonzero(lq_m[:, j] < 0)
         if tok_m[j] <= 0 or used.size == 0:
             continue
-        drop = -np.expm1(lq_m[used, j])  # q of each used expert
+        drop = -numerics.expm1(lq_m[used, j])  # q of each used expert
         chains = [
             (gidx[j, g, : gcnt[j, g]], [y[e][g] for e in used], f"{name}_{j}_g{g}")
             for g in range(g_total)

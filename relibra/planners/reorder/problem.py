@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from relibra import numerics
 from relibra.cost.migration import receive_seconds
 from relibra.cost.model import CostModel
 from relibra.planners.reorder.links import comm_coefficients
@@ -147,7 +148,7 @@ def layer_problem(
     if cost.dispatcher == "deepep":
         tok = load_l.sum(axis=2, dtype=np.float64) / cost.model.top_k  # [Mb, G]
         q = np.divide(x, tok[:, None, :], out=np.zeros_like(x), where=tok[:, None, :] > 0)
-        lq = np.ascontiguousarray(np.log1p(-np.minimum(q, 1.0 - 1e-12)))
+        lq = np.ascontiguousarray(numerics.log1p(-np.minimum(q, 1.0 - 1e-12)))
     return LayerProblem(
         x=x,
         w=w_s / scale,

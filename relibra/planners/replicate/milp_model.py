@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
+from relibra import numerics
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share, share_pieces
 from relibra.planners.reorder.links import NUM_LINKS, deepep_routes
@@ -180,22 +181,22 @@ def _deepep_model(p: _Problem, cost: CostModel, share: np.ndarray | None) -> Lin
     x, tot = p.x, p.tot
     tok = x.sum(axis=1) / cost.model.top_k  # [G(j)]
     q = np.minimum(np.divide(x, tok[:, None], out=np.zeros_like(x), where=tok[:, None] > 0), 1.0)
-    lq = np.log1p(-np.minimum(q, 1.0 - 1e-12))  # [G(j), E], as the fabric's estimate
+    lq = numerics.log1p(-np.minimum(q, 1.0 - 1e-12))  # [G(j), E], as the fabric's estimate
     if share is None:
         reach = np.zeros((x.shape[1], g_n))
         np.put_along_axis(reach, p.gpu_of, p.active.astype(np.float64), axis=1)
-        low = lq @ reach  # [G(j), G(g)]
+        low = numerics.matmul(lq, reach)  # [G(j), G(g)]
         neg = low < 0
-        c1 = np.where(neg, tok[:, None] * -np.expm1(low) / np.where(neg, low, -1.0), 0.0)
+        c1 = np.where(neg, tok[:, None] * -numerics.expm1(low) / np.where(neg, low, -1.0), 0.0)
         c0 = np.zeros_like(c1)
     else:
-        u0 = lq @ np.asarray(share, dtype=np.float64)
-        e0 = np.exp(u0)
+        u0 = numerics.matmul(lq, np.asarray(share, dtype=np.float64))
+        e0 = numerics.exp(u0)
         c1 = -tok[:, None] * e0  # f'(u0)
         c0 = tok[:, None] * (1.0 - e0 * (1.0 - u0))  # f(u0) - f'(u0) * u0
     node_share = np.zeros((x.shape[1], nodes))
     node_share[np.arange(x.shape[1]), p.home // gpn] = tot > 0
-    hit_node = tok[:, None] * -np.expm1(lq @ node_share)  # [G(j), N]
+    hit_node = tok[:, None] * -numerics.expm1(numerics.matmul(lq, node_share))  # [G(j), N]
     gidx, gcnt, nidx, ncnt = deepep_routes(nodes, gpn)
     rg = np.zeros((NUM_LINKS * g_n, g_n, g_n))  # [slot * G + o, j, g]
     rn = np.zeros((NUM_LINKS * g_n, g_n, nodes))
