@@ -118,7 +118,11 @@ def test_a_replaced_trace_file_is_read_again(tmp_path: Path) -> None:
     assert not np.array_equal(first, second)
 
 
-@pytest.mark.parametrize("planner", ["relibra", "force_balanced", "llep", "eplb"])
+# NOTE: the ReLibra case (about 24 s) runs in `make test-slow`; ReLibra's cells with the cache are also
+# compared in test_cells_in_one_process_do_not_depend_on_their_order.
+@pytest.mark.parametrize(
+    "planner", [pytest.param("relibra", marks=pytest.mark.slow), "force_balanced", "llep", "eplb"]
+)
 def test_a_cell_computed_with_the_cache_equals_one_without(
     planner: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

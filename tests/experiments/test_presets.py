@@ -179,7 +179,11 @@ def _first_cell_per_planner(preset: str) -> list[list[str]]:
     return list(seen.values())
 
 
-@pytest.mark.parametrize("preset", FULL)
+# NOTE: `overall` (about 24 s) runs in `make test-slow`; `overall_deepep` extends it and stays in the
+# default run.
+@pytest.mark.parametrize(
+    "preset", [pytest.param(p, marks=pytest.mark.slow) if p == "overall" else p for p in FULL]
+)
 def test_preset_runs_in_tiny_mode_and_reruns_from_the_store(
     preset: str, tmp_path: Path, olmoe_like_trace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
