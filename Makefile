@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,megatron,capture]'
+	$(PY) -m pip install -q -e '.[dev,megatron,capture,mbridge]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -45,6 +45,7 @@ __all__ = [
     "ExpertSyncError",
     "logical_expert",
     "logical_name",
+    "moe_index",
     "strip_router_wrapper",
     "to_logical",
 ]
@@ -83,7 +84,9 @@ HF_MIXTRAL_EXPERTS = ExpertNaming(
 )
 
 
-def _moe_index(layer: int, moe_layers: Sequence[int] | None, num_layers: int) -> int:
+def moe_index(layer: int, moe_layers: Sequence[int] | None, num_layers: int) -> int:
+    """Index among the MoE layers of checkpoint layer ``layer`` (``moe_layers``: the checkpoint layer of
+    each MoE layer, in order; None: every layer is one of ``num_layers`` MoE layers)."""
     if moe_layers is None:
         if not 0 <= layer < num_layers:
             raise ExpertSyncError(f"layer {layer}: the placement has MoE layers 0..{num_layers - 1}")
@@ -121,7 +124,7 @@ def logical_name(
     m = naming.match(name)
     if m is None:
         return name
-    moe_layer = _moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
+    moe_layer = moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
     expert = logical_expert(layout, phy2log, moe_layer, int(m["expert"]))
     return None if expert is None else naming.with_expert(m, expert)
 
@@ -143,7 +146,7 @@ def to_logical(
         if m is None:
             yield name, tensor
             continue
-        moe_layer = _moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
+        moe_layer = moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
         expert = logical_expert(layout, phy2log, moe_layer, int(m["expert"]))
         if expert is None:
             continue
