@@ -241,6 +241,16 @@ def _migration_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _is_positive(value: object) -> bool:
+    """Whether a hardware constant is a number above 0 (a string such as 'false' or a missing key is not)."""
+    if isinstance(value, bool) or value is None:
+        return False
+    try:
+        return float(value) > 0  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
 def _step_problems(cfg: DictConfig) -> list[str]:
     """The whole step's keys: ``training.*``, ``simulator.step``, ``workload.rl_passes``,
     ``cluster.precision`` and the hardware constants they need."""
@@ -262,7 +272,7 @@ def _step_problems(cfg: DictConfig) -> list[str]:
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
     hw = cfg.cluster.get("hardware") or {}
-    if whole and not float(hw.get("hbm_efficiency", 0.0) or 0.0) > 0:
+    if whole and not _is_positive(hw.get("hbm_efficiency")):
         problems.append(
             f"cluster.hardware.hbm_efficiency={hw.get('hbm_efficiency')}: simulator.step=whole needs the "
             "achievable HBM fraction > 0 (set it in the cluster yaml, with its source)"
@@ -272,7 +282,7 @@ def _step_problems(cfg: DictConfig) -> list[str]:
         problems.append(f"cluster.precision={precision}: unknown; choose one of {', '.join(PRECISIONS)}")
     elif precision == "fp8":
         for key in ("fp8_flops", "fp8_gemm_efficiency"):
-            if not float(hw.get(key, 0.0) or 0.0) > 0:
+            if not _is_positive(hw.get(key)):
                 problems.append(
                     f"cluster.hardware.{key}={hw.get(key)}: cluster.precision=fp8 needs it > 0 (set it in "
                     "the cluster yaml, with its source)"

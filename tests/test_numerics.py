@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -50,6 +50,7 @@ def test_log_edges_follow_numpy() -> None:
         assert numerics.log1p(np.array([-1.0]))[0] == -np.inf
 
 
+@settings(deadline=None)  # the first draws compile numba signatures (hundreds of ms on a loaded machine)
 @given(
     st.integers(1, 3),
     st.integers(1, 5),
