@@ -241,14 +241,11 @@ def _migration_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _is_positive(value: object) -> bool:
-    """Whether a hardware constant is a number above 0 (a string such as 'false' or a missing key is not)."""
-    if isinstance(value, bool) or value is None:
-        return False
-    try:
-        return float(value) > 0  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
+def _required_positive(cfg: DictConfig, key: str, why: str, problems: list[str]) -> None:
+    """``cfg.<key>`` must be a number > 0: a non-number or a value <= 0 is named by
+    :func:`~experiments.config_keys._number_key`, an unset key with ``why``."""
+    if _number_key(cfg, key, problems, strict=True) is None and OmegaConf.select(cfg, key) is None:
+        problems.append(f"{key}=None: {why} (set it in the cluster yaml, with its source)")
 
 
 def _step_problems(cfg: DictConfig) -> list[str]:
@@ -271,22 +268,15 @@ def _step_problems(cfg: DictConfig) -> list[str]:
             build_training(cfg)
         except (TypeError, ValueError) as exc:
             problems.append(str(exc))
-    hw = cfg.cluster.get("hardware") or {}
-    if whole and not _is_positive(hw.get("hbm_efficiency")):
-        problems.append(
-            f"cluster.hardware.hbm_efficiency={hw.get('hbm_efficiency')}: simulator.step=whole needs the "
-            "achievable HBM fraction > 0 (set it in the cluster yaml, with its source)"
-        )
+    if whole:
+        why = "simulator.step=whole needs the achievable HBM fraction > 0"
+        _required_positive(cfg, "cluster.hardware.hbm_efficiency", why, problems)
     precision = cfg.cluster.get("precision", "bf16")
     if precision not in PRECISIONS:
         problems.append(f"cluster.precision={precision}: unknown; choose one of {', '.join(PRECISIONS)}")
     elif precision == "fp8":
         for key in ("fp8_flops", "fp8_gemm_efficiency"):
-            if not _is_positive(hw.get(key)):
-                problems.append(
-                    f"cluster.hardware.{key}={hw.get(key)}: cluster.precision=fp8 needs it > 0 (set it in "
-                    "the cluster yaml, with its source)"
-                )
+            _required_positive(cfg, f"cluster.hardware.{key}", "cluster.precision=fp8 needs it > 0", problems)
     return problems
 
 
