@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
 
         e2e = end_to_end_table()
         cols = ["id", "role", "layout", "published", "model", "ratio", "step_time_s", "t_compute_s",
-                "t_comm_s", "t_attention_s", "t_permute_s", "t_other_s", "t_bubble_s", "t_tp_comm_s",
-                "needs"]  # fmt: skip
+                "t_comm_s", "t_attention_s", "t_permute_s", "t_fp8_cast_s", "t_other_s", "t_bubble_s",
+                "t_tp_comm_s", "needs"]  # fmt: skip
         with pd.option_context("display.width", 250, "display.max_colwidth", 60):
             print(e2e[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
         print()

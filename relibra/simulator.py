@@ -33,7 +33,7 @@ import pandas as pd
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.passes import LayerWork
-from relibra.cost.pricing import Priced, batch_times, permute_seconds, price_plan
+from relibra.cost.pricing import Priced, batch_times, cast_seconds, permute_seconds, price_plan
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, static_placement
@@ -72,6 +72,7 @@ METRIC_COLUMNS = (
     "t_head_s",
     "t_router_s",
     "t_permute_s",
+    "t_fp8_cast_s",
     "t_norm_s",
     "t_recompute_s",
     "t_launch_s",
@@ -193,11 +194,12 @@ def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slic
     pairs = np.repeat(workload.causal_pairs[rows].mean(axis=1, keepdims=True), g, axis=1)
     received = np.asarray(ctx.load, dtype=np.float64).sum(axis=(-2, -1))[..., None] / g  # [Mb, L, 1]
     permute = permute_seconds(cost, received)
+    cast = cast_seconds(cost, received)
     training = cost.training
     reference = None
     if training is not None and "reference" in training.rl_passes:
         zero = np.zeros(br.t_compute.shape)
-        reference = LayerWork(br.t_compute, br.t_comm, zero if permute is None else permute)
+        reference = LayerWork(br.t_compute, br.t_comm, zero if permute is None else permute, cast=cast)
     return Priced(
         br=br,
         skew=np.ones(br.t_compute.shape),
@@ -205,6 +207,7 @@ def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slic
         pairs=pairs,
         refill=np.zeros(br.t_compute.shape),
         permute=permute,
+        cast=cast,
         reference=reference,
     )
 

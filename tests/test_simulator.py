@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
+from relibra.cost import step
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import skewness
 from relibra.invariants import check_plan
@@ -88,6 +90,40 @@ def test_whole_step_metrics_add_up(setup, recompute):
     assert m["step_time_s"] == pytest.approx(passes, rel=1e-12)
     assert m["t_pass_reference_s"] > 0 and m["t_pass_recompute_s"] > 0 and m["t_other_s"] > 0
     assert (m["t_recompute_s"] > 0) == (recompute != "none")
+    assert m["t_fp8_cast_s"] == 0.0  # bf16
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_fp8_casts_join_the_update_and_the_forward_passes(setup, recompute):
+    """With ``cluster.precision=fp8`` the update is the MoE-only parts plus permutation, the FP8 casts,
+    recompute and the balance-independent part; a forward-only pass pays half of the casts (memory-bound),
+    so turning the casts off (their bytes to 0) takes exactly ``t_fp8_cast_s`` off the update and half of it
+    off each forward-only pass (no recompute: with full recompute the backward also repeats their forward;
+    the gradient collectives are not overlapped, else they would hide part of the casts)."""
+    counts, workload, cluster, model, _ = setup
+    fp8 = replace(cluster, precision="fp8")
+    training = training_spec(
+        recompute=recompute,
+        rl_passes=("recompute", "update"),
+        fp8_recipe="tensorwise",
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+    )
+    cost = CostModel(fp8, model, training=training)
+    m = simulate(MegatronPlanner(), counts, workload, fp8, model, cost).metrics
+    moe = m["t_compute_s"] + m["t_comm_s"] + m["t_sync_exposed_s"] + m["t_reorder_s"] + m["t_attention_s"]
+    update = moe + m["t_critical_path_s"] + m["t_permute_s"] + m["t_fp8_cast_s"] + m["t_recompute_s"]
+    assert m["t_fp8_cast_s"] > 0
+    assert m["t_pass_update_s"] == pytest.approx(update + m["t_other_s"], rel=1e-12)
+    if recompute == "none":
+        with mock.patch.dict(step.FP8_CAST_BYTES, {"tensorwise": 0.0}):
+            free = CostModel(fp8, model, training=training)
+            n = simulate(MegatronPlanner(), counts, workload, fp8, model, free).metrics
+        assert n["t_fp8_cast_s"] == 0.0
+        assert m["t_pass_update_s"] - n["t_pass_update_s"] == pytest.approx(m["t_fp8_cast_s"], rel=1e-9)
+        assert m["t_pass_recompute_s"] - n["t_pass_recompute_s"] == pytest.approx(
+            0.5 * m["t_fp8_cast_s"], rel=1e-9
+        )
 
 
 def test_megatron_metrics_add_up(setup):

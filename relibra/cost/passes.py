@@ -47,6 +47,9 @@ class LayerWork:
     """float64 [Mb, L]: ``max_g T_comm`` (dispatch and combine, 4 phases)."""
     permute: np.ndarray
     """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (0: MoE-only step)."""
+    cast: np.ndarray | None = None
+    """float64 [Mb, L]: ``max_g`` FP8 cast seconds of the expert GEMMs on the received slots (None: nothing
+    cast, bf16 or the MoE-only step)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,23 @@ class TokenWork:
     p2p: np.ndarray | None = None
     """float64 [Mb]: one pipeline send of a micro-batch's activations (or their gradient) between stages
     (None: ``pp = 1``; :func:`relibra.cost.pipeline.p2p_send_time`)."""
+    cast_moe: np.ndarray | None = None
+    """float64 [Mb]: one MoE layer's FP8 casts of its dense GEMMs (attention projections, shared experts)
+    (None: nothing cast, bf16 or the MoE-only step;
+    :meth:`~relibra.cost.step.WholeStepTerms.dense_cast_time`)."""
+    cast_dense: np.ndarray | None = None
+    """float64 [Mb]: one dense layer's FP8 casts (attention projections, FFN) (None: as ``cast_moe``)."""
+
+
+def _casts(cost: CostModel, tokens: np.ndarray, tp: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(``cast_moe``, ``cast_dense``) of :class:`TokenWork` [Mb]: the busiest tensor-parallel group's
+    dense FP8 casts (split ``tp`` ways as its GEMMs are), or (None, None) when nothing is cast."""
+    spec = cost.training
+    if spec is None or not spec.whole or cost.cluster.precision != "fp8":
+        return None, None
+    moe = tp_group_mean(cost.dense_cast_time(tokens, moe_layer=True), tp).max(axis=-1)
+    dense = tp_group_mean(cost.dense_cast_time(tokens, moe_layer=False), tp).max(axis=-1)
+    return moe, dense
 
 
 def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
@@ -82,6 +102,7 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
         return _layout_token_work(cost, tokens, pairs)
     attn_gpu = cost.attention_time(tokens, pairs)  # [Mb, G]
     dense = (attn_gpu + cost.dense_ffn_time(tokens)).max(axis=-1)
+    cast_moe, cast_dense = _casts(cost, tokens, 1)
     mb = attn_gpu.shape[0]
     if cost.training is None or not cost.training.whole:
         zero = np.zeros(mb)
@@ -94,6 +115,8 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
         norm=cost.norm_time(tokens).max(axis=-1),
         head=cost.head_time(tokens).max(axis=-1),
         head_forward=cost.head_forward_time(tokens).max(axis=-1),
+        cast_moe=cast_moe,
+        cast_dense=cast_dense,
     )
 
 
@@ -107,6 +130,7 @@ def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -
     mb = attn_gpu.shape[0]
     tp_block = tp_block_time(cost.cluster, cost.model, tp, tokens) if tp > 1 else None
     p2p = p2p_send_time(cost, tokens) if cost.layout.pp > 1 else None
+    cast_moe, cast_dense = _casts(cost, tokens, tp)
     if cost.training is None or not cost.training.whole:
         zero = np.zeros(mb)
         return TokenWork(attn_gpu.max(axis=-1)[:, None], zero, dense, zero, zero, zero, zero, tp_block, p2p)
@@ -120,6 +144,8 @@ def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -
         head_forward=tp_group_mean(cost.head_forward_time(tokens), tp).max(axis=-1),
         tp_block=tp_block,
         p2p=p2p,
+        cast_moe=cast_moe,
+        cast_dense=cast_dense,
     )
 
 
@@ -160,8 +186,9 @@ def update_pass(
     if tw.tp_block is not None:  # the attention block's (and the shared experts') collectives
         layer_tokens = layer_tokens + _moe_tp_blocks(cost) * tw.tp_block[:, None]
     comp = work.compute + tw.attn + work.permute + layer_tokens  # [Mb, L]
+    comp, dense_cast = _with_casts(comp, work, tw)
     comm = work.comm
-    dense_mb = tw.dense + tw.norm  # [Mb]: one dense layer
+    dense_mb = tw.dense + tw.norm + dense_cast  # [Mb]: one dense layer
     if recompute == "full":
         rc_comp, rc_comm = comp * FORWARD_FLOPS_SHARE, comm * 0.5
         rc_dense = dense_layers * float(dense_mb.sum()) * FORWARD_FLOPS_SHARE
@@ -192,6 +219,7 @@ def update_pass(
             t_router_s=float(tw.router.sum()) * work.compute.shape[1],
             t_norm_s=float(tw.norm.sum()) * (work.compute.shape[1] + dense_layers),
             t_permute_s=float(work.permute.sum()),
+            t_fp8_cast_s=_cast_total(work, tw, dense_layers),
             t_recompute_s=float(rc_comp.sum() + rc_comm.sum()) + rc_dense,
             t_launch_s=cost.launch_time(comp.shape[0], directions),
             t_optimizer_s=cost.optimizer_time(),
@@ -204,7 +232,7 @@ def update_pass(
     sync, migration, redundant, critical = fixed
     total = moe + sync + dense + migration + redundant + critical
     extra = (
-        dense_layers * float(tw.norm.sum())
+        dense_layers * float((tw.norm + dense_cast).sum())
         + rc_dense
         + head
         + parts["t_launch_s"]
@@ -217,6 +245,30 @@ def update_pass(
     parts["t_other_s"] = sum(parts[k] for k in _BALANCE_INDEPENDENT)
     parts.update(dict.fromkeys(_LAYOUT_PARTS, 0.0))
     return PassTimes(total=total, comm_exposed=exposed, parts=parts)
+
+
+def _with_casts(
+    comp: np.ndarray, work: LayerWork, tw: TokenWork, share: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The MoE layers' compute ``comp`` [Mb, L] with ``share`` of their FP8 casts (expert and dense GEMMs;
+    a forward-only pass: :data:`~relibra.cost.step.FORWARD_BYTES_SHARE`), and that share of one dense
+    layer's casts [Mb]; ``comp`` unchanged (its bits kept) and zeros when nothing is cast."""
+    if work.cast is not None:
+        comp = comp + work.cast * share
+    if tw.cast_moe is not None:
+        comp = comp + tw.cast_moe[:, None] * share
+    return comp, (np.zeros_like(tw.dense) if tw.cast_dense is None else tw.cast_dense * share)
+
+
+def _cast_total(work: LayerWork, tw: TokenWork, dense_layers: int) -> float:
+    """The pass's FP8 cast seconds (``t_fp8_cast_s``): every MoE layer's expert and dense casts, and the
+    dense layers'."""
+    total = 0.0 if work.cast is None else float(work.cast.sum())
+    if tw.cast_moe is not None:
+        total += float(tw.cast_moe.sum()) * work.compute.shape[1]
+    if tw.cast_dense is not None:
+        total += float(tw.cast_dense.sum()) * dense_layers
+    return total
 
 
 def _moe_tp_blocks(cost: CostModel) -> int:
@@ -257,6 +309,8 @@ def _layout_update(
     tp_block = tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)
     p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
     dense_mb = tw.dense + tw.norm + 2.0 * tp_block  # [Mb]: one dense layer (attention and FFN blocks)
+    if tw.cast_dense is not None:
+        dense_mb = dense_mb + tw.cast_dense
     rc_dense = _dense_recompute(recompute, dense_mb, tw)
     head = (tw.head + tp_block) if whole else np.zeros_like(tw.dense)
     directions = 3.0 if recompute == "full" else 2.0
@@ -296,6 +350,7 @@ def _layout_update(
             t_router_s=float(tw.router.sum()) * num_moe,
             t_norm_s=float(tw.norm.sum()) * (num_moe + dense_layers),
             t_permute_s=float(work.permute.sum()),
+            t_fp8_cast_s=_cast_total(work, tw, dense_layers),
             t_recompute_s=float(rc_moe.sum()) + dense_layers * float(rc_dense.sum()),
             t_launch_s=launch,
             # NOTE: every stage's optimizer runs at once; the longest is plan-independent.
@@ -322,6 +377,7 @@ _UPDATE_PARTS = (
     "t_router_s",
     "t_norm_s",
     "t_permute_s",
+    "t_fp8_cast_s",
     "t_recompute_s",
     "t_launch_s",
     "t_optimizer_s",
@@ -338,7 +394,8 @@ _BALANCE_INDEPENDENT = (
     "t_param_gather_s",
 )
 """The parts no plan changes (``t_other_s`` is their sum): they follow the model, the layout's tokens per GPU
-and the cluster. Permutation follows the plan's ``assign``; recompute repeats plan-priced work."""
+and the cluster. Permutation and the expert GEMMs' FP8 casts (in ``t_fp8_cast_s`` with the dense GEMMs' casts)
+follow the plan's ``assign``; recompute repeats plan-priced work."""
 
 
 def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: int, fixed: float) -> float:
@@ -346,10 +403,11 @@ def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: 
     whole = cost.training is not None and cost.training.whole
     f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
     comp = (work.compute + tw.attn) * f + (work.permute + tw.router[:, None] + tw.norm[:, None]) * h
+    comp, dense_cast = _with_casts(comp, work, tw, share=h)
     if not cost.layout.trivial:
         return _layout_forward(cost, work, tw, dense_layers, fixed, comp)
     moe, _ = _join(comp, work.comm * 0.5, cost.cluster.ep_overlap)
-    dense = dense_layers * float((tw.dense * f + tw.norm * h).sum())
+    dense = dense_layers * float((tw.dense * f + tw.norm * h + dense_cast).sum())
     total = moe + fixed + dense
     if whole:
         total += float(tw.head_forward.sum()) + cost.launch_time(comp.shape[0], 1.0)
@@ -374,7 +432,7 @@ def _layout_forward(
     sp = StagePass(
         comp=comp + _moe_tp_blocks(cost) * tp_fwd[:, None],
         comm=work.comm * 0.5,
-        dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd,
+        dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd + _with_casts(comp, work, tw, share=h)[1],
         head=(tw.head_forward + tp_fwd) if whole else np.zeros_like(tw.dense),
         p2p=lay.vpp * p2p,
         spread=fixed + (cost.launch_time(comp.shape[0], 1.0) if whole else 0.0),

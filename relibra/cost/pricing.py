@@ -124,6 +124,9 @@ class Priced:
     permute: np.ndarray | None = None
     """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (None: 0, the MoE-only
     step)."""
+    cast: np.ndarray | None = None
+    """float64 [Mb, L]: ``max_g`` FP8 cast seconds of the expert GEMMs on the received slots (None: 0, bf16
+    or the MoE-only step)."""
     reference: LayerWork | None = None
     """The reference model's forward work on Megatron's static placement (``workload.rl_passes`` holds
     ``reference``; None otherwise)."""
@@ -131,7 +134,7 @@ class Priced:
     def work(self) -> LayerWork:
         """The plan's own MoE work."""
         permute = np.zeros(self.br.t_compute.shape) if self.permute is None else self.permute
-        return LayerWork(compute=self.br.t_compute, comm=self.br.t_comm, permute=permute)
+        return LayerWork(compute=self.br.t_compute, comm=self.br.t_comm, permute=permute, cast=self.cast)
 
 
 def permute_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
@@ -142,6 +145,14 @@ def permute_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
     return np.asarray(cost.permute_time(received).max(axis=-1))
 
 
+def cast_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
+    """float64 [Mb, L]: the busiest GPU's FP8 cast seconds of the expert GEMMs for received slots [Mb, L,
+    G]; None in bf16 and for the MoE-only step (nothing to add, so bf16 sums keep their bits)."""
+    if cost.training is None or not cost.training.whole or cost.cluster.precision != "fp8":
+        return None
+    return np.asarray(cost.expert_cast_time(received).max(axis=-1))
+
+
 def reference_work(cost: CostModel, load: np.ndarray) -> LayerWork | None:
     """The reference model's forward work for load [Mb, L, G, E] on Megatron's static placement, or None
     when ``workload.rl_passes`` has no ``reference`` pass."""
@@ -150,8 +161,14 @@ def reference_work(cost: CostModel, load: np.ndarray) -> LayerWork | None:
     _, num_layers, g, num_experts = np.shape(load)
     assign = home_assign(np.asarray(load), static_placement(num_layers, num_experts, g), g)
     br = cost.moe(load, assign)
-    permute = permute_seconds(cost, assign.sum(axis=-2))
-    return LayerWork(br.t_compute, br.t_comm, np.zeros(br.t_compute.shape) if permute is None else permute)
+    received = assign.sum(axis=-2)
+    permute = permute_seconds(cost, received)
+    return LayerWork(
+        br.t_compute,
+        br.t_comm,
+        np.zeros(br.t_compute.shape) if permute is None else permute,
+        cast=cast_seconds(cost, received),
+    )
 
 
 def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray) -> Priced:
@@ -185,6 +202,7 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         t_redundant=redundant_sync_time(plan, cost),
         online=plan.online,
         permute=permute_seconds(cost, plan.assign.sum(axis=-2)),
+        cast=cast_seconds(cost, plan.assign.sum(axis=-2)),
         reference=reference_work(cost, plan.load),
     )
 

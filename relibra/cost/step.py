@@ -16,6 +16,11 @@ Per micro-batch and GPU, from the tokens the GPU holds (``tokens`` [..., G]) or 
   so it follows the plan's ``assign`` (the one balance-dependent term here);
 * :meth:`~WholeStepTerms.norm_time` per layer: the two RMSNorms and two residual adds;
 * :meth:`~WholeStepTerms.core_attention_time`: the part of attention that selective recompute repeats;
+* with ``cluster.precision=fp8``, the casts of every FP8 GEMM's input (forward) and output gradient
+  (backward) to FP8 (Transformer Engine's quantizers, ``training.fp8_recipe``):
+  :meth:`~WholeStepTerms.expert_cast_time` on the slots a GPU receives (it follows ``assign``, as the
+  permutation does), :meth:`~WholeStepTerms.dense_cast_time` on the tokens it holds (attention
+  projections with the shared experts, or a dense layer's FFN);
 * per step: :meth:`~WholeStepTerms.optimizer_time` (Adam over the parameters and states a GPU holds,
   HBM-bound), :meth:`~WholeStepTerms.grad_reduce_time` and :meth:`~WholeStepTerms.param_gather_time` (the
   distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group
@@ -46,6 +51,8 @@ from relibra.parallel import ParallelLayout, stage_layers
 __all__ = [
     "FORWARD_BYTES_SHARE",
     "FORWARD_FLOPS_SHARE",
+    "FP8_CAST_BYTES",
+    "FP8_RECIPES",
     "RECOMPUTE",
     "RL_PASSES",
     "STEPS",
@@ -68,6 +75,27 @@ FORWARD_BYTES_SHARE = 0.5
 """A memory-bound kernel's forward share of its fwd + bwd bytes (the backward kernels move about as much;
 the per-kernel counts of ``experiments/conf/training/megatron.yaml`` give 0.38-0.5)."""
 BF16_BYTES = 2
+FP8_CAST_BYTES = {
+    "delayed": 2.0 + 1.0 + 1.0,
+    "tensorwise": 2.0 + 2.0 + 1.0 + 1.0,
+    "mxfp8": 2.0 + 2.0 * (1.0 + 1.0 / 32),
+    "blockwise": 2.0 + 2.0 * (1.0 + 4.0 / 128),
+}
+"""HBM bytes per value cast from bf16 to FP8, by Megatron's ``--fp8-recipe``. Each cast writes the rowwise
+copy (for the GEMM that consumes the tensor now) and the columnwise one (for the weight gradient), in one
+fused kernel (Transformer Engine ``transformer_engine/common/transpose/cast_transpose.cu`` and
+``common/util/cast_kernels.cuh``):
+
+* ``delayed``: the scale comes from the amax history and the kernel records the new amax as it casts:
+  read 2, write 1 + 1;
+* ``tensorwise`` (current scaling, Megatron-Bridge's ``fp8cs`` recipes): a separate amax kernel reads the
+  tensor first (``common/recipe/current_scaling.cu``, ``compute_amax``), then the cast: 2 + 2 + 1 + 1;
+* ``mxfp8``: one E8M0 scale per 32 values in each direction, computed inside the cast
+  (``cast_mxfp8_2D_kernel``, ``SCALE_DIM_X = SCALE_DIM_Y = 32``): 2 + 2 x (1 + 1 / 32);
+* ``blockwise`` (DeepSeek-V3's 1 x 128 and 128 x 128 tiles, fp32 scales): 2 + 2 x (1 + 4 / 128).
+"""
+FP8_RECIPES = tuple(FP8_CAST_BYTES)
+"""Values of ``training.fp8_recipe``."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +136,9 @@ class TrainingSpec:
     host_overhead_s: float
     """Exposed host seconds per MoE layer and pass direction (the dropless dispatcher's host sync and the
     launches after it); 0 where no measurement isolates one."""
+    fp8_recipe: str
+    """Megatron's ``--fp8-recipe`` (:data:`FP8_RECIPES`): how ``cluster.precision=fp8`` casts GEMM inputs
+    and output gradients (:data:`FP8_CAST_BYTES`); unused in bf16."""
     step: str = "whole"
     """``simulator.step``: ``whole`` or ``moe`` (the MoE-only step: every term of this module is 0)."""
     rl_passes: tuple[str, ...] = ("update",)
@@ -119,6 +150,10 @@ class TrainingSpec:
             problems.append(f"simulator.step={self.step!r}: choose one of {', '.join(STEPS)}")
         if self.recompute not in RECOMPUTE:
             problems.append(f"training.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            problems.append(
+                f"training.fp8_recipe={self.fp8_recipe!r}: choose one of {', '.join(FP8_RECIPES)}"
+            )
         passes = tuple(self.rl_passes)
         if (
             any(p not in RL_PASSES for p in passes)
@@ -305,6 +340,39 @@ class WholeStepTerms:
         r = np.asarray(received, dtype=np.float64)
         values = m.hidden * spec.permute_values_per_hidden + m.moe_ffn * spec.swiglu_values_per_ffn
         return np.asarray(r * values * BF16_BYTES / self.hbm_rate())
+
+    def _cast_seconds_per_value(self) -> float:
+        """Seconds per value cast to FP8 (0 in bf16: nothing is cast)."""
+        if self.cluster.precision != "fp8":
+            return 0.0
+        return FP8_CAST_BYTES[self._spec().fp8_recipe] / self.hbm_rate()
+
+    def expert_cast_time(self, received: np.ndarray) -> np.ndarray:
+        """One MoE layer's FP8 casts for the expert grouped GEMMs on the received slots, fwd + bwd.
+
+        Per slot the two GEMMs' inputs (``hidden`` for the gate-and-up projection, ``moe_ffn`` for the
+        down projection) and their output gradients (``hidden``, ``2 * moe_ffn``): ``2 h + 3 f`` values.
+        received [..., G] -> seconds [..., G]; 0 in bf16. The weights' casts (once per step: Transformer
+        Engine keeps them across micro-batches, ``is_first_microbatch``) are not priced.
+        """
+        m = self.model
+        r = np.asarray(received, dtype=np.float64)
+        return np.asarray(r * (2 * m.hidden + 3 * m.moe_ffn) * self._cast_seconds_per_value())
+
+    def dense_cast_time(self, tokens: np.ndarray, moe_layer: bool = True) -> np.ndarray:
+        """One layer's FP8 casts for its dense GEMMs on the tokens each GPU holds, fwd + bwd: tokens [..., G]
+        -> seconds [..., G]; 0 in bf16.
+
+        Each GEMM casts its input and its output gradient: the QKV projection ``h`` and ``q + 2 kv``, the
+        output projection ``q`` and ``h``; then a MoE layer's shared experts (``2 h + 3 s``, ``s`` their
+        FFN width summed) or a dense layer's FFN (``2 h + 3 dense_ffn``).
+        """
+        m = self.model
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        ffn = m.shared_ffn * m.shared_experts if moe_layer else m.dense_ffn
+        values = 2 * m.hidden + 2 * q + 2 * kv + (2 * m.hidden + 3 * ffn if ffn > 0 else 0)
+        t = np.asarray(tokens, dtype=np.float64)
+        return np.asarray(t * values * self._cast_seconds_per_value())
 
     def core_attention_time(self, causal_pairs: np.ndarray) -> np.ndarray:
         """QK^T and PV of one layer (bf16, at ``attention_efficiency``), fwd + bwd: causal pairs [..., G] ->

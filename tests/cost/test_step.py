@@ -13,6 +13,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.passes import LayerWork, TokenWork, forward_pass, update_pass
 from relibra.cost.step import TrainingSpec, parallel_groups
+from relibra.parallel import ParallelLayout
 from tests.builders import HOPPER
 
 MODEL = ModelSpec(
@@ -24,7 +25,7 @@ SPEC = TrainingSpec(
     norm_values_per_hidden=20.0, embedding_values_per_hidden=5.0, permute_values_per_hidden=8.0,
     swiglu_values_per_ffn=8.0, router_bytes_per_logit=24.0, loss_bytes_per_logit=8.0,
     optimizer_bytes_per_param=28.0, grad_reduce_bytes_per_param=2.0, param_gather_bytes_per_param=2.0,
-    host_overhead_s=1e-5,
+    host_overhead_s=1e-5, fp8_recipe="tensorwise",
 )  # fmt: skip
 HBM = 3.35e12 * 0.85
 DENSE = 989e12 * 0.5
@@ -50,6 +51,32 @@ def test_head_router_norm_permute_and_core_attention_by_hand() -> None:
     )
     pairs = np.array([5.0e5])
     np.testing.assert_allclose(c.core_attention_time(pairs), 3 * 4 * 5.0e5 * 4 * 10 / DENSE, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "bytes_per_value"),
+    [("delayed", 4.0), ("tensorwise", 6.0), ("mxfp8", 2 + 2 * 33 / 32), ("blockwise", 2 + 2 * 132 / 128)],
+)
+def test_fp8_casts_by_hand(recipe: str, bytes_per_value: float) -> None:
+    """Each FP8 GEMM casts its input forward and its output gradient backward: the experts ``2 h + 3 f``
+    values per received slot; attention ``2 h + 2 q + 2 kv`` per token, plus the dense FFN's ``2 h + 3 F``
+    on a dense layer (this model has no shared experts). bf16 casts nothing."""
+    fp8 = cost(spec=replace(SPEC, fp8_recipe=recipe), precision="fp8")
+    received, tokens = np.array([[300.0, 0.0]]), np.array([100.0, 50.0])
+    np.testing.assert_allclose(
+        fp8.expert_cast_time(received), received * (2 * 1000 + 3 * 500) * bytes_per_value / HBM, rtol=1e-12
+    )
+    attention = 2 * 1000 + 2 * 40 + 2 * 20
+    np.testing.assert_allclose(
+        fp8.dense_cast_time(tokens), tokens * attention * bytes_per_value / HBM, rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        fp8.dense_cast_time(tokens, moe_layer=False),
+        tokens * (attention + 2 * 1000 + 3 * 3000) * bytes_per_value / HBM,
+        rtol=1e-12,
+    )
+    bf16 = cost(spec=replace(SPEC, fp8_recipe=recipe))
+    assert not bf16.expert_cast_time(received).any() and not bf16.dense_cast_time(tokens).any()
 
 
 def test_parameters_optimizer_and_gradient_collectives_by_hand() -> None:
@@ -114,6 +141,39 @@ def test_update_pass_joins_every_term_by_hand() -> None:
     assert exposed.parts["t_grad_reduce_s"] == pytest.approx(rs) and exposed.parts["t_param_gather_s"] == ag
 
 
+@pytest.mark.parametrize("layout", [None, ParallelLayout(pp=3)])
+def test_fp8_casts_join_the_update_and_forward_by_hand(layout: ParallelLayout | None) -> None:
+    """Hand-chosen casts: each MoE layer's expert casts [Mb, L] and dense ones [Mb], each dense layer's.
+    The update's ``t_fp8_cast_s`` sums them, and the update prices them as that much more per-layer work
+    (the same seconds as the permutation and the dense layers carrying them), with and without a pipeline
+    (one layer per stage); without one, and with the collectives not overlapped, the update grows by them
+    and a forward-only pass by half of them."""
+    work, tw = _work()
+    cast = np.array([[0.01, 0.02], [0.03, 0.04]])
+    cast_moe, cast_dense = np.array([0.005, 0.005]), np.array([0.007, 0.007])
+    casting_tw = replace(tw, cast_moe=cast_moe, cast_dense=cast_dense)
+    casting = replace(work, cast=cast)
+    spec = replace(SPEC, overlap_grad_reduce=False, overlap_param_gather=False)
+    c = CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=spec, layout=layout or ParallelLayout())
+    total = cast.sum() + 0.005 * 2 * 2 + 0.007 * 2 * 1
+    plain = update_pass(c, work, tw, 1, (0.0, 0.0, 0.0, 0.0))
+    got = update_pass(c, casting, casting_tw, 1, (0.0, 0.0, 0.0, 0.0))
+    assert got.parts["t_fp8_cast_s"] == pytest.approx(total, rel=1e-12)
+    assert plain.parts["t_fp8_cast_s"] == 0.0
+    carried = update_pass(
+        c,
+        replace(work, permute=work.permute + cast + cast_moe[:, None]),
+        replace(tw, dense=tw.dense + cast_dense),
+        1,
+        (0.0, 0.0, 0.0, 0.0),
+    )
+    assert got.total == pytest.approx(carried.total, rel=1e-12) and got.total > plain.total
+    if layout is None:
+        assert got.total - plain.total == pytest.approx(total, rel=1e-9)
+        fwd_plain, fwd = forward_pass(c, work, tw, 1, 0.0), forward_pass(c, casting, casting_tw, 1, 0.0)
+        assert fwd - fwd_plain == pytest.approx(0.5 * total, rel=1e-9)
+
+
 def test_recompute_adds_the_forward_it_repeats() -> None:
     work, tw = _work()
     base = update_pass(cost(), work, tw, 1, (0.0, 0.0, 0.0, 0.0))
@@ -176,6 +236,7 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_dispatch_with_scales() -> None:
         ({"rl_passes": ("update", "rollout")}, "workload.rl_passes"),
         ({"norm_values_per_hidden": -1.0}, "training.norm_values_per_hidden=-1.0"),
         ({"host_overhead_s": "x"}, "training.host_overhead_s='x'"),
+        ({"fp8_recipe": "hybrid"}, "training.fp8_recipe='hybrid'"),
         ({"overlap_grad_reduce": 1}, "training.overlap_grad_reduce=1"),
     ],
 )
