@@ -26,10 +26,16 @@ Both expert layouts map to mbridge's grouped names: ``...mlp.experts.linear_fc1.
 grouped GEMM, what mbridge's model provider builds) and
 ``...mlp.experts.local_experts.{row}.linear_fc1.weight`` (Megatron's ``SequentialMLP``, what the adapter
 runs on CPU). ReLibra's router wrapper's parameters (``router.logical.weight``) are named as Megatron's
-router's. Not supported: expert tensor parallelism
-(``etp_size > 1``), pipeline stages that split the MoE layers (``moe_layers`` maps checkpoint layers, not
-stages), and building the physical model itself (a model provider with ``num_moe_experts = E + G * r``
-and :func:`relibra.megatron.router.replicating_router` in the layer spec; docs/integrations.md).
+router's.
+
+The copy also builds the physical model: its config counts ``E + G * r`` experts with
+``moe_grouped_gemm`` off (the adapter's replica slots are rows of their own, ``SequentialMLP``), and its
+``_get_transformer_layer_spec`` is mbridge's spec with every MoE layer's router replaced by
+:func:`relibra.megatron.router.replicating_router` (:func:`replicating_layer_spec`). So mbridge's
+``get_model`` (what verl's Megatron workers call to build the actor, before the DDP wrap) returns MoE
+layers that :class:`~relibra.megatron.adapter.MegatronPlanAdapter` takes as they are. Not supported: expert
+tensor parallelism (``etp_size > 1``) and pipeline stages that split the MoE layers (``moe_layers`` maps
+checkpoint layers, not stages).
 """
 
 from __future__ import annotations
@@ -49,9 +55,16 @@ from relibra.integrations.expert_names import (
     strip_router_wrapper,
     to_logical,
 )
+from relibra.megatron.adapter import MegatronPlanAdapter
 from relibra.megatron.physical import PhysicalLayout
 
-__all__ = ["PhysicalExpertNames", "global_expert_names", "physical_bridge"]
+__all__ = [
+    "PhysicalExpertNames",
+    "global_expert_names",
+    "physical_adapter",
+    "physical_bridge",
+    "replicating_layer_spec",
+]
 
 _SEQUENTIAL = re.compile(
     r"(?P<prefix>.*decoder\.layers\.(?P<layer>\d+)\.mlp\.experts)\.local_experts\.(?P<row>\d+)\."
@@ -102,6 +115,41 @@ def global_expert_names(
     return out
 
 
+def replicating_layer_spec(spec: Any, layout: PhysicalLayout) -> Any:
+    """A copy of a Megatron decoder block spec (``TransformerBlockSubmodules``, as
+    ``get_gpt_decoder_block_spec`` returns) or of one layer's ``ModuleSpec`` in which every MoE layer's
+    router is :func:`~relibra.megatron.router.replicating_router` of ``layout``; ``spec`` is left as it was.
+
+    Refuses a spec with no MoE layer (nothing to replicate) and one whose MoE experts are not per-row
+    modules (``moe_grouped_gemm``: the adapter binds each replica slot to a row of its own)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from relibra.megatron.router import replicating_router
+
+    out = copy.deepcopy(spec)
+    layers = out.layer_specs if isinstance(out, TransformerBlockSubmodules) else [out]
+    moe = 0
+    for i, layer in enumerate(layers):
+        mlp = layer.submodules.mlp
+        if not isinstance(mlp.submodules, MoESubmodules):
+            continue
+        experts = mlp.submodules.experts
+        kind = experts.module if isinstance(experts, ModuleSpec) else experts
+        if kind is not SequentialMLP:
+            raise ExpertSyncError(
+                f"layer spec {i}: MoE experts are {getattr(kind, '__name__', kind)}, not SequentialMLP; "
+                "build the physical model with moe_grouped_gemm=False"
+            )
+        mlp.submodules.router = replicating_router(layout)
+        moe += 1
+    if moe == 0:
+        raise ExpertSyncError("the layer spec has no MoE layer: nothing for the replicating router to wrap")
+    return out
+
+
 class PhysicalExpertNames:
     """Mixin over an mbridge ``Bridge`` class (placed first in the bases): the physical model's expert names
     on load and export (module doc). Set up by :func:`physical_bridge`."""
@@ -120,6 +168,10 @@ class PhysicalExpertNames:
             names, self.relibra_layout, self.relibra_phy2log(), int(self.mpu.ep_rank), load=consider_ep,
             moe_layers=self.relibra_moe_layers,
         )  # fmt: skip
+
+    def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
+        spec = super()._get_transformer_layer_spec(vp_stage)  # type: ignore[misc]
+        return replicating_layer_spec(spec, self.relibra_layout)
 
     def export_weights(self, models: list[Any]) -> Iterator[tuple[str, Any]]:
         phy2log = np.array(self.relibra_phy2log(), copy=True)  # the placement as the export starts
@@ -142,7 +194,8 @@ def physical_bridge(
     ``lambda: adapter.phy2log``, so that load and export follow every plan). ``moe_layers``: the
     checkpoint layer of each MoE layer, in order, when dense layers come first. ``naming``: the
     checkpoint's expert names (:data:`~relibra.integrations.expert_names.HF_MIXTRAL_EXPERTS` for Mixtral).
-    The copy's config counts ``E + G * r`` experts, so a model it builds has the physical rows."""
+    The copy's config counts ``E + G * r`` experts without grouped GEMM, and its layer spec has the
+    replicating router, so ``get_model`` builds the physical model (module doc)."""
     config, mpu = bridge.config, bridge.mpu
     if int(config.num_moe_experts) != layout.num_experts:
         raise ExpertSyncError(
@@ -161,8 +214,31 @@ def physical_bridge(
     out.__dict__.update(bridge.__dict__)  # a shallow copy of the bridge's state, under the new class
     out.config = copy.copy(config)
     out.config.num_moe_experts = layout.num_physical
+    out.config.moe_grouped_gemm = False
     out.relibra_layout = layout
     out.relibra_phy2log = phy2log if callable(phy2log) else (lambda: phy2log)
     out.relibra_moe_layers = None if moe_layers is None else tuple(int(x) for x in moe_layers)
     out.relibra_naming = naming
     return out
+
+
+def physical_adapter(models: Sequence[Any], layout: PhysicalLayout) -> MegatronPlanAdapter:
+    """The :class:`~relibra.megatron.adapter.MegatronPlanAdapter` over the MoE layers of the model chunks
+    ``models`` that a :func:`physical_bridge`'s ``get_model`` built (or its model provider), wrapped or not
+    (Megatron's DDP, FSDP and ``Float16Module`` are unwrapped), in layer order across the chunks.
+
+    Every rank of the EP group calls it at the same time (the adapter's first router sync is a
+    collective). Refuses chunks without MoE layers and layers that are not the physical model's (the
+    adapter's own checks: the replicating router, ``E / G + r`` rows)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.utils import unwrap_model
+
+    layers = [
+        layer.mlp
+        for chunk in unwrap_model(list(models))
+        for layer in chunk.decoder.layers
+        if isinstance(layer.mlp, MoELayer)
+    ]
+    if not layers:
+        raise ExpertSyncError("the model chunks hold no MoE layer (decoder.layers[*].mlp)")
+    return MegatronPlanAdapter(layers, layout)

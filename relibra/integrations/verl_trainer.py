@@ -17,6 +17,17 @@ the hooks need are methods it calls once per step, so the supported way in is to
   (:func:`take_step_plan`) and runs verl's update between :meth:`VerlActorHook.begin_update` and
   :meth:`VerlActorHook.end_update`. verl's dispatch registration of ``update_actor`` (``@register``, kept
   as a function attribute) is carried over, so the worker group exposes the method unchanged.
+* :func:`relibra_megatron_engine`: a subclass of verl's Megatron engine (``MegatronEngine``,
+  ``verl/workers/engine/megatron/transformer_impl.py``) that builds the actor with ReLibra's physical MoE
+  layers. Its ``_build_tf_config`` runs verl's, then puts
+  :func:`~relibra.integrations.mbridge.physical_bridge` of verl's mbridge bridge in ``self.bridge`` (and
+  its config in ``self.tf_config``), so that verl's ``_build_megatron_module`` builds the model through
+  the physical bridge's ``get_model`` (``make_megatron_module``; before the DDP wrap) and loads the
+  checkpoint through its ``load_weights`` into the static placement's home rows; then its
+  ``_build_megatron_module`` attaches the :class:`~relibra.megatron.adapter.MegatronPlanAdapter`
+  (:func:`~relibra.integrations.mbridge.physical_adapter`, in ``self.relibra_adapter``), whose placement
+  load and export follow from then on. Only verl's mbridge path: ``vanilla_mbridge=false`` (Megatron-Bridge's
+  ``load_hf_weights``, its own name registry) is refused by name.
 
 Refused, naming the key (:func:`check_trainer_config`, besides :func:`check_verl_config`):
 ``trainer.balance_batch=false`` (``fit`` then never calls ``_balance_batch``, so no plan would start),
@@ -29,10 +40,11 @@ without its :class:`VerlActorHook`, is an error, never a silent update without t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from relibra.integrations.verl import (
+    MEGATRON,
     VerlActorHook,
     VerlConfigError,
     VerlReLibraHook,
@@ -40,12 +52,14 @@ from relibra.integrations.verl import (
     _get,
     check_verl_config,
 )
+from relibra.megatron.physical import PhysicalLayout
 
 __all__ = [
     "STEP_KEY",
     "ReLibraTrainerMixin",
     "check_trainer_config",
     "relibra_actor_worker",
+    "relibra_megatron_engine",
     "take_step_plan",
 ]
 
@@ -162,3 +176,52 @@ def relibra_actor_worker(base: type, hook_of: Callable[[Any], VerlActorHook | No
             hook.end_update()
 
     return type(f"ReLibra{base.__name__}", (base,), {"update_actor": update_actor})
+
+
+def relibra_megatron_engine(
+    base: type, layout_of: Callable[[Any], PhysicalLayout], moe_layers: Sequence[int] | None = None
+) -> type:
+    """A subclass of verl's Megatron engine ``base`` that builds the physical model (module doc).
+
+    ``layout_of(engine)``: the rank's :class:`~relibra.megatron.physical.PhysicalLayout` (``E`` of the
+    checkpoint, ``G`` = the engine's EP size, ``r`` replica slots), read when the config is built.
+    ``moe_layers``: the checkpoint layer of each MoE layer when dense layers come first (None: every layer
+    is a MoE layer), as :func:`~relibra.integrations.mbridge.physical_bridge` takes it.
+    """
+    from relibra.integrations.mbridge import physical_adapter, physical_bridge
+
+    build_config: Callable[..., Any] = base._build_tf_config  # type: ignore[attr-defined]
+    build_module: Callable[..., Any] = base._build_megatron_module  # type: ignore[attr-defined]
+
+    def _build_tf_config(self: Any) -> None:
+        build_config(self)
+        if not self.vanilla_bridge:
+            raise VerlConfigError(
+                f"{MEGATRON}.vanilla_mbridge=false: ReLibra builds and loads the physical model through "
+                "mbridge only (Megatron-Bridge's load_hf_weights is not wired); set it to true"
+            )
+        layout = self.relibra_layout = layout_of(self)
+        self.relibra_adapter = None
+
+        def placement() -> Any:
+            # NOTE: verl loads the checkpoint inside _build_megatron_module, before the adapter exists;
+            # the adapter starts from the static placement, so that is the placement of that load.
+            adapter = self.relibra_adapter
+            if adapter is None:
+                count = int(self.bridge.config.num_layers) if moe_layers is None else len(moe_layers)
+                return layout.static_phy2log(count)
+            return adapter.phy2log
+
+        self.bridge = physical_bridge(self.bridge, layout, placement, moe_layers)
+        self.tf_config = self.bridge.config
+
+    def _build_megatron_module(self: Any) -> Any:
+        module = build_module(self)
+        self.relibra_adapter = physical_adapter(module, self.relibra_layout)
+        return module
+
+    return type(
+        f"ReLibra{base.__name__}",
+        (base,),
+        {"_build_tf_config": _build_tf_config, "_build_megatron_module": _build_megatron_module},
+    )

@@ -1,0 +1,223 @@
+"""The physical model built by mbridge itself (:func:`relibra.integrations.mbridge.physical_bridge`).
+
+verl's Megatron workers build the actor with ``bridge.get_model(...)``, which calls the bridge's model
+provider and then moves the model to the GPU and wraps it in DDP. Here one forked gloo group of 2 ranks
+(EP 2) calls the provider of ``physical_bridge(Qwen3MoEBridge(...))`` (mbridge's own ``_model_provider``,
+the part of ``get_model`` that defines the model; the rest needs CUDA), attaches the adapter
+(:func:`~relibra.integrations.mbridge.physical_adapter`), moves experts to a placement other than the static
+one, loads a Hugging Face Qwen3-MoE checkpoint (written here by ``transformers`` from a random
+initialisation) through mbridge's ``load_weights``, and runs a forward. The model is built as verl's
+Megatron engine builds it, through :func:`~relibra.integrations.verl_trainer.relibra_megatron_engine` over a
+stand-in for verl's ``MegatronEngine`` (verl is not in this venv; its two methods are mirrored). Checked:
+every MoE layer has the replicating router and ``E / G + r`` rows, and the logits equal the Hugging Face
+model's on the same tokens, at the static placement, after the adapter moved experts, and after a load into
+the moved placement.
+
+CPU stand-ins, none on ReLibra's side: Megatron's local layer spec instead of Transformer Engine's
+(mbridge asks for TE's; its parameter names differ only in the input norm, which TE fuses into the QKV
+projection, so that one name is mapped to TE's before mbridge's own mapping), the CUDA-only fusions off,
+CPU initialisation, the RNG tracker's fork a no-op (dropout is off in ``eval()``), an explicit causal mask,
+and ``rope_theta`` copied onto the config where ``transformers`` 5 moved it into ``rope_parameters``
+(mbridge 0.15.1 reads the attribute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install '.[megatron]'")
+pytest.importorskip(
+    "mbridge", reason="mbridge is not installed: pip install '.[mbridge]' (docs/integrations.md)"
+)
+
+from relibra.executors.torch_executor import launch
+from relibra.integrations.expert_names import ExpertSyncError
+from relibra.megatron.physical import PhysicalLayout
+
+pytestmark = pytest.mark.megatron
+
+WORLD, R = 2, 1
+NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, VOCAB, SEQ = 2, 16, 8, 8, 2, 64, 12
+CPU_OFF = (
+    "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion",
+    "masked_softmax_fusion", "bias_dropout_fusion", "moe_router_fusion", "moe_permute_fusion",
+)  # fmt: skip
+
+
+def _hf_config():  # type: ignore[no-untyped-def]
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=FFN,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=128, norm_topk_prob=True,
+    )  # fmt: skip
+    if not hasattr(config, "rope_theta"):
+        rope: Any = config.rope_parameters
+        object.__setattr__(config, "rope_theta", rope["rope_theta"])
+    return config
+
+
+def _moved_home() -> np.ndarray:
+    """[L, E]: layer 0 swaps the two ranks' experts, layer 1 interleaves them."""
+    static = np.arange(NUM_EXPERTS) // (NUM_EXPERTS // WORLD)
+    return np.stack([(static + 1) % WORLD, np.arange(NUM_EXPERTS) % WORLD])
+
+
+class _VerlMegatronEngine:
+    """Stand-in for verl 0.9.1's ``MegatronEngine`` (``verl/workers/engine/megatron/transformer_impl.py``),
+    the two methods :func:`~relibra.integrations.verl_trainer.relibra_megatron_engine` extends, as verl runs
+    them on its mbridge path: ``_build_tf_config`` sets ``vanilla_bridge``, ``bridge`` (mbridge's
+    ``AutoBridge.from_config``) and ``tf_config``; ``_build_megatron_module`` builds the model through
+    ``self.bridge`` (``make_megatron_module`` -> ``bridge.get_model``; here its model provider, the CPU part)
+    and loads the checkpoint with ``self.bridge.load_weights``."""
+
+    def __init__(self, ckpt_dir: str, vanilla: bool = True) -> None:
+        self.ckpt_dir, self.vanilla = ckpt_dir, vanilla
+
+    def _build_tf_config(self) -> None:
+        from mbridge.models.qwen3moe import Qwen3MoEBridge
+
+        self.vanilla_bridge = self.vanilla
+        self.bridge = Qwen3MoEBridge(_hf_config(), dtype=torch.float32)
+        self.tf_config = self.bridge.config
+
+    def _build_megatron_module(self) -> list:
+        for key in CPU_OFF:
+            setattr(self.bridge.config, key, False)
+        self.bridge.config.use_cpu_initialization = True
+        module = [self.bridge._model_provider([])(pre_process=True, post_process=True)]
+        self.bridge.load_weights(module, self.ckpt_dir)
+        return module
+
+
+def _cpu_stand_ins() -> None:
+    import mbridge.core.llm_bridge as llm_bridge
+    from mbridge.models.qwen3moe import Qwen3MoEBridge
+    from megatron.core.tensor_parallel import random as tp_random
+
+    te_spec = llm_bridge.get_gpt_decoder_block_spec
+    llm_bridge.get_gpt_decoder_block_spec = lambda config, use_transformer_engine=True, **kw: te_spec(
+        config, use_transformer_engine=False, **kw
+    )
+    mapping = Qwen3MoEBridge._weight_name_mapping_mcore_to_hf
+
+    def te_names(self, name):  # type: ignore[no-untyped-def]
+        te = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+        return mapping(self, te)
+
+    Qwen3MoEBridge._weight_name_mapping_mcore_to_hf = te_names  # type: ignore[method-assign]
+    tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        return model(ids, torch.arange(SEQ)[None], mask).detach().clone()
+
+
+def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
+    from transformers import Qwen3MoeForCausalLM
+
+    from relibra.integrations.mbridge import physical_adapter
+    from relibra.integrations.verl_trainer import relibra_megatron_engine
+    from relibra.megatron.model import init_expert_parallel
+    from relibra.megatron.router import ReplicatingRouter
+
+    init_expert_parallel(world)
+    _cpu_stand_ins()
+    engine_cls = relibra_megatron_engine(
+        _VerlMegatronEngine, lambda engine: PhysicalLayout(NUM_EXPERTS, world, R)
+    )
+    engine = engine_cls(ckpt_dir)
+    engine._build_tf_config()
+    module = engine._build_megatron_module()  # built and loaded at the static placement
+    model, adapter = module[0], engine.relibra_adapter
+    model.eval()
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(5 + rank))
+    static = _logits(model, ids)
+    adapter.apply_placement(_moved_home())  # the adapter moves the rows' weights
+    moved = _logits(model, ids)
+    engine.bridge.load_weights(module, ckpt_dir)  # a load after the move (a resume) reads the moved rows
+    reloaded = _logits(model, ids)
+    with torch.no_grad():
+        hf = Qwen3MoeForCausalLM.from_pretrained(ckpt_dir, torch_dtype=torch.float32).eval()
+        theirs = hf(ids).logits.detach().clone()
+    layers = [layer.mlp for layer in model.decoder.layers]
+    dense = torch.nn.Module()
+    dense.decoder = torch.nn.Module()
+    dense.decoder.layers = torch.nn.ModuleList()
+    try:
+        physical_adapter([dense], adapter.layout)
+        empty = "accepted"
+    except ExpertSyncError as exc:
+        empty = f"{type(exc).__name__}: {exc}"
+    return {
+        "routers": [type(m.router) is ReplicatingRouter for m in layers],
+        "rows": [len(m.experts.local_experts) for m in layers],
+        "experts": (engine.tf_config.num_moe_experts, engine.bridge.config.num_moe_experts),
+        "home": adapter.home.copy(),
+        "logits": {"static": static, "moved": moved, "reloaded": reloaded},
+        "theirs": theirs,
+        "empty": empty,
+    }
+
+
+@functools.cache
+def world_run() -> list[dict]:
+    from transformers import Qwen3MoeForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(_hf_config()).save_pretrained(tmp)
+        return launch(run_rank, WORLD, tmp, start_method="fork")
+
+
+@pytest.fixture(scope="module")
+def run() -> list[dict]:
+    return world_run()
+
+
+def test_mbridge_builds_the_physical_layers(run) -> None:  # type: ignore[no-untyped-def]
+    for got in run:
+        assert got["routers"] == [True] * NUM_LAYERS
+        assert got["rows"] == [NUM_EXPERTS // WORLD + R] * NUM_LAYERS
+        assert got["experts"] == (NUM_EXPERTS + WORLD * R,) * 2  # the engine's tf_config is the bridge's
+        np.testing.assert_array_equal(got["home"], _moved_home())
+
+
+@pytest.mark.parametrize("stage", ["static", "moved", "reloaded"])
+def test_physical_model_computes_the_checkpoints_logits(run, stage: str) -> None:  # type: ignore[no-untyped-def]
+    """Loaded at the static placement, after the adapter moved experts, and loaded again after the move."""
+    for got in run:
+        ours = got["logits"][stage]
+        assert ours.shape == (1, SEQ, VOCAB)
+        torch.testing.assert_close(ours, got["theirs"], rtol=1e-5, atol=1e-6)
+        assert ours.abs().max() > 1e-2  # logits of a real forward, not zeros
+
+
+class _MegatronBridgeEngine:
+    """verl's engine on its Megatron-Bridge path (``vanilla_mbridge=false``): another bridge class."""
+
+    def _build_tf_config(self) -> None:
+        self.vanilla_bridge, self.bridge, self.tf_config = False, object(), None
+
+    def _build_megatron_module(self) -> list:
+        raise AssertionError("not reached: the config step refuses")
+
+
+def test_engine_refuses_verls_megatron_bridge_path() -> None:
+    from relibra.integrations.verl import VerlConfigError
+    from relibra.integrations.verl_trainer import relibra_megatron_engine
+
+    engine = relibra_megatron_engine(_MegatronBridgeEngine, lambda e: PhysicalLayout(NUM_EXPERTS, WORLD, R))
+    with pytest.raises(VerlConfigError, match=r"actor\.megatron\.vanilla_mbridge=false"):
+        engine()._build_tf_config()
