@@ -26,6 +26,7 @@ from relibra.integrations.verl_trainer import (
     ReLibraTrainerMixin,
     check_trainer_config,
     relibra_actor_worker,
+    relibra_megatron_engine,
 )
 from relibra.planners.compose import relibra
 from relibra.planners.reorder.config import AnnealConfig
@@ -223,3 +224,26 @@ def test_worker_factory_keeps_verls_dispatch_registration() -> None:
     cls = relibra_actor_worker(ActorRolloutRefWorker, lambda worker: None)
     assert issubclass(cls, ActorRolloutRefWorker)
     assert getattr(cls.update_actor, MAGIC_ATTR) == getattr(ActorRolloutRefWorker.update_actor, MAGIC_ATTR)
+
+
+def test_engine_subclass_extends_the_steps_verls_megatron_engine_runs() -> None:
+    """The two methods :func:`relibra_megatron_engine` extends are the ones verl 0.9.1's engine runs, in
+    that order, and on its mbridge path the module step builds and loads through ``self.bridge`` (the
+    engine itself needs CUDA; its steps are run on CPU over a stand-in in test_mbridge_model.py)."""
+    import inspect
+
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
+
+    from relibra.megatron.physical import PhysicalLayout
+
+    for base in (MegatronEngine, MegatronEngineWithLMHead):
+        cls = relibra_megatron_engine(base, lambda engine: PhysicalLayout(8, 2, 1))
+        assert issubclass(cls, base) and cls.__name__ == f"ReLibra{base.__name__}"
+        assert cls._build_tf_config is not base._build_tf_config
+        assert cls._build_megatron_module is not base._build_megatron_module
+    init = inspect.getsource(MegatronEngine.initialize)
+    assert init.index("self._build_tf_config()") < init.index("self._build_megatron_module()")
+    config = inspect.getsource(MegatronEngine._build_tf_config)
+    assert "self.bridge = bridge" in config and "self.tf_config = tf_config" in config
+    module = inspect.getsource(MegatronEngine._build_megatron_module)
+    assert "bridge=self.bridge" in module and "self.bridge.load_weights(module" in module
