@@ -27,9 +27,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from baselines.force_balanced import uniform_routing
-from experiments.config import build_cluster, build_cost, build_model, build_planner, sim_options
+from experiments.config import (
+    ConfigError,
+    build_cluster,
+    build_cost,
+    build_model,
+    build_planner,
+    sim_options,
+)
 from experiments.config_checks import validate
 from experiments.layout_check import build_layout
 from relibra.simulator import simulate
@@ -44,8 +53,14 @@ ROLES = ("calibration", "check")
 
 
 def load_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
-    """The end-to-end data file (format: module doc), its roles checked (:func:`check_roles`)."""
-    doc: dict[str, Any] = json.loads(Path(path).read_text())
+    """The end-to-end data file (format: module doc), its roles checked (:func:`check_roles`). Refuses a
+    missing or unreadable file, and one without a ``rows`` list, naming the path."""
+    try:
+        doc: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"end-to-end data {path}: cannot be read as JSON ({exc})") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+        raise ConfigError(f"end-to-end data {path}: expected an object with a 'rows' list")
     check_roles(doc)
     return doc
 
@@ -153,7 +168,12 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
         if row.get("needs"):
             rows.append({**base, "model": float("nan"), "ratio": float("nan"), "needs": row["needs"]})
             continue
-        sim = simulate_row(row)
+        try:
+            sim = simulate_row(row)
+        except (ValueError, KeyError, TypeError, HydraException, OmegaConfBaseException) as exc:
+            # NOTE: one message naming the file and the row, whatever part of its config is wrong.
+            why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ConfigError(f"end-to-end data {path}: row {row.get('id')!r}: {why}") from exc
         rows.append({**base, **sim, "ratio": sim["model"] / float(row["value"]), "needs": ""})
     return pd.DataFrame(rows)
 

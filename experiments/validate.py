@@ -334,13 +334,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--end-to-end", action="store_true", help="the whole step against published training runs"
     )
+    ap.add_argument(
+        "--data",
+        metavar="JSON",
+        help="with --end-to-end: the rows to simulate (default experiments/data/end_to_end.json)",
+    )
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
     if args.end_to_end:
-        from experiments.end_to_end import end_to_end_table, errors
+        from experiments.end_to_end import DATA_FILE, end_to_end_table, errors
 
-        e2e = end_to_end_table()
+        try:
+            e2e = end_to_end_table(args.data or DATA_FILE)
+        except ValueError as exc:  # ConfigError and the roles check: the file or a row named
+            print(f"validate: {exc}", file=sys.stderr)
+            return 2
         cols = ["id", "role", "layout", "published", "model", "ratio", "step_time_s", "t_compute_s",
                 "t_comm_s", "t_attention_s", "t_permute_s", "t_fp8_cast_s", "t_other_s", "t_bubble_s",
                 "t_tp_comm_s", "needs"]  # fmt: skip

@@ -76,3 +76,41 @@ def test_errors_are_the_check_rows_median_and_worst() -> None:
     err = errors(table)
     assert err["rows"] == 3
     assert err["median"] == pytest.approx(0.1) and err["worst"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"overrides": ["cluster=hopper", "cluster.nodes=abc"]}, "cluster.nodes"),
+        ({"overrides": ["cluster=nosuchcluster"]}, "nosuchcluster"),
+        ({"config": {"gpus": 16}}, "missing field 'micro_batch'"),
+    ],
+)
+def test_a_bad_row_is_refused_naming_the_file_and_the_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, named: str
+) -> None:
+    """``--end-to-end --data``: a row whose configuration cannot run is one message naming the data file,
+    the row and the problem, exit status 2 (no traceback)."""
+    from experiments.validate import main
+
+    row = {**next(r for r in load_rows()["rows"] if not r.get("needs")), "id": "user/row"}
+    row.update(change)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"rows": [row]}))
+    assert main(["--end-to-end", "--data", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("validate: end-to-end data ") and str(path) in err and "'user/row'" in err
+    assert named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"rows": 3}'])
+def test_an_unreadable_data_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    from experiments.validate import main
+
+    path = tmp_path / "rows.json"
+    path.write_text(text)
+    assert main(["--end-to-end", "--data", str(path)]) == 2
+    assert str(path) in capsys.readouterr().err
+    assert main(["--end-to-end", "--data", str(tmp_path / "missing.json")]) == 2

@@ -51,7 +51,9 @@ ATOL, RTOL = 2e-5, 1e-5
 GRAD_RTOL = 1e-4
 """Float32 summation order differs between the layouts; a hot expert's weight gradient sums about 500
 tokens' contributions (the rollout's shared direction makes a few experts hot), so it is compared at a
-relative 1e-4 (measured: 5e-5 at most)."""
+relative 1e-4 (measured: 5e-5 at most), and an entry's rounding error follows the sizes of the terms it sums,
+not its own: an entry near zero in a gradient whose largest entries are about 200 is compared at 1e-4 of
+that largest entry (seen: -0.83096 against -0.83107 in a fresh verl venv, 2026-12-03)."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -380,7 +382,9 @@ def test_balanced_equals_plain(run) -> None:  # type: ignore[no-untyped-def]
         }
         assert sorted(merged["relibra"]) == list(range(NUM_EXPERTS))
         for e in range(NUM_EXPERTS):
-            np.testing.assert_allclose(merged["relibra"][e], merged["plain"][e], atol=ATOL, rtol=GRAD_RTOL)
+            plain = np.asarray(merged["plain"][e])
+            scale = GRAD_RTOL * float(np.abs(plain).max())
+            np.testing.assert_allclose(merged["relibra"][e], plain, atol=max(ATOL, scale), rtol=GRAD_RTOL)
 
 
 def test_native_routing_cannot_pass_unnoticed(run) -> None:  # type: ignore[no-untyped-def]
