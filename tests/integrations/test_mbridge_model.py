@@ -40,6 +40,7 @@ pytest.importorskip(
 from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertSyncError
 from relibra.megatron.physical import PhysicalLayout
+from relibra.types import BatchPlan
 
 pytestmark = pytest.mark.megatron
 
@@ -88,6 +89,7 @@ class _VerlMegatronEngine:
 
         self.vanilla_bridge = self.vanilla
         self.bridge = Qwen3MoEBridge(_hf_config(), dtype=torch.float32)
+        self.bridge.config.moe_enable_routing_replay = True  # verl sets it for router_replay.mode=R3
         self.tf_config = self.bridge.config
 
     def _build_megatron_module(self) -> list:
@@ -124,12 +126,41 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(SEQ)[None], mask).detach().clone()
 
 
+def _replica_plan(routes: list[np.ndarray], home: np.ndarray, seed: int) -> BatchPlan:
+    """One micro-batch's plan for every rank's recorded routes [T, L, k] (rank order): the loads they
+    count, the placement ``home`` [L, E], on every rank ``R`` replicas of the layer's hottest experts homed
+    elsewhere, and each expert's tokens split at random over its copies (the same draw on every rank)."""
+    rng = np.random.default_rng(seed)
+    world = len(routes)
+    load = np.zeros((1, NUM_LAYERS, world, NUM_EXPERTS), dtype=np.int32)
+    for g, r in enumerate(routes):
+        for layer in range(NUM_LAYERS):
+            np.add.at(load[0, layer, g], r[:, layer].ravel(), 1)
+    replicas = np.full((1, NUM_LAYERS, world, R), -1, dtype=np.int32)
+    assign = np.zeros((1, NUM_LAYERS, NUM_EXPERTS, world), dtype=np.int32)
+    for layer in range(NUM_LAYERS):
+        total = load[0, layer].sum(axis=0)
+        hot = np.argsort(-total, kind="stable")
+        for g in range(world):
+            replicas[0, layer, g, :R] = [e for e in hot if home[layer, e] != g][:R]
+        for e in range(NUM_EXPERTS):
+            copies = np.union1d(np.flatnonzero((replicas[0, layer] == e).any(axis=1)), [home[layer, e]])
+            cuts = np.sort(rng.integers(0, total[e] + 1, len(copies) - 1))
+            assign[0, layer, e, copies] = np.diff(np.concatenate([[0], cuts, [total[e]]]))
+    return BatchPlan(
+        home=home.astype(np.int32), assign=assign, load=load, sample_gpu=np.arange(world, dtype=np.int32),
+        replicas=replicas,
+    )  # fmt: skip
+
+
 def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
     from transformers import Qwen3MoeForCausalLM
 
     from relibra.integrations.mbridge import physical_adapter
     from relibra.integrations.verl_trainer import relibra_megatron_engine
     from relibra.megatron.model import init_expert_parallel
+    from relibra.megatron.replay import recorded_routes, recording, replaying
     from relibra.megatron.router import ReplicatingRouter
 
     init_expert_parallel(world)
@@ -148,6 +179,21 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
     moved = _logits(model, ids)
     engine.bridge.load_weights(module, ckpt_dir)  # a load after the move (a resume) reads the moved rows
     reloaded = _logits(model, ids)
+    # A micro-batch with replicas: routes recorded on this model (home rows only), planned, replayed.
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    with recording(routers):
+        _logits(model, ids)
+    mine = recorded_routes(routers)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    plan = _replica_plan(every, adapter.home, seed=7)
+    fills = adapter.buffer.fills
+    adapter.set_microbatch(plan, 0)
+    with replaying(mine, routers, NUM_EXPERTS):
+        replicated = _logits(model, ids)
+    adapter.clear_microbatch()
+    copies_used = int(sum(plan.assign[0, layer, e, g] for layer in range(NUM_LAYERS)
+                          for g in range(world) for e in plan.replicas[0, layer, g] if e >= 0))  # fmt: skip
     with torch.no_grad():
         hf = Qwen3MoeForCausalLM.from_pretrained(ckpt_dir, torch_dtype=torch.float32).eval()
         theirs = hf(ids).logits.detach().clone()
@@ -165,7 +211,9 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
         "rows": [len(m.experts.local_experts) for m in layers],
         "experts": (engine.tf_config.num_moe_experts, engine.bridge.config.num_moe_experts),
         "home": adapter.home.copy(),
-        "logits": {"static": static, "moved": moved, "reloaded": reloaded},
+        "logits": {"static": static, "moved": moved, "reloaded": reloaded, "replicated": replicated},
+        "buffer_fills": adapter.buffer.fills - fills,
+        "copies_used": copies_used,
         "theirs": theirs,
         "empty": empty,
     }
@@ -194,9 +242,10 @@ def test_mbridge_builds_the_physical_layers(run) -> None:  # type: ignore[no-unt
         np.testing.assert_array_equal(got["home"], _moved_home())
 
 
-@pytest.mark.parametrize("stage", ["static", "moved", "reloaded"])
+@pytest.mark.parametrize("stage", ["static", "moved", "reloaded", "replicated"])
 def test_physical_model_computes_the_checkpoints_logits(run, stage: str) -> None:  # type: ignore[no-untyped-def]
-    """Loaded at the static placement, after the adapter moved experts, and loaded again after the move."""
+    """Loaded at the static placement, after the adapter moved experts, loaded again after the move, and a
+    micro-batch under a plan whose replicas compute part of the tokens (recorded routes replayed)."""
     for got in run:
         ours = got["logits"][stage]
         assert ours.shape == (1, SEQ, VOCAB)
@@ -221,3 +270,36 @@ def test_engine_refuses_verls_megatron_bridge_path() -> None:
     engine = relibra_megatron_engine(_MegatronBridgeEngine, lambda e: PhysicalLayout(NUM_EXPERTS, WORLD, R))
     with pytest.raises(VerlConfigError, match=r"actor\.megatron\.vanilla_mbridge=false"):
         engine()._build_tf_config()
+
+
+def test_the_replicated_micro_batch_ran_on_its_copies(run) -> None:  # type: ignore[no-untyped-def]
+    """The plan's replica slots were filled and received tokens, so the equal logits above are the copies'."""
+    for got in run:
+        assert got["buffer_fills"] > 0
+        assert got["copies_used"] > 0
+
+
+def test_adapter_refuses_chunks_without_moe_layers(run) -> None:  # type: ignore[no-untyped-def]
+    assert all(got["empty"].startswith("ExpertSyncError: the model chunks hold no MoE layer") for got in run)
+
+
+def test_replicating_spec_refuses_a_spec_without_moe_layers_or_with_grouped_experts() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from relibra.integrations.mbridge import replicating_layer_spec
+    from relibra.megatron.router import replicating_router
+
+    layout = PhysicalLayout(NUM_EXPERTS, WORLD, R)
+    with pytest.raises(ExpertSyncError, match="no MoE layer"):
+        replicating_layer_spec(get_gpt_layer_local_spec(), layout)
+    moe = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
+    out = replicating_layer_spec(moe, layout)
+    assert out.submodules.mlp.submodules.experts.module is SequentialMLP
+    assert out.submodules.mlp.submodules.router.__qualname__ == replicating_router(layout).__qualname__
+    assert moe.submodules.mlp.submodules.router is not out.submodules.mlp.submodules.router  # a copy
+    grouped = replicating_layer_spec(moe, layout)
+    grouped.submodules.mlp.submodules.experts = ModuleSpec(module=TEGroupedMLP)
+    with pytest.raises(ExpertSyncError, match="not SequentialMLP"):
+        replicating_layer_spec(grouped, layout)
