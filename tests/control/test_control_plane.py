@@ -323,14 +323,14 @@ def test_always_crashing_layer_falls_back_and_nothing_is_lost():
     assert np.isfinite(report.time_to_all_plans_s)
 
 
-def _locality_plane(cluster, model, cost, mode: str, **config) -> ControlPlane:
+def _locality_plane(cluster, model, cost, mode: str, seconds: float = 30.0, **config) -> ControlPlane:
     # NOTE: no warm-up, which would run the stuck locality round in every new worker.
     config.setdefault("warm_up", False)
     return ControlPlane(
         cluster,
         model,
         cost,
-        reorderer=StuckLocality(mode),
+        reorderer=StuckLocality(mode, seconds),
         replicator=GreedyReplicator(replica_slots=SLOTS),
         replica_slots=SLOTS,
         config=ControlPlaneConfig(**config),
@@ -351,7 +351,9 @@ def _assert_input_samples_replicated(plan, report, ctx, status: LocalityStatus) 
 def test_locality_round_past_its_deadline_keeps_the_input_samples():
     counts, cluster, model, cost = _setup()
     ctx = _ctx(counts, cluster, model, cost)
-    cp = _locality_plane(cluster, model, cost, "sleep", workers=2, locality_deadline_s=1.0)
+    # NOTE: a round of 120 s against a bound of 60 s: the wait is the 1 s deadline plus replacing the worker
+    # and replicating in the new one, which took 11.4 s on a loaded 2-core machine (the bound was 10 s then).
+    cp = _locality_plane(cluster, model, cost, "sleep", 120.0, workers=2, locality_deadline_s=1.0)
     try:
         t0 = time.perf_counter()
         plan = cp.plan(ctx)  # no plans() deadline: only the locality round's own limit ends the wait
@@ -359,7 +361,7 @@ def test_locality_round_past_its_deadline_keeps_the_input_samples():
         report = cp.report(0)
     finally:
         cp.close()
-    assert waited < 10.0  # not the 30 s the round would take: its worker was replaced
+    assert waited < 60.0  # not the 120 s the round would take: its worker was replaced
     _assert_input_samples_replicated(plan, report, ctx, LocalityStatus.TIMED_OUT)
 
 

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import re
 import stat
+import sys
 import time
 from pathlib import Path
 
@@ -248,6 +249,12 @@ def _claiming_writer(root: str, log: str, writer: int) -> None:
 
     rows, _ = run_cell(ResultsStore(Path(root)), CONFIG, compute)
     assert len(rows) == 3
+    # NOTE: leave without interpreter finalisation, where Arrow's parquet thread pool can abort the process
+    # after its work is done ("terminate called without an active exception", SIGABRT; apache/arrow#34314,
+    # seen once in a loaded fresh-clone run). A failed assertion above still exits non-zero.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
