@@ -339,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="with --end-to-end: the rows to simulate (default experiments/data/end_to_end.json)",
     )
+    ap.add_argument(
+        "--write-tables",
+        metavar="DIR",
+        help="with --end-to-end: also write end_to_end.md / end_to_end_errors.md (and .tex) into DIR "
+        "(docs/results: the tables docs/validation.md embeds; then python -m analysis --write-docs)",
+    )
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
@@ -362,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} check rows simulated: {err['rows']}; |model / published - 1|: median "
                 f"{err['median']:.1%}, worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
             )
+        if args.write_tables:
+            from experiments.end_to_end_tables import write_end_to_end_tables
+
+            command = "python -m experiments.validate --end-to-end --write-tables " + args.write_tables
+            if args.data:
+                command += f" --data {args.data}"
+            for path in write_end_to_end_tables(e2e, Path(args.write_tables), command):
+                print(f"wrote {path}")
         return 0
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))

@@ -1,0 +1,79 @@
+"""The end-to-end validation as generated tables (``python -m experiments.validate --end-to-end
+--write-tables docs/results``): ``end_to_end`` (one row per published measurement) and ``end_to_end_errors``
+(the check rows' median and worst error), which docs/validation.md embeds as generated blocks
+(:mod:`analysis.docs_blocks`), so its numbers are never copied by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from analysis.render import write_table
+from analysis.tables import Table
+from experiments.end_to_end import errors
+from relibra.provenance import code_version
+
+__all__ = ["end_to_end_tables", "write_end_to_end_tables"]
+
+_COLUMNS = {
+    "id": "row",
+    "role": "role",
+    "published": "published tokens/s/GPU",
+    "model": "model tokens/s/GPU",
+    "ratio": "model / published",
+    "step_time_s": "step s",
+    "t_compute_s": "expert GEMMs s",
+    "t_comm_s": "all-to-all s",
+    "t_attention_s": "attention s",
+    "t_permute_s": "permutation s",
+    "t_fp8_cast_s": "FP8 casts s",
+    "t_other_s": "other s",
+    "t_bubble_s": "bubble s",
+    "t_p2p_s": "pipeline sends s",
+    "t_tp_comm_s": "TP collectives s",
+    "needs": "waits for",
+}
+_SETS = (("all", None), ("EP only", "ep"), ("PP/TP", "pp/tp"))
+
+
+def end_to_end_tables(e2e: pd.DataFrame, command: str) -> list[Table]:
+    """The two tables of :func:`experiments.end_to_end.end_to_end_table`'s frame ``e2e``."""
+    provenance = f"Provenance: simulated and written by `{command}` at `{code_version()}`."
+    rows = e2e.reindex(columns=list(_COLUMNS)).rename(columns=_COLUMNS)
+    formats = {c: ".2f" for c in rows.columns if c.endswith(" s")}
+    formats.update({"published tokens/s/GPU": ".0f", "model tokens/s/GPU": ".0f"})
+    table = Table(
+        name="end_to_end",
+        title="The whole step against published end-to-end training throughput (force-balanced, dropless)",
+        frame=rows,
+        formats=formats,
+        note="Seconds are per step, summed over every stage's layers (the bubble and the sends: the slowest "
+        "stage's); step s is the simulated step. Rows, sources and configurations: "
+        "experiments/data/end_to_end.json.",
+        provenance=provenance,
+    )
+    errs = []
+    for name, layout in _SETS:
+        err = errors(e2e, layout)
+        errs.append(
+            {
+                "set": name,
+                "check rows": err["rows"],
+                "median %": 100 * err["median"],
+                "worst %": 100 * err["worst"],
+            }
+        )
+    summary = Table(
+        name="end_to_end_errors",
+        title="Check rows: |model / published - 1| (target: median <= 15 %, none beyond 30 %)",
+        frame=pd.DataFrame(errs),
+        formats={"median %": ".0f", "worst %": ".0f"},
+        provenance=provenance,
+    )
+    return [table, summary]
+
+
+def write_end_to_end_tables(e2e: pd.DataFrame, out_dir: Path, command: str) -> list[Path]:
+    """Write both tables (Markdown and LaTeX) into ``out_dir``; returns the paths."""
+    return [path for table in end_to_end_tables(e2e, command) for path in write_table(table, out_dir)]
