@@ -114,3 +114,37 @@ def test_an_unreadable_data_file_is_refused(
     assert main(["--end-to-end", "--data", str(path)]) == 2
     assert str(path) in capsys.readouterr().err
     assert main(["--end-to-end", "--data", str(tmp_path / "missing.json")]) == 2
+
+
+def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
+    """``--write-tables``: one table row per data row, the errors table equal to :func:`errors`, and a
+    generated block of docs/validation.md reads its numbers back (analysis.docs_blocks)."""
+    from analysis.docs_blocks import render_block
+    from experiments.end_to_end_tables import write_end_to_end_tables
+
+    frame = pd.DataFrame(
+        {
+            "id": ["a/1", "b/2", "c/3"],
+            "role": ["check", "check", "calibration"],
+            "layout": ["ep", "pp/tp", "ep"],
+            "published": [100.0, 200.0, 300.0],
+            "model": [150.0, 180.0, 600.0],
+            "ratio": [1.5, 0.9, 2.0],
+            "step_time_s": [2.0, 3.0, 1.0],
+            "t_fp8_cast_s": [0.25, 0.0, 0.5],
+            "needs": ["", "", ""],
+        }
+    )
+    paths = write_end_to_end_tables(frame, tmp_path, "cmd")
+    assert {p.name for p in paths} == {
+        "end_to_end.md",
+        "end_to_end.tex",
+        "end_to_end_errors.md",
+        "end_to_end_errors.tex",
+    }
+    assert render_block('end_to_end "FP8 casts s" row=a/1', tmp_path) == "0.25"
+    assert render_block('end_to_end "model / published"', tmp_path) == "0.90-2.00"
+    assert render_block('end_to_end_errors "median %" set=all', tmp_path) == "30"  # |0.5| and |-0.1|: 0.3
+    assert render_block('end_to_end_errors "worst %" set=all', tmp_path) == "50"
+    assert render_block('end_to_end_errors "check rows" "set=EP only"', tmp_path) == "1"
+    assert "`cmd`" in (tmp_path / "end_to_end.md").read_text()
