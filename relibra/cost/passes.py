@@ -257,7 +257,12 @@ def _with_casts(
         comp = comp + work.cast * share
     if tw.cast_moe is not None:
         comp = comp + tw.cast_moe[:, None] * share
-    return comp, (np.zeros_like(tw.dense) if tw.cast_dense is None else tw.cast_dense * share)
+    return comp, _dense_casts(tw, share)
+
+
+def _dense_casts(tw: TokenWork, share: float) -> np.ndarray:
+    """``share`` of one dense layer's FP8 casts [Mb] (zeros when nothing is cast)."""
+    return np.zeros_like(tw.dense) if tw.cast_dense is None else tw.cast_dense * share
 
 
 def _cast_total(work: LayerWork, tw: TokenWork, dense_layers: int) -> float:
@@ -432,7 +437,7 @@ def _layout_forward(
     sp = StagePass(
         comp=comp + _moe_tp_blocks(cost) * tp_fwd[:, None],
         comm=work.comm * 0.5,
-        dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd + _with_casts(comp, work, tw, share=h)[1],
+        dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd + _dense_casts(tw, h),
         head=(tw.head_forward + tp_fwd) if whole else np.zeros_like(tw.dense),
         p2p=lay.vpp * p2p,
         spread=fixed + (cost.launch_time(comp.shape[0], 1.0) if whole else 0.0),
