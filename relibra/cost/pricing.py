@@ -174,6 +174,7 @@ def reference_work(cost: CostModel, load: np.ndarray) -> LayerWork | None:
 def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: np.ndarray) -> Priced:
     """The plan's costs; moves from ``prev_home`` [L, E] are priced with ``cost.migration``."""
     br = cost.moe(plan.load, plan.assign)
+    received = plan.assign.sum(axis=-2)  # [Mb, L, G]: expert slots each GPU computes
     tokens, pairs = gpu_token_stats(
         ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
     )
@@ -189,7 +190,7 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         grad_return = cost.fabric_copy_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape)
     return Priced(
         br=br,
-        skew=skewness(plan.assign.sum(axis=-2)),
+        skew=skewness(received),
         tokens=tokens,
         pairs=pairs,
         refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
@@ -201,8 +202,8 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         t_migration_hidden=moves.seconds - moves.exposed_s,
         t_redundant=redundant_sync_time(plan, cost),
         online=plan.online,
-        permute=permute_seconds(cost, plan.assign.sum(axis=-2)),
-        cast=cast_seconds(cost, plan.assign.sum(axis=-2)),
+        permute=permute_seconds(cost, received),
+        cast=cast_seconds(cost, received),
         reference=reference_work(cost, plan.load),
     )
 
