@@ -44,6 +44,7 @@ Limits: the EP group must be the whole default process group (ranks are GPUs); p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +54,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from relibra.executors.reorder_ops import param_state_tensors
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
 from relibra.executors.split import split_counts
+from relibra.megatron.optimizer_state import row_state_tensors
 from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
 from relibra.megatron.router import ReplicatingRouter
 from relibra.types import BatchPlan
@@ -94,6 +95,22 @@ class _LayerStep:
 
 def _expert_params(mlp: Any) -> tuple[Any, Any]:
     return mlp.linear_fc1.weight, mlp.linear_fc2.weight
+
+
+def _pack_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat message of ``tensors`` in their promoted dtype (exact: promotion only widens)."""
+    dtype = _pack_dtype(tensors)
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
+
+
+def _empty_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The receive buffer of :func:`_pack` ``(tensors)``."""
+    numel = sum(t.numel() for t in tensors)
+    return torch.empty(numel, dtype=_pack_dtype(tensors), device=tensors[0].device)
 
 
 class MegatronPlanAdapter:
@@ -324,11 +341,13 @@ class MegatronPlanAdapter:
         return hook
 
     # -------------------------------------------------------------------------------------- placement
-    def apply_placement(self, new_home: np.ndarray, optimizer: torch.optim.Optimizer | None = None) -> int:
+    def apply_placement(self, new_home: np.ndarray, optimizer: Any | None = None) -> int:
         """Move experts to placement new_home [L, E] (collective over the EP group). Returns moved experts.
 
-        Each moved expert carries its weights, its gradients (when present) and every optimizer state
-        tensor shaped like its parameters (Adam's moments), all packed into one message.
+        Each moved expert carries its weights, its gradients (when present) and the optimizer's copies of
+        it (Adam's moments; a Megatron distributed optimizer's master weights too), all packed into one
+        message (:func:`~relibra.megatron.optimizer_state.row_state_tensors`). An optimizer whose copies
+        cannot move is refused (``OptimizerStateError``) before any expert moves.
         """
         new_home = np.asarray(new_home, dtype=np.int64)
         if new_home.shape != (len(self.layers), self.layout.num_experts):
@@ -340,7 +359,11 @@ class MegatronPlanAdapter:
         new = next_phy2log(old, new_home)
         old_home = self.home
         moved = int((old_home != new_home).sum())
-        for layer in np.unique(np.nonzero(old_home != new_home)[0]):
+        layers = np.unique(np.nonzero(old_home != new_home)[0])
+        for layer in layers:  # refuse before the first move, not halfway
+            for row in self.home_rows(int(layer)):
+                self._row_tensors(row, optimizer)
+        for layer in layers:
             self._move_layer(int(layer), old[layer], new[layer], old_home[layer], new_home[layer], optimizer)
         self.phy2log = new
         self._sync_routers()
@@ -348,8 +371,8 @@ class MegatronPlanAdapter:
         return moved
 
     @staticmethod
-    def _row_tensors(mlp: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-        return [t for p in _expert_params(mlp) for t in param_state_tensors(p, optimizer)]
+    def _row_tensors(mlp: nn.Module, optimizer: Any | None) -> list[torch.Tensor]:
+        return [t for p in _expert_params(mlp) for t in row_state_tensors(p, optimizer)]
 
     def _move_layer(
         self,
@@ -366,14 +389,10 @@ class MegatronPlanAdapter:
         outgoing = [int(e) for e in old[rank] if new_home[e] != rank]
         incoming = [int(e) for e in new[rank] if old_home[e] != rank]
         # Step 1: pack every outgoing expert before any incoming one overwrites its freed row.
-        send = {
-            e: torch.cat([t.reshape(-1) for t in self._row_tensors(rows[old_row[e]], optimizer)])
-            for e in outgoing
-        }
-        recv = {
-            e: torch.empty(sum(t.numel() for t in self._row_tensors(rows[new_row[e]], optimizer)))
-            for e in incoming
-        }
+        # One message per expert in one dtype (bf16 weights, fp32 master weights and moments: fp32), on the
+        # rows' device; every rank lists the same tensors for a row, so both ends agree on both.
+        send = {e: _pack(self._row_tensors(rows[old_row[e]], optimizer)) for e in outgoing}
+        recv = {e: _empty_pack(self._row_tensors(rows[new_row[e]], optimizer)) for e in incoming}
         tag = MOVE_TAG_BASE + layer * self.layout.num_experts
         ops = [dist.P2POp(dist.isend, send[e], int(new_home[e]), tag=tag + e) for e in outgoing]
         ops += [dist.P2POp(dist.irecv, recv[e], int(old_home[e]), tag=tag + e) for e in incoming]

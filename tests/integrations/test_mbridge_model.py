@@ -14,17 +14,13 @@ model's on the same tokens, at the static placement, after the adapter moved exp
 the moved placement and under a plan with replicas (routes recorded, then replayed), whose backward gives
 the checkpoint model's expert and router gradients.
 
-CPU stand-ins, none on ReLibra's side: Megatron's local layer spec instead of Transformer Engine's
-(mbridge asks for TE's; its parameter names differ only in the input norm, which TE fuses into the QKV
-projection, so that one name is mapped to TE's before mbridge's own mapping), the CUDA-only fusions off,
-CPU initialisation, the RNG tracker's fork a no-op (dropout is off in ``eval()``), an explicit causal mask,
-and ``rope_theta`` copied onto the config where ``transformers`` 5 moved it into ``rope_parameters``
-(mbridge 0.15.1 reads the attribute).
+CPU stand-ins, none on ReLibra's side (:mod:`tests.integrations.mbridge_builders`): Megatron's local layer
+spec instead of Transformer Engine's, the CUDA-only fusions off, CPU initialisation, the RNG tracker's fork
+a no-op (dropout is off in ``eval()``), and an explicit causal mask.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import tempfile
 from typing import Any
@@ -42,30 +38,16 @@ from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertSyncError
 from relibra.megatron.physical import PhysicalLayout
 from relibra.types import BatchPlan
+from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config
 
 pytestmark = pytest.mark.megatron
 
 WORLD, R = 2, 1
 NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, VOCAB, SEQ = 2, 16, 8, 8, 2, 64, 12
-CPU_OFF = (
-    "persist_layer_norm", "gradient_accumulation_fusion", "apply_rope_fusion", "bias_activation_fusion",
-    "masked_softmax_fusion", "bias_dropout_fusion", "moe_router_fusion", "moe_permute_fusion",
-)  # fmt: skip
 
 
 def _hf_config():  # type: ignore[no-untyped-def]
-    from transformers import Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(  # type: ignore[call-arg]
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=FFN,
-        num_hidden_layers=NUM_LAYERS, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=128, norm_topk_prob=True,
-    )  # fmt: skip
-    if not hasattr(config, "rope_theta"):
-        rope: Any = config.rope_parameters
-        object.__setattr__(config, "rope_theta", rope["rope_theta"])
-    return config
+    return qwen3_moe_config(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K, VOCAB)
 
 
 def _moved_home() -> np.ndarray:
@@ -100,25 +82,6 @@ class _VerlMegatronEngine:
         module = [self.bridge._model_provider([])(pre_process=True, post_process=True)]
         self.bridge.load_weights(module, self.ckpt_dir)
         return module
-
-
-def _cpu_stand_ins() -> None:
-    import mbridge.core.llm_bridge as llm_bridge
-    from mbridge.models.qwen3moe import Qwen3MoEBridge
-    from megatron.core.tensor_parallel import random as tp_random
-
-    te_spec = llm_bridge.get_gpt_decoder_block_spec
-    llm_bridge.get_gpt_decoder_block_spec = lambda config, use_transformer_engine=True, **kw: te_spec(
-        config, use_transformer_engine=False, **kw
-    )
-    mapping = Qwen3MoEBridge._weight_name_mapping_mcore_to_hf
-
-    def te_names(self, name):  # type: ignore[no-untyped-def]
-        te = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        return mapping(self, te)
-
-    Qwen3MoEBridge._weight_name_mapping_mcore_to_hf = te_names  # type: ignore[method-assign]
-    tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -165,7 +128,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
     from relibra.megatron.router import ReplicatingRouter
 
     init_expert_parallel(world)
-    _cpu_stand_ins()
+    cpu_stand_ins()
     engine_cls = relibra_megatron_engine(
         _VerlMegatronEngine, lambda engine: PhysicalLayout(NUM_EXPERTS, world, R)
     )
