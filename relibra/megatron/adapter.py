@@ -145,8 +145,11 @@ class MegatronPlanAdapter:
         fc1, fc2 = _expert_params(self.layers[0].experts.local_experts[0])
         self._shapes = (fc1.shape, fc2.shape)
         self.params_per_expert = fc1.numel() + fc2.numel()
-        self.buffer = ReplicaBuffer(layout.replica_slots, self.params_per_expert, dtype=fc1.dtype)
-        """The layer-shared replica buffer; every layer's replica slots are views of its rows."""
+        self.buffer = ReplicaBuffer(
+            layout.replica_slots, self.params_per_expert, dtype=fc1.dtype, device=fc1.device
+        )
+        """The layer-shared replica buffer, on the rows' device and in their dtype; every layer's replica
+        slots are views of its rows."""
         self._bind_replica_slots()
         self._steps: list[_LayerStep | None] = [None] * len(self.layers)
         self._sync_routers()

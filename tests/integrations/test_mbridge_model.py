@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from typing import Any
 
 import numpy as np
 import pytest
