@@ -223,6 +223,26 @@ def check_verl_config(config: Mapping[str, Any]) -> VerlSettings:
             "FP8 pads each sequence with routed tokens no plan counts",
         ),
         (
+            f"{MEGATRON}.vanilla_mbridge",
+            True,
+            lambda v: v is True,
+            "ReLibra builds and loads the physical model through mbridge only (Megatron-Bridge's "
+            "load_hf_weights is not wired): set true",
+        ),
+        (
+            f"{MEGATRON}.use_distributed_optimizer",
+            True,
+            lambda v: v is True,
+            "Megatron's non-distributed optimizers keep master weights the adapter cannot move with the "
+            "experts: set true",
+        ),
+        (
+            f"{ACTOR}.optim.use_precision_aware_optimizer",
+            False,
+            lambda v: v is False,
+            "the precision-aware optimizer keeps scaled copies the adapter cannot move with the experts",
+        ),
+        (
             f"{MEGATRON}.override_transformer_config.recompute_granularity",
             None,
             lambda v: v is None,

@@ -48,6 +48,7 @@ GOOD = {
                 "expert_model_parallel_size": 4,
                 "expert_tensor_parallel_size": None,
                 "use_remove_padding": True,
+                "vanilla_mbridge": True,
                 "router_replay": {"mode": "R3"},
                 "override_transformer_config": {"recompute_granularity": None},
             },
@@ -92,6 +93,9 @@ def test_check_verl_config_accepts_the_supported_setting() -> None:
         ("actor_rollout_ref.actor.megatron.pad_to_length", True),
         ("actor_rollout_ref.actor.megatron.override_transformer_config.fp8", "e4m3"),
         ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity", "full"),
+        ("actor_rollout_ref.actor.megatron.vanilla_mbridge", False),
+        ("actor_rollout_ref.actor.megatron.use_distributed_optimizer", False),
+        ("actor_rollout_ref.actor.optim.use_precision_aware_optimizer", True),
         ("actor_rollout_ref.actor.ppo_mini_batch_size", 3),
         ("trainer.nnodes", 0),
     ],
@@ -121,6 +125,7 @@ def test_check_verl_config_on_verls_own_config() -> None:
         "actor_rollout_ref.rollout.enable_rollout_routing_replay": True,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 8,
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge": True,
     }.items():
         OmegaConf.update(cfg, key, value)
     assert check_verl_config(cfg).num_gpus == 8

@@ -21,6 +21,7 @@ def verl_trainer_config(world: int, micro: int, prompts: int, n: int) -> Any:
         "actor_rollout_ref.actor.ppo_mini_batch_size": prompts,
         "actor_rollout_ref.rollout.n": n,
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size": world,
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge": True,
         "trainer.nnodes": 1,
         "trainer.n_gpus_per_node": world,
     }.items():
