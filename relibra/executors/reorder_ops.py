@@ -12,6 +12,8 @@ in a layer are packed into one message per (source, destination) pair.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -69,8 +71,11 @@ def reorder_experts(
         param = model.experts[int(layer)]
         tensors = param_state_tensors(param, optimizer)
         width = param.shape[1]
-        if staging is None or staging[0].shape[1] != width * len(tensors):
-            staging = tuple(param.new_empty((per_gpu, width * len(tensors))) for _ in range(2))
+        # One dtype for the packed rows: the promoted one, so fp32 optimizer state of a bf16 parameter
+        # travels exactly (promotion only widens).
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        if staging is None or staging[0].shape[1] != width * len(tensors) or staging[0].dtype != dtype:
+            staging = tuple(param.new_empty((per_gpu, width * len(tensors)), dtype=dtype) for _ in range(2))
         send_buf, recv_buf = staging
         old, new = model.home[layer], new_home[layer]
         out = [(int(new[e]), int(e)) for e in np.flatnonzero((old == rank) & (new != rank))]  # (dst, expert)

@@ -109,3 +109,38 @@ def test_reorder_refuses_an_unbalanced_placement() -> None:
     model.place_initial(np.array([[0, 0, 1, 1]]))
     with pytest.raises(ValueError, match="expected E / G = 2"):
         reorder_experts(model, np.array([[0, 0, 0, 1]]))
+
+
+def mixed_dtype_worker(rank: int, world: int, home: np.ndarray) -> dict:
+    """bf16 expert weights with fp32 optimizer state (as master-weight optimizers keep it), moved once."""
+    model = EPMoEModel(L, E, SHAPE, rank, world, replica_slots=0)
+    model.place_initial(static_placement(L, E, world))
+    for p in model.experts:
+        p.data = p.data.to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for layer, p in enumerate(model.experts):
+        # fp32 values a bf16 buffer cannot hold: 1 + e / 1024 + layer / 2**20 names its expert exactly.
+        opt.state[p]["master"] = torch.stack(
+            [torch.full((SHAPE.params,), 1.0 + e / 1024 + layer / 2**20) for e in model.slot_expert[layer]]
+        )
+    reorder_experts(model, home, opt)
+    return {
+        (layer, int(e)): (model.experts[layer].dtype, opt.state[model.experts[layer]]["master"][i].clone())
+        for layer in range(L)
+        for i, e in enumerate(model.slot_expert[layer])
+    }
+
+
+def test_fp32_state_of_bf16_weights_moves_exactly() -> None:
+    rng = np.random.default_rng(3)
+    home = np.stack([rng.permutation(np.repeat(np.arange(G), E // G)) for _ in range(L)])
+    ranks = launch(mixed_dtype_worker, G, home, start_method="fork")
+    held = {key: value for got in ranks for key, value in got.items()}
+    assert sorted(held) == [(layer, e) for layer in range(L) for e in range(E)]
+    assert moved_experts(static_placement(L, E, G), home).size > 0
+    for (layer, e), (dtype, master) in held.items():
+        assert dtype == torch.bfloat16
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(
+            master, torch.full_like(master, 1.0 + e / 1024 + layer / 2**20), rtol=0, atol=0
+        )
