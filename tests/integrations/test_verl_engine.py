@@ -197,6 +197,23 @@ def _refusals(engine: Any) -> list[str]:
     return out
 
 
+def _hook_without_optimizer(engine: Any) -> str:
+    """A ``VerlActorHook`` made without the training engine's optimizer, asked to move experts."""
+    from relibra.integrations.verl import VerlActorHook, VerlStepPlan
+    from relibra.types import BatchPlan
+
+    home = _moved_home().astype(np.int32)
+    assign = np.zeros((1, NUM_LAYERS, NUM_EXPERTS, WORLD), dtype=np.int32)
+    load = np.zeros((1, NUM_LAYERS, WORLD, NUM_EXPERTS), dtype=np.int32)
+    plan = BatchPlan(home=home, assign=assign, load=load, sample_gpu=np.arange(WORLD, dtype=np.int32))
+    hook = VerlActorHook(engine.relibra_adapter)
+    try:
+        hook.begin_update(VerlStepPlan(plan, np.arange(WORLD), 1, 1))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
     import verl.workers.engine.megatron.transformer_impl as transformer_impl
     from megatron.core.distributed import DistributedDataParallel
@@ -253,6 +270,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
             got["home_grads"] = [float(p.main_grad.abs().sum()) for p in home]
         if name == "unmoved":
             got["refused"] = _refusals(engine)
+            got["hook_refused"] = _hook_without_optimizer(engine)
         got["home"] = adapter.home.copy()
         out[name] = got
     engine = _engine(ckpt_dir, forward_only=False, distributed_optimizer=False)
@@ -383,6 +401,10 @@ def test_optimizers_whose_copies_cannot_move_are_refused_before_any_move(run) ->
         assert "use_distributed_optimizer=true" in plain
         np.testing.assert_array_equal(got["non_distributed"]["home"], static)
         np.testing.assert_array_equal(got["unmoved"]["home"], static)
+        assert got["unmoved"]["hook_refused"].startswith(
+            "VerlActorHook: the actor's expert rows are in Megatron"
+        )
+        assert "VerlActorHook(adapter, engine.optimizer)" in got["unmoved"]["hook_refused"]
 
 
 def test_training_engines_rows_are_in_ddps_buffers_and_get_gradients(run) -> None:  # type: ignore[no-untyped-def]
