@@ -97,6 +97,35 @@ def _expert_params(mlp: Any) -> tuple[Any, Any]:
     return mlp.linear_fc1.weight, mlp.linear_fc2.weight
 
 
+def _main_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """Megatron DDP's gradient of ``p`` (a view of DDP's gradient buffer), where DDP keeps it: its backward
+    hook adds ``p.grad`` into it and clears ``p.grad`` (or the GEMM writes it there directly)."""
+    main = p.__dict__.get("main_grad")
+    return main if isinstance(main, torch.Tensor) else None
+
+
+def _take_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``p`` holds (``p.grad``, else DDP's ``main_grad``), copied out; both are cleared."""
+    main = _main_grad(p)
+    out = None if p.grad is None else p.grad.detach().clone()
+    if main is not None:
+        out = main.detach().clone() if out is None else out + main.detach()
+        main.zero_()
+    p.grad = None
+    return out
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Add ``g`` into the gradient the optimizer reads: DDP's ``main_grad`` if any, else ``p.grad``."""
+    main = _main_grad(p)
+    if main is not None:
+        main.add_(g.to(main.dtype))
+    elif p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.add_(g)
+
+
 def _pack_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
@@ -193,15 +222,18 @@ class MegatronPlanAdapter:
         return {int(e): self._flat(m) for e, m in zip(self.phy2log[layer, self.rank], self.home_rows(layer))}
 
     def expert_grads(self, layer: int) -> dict[int, torch.Tensor]:
-        """This rank's home experts of ``layer``: logical id -> flat weight gradient [P] (zeros if none)."""
+        """This rank's home experts of ``layer``: logical id -> flat weight gradient [P] (``p.grad``, else
+        Megatron DDP's ``main_grad``; zeros if none)."""
+
+        def grad(p: torch.Tensor) -> torch.Tensor:
+            main = _main_grad(p)
+            if p.grad is not None:
+                return p.grad
+            return torch.zeros_like(p) if main is None else main
+
         out = {}
         for e, m in zip(self.phy2log[layer, self.rank], self.home_rows(layer)):
-            out[int(e)] = torch.cat(
-                [
-                    (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                    for p in _expert_params(m)
-                ]
-            )
+            out[int(e)] = torch.cat([grad(p).reshape(-1) for p in _expert_params(m)])
         return out
 
     def load_expert_weights(self, layer: int, weights: Callable[[int], torch.Tensor]) -> None:
@@ -292,12 +324,10 @@ class MegatronPlanAdapter:
         slot_grads.zero_()
         n1 = int(np.prod(self._shapes[0]))
         for s, mlp in enumerate(self.replica_slots(layer)):
-            fc1, fc2 = _expert_params(mlp)
-            if fc1.grad is not None:
-                slot_grads[s, :n1] = fc1.grad.reshape(-1)
-            if fc2.grad is not None:
-                slot_grads[s, n1:] = fc2.grad.reshape(-1)
-            fc1.grad = fc2.grad = None
+            for p, part in zip(_expert_params(mlp), (slice(0, n1), slice(n1, None)), strict=True):
+                grad = _take_grad(p)
+                if grad is not None:
+                    slot_grads[s, part] = grad.reshape(-1)
         if copies.empty:
             return
         acc = slot_grads.new_zeros((self.layout.experts_per_gpu, self.params_per_expert))
@@ -305,10 +335,7 @@ class MegatronPlanAdapter:
         for row in sorted({self.slot_of(layer)[e] for _, _, e in copies.send}):
             fc1, fc2 = _expert_params(self.home_rows(layer)[row])
             for p, g in ((fc1, acc[row, :n1]), (fc2, acc[row, n1:])):
-                if p.grad is None:
-                    p.grad = g.view_as(p).clone()
-                else:
-                    p.grad.add_(g.view_as(p))
+                _add_grad(p, g.view_as(p))
 
     def _pre_hook(self, layer: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -36,8 +36,7 @@ pytest.importorskip(
 from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertSyncError
 from relibra.megatron.physical import PhysicalLayout
-from relibra.types import BatchPlan
-from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config
+from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config, replica_plan
 
 pytestmark = pytest.mark.megatron
 
@@ -89,33 +88,6 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(ids, torch.arange(SEQ)[None], mask).detach().clone()
 
 
-def _replica_plan(routes: list[np.ndarray], home: np.ndarray, seed: int) -> BatchPlan:
-    """One micro-batch's plan for every rank's recorded routes [T, L, k] (rank order): the loads they
-    count, the placement ``home`` [L, E], on every rank ``R`` replicas of the layer's hottest experts homed
-    elsewhere, and each expert's tokens split at random over its copies (the same draw on every rank)."""
-    rng = np.random.default_rng(seed)
-    world = len(routes)
-    load = np.zeros((1, NUM_LAYERS, world, NUM_EXPERTS), dtype=np.int32)
-    for g, r in enumerate(routes):
-        for layer in range(NUM_LAYERS):
-            np.add.at(load[0, layer, g], r[:, layer].ravel(), 1)
-    replicas = np.full((1, NUM_LAYERS, world, R), -1, dtype=np.int32)
-    assign = np.zeros((1, NUM_LAYERS, NUM_EXPERTS, world), dtype=np.int32)
-    for layer in range(NUM_LAYERS):
-        total = load[0, layer].sum(axis=0)
-        hot = np.argsort(-total, kind="stable")
-        for g in range(world):
-            replicas[0, layer, g, :R] = [e for e in hot if home[layer, e] != g][:R]
-        for e in range(NUM_EXPERTS):
-            copies = np.union1d(np.flatnonzero((replicas[0, layer] == e).any(axis=1)), [home[layer, e]])
-            cuts = np.sort(rng.integers(0, total[e] + 1, len(copies) - 1))
-            assign[0, layer, e, copies] = np.diff(np.concatenate([[0], cuts, [total[e]]]))
-    return BatchPlan(
-        home=home.astype(np.int32), assign=assign, load=load, sample_gpu=np.arange(world, dtype=np.int32),
-        replicas=replicas,
-    )  # fmt: skip
-
-
 def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
     from transformers import Qwen3MoeForCausalLM
@@ -149,7 +121,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
     mine = recorded_routes(routers)
     every: list = [None] * world
     dist.all_gather_object(every, mine)
-    plan = _replica_plan(every, adapter.home, seed=7)
+    plan = replica_plan(every, adapter.home, R, seed=7)
     fills = adapter.buffer.fills
     adapter.set_microbatch(plan, 0)
     with replaying(mine, routers, NUM_EXPERTS):

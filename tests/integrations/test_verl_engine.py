@@ -43,7 +43,7 @@ pytest.importorskip("mbridge", reason="mbridge is not installed: pip install '.[
 
 from relibra.executors.torch_executor import launch
 from relibra.megatron.physical import PhysicalLayout
-from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config
+from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config, replica_plan
 
 pytestmark = pytest.mark.verl
 
@@ -133,17 +133,59 @@ def _megatron_optimizer_on_cpu() -> Iterator[None]:
         torch.Tensor.type = tensor_type  # type: ignore[method-assign]
 
 
-def _train_step(engine: Any, ids: torch.Tensor) -> None:
-    """One step of verl's optimizer: backward into DDP's buffers, DDP's gradient sync, Megatron's step."""
-    chunk = engine.module[0]
+def _train_step(engine: Any, ids: torch.Tensor, replicas: bool = False) -> dict[str, int]:
+    """One step of verl's optimizer: backward into DDP's buffers, DDP's gradient sync, Megatron's step.
+    With ``replicas``, the micro-batch runs under a plan whose replica slots compute part of every copied
+    expert's tokens (its routes recorded on the model first, then replayed)."""
+    import torch.distributed as dist
+    from verl.utils.megatron.router_replay_patch import RouterReplayAction
+
+    chunk, adapter = engine.module[0], engine.relibra_adapter
     engine.optimizer.zero_grad()
     chunk.zero_grad_buffer()
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
-    chunk(ids, torch.arange(SEQ)[None], mask).float().square().mean().backward()
+    used = {"fills": 0, "copies_used": 0}
+    if not replicas:
+        chunk(ids, torch.arange(SEQ)[None], mask).float().square().mean().backward()
+    else:
+        # verl's own RouterReplay (its patch is in place): record the routes, then replay them.
+        replays = [layer.mlp.router.router_replay for layer in _unwrap(chunk).decoder.layers]
+        for replay in replays:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        with torch.no_grad():
+            chunk(ids, torch.arange(SEQ)[None], mask)
+        recorded = [replay.get_recorded_indices().clone() for replay in replays]  # L x [T, k]
+        mine = np.stack([r.numpy() for r in recorded], axis=1)  # [T, L, k]
+        every: list = [None] * WORLD
+        dist.all_gather_object(every, mine)
+        plan = replica_plan(every, adapter.home, R, seed=7)
+        fills = adapter.buffer.fills
+        adapter.set_microbatch(plan, 0)
+        for replay, targets in zip(replays, recorded, strict=True):
+            replay.clear_indices()
+            replay.set_target_indices(targets)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        chunk(ids, torch.arange(SEQ)[None], mask).float().square().mean().backward()
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+        adapter.clear_microbatch()
+        assert plan.replicas is not None
+        used["fills"] = adapter.buffer.fills - fills
+        used["copies_used"] = int(
+            sum(
+                plan.assign[0, layer, e, g]
+                for layer in range(NUM_LAYERS)
+                for g in range(WORLD)
+                for e in plan.replicas[0, layer, g]
+                if e >= 0
+            )
+        )
     chunk.finish_grad_sync()
     with _megatron_optimizer_on_cpu():
         ok, _, _ = engine.optimizer.step()
     assert ok
+    return used
 
 
 def _expert_states(engine: Any, rank: int) -> dict[tuple[int, int, int], dict[str, torch.Tensor]]:
@@ -260,7 +302,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
                 adapter.apply_placement(
                     _moved_home(), None if name == "moved_without_optimizer" else engine.optimizer
                 )
-            _train_step(engine, ids[1])
+            got["replicas"] = _train_step(engine, ids[1], replicas=name == "training")
             got["states"] = _expert_states(engine, rank)
             rows = [p for m in layers for p in m.experts.parameters()]
             got["rows_in_buffers"] = all(isinstance(p.__dict__.get("main_grad"), torch.Tensor) for p in rows)
@@ -338,11 +380,18 @@ def _states(ranks: list[dict], engine: str) -> dict:
 
 
 def test_moved_experts_train_on_as_if_unmoved(run) -> None:  # type: ignore[no-untyped-def]
-    """Two optimizer steps with the experts moved between them, against the same two steps unmoved: every
-    logical expert's fp32 master weights and Adam moments agree (the moved rows took the distributed
-    optimizer's copies with them). Float32 sums over the tokens in other orders: compared at 1e-3 of each
-    tensor's largest entry."""
+    """Two optimizer steps with the experts moved between them, the second under a plan with replicas,
+    against the same two steps unmoved and without replicas: every logical expert's fp32 master weights and
+    Adam moments agree (the moved rows took the distributed optimizer's copies with them, and the copies'
+    gradients reached their home rows in DDP's buffers). The copies' gradients are bf16 partial sums
+    (the rows' dtype), so they differ from the unsplit bf16 gradient by bf16 rounding (measured: up to
+    0.4 % of a tensor's largest entry): compared at 2 % of it. Checked: with the copies' gradients
+    read from and added to ``p.grad`` only (the adapter before it knew DDP's ``main_grad``), the copied
+    experts' states differ by 20-100 % of their largest entry."""
     ranks, _ = run
+    for got in ranks:
+        assert got["training"]["replicas"]["fills"] > 0  # the slots were filled ...
+        assert got["training"]["replicas"]["copies_used"] > 0  # ... and computed tokens
     moved, unmoved = _states(ranks, "training"), _states(ranks, "unmoved")
     assert (
         sorted(moved)
@@ -354,8 +403,8 @@ def test_moved_experts_train_on_as_if_unmoved(run) -> None:  # type: ignore[no-u
     for key, theirs in unmoved.items():
         assert sorted(moved[key]) == sorted(theirs) == ["exp_avg", "exp_avg_sq", "param"]
         for name, value in theirs.items():
-            tol = 1e-3 * float(value.abs().max())
-            torch.testing.assert_close(moved[key][name], value, rtol=1e-3, atol=tol, msg=f"{key} {name}")
+            tol = 2e-2 * float(value.abs().max())
+            torch.testing.assert_close(moved[key][name], value, rtol=2e-2, atol=tol, msg=f"{key} {name}")
     assert any(float(v["exp_avg"].abs().max()) > 0 for v in unmoved.values())  # the moments are real
 
 
