@@ -155,8 +155,9 @@ def take_step_plan(data: Any) -> VerlStepPlan:
 def relibra_actor_worker(base: type, hook_of: Callable[[Any], VerlActorHook | None]) -> type:
     """A subclass of verl's actor worker ``base`` whose ``update_actor`` trains under the carried plan.
 
-    ``hook_of(worker)``: the rank's :class:`VerlActorHook` (None: refused), e.g. one built where the
-    model with ReLibra's physical MoE layers is built (docs/integrations.md, "Not done yet").
+    ``hook_of(worker)``: the rank's :class:`VerlActorHook` (None: refused), e.g.
+    ``VerlActorHook(engine.relibra_adapter, engine.optimizer)`` over the engine
+    :func:`relibra_megatron_engine` built (docs/integrations.md).
     """
     update: Callable[..., Any] = base.update_actor  # type: ignore[attr-defined]
 
