@@ -219,6 +219,19 @@ def _remove_non_file(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def _drop_unheld(path: Path, handle: Any) -> None:
+    """Close ``handle`` on ``path``, removing the file if no other process holds its lock (a claim given
+    up while being taken; a file another writer holds is left to it)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass  # held by another writer, already removed, or no locks on this file system
+    finally:
+        handle.close()
+
+
 @dataclass(frozen=True)
 class ResultsStore:
     """The finished cells of one experiment, under ``root`` (see the module docstring for the layout)."""
@@ -343,21 +356,27 @@ class ResultsStore:
         """
         path = self.root / "claims" / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            handle = open(path, "a")
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            except OSError as err:  # a file system without locks
-                log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
-                break
-            # NOTE: the holder before this one removed the file it locked (below); a waiter that locked
-            # that removed file holds nothing, so it locks the file now at the path instead.
-            try:
-                if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+        handle = None
+        try:
+            while True:
+                handle = open(path, "a")
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX)
+                except OSError as err:  # a file system without locks
+                    log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
                     break
-            except FileNotFoundError:
-                pass
-            handle.close()
+                # NOTE: the holder before this one removed the file it locked (below); a waiter that locked
+                # that removed file holds nothing, so it locks the file now at the path instead.
+                try:
+                    if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                        break
+                except FileNotFoundError:
+                    pass
+                handle.close()
+        except BaseException:  # Ctrl-C while taking the claim: leave no lock file that nobody holds
+            if handle is not None and not handle.closed:
+                _drop_unheld(path, handle)
+            raise
         try:
             yield
         finally:

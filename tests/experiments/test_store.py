@@ -312,6 +312,54 @@ def test_a_claim_dies_with_its_holder(tmp_path: Path) -> None:
     assert not reused and time.time() - start < 10 and rows["tag"].iloc[0] == 7
 
 
+@pytest.mark.parametrize("at", ["flock", "stat"])
+def test_ctrl_c_while_taking_a_claim_leaves_no_lock_file(tmp_path: Path, monkeypatch, at: str) -> None:
+    """Ctrl-C between the lock file's creation and the claim's ``try`` (the window a real SIGINT hit in a
+    fresh-clone run of test_faults' Ctrl-C test): the exception passes and no lock file is left."""
+    import experiments.store as store_module
+
+    real = {"flock": store_module.fcntl.flock, "stat": store_module.os.stat}
+
+    def interrupt(*args, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(store_module.fcntl if at == "flock" else store_module.os, at, real[at])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_module.fcntl if at == "flock" else store_module.os, at, interrupt)
+    store = ResultsStore(tmp_path)
+    with pytest.raises(KeyboardInterrupt), store.claim("k"):
+        raise AssertionError("not reached: the claim was interrupted")
+    assert not list((tmp_path / "claims").glob("*.lock"))
+
+
+def test_ctrl_c_while_waiting_leaves_the_holders_lock_file(tmp_path: Path, monkeypatch) -> None:
+    """A waiter interrupted while another writer holds the claim leaves that writer's file in place."""
+    import experiments.store as store_module
+
+    ctx = mp.get_context("spawn")
+    holding = tmp_path / "holding"
+    holder = ctx.Process(target=_hold_claim, args=(str(tmp_path), str(holding)))
+    holder.start()
+    try:
+        deadline = time.time() + 60
+        while not holding.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert holding.exists()
+        real = store_module.fcntl.flock
+
+        def interrupt(handle, op):  # type: ignore[no-untyped-def]
+            if op == store_module.fcntl.LOCK_EX:  # the blocking wait: interrupted
+                raise KeyboardInterrupt
+            return real(handle, op)
+
+        monkeypatch.setattr(store_module.fcntl, "flock", interrupt)
+        with pytest.raises(KeyboardInterrupt), ResultsStore(tmp_path).claim(cell_key(CONFIG)):
+            raise AssertionError("not reached")
+        assert [p.name for p in (tmp_path / "claims").glob("*.lock")] == [f"{cell_key(CONFIG)}.lock"]
+    finally:
+        os.kill(holder.pid, 9)
+        holder.join(timeout=30)
+
+
 def _hold_claim(root: str, holding: str) -> None:
     with ResultsStore(Path(root)).claim(cell_key(CONFIG)):
         Path(holding).touch()
