@@ -132,6 +132,31 @@ class Job:
         self.layer_ready = np.full(num_layers, math.nan)
         self.locality_pending = locality
 
+    def part(self, layers: slice, phase: str, staged: bool, home: np.ndarray | None = None) -> TaskSlice:
+        """What a worker gets for ``phase`` on ``layers`` of this assembled batch (``staged``: the
+        reorderer runs its per-layer round with the layer's batch-wide index)."""
+        asm, load, sample_gpu = self.asm, self.load, self.sample_gpu
+        assert asm is not None and load is not None and sample_gpu is not None
+        first = layers.start or 0
+        seed = self.seed
+        if phase == "reorder" and not staged:
+            # NOTE: a plain reorderer sees a one-layer context without its index: one seed per (batch, layer)
+            # keeps layers apart, and a plan independent of how layers meet workers.
+            seed = int(np.random.SeedSequence([self.seed, self.ctx_batch, first]).generate_state(1)[0])
+        return TaskSlice(
+            batch=self.ctx_batch,
+            counts=np.ascontiguousarray(self.counts[:, layers]),
+            sample_tokens=self.sample_tokens,
+            sample_gpu=sample_gpu,
+            sample_mb=asm.local_mb,
+            load=np.ascontiguousarray(load[:, layers]),
+            prev_home=None if self.reorder_prev is None else self.reorder_prev[layers],
+            seed=seed,
+            layer=first,
+            home=home,
+            history=self.history if phase == "batch" else (),
+        )
+
 
 @dataclass
 class Slot:

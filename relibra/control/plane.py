@@ -1,9 +1,10 @@
 """The control plane: plans each batch in worker processes while the trainer does post-rollout processing.
 
-NOTE: this module is longer than the others (about 700 lines) for one reason: :class:`ControlPlane` is one
-state machine whose methods all read or write the job table, the task heap and the worker slots under a
-single lock, from the trainer's thread and the coordinator thread; keeping its methods together keeps the
-locking protocol checkable in one place. What does not touch that state lives beside it: the worker side in
+NOTE: :class:`ControlPlane` is one state machine whose methods all read or write the job table, the task
+heap and the worker slots under a single lock, from the trainer's thread and the coordinator thread; its
+methods stay together so that the locking protocol is checkable in one place. What does not touch that
+state lives beside it: stage 1 (the batch's layout and loads) in :mod:`relibra.control.assembly`, the
+delivered plan with its fallbacks in :mod:`relibra.control.delivery`, the worker side in
 :mod:`relibra.control.tasks`, a batch's bookkeeping in :mod:`relibra.control.jobs`, the settings in
 :mod:`relibra.control.config`, the report in :mod:`relibra.control.report`.
 
@@ -55,46 +56,41 @@ once (it would raise again); a task whose worker process dies is re-run on a fre
 ``max_retries`` times, then falls back. Since every worker runs one task at a time, a crash is blamed on
 exactly one task; no layer is ever lost: every delivered plan covers every layer.
 
-Timing (seconds, in :class:`PlanReport` and ``BatchPlan.stats``): measured from the last sample's
-arrival (the last :meth:`submit` before :meth:`seal`): ``time_to_first_plan_s`` (one layer fully
-planned), ``time_to_all_plans_s`` (every layer planned or failed), ``plan_cpu_s`` (sum of task times in
-workers). ``BatchPlan.plan_time_s`` is ``time_to_all_plans_s`` (or the delivery time when the deadline
-cut planning short).
+Timing: see :mod:`relibra.control.report`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
-import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.control.assembly import assemble_batch, given_layout, submitted_samples
 from relibra.control.config import ControlPlaneConfig
+from relibra.control.delivery import freeze_plan
 from relibra.control.jobs import Assembled, Job, Slot, Task
-from relibra.control.report import Fallback, LocalityStatus, PlanReport
+from relibra.control.report import LocalityStatus, PlanReport
 from relibra.control.tasks import (
     TaskKit,
-    TaskSlice,
-    init_worker,
+    kill_worker,
     locality_task,
+    new_worker,
     plan_task,
     reorder_task,
     replicate_task,
     warm_worker,
 )
 from relibra.cost.model import CostModel
-from relibra.layout import SampleLayout, layout_samples
+from relibra.layout import SampleLayout
 from relibra.planners.protocols import (
     BatchContext,
     Planner,
@@ -102,13 +98,10 @@ from relibra.planners.protocols import (
     Replicator,
     SlotBudget,
     StagedPlanner,
-    home_assign,
     static_placement,
 )
-from relibra.relabel import relabel_plan
 from relibra.trace.format import RoutingTrace
 from relibra.types import BatchPlan, SampleCounts
-from relibra.workload import microbatch_loads
 
 __all__ = ["ControlPlane"]
 
@@ -162,12 +155,14 @@ class ControlPlane:
         self._placement = static_placement(model.num_moe_layers, model.num_experts, cluster.num_gpus)
         self._closed = False
         t0 = time.perf_counter()
-        self._slots = [Slot(self._new_pool()) for _ in range(self.config.workers)] or [Slot(None)]
+        self._slots = [
+            Slot(new_worker(self._kit, self.config.mp_context)) for _ in range(self.config.workers)
+        ] or [Slot(None)]
         if self.config.warm_up:
             for slot, fut in [(s, s.pool.submit(warm_worker)) for s in self._slots if s.pool is not None]:
                 if fut.exception() is not None:  # NOTE: a planner that fails here fails its tasks later.
-                    self._kill(slot.pool)
-                    slot.pool = self._new_pool()
+                    kill_worker(slot.pool)
+                    slot.pool = new_worker(self._kit, self.config.mp_context)
         self.startup_s = time.perf_counter() - t0
         """Seconds spent starting the worker processes."""
         self._thread = threading.Thread(target=self._loop, name="relibra-control-plane", daemon=True)
@@ -216,19 +211,7 @@ class ControlPlane:
             sample_ids: int [s] the samples' ids in the batch (e.g. their prompt index); planning sorts by
                 them so that the order of arrival never changes the plan. Default: arrival order.
         """
-        if isinstance(samples, RoutingTrace):
-            samples = samples.to_counts()
-        if isinstance(samples, SampleCounts):
-            counts, toks = samples.counts, samples.tokens
-        else:
-            if tokens is None:
-                raise ValueError("a counts array [s, L, E] needs tokens [s] (tokens per sample)")
-            counts, toks = np.asarray(samples), np.asarray(tokens, dtype=np.int64)
-        expect = (self.model.num_moe_layers, self.model.num_experts)
-        if counts.ndim != 3 or counts.shape[1:] != expect:
-            raise ValueError(f"counts must be [s, L, E] with (L, E)={expect}, got shape {counts.shape}")
-        if toks.shape != (counts.shape[0],):
-            raise ValueError(f"tokens must be [s]=({counts.shape[0]},), got shape {toks.shape}")
+        counts, toks = submitted_samples(samples, tokens, self.model.num_moe_layers, self.model.num_experts)
         with self._lock:
             ids = (
                 np.arange(self._next_id, self._next_id + counts.shape[0], dtype=np.int64)
@@ -257,7 +240,7 @@ class ControlPlane:
                 raise ValueError("sample_ids repeat within the batch; every sample needs its own id")
             t_arrival = max(t for _, _, _, t in self._open)
             perm = np.argsort(ids, kind="stable")
-            given = None if layout is None else self._given(layout, counts[perm])
+            given = None if layout is None else given_layout(layout, counts[perm], self.cluster.num_gpus)
             self._open, self._next_id = [], 0
             job = Job(
                 batch=self._next_batch,
@@ -271,27 +254,6 @@ class ControlPlane:
                 given=given,
             )
             return self._start(job)
-
-    def _given(self, layout: SampleLayout, counts: np.ndarray) -> Assembled:
-        """A caller's layout of one batch (samples in id order) and its loads, checked against ``counts``."""
-        t0 = time.perf_counter()
-        num_s, g = counts.shape[0], self.cluster.num_gpus
-        gpu, mb = np.asarray(layout.sample_gpu), np.asarray(layout.sample_mb)
-        if gpu.shape != (num_s,) or mb.shape != (num_s,):
-            raise ValueError(f"layout must place the batch's {num_s} samples, got {gpu.shape} / {mb.shape}")
-        num_mb = layout.num_microbatches
-        if (
-            np.any(layout.mb_batch != 0)
-            or gpu.min() < 0
-            or gpu.max() >= g
-            or mb.min() < 0
-            or mb.max() >= num_mb
-        ):
-            raise ValueError(
-                f"layout must be one batch (mb_batch all 0) on GPUs [0, {g}) and its {num_mb} micro-batches"
-            )
-        load = microbatch_loads(counts, gpu, mb, num_mb, g)
-        return Assembled(layout, mb.astype(np.int32), load, time.perf_counter() - t0)
 
     def plans(self, batch: int, deadline_s: float | None = None) -> BatchPlan:
         """The plan of ``batch``, waiting at most ``deadline_s`` seconds (None: config default, then forever).
@@ -375,7 +337,7 @@ class ControlPlane:
         self._events.put(None)
         self._thread.join()
         for slot in self._slots:
-            self._kill(slot.pool)
+            kill_worker(slot.pool)
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -384,37 +346,16 @@ class ControlPlane:
         self.close()
 
     # ------------------------------------------------------------------------------------ internals
-    def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(
-            max_workers=1,
-            mp_context=multiprocessing.get_context(self.config.mp_context),
-            initializer=init_worker,
-            initargs=(self._kit,),
-        )
-
     def _replace_worker(self, slot: Slot) -> None:
         """Kill ``slot``'s worker and start a fresh one (warmed in the background when configured)."""
-        self._kill(slot.pool)
-        slot.pool = self._new_pool()
+        kill_worker(slot.pool)
+        slot.pool = new_worker(self._kit, self.config.mp_context)
         slot.generation += 1
         slot.task = None
         if self.config.warm_up:
             # NOTE: queued ahead of the worker's next task; a failure there fails that task, not this call.
             self._warm_futures = [f for f in self._warm_futures if not f.done()]
             self._warm_futures.append(slot.pool.submit(warm_worker))
-
-    @staticmethod
-    def _kill(pool: ProcessPoolExecutor | None) -> None:
-        if pool is None:
-            return
-        # NOTE: shutdown() cannot stop a running task; terminate the (single) process so that a hung or
-        # late task neither lingers nor keeps the interpreter from exiting.
-        procs = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.join(timeout=5)
 
     def _start(self, job: Job) -> int:
         """Register ``job`` (lock held) and hand it to the coordinator."""
@@ -476,42 +417,7 @@ class ControlPlane:
         """Stage 1: layout and loads of ``job`` (or the ones it was given)."""
         if job.given is not None:
             return job.given
-        t0 = time.perf_counter()
-        g = self.cluster.num_gpus
-        layout = layout_samples(
-            job.sample_tokens,
-            np.array([0, job.counts.shape[0]], dtype=np.int64),
-            g,
-            self.config.samples_per_microbatch,
-            self.config.tokens_per_microbatch,
-            self.config.layout,
-        )
-        local_mb = layout.local_mb()
-        load = microbatch_loads(job.counts, layout.sample_gpu, local_mb, layout.num_microbatches, g)
-        return Assembled(layout, local_mb, load, time.perf_counter() - t0)
-
-    def _part(self, job: Job, layers: slice, phase: str, home: np.ndarray | None = None) -> TaskSlice:
-        asm, load, sample_gpu = job.asm, job.load, job.sample_gpu
-        assert asm is not None and load is not None and sample_gpu is not None
-        first = layers.start or 0
-        seed = job.seed
-        if phase == "reorder" and not self._kit.staged:
-            # NOTE: a plain reorderer sees a one-layer context without its index: one seed per (batch, layer)
-            # keeps layers apart, and a plan independent of how layers meet workers.
-            seed = int(np.random.SeedSequence([job.seed, job.ctx_batch, first]).generate_state(1)[0])
-        return TaskSlice(
-            batch=job.ctx_batch,
-            counts=np.ascontiguousarray(job.counts[:, layers]),
-            sample_tokens=job.sample_tokens,
-            sample_gpu=sample_gpu,
-            sample_mb=asm.local_mb,
-            load=np.ascontiguousarray(load[:, layers]),
-            prev_home=None if job.reorder_prev is None else job.reorder_prev[layers],
-            seed=seed,
-            layer=first,
-            home=home,
-            history=job.history if phase == "batch" else (),
-        )
+        return assemble_batch(job.counts, job.sample_tokens, self.cluster.num_gpus, self.config)
 
     def _push(self, task: Task) -> None:
         heapq.heappush(self._ready, (task.key(), next(self._tiebreak), task))
@@ -525,10 +431,12 @@ class ControlPlane:
         num_layers = job.prev_home.shape[0]
         if self.per_layer:
             for layer in range(num_layers):
-                part = self._part(job, slice(layer, layer + 1), "reorder")
+                part = job.part(slice(layer, layer + 1), "reorder", self._kit.staged)
                 self._push(Task(job.batch, layer, "reorder", reorder_task, part))
         else:
-            self._push(Task(job.batch, 0, "batch", plan_task, self._part(job, slice(None), "batch")))
+            self._push(
+                Task(job.batch, 0, "batch", plan_task, job.part(slice(None), "batch", self._kit.staged))
+            )
 
     def _dispatch(self) -> None:
         """Give ready tasks to idle workers (lock held)."""
@@ -635,7 +543,7 @@ class ControlPlane:
         if not job.locality_pending:
             self._push_replicate(job, layer)
         elif job.placed.all():
-            part = self._part(job, slice(None), "locality", home=job.home.copy())
+            part = job.part(slice(None), "locality", self._kit.staged, home=job.home.copy())
             self._push(Task(job.batch, -1, "locality", locality_task, part))
 
     def _locality_end(self, job: Job, status: LocalityStatus) -> None:
@@ -652,7 +560,9 @@ class ControlPlane:
 
     def _push_replicate(self, job: Job, layer: int) -> None:
         assert job.home is not None
-        part = self._part(job, slice(layer, layer + 1), "replicate", home=job.home[layer : layer + 1].copy())
+        part = job.part(
+            slice(layer, layer + 1), "replicate", self._kit.staged, home=job.home[layer : layer + 1].copy()
+        )
         self._push(Task(job.batch, layer, "replicate", replicate_task, part))
 
     def _fail(self, job: Job, task: Task, why: str) -> None:
@@ -686,91 +596,5 @@ class ControlPlane:
             job.start(self._assemble(job), self.replica_slots, g, self.per_layer and self._kit.locality)
             if job.locality_pending:
                 job.locality = LocalityStatus.NOT_READY
-        asm = job.asm
-        assert asm is not None and job.done is not None and job.reordered is not None and job.home is not None
-        assert job.assign is not None and job.replicas is not None and job.layer_ready is not None
-        assert job.failed_reorder is not None and job.failed_replicate is not None
-        assert job.load is not None and job.sample_gpu is not None
-        fallback = np.zeros(job.done.shape[0], dtype=np.int8)
-        fallback[~job.reordered | job.failed_reorder] |= Fallback.PREVIOUS_PLACEMENT
-        fallback[~job.done | job.failed_replicate] |= Fallback.NO_REPLICATION
-        home = np.where(job.reordered[:, None] & ~job.failed_reorder[:, None], job.home, job.prev_home)
-        home = home.astype(np.int32)
-        online, host_path = None, False
-        if job.whole is not None and not job.failed_reorder.any():
-            plan = job.whole
-            home = np.asarray(plan.home, dtype=np.int32)
-            assign, replicas, load = plan.assign, plan.replicas, plan.load
-            sample_gpu, redundant, stats = plan.sample_gpu, plan.redundant, dict(plan.stats)
-            online, host_path = plan.online, plan.host_path
-        else:
-            assign, replicas, load = job.assign.copy(), job.replicas.copy(), job.load
-            sample_gpu, redundant = job.sample_gpu, None
-            late = fallback.astype(bool)
-            if late.any():
-                assign[:, late] = home_assign(
-                    load[:, late], np.broadcast_to(home[late], (load.shape[0], *home[late].shape)), g
-                )
-                replicas[:, late] = -1
-            stats = dict(job.reorder_stats)
-            stats.update(job.locality_stats)
-            for key in sorted({k for s in job.replicate_stats for k in s}):
-                stats[key] = float(np.mean([s[key] for s in job.replicate_stats if key in s]))
-            stats["replicas_mean"] = float((replicas >= 0).sum(axis=-1).mean()) if replicas.size else 0.0
-        ready = job.layer_ready
-        first = float(np.nanmin(ready)) if np.isfinite(ready).any() else math.nan
-        t_all = job.t_all - job.t_arrival if job.finished else math.nan
-        report = PlanReport(
-            batch=job.batch,
-            fallback=fallback,
-            layer_ready_s=ready.copy(),
-            time_to_first_plan_s=first,
-            time_to_all_plans_s=t_all,
-            assemble_s=asm.seconds,
-            plan_cpu_s=job.cpu_s,
-            wait_s=waited,
-            retries=job.retries,
-            worker_crashes=job.crashes,
-            errors=tuple(job.errors),
-            locality=job.locality,
-            locality_s=job.locality_s,
-        )
-        job.report = report
-        # NOTE: only measured timings go into the stats (a stage that did not run has no time, not NaN).
-        cp_stats = {
-            "cp_time_to_first_plan_s": first,
-            "cp_time_to_all_plans_s": t_all,
-            "cp_plan_cpu_s": job.cpu_s,
-            "cp_assemble_s": asm.seconds,
-            "cp_wait_s": waited,
-            "cp_previous_placement_layers": float(report.previous_placement_layers),
-            "cp_no_replication_layers": float(report.no_replication_layers),
-            "cp_locality_fallback": float(report.locality_fallback),
-            "cp_locality_s": job.locality_s,
-            "cp_retries": float(job.retries),
-            "cp_worker_crashes": float(job.crashes),
-        }
-        stats.update({k: v for k, v in cp_stats.items() if math.isfinite(v)})
-        plan = BatchPlan(
-            home=home,
-            assign=np.asarray(assign, dtype=np.int32),
-            load=np.asarray(load, dtype=np.int32),
-            sample_gpu=np.asarray(sample_gpu, dtype=np.int32),
-            replicas=None if replicas is None else np.asarray(replicas, dtype=np.int32),
-            redundant=redundant,
-            plan_time_s=t_all if job.finished else now - job.t_arrival,
-            stats=stats,
-            online=online,
-            host_path=host_path,
-        )
-        if (job.whole is None or job.failed_reorder.any()) and not fallback.any():
-            # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
-            # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
-            # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
-            plan = relabel_plan(plan, job.prev_home, self.cluster.num_domains, self.cluster.domain_gpus)
-        moved = plan.home != job.prev_home
-        counts = {
-            "reorder_moved_experts": float(np.count_nonzero(moved)),
-            "reorder_kept_layers": float(np.count_nonzero(~moved.any(axis=1))),
-        }
-        return replace(plan, stats={**plan.stats, **counts})
+        plan, job.report = freeze_plan(job, self.cluster, waited, now)
+        return plan

@@ -1,4 +1,11 @@
-"""What happened while one batch was planned: per-layer fallbacks, the locality round's fate, timings."""
+"""What happened while one batch was planned: per-layer fallbacks, the locality round's fate, timings.
+
+Timing (seconds, in :class:`PlanReport` and ``BatchPlan.stats``): measured from the last sample's
+arrival (the last ``ControlPlane.submit`` before ``seal``): ``time_to_first_plan_s`` (one layer fully
+planned), ``time_to_all_plans_s`` (every layer planned or failed), ``plan_cpu_s`` (sum of task times in
+workers). ``BatchPlan.plan_time_s`` is ``time_to_all_plans_s`` (or the delivery time when the deadline
+cut planning short).
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@ tasks (one layer's placement, the batch's locality round, one layer's replicatio
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +28,9 @@ __all__ = [
     "TaskKit",
     "TaskSlice",
     "init_worker",
+    "kill_worker",
     "locality_task",
+    "new_worker",
     "plan_task",
     "reorder_task",
     "replicate_task",
@@ -61,6 +65,30 @@ class TaskKit:
 _WORKER_KIT: TaskKit | None = None
 """The worker process's kit. NOTE: process-global by necessity (a ProcessPoolExecutor initializer's only
 way to hand state to later tasks); the coordinator process never sets it."""
+
+
+def new_worker(kit: TaskKit, mp_context: str) -> ProcessPoolExecutor:
+    """One worker process (a single-process pool) initialised with ``kit``."""
+    return ProcessPoolExecutor(
+        max_workers=1,
+        mp_context=multiprocessing.get_context(mp_context),
+        initializer=init_worker,
+        initargs=(kit,),
+    )
+
+
+def kill_worker(pool: ProcessPoolExecutor | None) -> None:
+    """Stop ``pool``'s process now, a running task included."""
+    if pool is None:
+        return
+    # NOTE: shutdown() cannot stop a running task; terminate the (single) process so that a hung or
+    # late task neither lingers nor keeps the interpreter from exiting.
+    procs = list(getattr(pool, "_processes", {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
 
 
 def init_worker(kit: TaskKit) -> None:
