@@ -13,6 +13,7 @@ in a layer are packed into one message per (source, destination) pair.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -30,6 +31,12 @@ def moved_experts(old_home: np.ndarray, new_home: np.ndarray) -> np.ndarray:
             f"placements differ in shape: {old_home.shape} vs {new_home.shape}; expected [L, E] both"
         )
     return np.argwhere(np.asarray(old_home) != np.asarray(new_home)).astype(np.int64)
+
+
+def promoted_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The one dtype that holds every tensor of ``tensors`` exactly (promotion only widens): the packing
+    dtype of a moved expert's rows (bf16 weights with fp32 optimizer state: fp32)."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 def param_state_tensors(
@@ -71,9 +78,7 @@ def reorder_experts(
         param = model.experts[int(layer)]
         tensors = param_state_tensors(param, optimizer)
         width = param.shape[1]
-        # One dtype for the packed rows: the promoted one, so fp32 optimizer state of a bf16 parameter
-        # travels exactly (promotion only widens).
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        dtype = promoted_dtype(tensors)  # fp32 optimizer state of a bf16 parameter travels exactly
         if staging is None or staging[0].shape[1] != width * len(tensors) or staging[0].dtype != dtype:
             staging = tuple(param.new_empty((per_gpu, width * len(tensors)), dtype=dtype) for _ in range(2))
         send_buf, recv_buf = staging

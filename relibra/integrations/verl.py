@@ -485,7 +485,7 @@ class VerlActorHook:
         """Move experts to ``step.plan.home`` (collective over the EP group) and arm the per-micro-batch
         plan and replay checks. Returns the experts this rank's group moved."""
         optimizer = self.optimizer if optimizer is None else optimizer
-        if optimizer is None and self._rows_in_ddp_buffers():
+        if optimizer is None and self.adapter.grads_in_ddp_buffers():
             raise ValueError(
                 "VerlActorHook: the actor's expert rows are in Megatron DDP's gradient buffers (a training "
                 "engine), but no optimizer was given: its master weights and moments would stay behind when "
@@ -494,10 +494,6 @@ class VerlActorHook:
         moved = int(self.adapter.apply_placement(step.plan.home, optimizer))
         self._step, self.microbatches_run = step, 0
         return moved
-
-    def _rows_in_ddp_buffers(self) -> bool:
-        rows = (row for layer in range(len(self.adapter.layers)) for row in self.adapter.home_rows(layer))
-        return any("main_grad" in p.__dict__ for row in rows for p in row.parameters())
 
     def end_update(self) -> None:
         """Back to home-only routing; checks stop."""

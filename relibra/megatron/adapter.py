@@ -44,7 +44,6 @@ Limits: the EP group must be the whole default process group (ranks are GPUs); p
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,9 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from relibra.executors.reorder_ops import promoted_dtype
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
 from relibra.executors.split import split_counts
-from relibra.megatron.optimizer_state import row_state_tensors
+from relibra.megatron.optimizer_state import main_grad, row_state_tensors
 from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
 from relibra.megatron.router import ReplicatingRouter
 from relibra.types import BatchPlan
@@ -97,16 +97,9 @@ def _expert_params(mlp: Any) -> tuple[Any, Any]:
     return mlp.linear_fc1.weight, mlp.linear_fc2.weight
 
 
-def _main_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """Megatron DDP's gradient of ``p`` (a view of DDP's gradient buffer), where DDP keeps it: its backward
-    hook adds ``p.grad`` into it and clears ``p.grad`` (or the GEMM writes it there directly)."""
-    main = p.__dict__.get("main_grad")
-    return main if isinstance(main, torch.Tensor) else None
-
-
 def _take_grad(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient ``p`` holds (``p.grad``, else DDP's ``main_grad``), copied out; both are cleared."""
-    main = _main_grad(p)
+    main = main_grad(p)
     out = None if p.grad is None else p.grad.detach().clone()
     if main is not None:
         out = main.detach().clone() if out is None else out + main.detach()
@@ -117,7 +110,7 @@ def _take_grad(p: torch.Tensor) -> torch.Tensor | None:
 
 def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     """Add ``g`` into the gradient the optimizer reads: DDP's ``main_grad`` if any, else ``p.grad``."""
-    main = _main_grad(p)
+    main = main_grad(p)
     if main is not None:
         main.add_(g.to(main.dtype))
     elif p.grad is None:
@@ -126,20 +119,16 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-def _pack_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
-    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
-
-
 def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flat message of ``tensors`` in their promoted dtype (exact: promotion only widens)."""
-    dtype = _pack_dtype(tensors)
+    dtype = promoted_dtype(tensors)
     return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])
 
 
 def _empty_pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The receive buffer of :func:`_pack` ``(tensors)``."""
     numel = sum(t.numel() for t in tensors)
-    return torch.empty(numel, dtype=_pack_dtype(tensors), device=tensors[0].device)
+    return torch.empty(numel, dtype=promoted_dtype(tensors), device=tensors[0].device)
 
 
 class MegatronPlanAdapter:
@@ -200,6 +189,12 @@ class MegatronPlanAdapter:
         """This rank's home-row expert MLPs of ``layer`` (row ``i`` holds ``phy2log[layer, rank, i]``)."""
         return list(self.layers[layer].experts.local_experts[: self.layout.experts_per_gpu])
 
+    def grads_in_ddp_buffers(self) -> bool:
+        """Whether the home rows' gradients live in Megatron DDP's buffers (``main_grad``): a training
+        engine, whose optimizer keeps copies of every row."""
+        rows = (row for layer in range(len(self.layers)) for row in self.home_rows(layer))
+        return any(main_grad(p) is not None for row in rows for p in _expert_params(row))
+
     def replica_slots(self, layer: int) -> list[Any]:
         """This rank's replica-slot MLPs of ``layer`` (views of the layer-shared buffer)."""
         return list(self.layers[layer].experts.local_experts[self.layout.experts_per_gpu :])
@@ -226,7 +221,7 @@ class MegatronPlanAdapter:
         Megatron DDP's ``main_grad``; zeros if none)."""
 
         def grad(p: torch.Tensor) -> torch.Tensor:
-            main = _main_grad(p)
+            main = main_grad(p)
             if p.grad is not None:
                 return p.grad
             return torch.zeros_like(p) if main is None else main

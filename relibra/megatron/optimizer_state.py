@@ -33,6 +33,14 @@ import torch
 from relibra.executors.reorder_ops import param_state_tensors
 
 
+def main_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Megatron DDP's gradient of ``param`` (a view of DDP's gradient buffer), where DDP keeps it: its
+    backward hook adds ``param.grad`` into it and clears ``param.grad`` (or the GEMM writes it there
+    directly); None outside DDP."""
+    main = param.__dict__.get("main_grad")
+    return main if isinstance(main, torch.Tensor) else None
+
+
 class OptimizerStateError(ValueError):
     """The optimizer keeps copies of the expert rows that the adapter cannot move with them."""
 
@@ -87,7 +95,7 @@ def row_state_tensors(param: torch.nn.Parameter, optimizer: Any | None) -> list[
         for o in megatron:
             if any(param in buffer.param_index_map for buffer in o.buffers):
                 out += _distributed_state(o, param)
-    main_grad = param.__dict__.get("main_grad")
-    if param.grad is None and isinstance(main_grad, torch.Tensor):
-        out.insert(1, main_grad)  # Megatron DDP's gradient, a view of its gradient buffer
+    main = main_grad(param)
+    if param.grad is None and main is not None:
+        out.insert(1, main)
     return out
