@@ -212,6 +212,7 @@ def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> 
         samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
         tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
         layout=str(cfg.workload.layout),
+        span=build_model(cfg).attention_span,
     )
     return counts, workload
 

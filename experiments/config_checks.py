@@ -91,6 +91,22 @@ def _spec_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _window_problems(cfg: DictConfig) -> list[str]:
+    """``model.attention_window`` (null or keys >= 1) and ``model.windowed_layers`` (0 to the layers; a
+    window when > 0), as :class:`relibra.cluster.ModelSpec` requires them."""
+    problems: list[str] = []
+    window = _int_key(cfg, "model.attention_window", problems)
+    layers = OmegaConf.select(cfg, "model.num_layers", default=None)
+    windowed = OmegaConf.select(cfg, "model.windowed_layers", default=None)
+    if problems or not isinstance(windowed, int) or not isinstance(layers, int):
+        return problems  # NOTE: a non-integer windowed_layers or num_layers is named by _spec_problems
+    if not 0 <= windowed <= layers:
+        problems.append(f"model.windowed_layers={windowed}: expected 0 to model.num_layers={layers}")
+    elif windowed and window is None:
+        problems.append(f"model.windowed_layers={windowed} needs model.attention_window (keys per query)")
+    return problems
+
+
 def writable_dir(key: str, value: str) -> str | None:
     """Why results could not be written under directory ``value`` (None: they could); leaves nothing behind
     (a nameless temporary file tells whether the nearest existing folder takes files)."""
@@ -314,6 +330,7 @@ def validate(cfg: DictConfig) -> None:
     e = _int_key(cfg, "model.num_experts", problems, required=True)
     for key in ("model.num_moe_layers", "model.top_k"):
         _int_key(cfg, key, problems, required=True)
+    problems += _window_problems(cfg)
     problems += _executor_problems(cfg, nodes * gpn if nodes is not None and gpn is not None else None)
     if nodes is not None and gpn is not None and e is not None:
         g = nodes * gpn

@@ -145,7 +145,11 @@ def simulate_row(row: dict[str, Any]) -> dict[str, float]:
                      model.num_experts,
                      model.top_k, int(cfg.seed))  # fmt: skip
     workload = build_workload(
-        counts, g, samples_per_microbatch=_samples_per_gpu(conf), layout=str(cfg.workload.layout)
+        counts,
+        g,
+        samples_per_microbatch=_samples_per_gpu(conf),
+        layout=str(cfg.workload.layout),
+        span=model.attention_span,
     )
     result = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
     m = result.metrics

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from omegaconf import DictConfig
 
-from experiments.config import build_workload_for, load_counts, routing
+from experiments.config import build_model, build_workload_for, load_counts, routing
 from relibra.types import SampleCounts, Workload
 
 __all__ = ["CACHE_SIZE", "CacheStats", "cache_stats", "cell_inputs", "clear_cache", "trace_key"]
@@ -67,6 +67,7 @@ def _workload_key(cfg: DictConfig, num_gpus: int) -> tuple[Any, ...]:
         cfg.workload.get("samples_per_microbatch"),
         cfg.workload.get("tokens_per_microbatch"),
         str(cfg.workload.layout),
+        build_model(cfg).attention_span,  # NOTE: the layout and the attention pairs read it
     )
 
 

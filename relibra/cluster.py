@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.cost.fabric import DISPATCHERS
 
 PRECISIONS = ("bf16", "fp8")
@@ -163,8 +164,35 @@ class ModelSpec:
     dense_ffn: int = 0
     """FFN width of the dense (non-MoE) layers, if any."""
     vocab: int = 151936
-    """Vocabulary size; the input embedding and the LM head are separate matrices (untied, as in all five
-    models of ``experiments/conf/model``)."""
+    """Vocabulary size; the input embedding and the LM head are separate matrices (untied, as in every
+    model of ``experiments/conf/model``)."""
+    attention_window: int | None = None
+    """Keys per query on the sliding-window layers, the query included (Hugging Face ``sliding_window``);
+    None: every layer attends over the whole sample."""
+    windowed_layers: int = 0
+    """Layers that attend inside ``attention_window`` (gpt-oss: every other layer)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.windowed_layers <= self.num_layers:
+            raise ValueError(
+                f"model.windowed_layers={self.windowed_layers}: expected 0 to "
+                f"model.num_layers={self.num_layers}"
+            )
+        if self.windowed_layers and self.attention_window is None:
+            raise ValueError(
+                f"model.windowed_layers={self.windowed_layers} needs model.attention_window (keys per query)"
+            )
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(
+                f"model.attention_window={self.attention_window}: expected an integer >= 1 or null"
+            )
+
+    @property
+    def attention_span(self) -> AttentionSpan:
+        """The pairs each sample's attention computes (:mod:`relibra.attention_span`)."""
+        if not self.windowed_layers:
+            return FULL_CAUSAL
+        return AttentionSpan(self.attention_window, self.windowed_layers / self.num_layers)
 
     @property
     def expert_params(self) -> int:

@@ -8,7 +8,8 @@ shares (a planner may move samples afterwards only if its method says so: ReLibr
   batching; Megatron's sequence packing): the batch's samples are packed into ``Mb * G`` bins of nearly
   equal tokens (LPT: longest sample first into the bin holding the fewest tokens, ties to the fewest causal
   attention pairs), then the bins are grouped ``G`` at a time into micro-batches in order of their
-  attention work (``sum len * (len + 1) / 2``, the second key), so that the ``G`` GPUs of every
+  attention work (the pairs of :mod:`relibra.attention_span`, ``sum len * (len + 1) / 2`` under full
+  causal attention: the second key), so that the ``G`` GPUs of every
   micro-batch hold nearly the same tokens and nearly the same attention work. Within a micro-batch the
   heaviest bin goes to the GPU with the fewest tokens so far in the batch. ``Mb`` comes from the sizing
   keys: ``ceil(Sb / (G * K))`` for ``workload.samples_per_microbatch = K``, ``ceil(tokens / (G * budget))``
@@ -29,6 +30,8 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
+
+from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 
 LAYOUTS = ("balanced", "contiguous")
 """Values of ``workload.layout`` (module doc); the first is the default."""
@@ -200,10 +203,12 @@ def _check_sizing(samples_per_microbatch: int | None, tokens_per_microbatch: int
         raise ValueError(f"tokens_per_microbatch must be >= 1, got {tokens_per_microbatch}")
 
 
-def _balanced_batch(tokens: np.ndarray, num_gpus: int, num_mb: int) -> tuple[np.ndarray, np.ndarray]:
+def _balanced_batch(
+    tokens: np.ndarray, num_gpus: int, num_mb: int, span: AttentionSpan
+) -> tuple[np.ndarray, np.ndarray]:
     """One batch's balanced layout: tokens int64 [Sb] -> (gpu int32 [Sb], local micro-batch int64 [Sb])."""
     sb = tokens.shape[0]
-    pairs = tokens * (tokens + 1) / 2.0
+    pairs = span.pairs(tokens)
     num_bins = num_mb * num_gpus
     # Step 1: LPT into Mb * G bins by tokens, ties to the bin with the fewest attention pairs.
     order = np.argsort(-tokens, kind="stable")
@@ -251,13 +256,14 @@ def balanced_layout(
     num_gpus: int,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
+    span: AttentionSpan = FULL_CAUSAL,
 ) -> SampleLayout:
     """Micro-batches whose GPUs hold nearly equal tokens and attention work (module doc, ``balanced``).
 
     Args:
         sample_tokens: int64 [S]; batch_offsets: int64 [B + 1]; num_gpus: ``G``;
         samples_per_microbatch / tokens_per_microbatch: size micro-batches (at most one; neither: one
-            micro-batch per batch).
+            micro-batch per batch); span: the model's attention span (the second key).
     Returns:
         :class:`SampleLayout` with sample_gpu int32 [S], sample_mb int32 [S], mb_batch int32 [M].
     """
@@ -274,7 +280,7 @@ def balanced_layout(
     for b in range(num_batches):
         sl = slice(int(offsets[b]), int(offsets[b + 1]))
         mb = _balanced_microbatches(tokens[sl], num_gpus, samples_per_microbatch, tokens_per_microbatch)
-        gpu, local = _balanced_batch(tokens[sl], num_gpus, mb)
+        gpu, local = _balanced_batch(tokens[sl], num_gpus, mb, span)
         sample_gpu[sl] = gpu
         sample_mb[sl] = first + local
         per_batch[b] = mb
@@ -292,8 +298,10 @@ def contiguous_layout(
     num_gpus: int,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
+    span: AttentionSpan = FULL_CAUSAL,
 ) -> SampleLayout:
-    """:func:`balance_samples` over the batch, then :func:`split_microbatches` in sample order."""
+    """:func:`balance_samples` over the batch, then :func:`split_microbatches` in sample order (by tokens
+    alone: ``span`` is not read)."""
     sample_gpu = balance_samples(sample_tokens, batch_offsets, num_gpus)
     return split_microbatches(
         sample_tokens, batch_offsets, sample_gpu, num_gpus, samples_per_microbatch, tokens_per_microbatch
@@ -307,19 +315,21 @@ def layout_samples(
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
     layout: str = LAYOUTS[0],
+    span: AttentionSpan = FULL_CAUSAL,
 ) -> SampleLayout:
     """The sample layout ``layout`` (``balanced`` or ``contiguous``, module doc).
 
     Args:
         sample_tokens: int64 [S]; batch_offsets: int64 [B + 1]; num_gpus: ``G``;
-        samples_per_microbatch / tokens_per_microbatch: micro-batch sizing (at most one).
+        samples_per_microbatch / tokens_per_microbatch: micro-batch sizing (at most one);
+        span: the model's attention span (``ModelSpec.attention_span``).
     Returns:
         :class:`SampleLayout` with sample_gpu int32 [S], sample_mb int32 [S], mb_batch int32 [M].
     """
     if layout not in _LAYOUT_FUNCTIONS:
         raise ValueError(f"workload.layout={layout!r}: expected one of {list(LAYOUTS)}")
     return _LAYOUT_FUNCTIONS[layout](
-        sample_tokens, batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch
+        sample_tokens, batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch, span
     )
 
 

@@ -62,7 +62,8 @@ class Workload:
     tokens: np.ndarray
     """int64 [M, G]: tokens each GPU holds in micro-batch ``m`` (drives attention time)."""
     causal_pairs: np.ndarray
-    """float64 [M, G]: sum over the GPU's samples of ``len * (len + 1) / 2`` (causal attention pairs)."""
+    """float64 [M, G]: attention pairs of the GPU's samples (``AttentionSpan.pairs``, mean over the layers:
+    ``len * (len + 1) / 2`` per sample under full causal attention, :mod:`relibra.attention_span`)."""
     sample_gpu: np.ndarray
     """int32 [S]: GPU that processes sample ``s``."""
     sample_mb: np.ndarray

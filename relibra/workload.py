@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.layout import (
@@ -94,13 +95,16 @@ def gpu_token_stats(
     sample_mb: np.ndarray,
     num_microbatches: int,
     num_gpus: int,
+    span: AttentionSpan = FULL_CAUSAL,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and causal attention pairs each GPU holds in each micro-batch.
+    """Tokens and attention pairs each GPU holds in each micro-batch.
 
     Args:
-        sample_tokens: int [S']; sample_gpu: int [S']; sample_mb: int [S'] in ``[0, num_microbatches)``.
+        sample_tokens: int [S']; sample_gpu: int [S']; sample_mb: int [S'] in ``[0, num_microbatches)``;
+        span: the model's attention span (``ModelSpec.attention_span``).
     Returns:
-        tokens int64 [Mb, G]; causal_pairs float64 [Mb, G] (sum over samples of ``len * (len + 1) / 2``).
+        tokens int64 [Mb, G]; causal_pairs float64 [Mb, G] (sum over samples of ``span.pairs``: ``len *
+        (len + 1) / 2`` under full causal attention).
     """
     lens = np.asarray(sample_tokens, dtype=np.int64)
     keys = _group_keys(sample_gpu, sample_mb, num_microbatches, num_gpus)
@@ -109,17 +113,19 @@ def gpu_token_stats(
     size = num_microbatches * num_gpus
     tokens = np.zeros(size, dtype=np.int64)
     np.add.at(tokens, keys, lens)
-    pairs = np.bincount(keys, weights=lens * (lens + 1) / 2.0, minlength=size)
+    pairs = np.bincount(keys, weights=span.pairs(lens), minlength=size)
     return tokens.reshape(num_microbatches, num_gpus), pairs.reshape(num_microbatches, num_gpus)
 
 
-def assemble(counts: SampleCounts, layout: SampleLayout, num_gpus: int) -> Workload:
+def assemble(
+    counts: SampleCounts, layout: SampleLayout, num_gpus: int, span: AttentionSpan = FULL_CAUSAL
+) -> Workload:
     """Loads of every micro-batch of every batch under ``layout``.
 
     Args:
         counts: per-sample counts (``counts.counts`` int32 [S, L, E]).
         layout: where each sample runs (from :func:`layout_samples` or a planner's reassignment).
-        num_gpus: ``G``.
+        num_gpus: ``G``; span: the model's attention span (``ModelSpec.attention_span``).
     Returns:
         :class:`~relibra.types.Workload` with load int32 [M, L, G, E], tokens int64 [M, G], causal_pairs
         float64 [M, G] and the layout's arrays.
@@ -133,7 +139,9 @@ def assemble(counts: SampleCounts, layout: SampleLayout, num_gpus: int) -> Workl
     if num_mb and not np.array_equal(layout.mb_batch[layout.sample_mb], sample_batch):
         raise ValueError("layout.sample_mb puts a sample into a micro-batch of another batch")
     load = microbatch_loads(counts.counts, layout.sample_gpu, layout.sample_mb, num_mb, num_gpus)
-    tokens, pairs = gpu_token_stats(counts.tokens, layout.sample_gpu, layout.sample_mb, num_mb, num_gpus)
+    tokens, pairs = gpu_token_stats(
+        counts.tokens, layout.sample_gpu, layout.sample_mb, num_mb, num_gpus, span
+    )
     return Workload(
         load=load,
         tokens=tokens,
@@ -151,12 +159,20 @@ def build_workload(
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
     layout: str = LAYOUTS[0],
+    span: AttentionSpan = FULL_CAUSAL,
 ) -> Workload:
-    """:func:`layout_samples` then :func:`assemble`: per-sample counts to a :class:`Workload`."""
+    """:func:`layout_samples` then :func:`assemble`: per-sample counts to a :class:`Workload`; ``span`` is
+    the model's attention span (``ModelSpec.attention_span``)."""
     placed = layout_samples(
-        counts.tokens, counts.batch_offsets, num_gpus, samples_per_microbatch, tokens_per_microbatch, layout
+        counts.tokens,
+        counts.batch_offsets,
+        num_gpus,
+        samples_per_microbatch,
+        tokens_per_microbatch,
+        layout,
+        span,
     )
-    return assemble(counts, placed, num_gpus)
+    return assemble(counts, placed, num_gpus, span)
 
 
 def sample_context(

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from relibra.cluster import ModelSpec
 from relibra.control.config import ControlPlaneConfig
 from relibra.control.jobs import Assembled
 from relibra.layout import SampleLayout, layout_samples
@@ -22,9 +23,10 @@ __all__ = ["assemble_batch", "given_layout", "submitted_samples"]
 
 
 def assemble_batch(
-    counts: np.ndarray, sample_tokens: np.ndarray, num_gpus: int, config: ControlPlaneConfig
+    counts: np.ndarray, sample_tokens: np.ndarray, num_gpus: int, config: ControlPlaneConfig, model: ModelSpec
 ) -> Assembled:
-    """The batch laid out by ``config.layout`` and its loads.
+    """The batch laid out by ``config.layout`` (attention work as ``model.attention_span`` counts it) and
+    its loads.
 
     ``counts`` int32 [Sb, L, E] and ``sample_tokens`` int64 [Sb], samples in id order.
     """
@@ -36,6 +38,7 @@ def assemble_batch(
         config.samples_per_microbatch,
         config.tokens_per_microbatch,
         config.layout,
+        model.attention_span,
     )
     local_mb = layout.local_mb()
     load = microbatch_loads(counts, layout.sample_gpu, local_mb, layout.num_microbatches, num_gpus)

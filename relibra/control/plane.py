@@ -417,7 +417,7 @@ class ControlPlane:
         """Stage 1: layout and loads of ``job`` (or the ones it was given)."""
         if job.given is not None:
             return job.given
-        return assemble_batch(job.counts, job.sample_tokens, self.cluster.num_gpus, self.config)
+        return assemble_batch(job.counts, job.sample_tokens, self.cluster.num_gpus, self.config, self.model)
 
     def _push(self, task: Task) -> None:
         heapq.heappush(self._ready, (task.key(), next(self._tiebreak), task))

@@ -299,7 +299,7 @@ class CostModel(WholeStepTerms):
     def attention_time(self, tokens: np.ndarray, causal_pairs: np.ndarray) -> np.ndarray:
         """Per-GPU seconds of one layer's attention and dense projections, fwd + bwd.
 
-        tokens [..., G] and causal_pairs [..., G] (sum of ``len * (len + 1) / 2`` over samples).
+        tokens [..., G] and causal_pairs [..., G] (attention pairs per layer, :mod:`relibra.attention_span`).
         Includes the shared experts, if the model has any, since they are dense per token. The projections
         and shared experts run at the dense peak of ``cluster.precision``, the core attention (QK^T, PV) in
         bf16 (FlashAttention), each at ``attention_efficiency``.

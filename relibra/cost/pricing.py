@@ -176,7 +176,12 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
     br = cost.moe(plan.load, plan.assign)
     received = plan.assign.sum(axis=-2)  # [Mb, L, G]: expert slots each GPU computes
     tokens, pairs = gpu_token_stats(
-        ctx.sample_tokens, plan.sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+        ctx.sample_tokens,
+        plan.sample_gpu,
+        ctx.sample_mb,
+        ctx.num_microbatches,
+        ctx.num_gpus,
+        ctx.model.attention_span,
     )
     reps = replicas_per_slot(plan)  # [Mb, L, G, r]
     moves = migration_cost(cost, prev_home, plan.home)
@@ -293,7 +298,12 @@ def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
     ``sample_gpu`` [Sb] is the assignment the plan runs with (after the locality round, if any).
     """
     tokens, pairs = gpu_token_stats(
-        ctx.sample_tokens, sample_gpu, ctx.sample_mb, ctx.num_microbatches, ctx.num_gpus
+        ctx.sample_tokens,
+        sample_gpu,
+        ctx.sample_mb,
+        ctx.num_microbatches,
+        ctx.num_gpus,
+        ctx.model.attention_span,
     )
     attn = ctx.cost.attention_time(tokens, pairs)
     if ctx.cost.layout.tp > 1:  # a tensor-parallel group's mean (relibra.cost.tensor)

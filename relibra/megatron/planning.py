@@ -98,7 +98,9 @@ def routes_context(
             f"L={model.num_layers}, k={model.top_k}"
         )
     counts = trace.to_counts()
-    workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch, tokens_per_microbatch)
+    workload = build_workload(
+        counts, cluster.num_gpus, samples_per_microbatch, tokens_per_microbatch, span=model.attention_span
+    )
     return batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
 
 

@@ -71,7 +71,9 @@ def tiny_context(seed: int = 0) -> BatchContext:
         counts=counts, tokens=tokens, batch_offsets=np.array([0, num_samples], dtype=np.int64), top_k=2
     )
     cost = CostModel(cluster, model)
-    workload = build_workload(sample_counts, cluster.num_gpus, samples_per_microbatch=2)
+    workload = build_workload(
+        sample_counts, cluster.num_gpus, samples_per_microbatch=2, span=model.attention_span
+    )
     return batch_context(sample_counts, workload, 0, cluster, model, cost)
 
 

@@ -139,6 +139,12 @@ def test_bad_trace_content_is_a_config_error_naming_the_array(case, tmp_path, no
         # ... nulls
         ("cluster.nodes=null", "cluster.nodes=null: must be an integer"),
         ("model.hidden=null", "model.hidden=null: must be an integer"),
+        # ... the sliding window
+        ("model.attention_window=0", "model.attention_window=0: must be >= 1"),
+        ("model.attention_window=wide", "model.attention_window='wide': must be an integer"),
+        ("model.windowed_layers=49", "model.windowed_layers=49: expected 0 to model.num_layers="),
+        ("model.windowed_layers=4", "model.windowed_layers=4 needs model.attention_window"),
+        ("model.windowed_layers=null", "model.windowed_layers=null: must be an integer"),
         ("cluster.hardware.nic_bytes_per_s=null", "cluster.hardware.nic_bytes_per_s=null: must be a number"),
         # ... keys no code reads, named with the closest known key
         ("+cluster.node=8", "cluster.node: unknown key"),

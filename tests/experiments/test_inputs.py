@@ -95,6 +95,17 @@ def test_different_keys_do_not_collide(overrides: list[str], num_gpus: int, coun
     assert not (same_shape and np.array_equal(base.load, workload.load))
 
 
+def test_a_sliding_window_is_its_own_workload() -> None:
+    """Same counts, other attention pairs: a model with a sliding window gets its own workload."""
+    base_counts, base = inputs.cell_inputs(_cfg(), 16)
+    cfg = _cfg("model.attention_window=16", "model.windowed_layers=24")
+    counts, workload = inputs.cell_inputs(cfg, 16)
+    assert counts.counts is base_counts.counts and workload is not base
+    _, fresh = build_workload_for(cfg, load_counts(cfg), 16)
+    np.testing.assert_array_equal(workload.causal_pairs, fresh.causal_pairs)
+    assert (workload.causal_pairs.sum(axis=1) < base.causal_pairs.sum(axis=1)).all()
+
+
 def test_the_cache_keeps_only_its_last_entries() -> None:
     for seed in range(inputs.CACHE_SIZE + 1):
         inputs.cell_inputs(_cfg(f"seed={seed}"), 16)

@@ -6,9 +6,9 @@ stay on NVLink; the rest cross the rail fabric. The round starts from the run's 
 is fixed, so every expert's token count, hence compute, is unchanged); within a micro-batch, samples move
 between GPUs so that the all-to-all gets cheaper, but only under a stated balance tolerance ``tol`` in
 (0, 1]: no GPU may end above ``max(busiest GPU before, (1 + tol) * mean)`` tokens, nor above the same cap
-on causal attention pairs, so attention and dense time stay as balanced as the layout made them (up to
-``tol``). What the round adds is the ablation's ``+ locality round`` row (planner=relibra_no_locality is
-ReLibra without it).
+on attention pairs (:mod:`relibra.attention_span`), so attention and dense time stay as balanced as the
+layout made them (up to ``tol``). What the round adds is the ablation's ``+ locality round`` row
+(planner=relibra_no_locality is ReLibra without it).
 
 The search is a randomised hill climb per micro-batch on the cost model's communication objective
 ``sum_l max_g T_comm(g)`` (home-only assignment, rail-optimized routing as in
@@ -230,7 +230,7 @@ def locality_round(
     sample_mb = np.asarray(ctx.sample_mb)
     old_gpu = np.asarray(ctx.sample_gpu, dtype=np.int32)
     tokens = np.asarray(ctx.sample_tokens, dtype=np.float64)
-    pairs = tokens * (tokens + 1.0) / 2.0
+    pairs = ctx.model.attention_span.pairs(ctx.sample_tokens)
     load = np.asarray(ctx.load)
     coef = comm_coefficients(ctx.cost)
     idx, cnt = link_routes(ctx.cluster.num_domains, gpn)
