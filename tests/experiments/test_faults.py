@@ -542,6 +542,7 @@ def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_p
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "3 cell(s) of the sweep failed:" in proc.stderr, proc.stderr[-3000:]
     summary = proc.stderr[proc.stderr.index("3 cell(s) of the sweep failed:") :]
     for num, planner in enumerate(["megatron", "eplb", "balanced"]):
         assert f"planner={planner}: OSError" in summary, summary
