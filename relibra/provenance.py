@@ -21,9 +21,16 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 def _git(*args: str) -> str | None:
+    # NOTE: --no-optional-locks: `git status` would otherwise refresh and rewrite the index under
+    # .git/index.lock; a run killed meanwhile (a full disk: SIGXFSZ) left that lock in the user's checkout,
+    # and every later git command of theirs failed on it.
     try:
         out = subprocess.run(
-            ["git", "-C", str(_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+            ["git", "-C", str(_ROOT), "--no-optional-locks", *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return None

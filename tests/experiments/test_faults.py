@@ -548,6 +548,8 @@ def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_p
         assert f"planner={planner}: OSError" in summary, summary
         assert f"cannot write the run file {sweep / str(num) / 'results.parquet'}" in summary, summary
     assert "Traceback" not in proc.stderr
+    # the code-version lookup wrote no index under the file-size limit (a killed `git status` left its lock)
+    assert not (REPO / ".git" / "index.lock").exists()
 
 
 def test_sweep_summary_callback_reads_failures_of_cells_run_elsewhere(tmp_path, capsys) -> None:

@@ -343,6 +343,36 @@ def test_code_version_names_the_commit_or_the_version(monkeypatch):
         provenance.code_version.cache_clear()
 
 
+def test_code_version_never_writes_the_index(monkeypatch, tmp_path):
+    """Reading the version must not rewrite .git/index (``git status`` refreshes stale stat data under
+    .git/index.lock unless told not to): a run killed meanwhile would leave the lock in the checkout."""
+    import os
+    import subprocess
+    import time
+
+    from relibra import provenance
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("a\n")
+    git("add", "f")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    time.sleep(1.1)
+    os.utime(tmp_path / "f")  # same content, newer stat: a plain `git status` rewrites the index
+    index = tmp_path / ".git" / "index"
+    before = (index.stat().st_mtime_ns, index.read_bytes())
+    monkeypatch.setattr(provenance, "_ROOT", tmp_path)
+    provenance.code_version.cache_clear()
+    try:
+        assert "+g" in provenance.code_version() and ".dirty" not in provenance.code_version()
+    finally:
+        provenance.code_version.cache_clear()
+    assert (index.stat().st_mtime_ns, index.read_bytes()) == before
+    assert not (tmp_path / ".git" / "index.lock").exists()
+
+
 @pytest.mark.parametrize(
     "planner", ["relibra", "eplb", "relibra_portfolio", "ultraep", "llep", "moonep", "foremoe"]
 )
