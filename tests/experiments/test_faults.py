@@ -531,8 +531,11 @@ def test_a_directory_at_a_cell_path_is_recomputed_and_left_out_of_the_analysis(t
 def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_path) -> None:
     import resource
 
-    def small_files() -> None:  # NOTE: as a full disk does, every file beyond 6 KiB fails to be written
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024))
+    # NOTE: as a full disk does, every file beyond 16 KiB fails to be written: the run files (a results
+    # table of one tiny cell is about 40 KB), not Hydra's own config files (about 6 KB, more with longer
+    # paths: at 6 KiB, Hydra's multirun.yaml under pytest-xdist's temporary paths failed first)
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, 16 * 1024))
 
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
