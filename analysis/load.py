@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 
 from experiments.store import UNKNOWN_CODE, CorruptCellError, ResultsStore
+from relibra.cluster import ModelSpec
 
 __all__ = [
     "code_versions",
@@ -31,8 +32,7 @@ def param_bytes_per_gpu(model: Mapping[str, Any], ep_size: int) -> float:
     pipeline parallel split, which the results do not record, so this is an upper bound on it.
     """
     hidden, layers, moe_layers = int(model["hidden"]), int(model["num_layers"]), int(model["num_moe_layers"])
-    heads, kv, head_dim = int(model["num_heads"]), int(model["num_kv_heads"]), int(model["head_dim"])
-    attention = hidden * (heads * head_dim + 2 * kv * head_dim) + heads * head_dim * hidden
+    attention = ModelSpec(**dict(model)).attention_params
     experts = moe_layers * (int(model["num_experts"]) // ep_size) * 3 * hidden * int(model["moe_ffn"])
     shared = moe_layers * int(model.get("shared_experts", 0)) * 3 * hidden * int(model.get("shared_ffn", 0))
     dense = (layers - moe_layers) * 3 * hidden * int(model.get("dense_ffn", 0))

@@ -34,7 +34,7 @@ from experiments.config import (
 from experiments.config_keys import _int_key, _number_key
 from experiments.executor_check import _executor_problems
 from experiments.layout_check import layout_problems, memory_problems
-from relibra.cluster import PRECISIONS, nvl_domain_problem
+from relibra.cluster import MLA_KEYS, PRECISIONS, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import load_calibration
@@ -72,15 +72,19 @@ SPEC_NODES = ("model", "cluster.hardware")
 
 def _spec_problems(cfg: DictConfig) -> list[str]:
     """Every key of the model and hardware specs whose defaults are all numbers (from the config schema,
-    :mod:`experiments.schema`) holds a number >= 0 (an integer where every default is one), not null."""
+    :mod:`experiments.schema`) holds a number >= 0 (an integer where every default is one), not null. The
+    optional MLA keys (:data:`relibra.cluster.MLA_KEYS`) may be absent."""
     from experiments.schema import config_schema
 
     kinds = config_schema().kinds
     problems: list[str] = []
+    optional = {f"model.{k}" for k in MLA_KEYS}
     for node in SPEC_NODES:
         depth = node.count(".") + 1
         for key in sorted(k for k in kinds if k.startswith(node + ".") and k.count(".") == depth):
             if OmegaConf.select(cfg, node, default=None) is None or kinds[key] - {"int", "float"}:
+                continue
+            if key in optional and key.split(".", 1)[1] not in cfg.model:
                 continue
             if kinds[key] == {"int"}:
                 _int_key(cfg, key, problems, least=0, required=True)
@@ -88,6 +92,28 @@ def _spec_problems(cfg: DictConfig) -> list[str]:
                 problems.append(f"{key}=null: must be a number")
             else:
                 _number_key(cfg, key, problems)
+    return problems
+
+
+def _mla_problems(cfg: DictConfig) -> list[str]:
+    """The MLA keys (:data:`relibra.cluster.MLA_KEYS`) only beside ``model.kv_lora_rank > 0``, and
+    ``mla_up_proj`` recompute only for such a model, as :class:`relibra.cluster.ModelSpec` and
+    :mod:`relibra.cost.recompute` require."""
+    values = {k: OmegaConf.select(cfg, f"model.{k}", default=0) for k in MLA_KEYS}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
+        return []  # NOTE: named by _spec_problems
+    problems: list[str] = []
+    rest = {k: v for k, v in values.items() if k != "kv_lora_rank" and v}
+    if values["kv_lora_rank"] <= 0 and rest:
+        listed = ", ".join(f"model.{k}={v}" for k, v in rest.items())
+        problems.append(f"{listed}: multi-head latent attention keys need model.kv_lora_rank > 0")
+    modules = OmegaConf.select(cfg, "training.recompute_modules", default=None)
+    if values["kv_lora_rank"] <= 0 and isinstance(modules, Sequence) and "mla_up_proj" in modules:
+        problems.append(
+            f"training.recompute_modules={list(modules)}: mla_up_proj recomputes multi-head latent "
+            f"attention's up projections, but model {cfg.model.get('name')} has grouped-query attention "
+            "(model.kv_lora_rank=0)"
+        )
     return problems
 
 
@@ -331,6 +357,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("model.num_moe_layers", "model.top_k"):
         _int_key(cfg, key, problems, required=True)
     problems += _window_problems(cfg)
+    problems += _mla_problems(cfg)
     problems += _executor_problems(cfg, nodes * gpn if nodes is not None and gpn is not None else None)
     if nodes is not None and gpn is not None and e is not None:
         g = nodes * gpn

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.cost.fabric import DISPATCHERS
 
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+""":class:`ModelSpec`'s multi-head latent attention keys: optional in a model config (0: grouped-query)."""
 PRECISIONS = ("bf16", "fp8")
 """Values of ``cluster.precision``: the GEMMs' (and the dispatch's) number format."""
 
@@ -171,8 +175,30 @@ class ModelSpec:
     None: every layer attends over the whole sample."""
     windowed_layers: int = 0
     """Layers that attend inside ``attention_window`` (gpt-oss: every other layer)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (MLA, DeepSeek-V2/V3; Hugging Face ``kv_lora_rank``): the rank of the
+    compressed keys and values; 0 for grouped-query attention. With MLA ``head_dim`` is the query and key
+    head dimension without RoPE (``qk_nope_head_dim``) and ``num_kv_heads`` is unused."""
+    q_lora_rank: int = 0
+    """MLA's query compression rank (``q_lora_rank``); 0: the queries are projected from the hidden state
+    directly (DeepSeek-V2-Lite)."""
+    qk_rope_head_dim: int = 0
+    """MLA's decoupled RoPE dimension per head (``qk_rope_head_dim``), shared by the heads for the keys."""
+    v_head_dim: int = 0
+    """MLA's value head dimension (``v_head_dim``); 0: ``head_dim``."""
 
     def __post_init__(self) -> None:
+        mla = (self.q_lora_rank, self.qk_rope_head_dim, self.v_head_dim)
+        if any(v < 0 for v in (self.kv_lora_rank, *mla)):
+            raise ValueError(
+                "model.kv_lora_rank, q_lora_rank, qk_rope_head_dim and v_head_dim must be >= 0; got "
+                f"{self.kv_lora_rank}, {', '.join(str(v) for v in mla)}"
+            )
+        if not self.kv_lora_rank and any(mla):
+            raise ValueError(
+                "model.q_lora_rank, qk_rope_head_dim and v_head_dim describe multi-head latent attention and "
+                f"need model.kv_lora_rank > 0; got kv_lora_rank=0 with {', '.join(str(v) for v in mla)}"
+            )
         if not 0 <= self.windowed_layers <= self.num_layers:
             raise ValueError(
                 f"model.windowed_layers={self.windowed_layers}: expected 0 to "
@@ -200,11 +226,68 @@ class ModelSpec:
         return 3 * self.hidden * self.moe_ffn
 
     @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query and key dimension per head: ``head_dim``, plus the RoPE part with MLA."""
+        return self.head_dim + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Value dimension per head: ``v_head_dim`` with MLA (when set), else ``head_dim``."""
+        return self.v_head_dim or self.head_dim
+
+    def attention_gemms(self) -> tuple[tuple[int, int], ...]:
+        """``(input, output)`` widths per token of one layer's attention projections, in order.
+
+        Grouped-query: the fused QKV projection ``(h, q + 2 kv)`` and the output projection ``(q, h)``.
+        MLA (Megatron-core's ``MLASelfAttention``; DeepSeek-V3 technical report, section 2.1.1): the query
+        down and up projections ``(h, q_lora)``, ``(q_lora, H * qk)`` (one ``(h, H * qk)`` without query
+        compression), the key-value down projection ``(h, kv_lora + rope)``, its up projection ``(kv_lora,
+        H * (nope + v))`` and the output projection ``(H * v, h)``. The latents' RMSNorms (``q_lora +
+        kv_lora`` weights) are left out, as every other norm's weights are here.
+        """
+        h, heads = self.hidden, self.num_heads
+        if not self.mla:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return ((h, q + 2 * kv), (q, h))
+        qk, v = heads * self.qk_head_dim, heads * self.value_head_dim
+        query = ((h, self.q_lora_rank), (self.q_lora_rank, qk)) if self.q_lora_rank else ((h, qk),)
+        kv_up = (self.kv_lora_rank, heads * (self.head_dim + self.value_head_dim))
+        return (*query, (h, self.kv_lora_rank + self.qk_rope_head_dim), kv_up, (v, h))
+
+    @property
     def attention_params(self) -> int:
-        """Parameters of one layer's attention projections (q, k, v, o)."""
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return self.hidden * (q + 2 * kv) + q * self.hidden
+        """Parameters of one layer's attention projections (:meth:`attention_gemms`: q, k, v, o)."""
+        if not self.mla:
+            q = self.num_heads * self.head_dim
+            kv = self.num_kv_heads * self.head_dim
+            return self.hidden * (q + 2 * kv) + q * self.hidden
+        return sum(i * o for i, o in self.attention_gemms())
+
+    def core_attention_flops(self, causal_pairs: np.ndarray) -> np.ndarray:
+        """Forward FLOPs of QK^T and PV over ``causal_pairs`` [...] (attention pairs per layer): 2 FLOPs per
+        (pair, head, dimension) of each, the keys' dimension ``qk_head_dim`` and the values'
+        ``value_head_dim`` (both ``head_dim`` for grouped-query attention)."""
+        pairs = np.asarray(causal_pairs, dtype=np.float64)
+        if not self.mla:
+            return 4.0 * pairs * self.num_heads * self.head_dim
+        return 2.0 * pairs * self.num_heads * (self.qk_head_dim + self.value_head_dim)
+
+    def mla_up_flops(self, tokens: np.ndarray) -> np.ndarray:
+        """Forward FLOPs of MLA's two up projections (what Megatron's ``mla_up_proj`` recompute repeats)
+        over ``tokens`` [...]; 0 without MLA or, for the query, without query compression."""
+        t = np.asarray(tokens, dtype=np.float64)
+        if not self.mla:
+            return np.zeros_like(t)
+        heads = self.num_heads
+        up = self.kv_lora_rank * heads * (self.head_dim + self.value_head_dim)
+        if self.q_lora_rank:
+            up += self.q_lora_rank * heads * self.qk_head_dim
+        return 2.0 * up * t
 
     @property
     def dense_params(self) -> int:

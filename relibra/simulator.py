@@ -32,8 +32,8 @@ import pandas as pd
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel, MoEBreakdown
-from relibra.cost.passes import LayerWork
 from relibra.cost.pricing import Priced, batch_times, cast_seconds, permute_seconds, price_plan
+from relibra.cost.work import LayerWork
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, static_placement

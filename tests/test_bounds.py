@@ -32,6 +32,9 @@ BOUNDED_COLUMNS = tuple(
 parameter all-gather are left out (so ``t_other_s``, their sum with the rest): a slower micro-batch hides
 more of them, which the step time still pays for (it is checked)."""
 PASSES = ("update",), ("recompute", "update"), ("reference", "recompute", "update")
+MODULES = ("core_attn",), ("layernorm", "moe_act", "mlp", "shared_experts"), ("core_attn", "moe")
+"""``training.recompute_modules`` under ``selective``: the default, every output-discarding and partial
+module, and the whole MoE layer (its all-to-all again)."""
 
 CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
 PLANNERS = sorted(p.stem for p in (CONF / "planner").glob("*.yaml") if p.stem != "balanced")
@@ -68,6 +71,7 @@ def check_bounded(name: str, res: SimResult, bal: SimResult) -> None:
     overlap=st.booleans(),
     step=st.sampled_from(["whole", "moe"]),
     recompute=st.sampled_from(["none", "selective", "full"]),
+    modules=st.sampled_from(MODULES),
     passes=st.sampled_from(PASSES),
 )
 def test_no_planner_beats_balanced(
@@ -81,11 +85,17 @@ def test_no_planner_beats_balanced(
     overlap: bool,
     step: str,
     recompute: str,
+    modules: tuple[str, ...],
     passes: tuple[str, ...],
 ) -> None:
     from hydra.utils import instantiate
 
-    training = training_spec(step=step, recompute=recompute, rl_passes=passes)
+    training = training_spec(
+        step=step,
+        recompute=recompute,
+        recompute_modules=modules if recompute == "selective" else ("core_attn",),
+        rl_passes=passes,
+    )
     nodes, gpn = shape
     g = nodes * gpn
     model = tiny_model(num_experts=g * per_gpu * 2)

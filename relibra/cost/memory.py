@@ -95,33 +95,60 @@ class MemoryEstimate:
         )
 
 
-def activation_bytes_per_token(model: ModelSpec, recompute: str, moe: bool) -> float:
+def activation_bytes_per_token(
+    model: ModelSpec, recompute: str, moe: bool, modules: tuple[str, ...] = ("core_attn",)
+) -> float:
     """Bytes one layer keeps for its backward per token a GPU holds (bf16; router scores fp32).
 
     Attention block: the norm's input, the QKV GEMM's input, Q, K and V (FlashAttention's backward reads
-    them; no ``s x s`` scores are stored), the core attention's output (the output projection's input; not
-    kept under ``selective`` recompute, which recomputes core attention) and FlashAttention's fp32
-    log-sum-exp per head. MoE block: the norm's and the router's inputs, the fp32 router scores, and per
-    routed slot (``top_k`` per token) the first expert GEMM's input, its gate and up outputs and the SwiGLU
-    output (the second GEMM's input; the probability multiply is folded into SwiGLU), plus the shared
-    experts' gate/up and SwiGLU outputs. A dense layer's FFN: its norm's and first GEMM's inputs, gate/up and
-    SwiGLU outputs. Under ``full`` recompute a layer keeps only its input (the caller adds one layer's
-    full set for the layer being recomputed).
+    them; no ``s x s`` scores are stored), the core attention's output (the output projection's input) and
+    FlashAttention's fp32 log-sum-exp per head. MoE block: the norm's and the router's inputs, the fp32
+    router scores, and per routed slot (``top_k`` per token) the first expert GEMM's input, its gate and up
+    outputs and the SwiGLU output (the second GEMM's input; the probability multiply is folded into
+    SwiGLU), plus the shared experts' gate/up and SwiGLU outputs. A dense layer's FFN: its norm's and first
+    GEMM's inputs, gate/up and SwiGLU outputs. Under ``full`` recompute a layer keeps only its input (the
+    caller adds one layer's full set for the layer being recomputed).
+
+    Under ``selective``, ``modules`` (``training.recompute_modules``, :mod:`relibra.cost.recompute`) drop
+    what they recompute: ``core_attn`` the core attention's output; ``layernorm`` a MoE layer's pre-MLP
+    norm output (the router's input; the other norms are fused into their linears and keep nothing of
+    their own); ``moe_act`` each slot's SwiGLU output; ``shared_experts`` the shared experts' block but its
+    input; ``moe`` the MoE block but its input and its norm's input; ``mlp`` a dense FFN's block but its
+    norm's input; ``mla_up_proj`` MLA's queries, keys and values.
+
+    With multi-head latent attention the attention block keeps the norm's and the down projections'
+    inputs, each latent's norm input and up projection input (``q_lora``, ``kv_lora``), the keys' RoPE
+    part, then the heads' queries, keys (``H * qk_head_dim`` each) and values (``H * value_head_dim``) and
+    the core attention's output (``H * value_head_dim``).
     """
     m = model
-    h, q, kv = m.hidden, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    h = m.hidden
     if recompute == "full":
         return float(BF16_BYTES * h)
-    attn = BF16_BYTES * (2 * h + q + 2 * kv) + FP32_BYTES * m.num_heads
-    if recompute != "selective":
-        attn += BF16_BYTES * q
-    if moe:
+    drop = set(modules) if recompute == "selective" else set()
+    if m.mla:
+        latents = 2 * (m.q_lora_rank + m.kv_lora_rank) + m.qk_rope_head_dim
+        heads = 0 if "mla_up_proj" in drop else m.num_heads * (2 * m.qk_head_dim + m.value_head_dim)
+        attn = BF16_BYTES * (2 * h + latents + heads) + FP32_BYTES * m.num_heads
+        core_out = m.num_heads * m.value_head_dim
+    else:
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        attn = BF16_BYTES * (2 * h + q + 2 * kv) + FP32_BYTES * m.num_heads
+        core_out = q
+    if "core_attn" not in drop:
+        attn += BF16_BYTES * core_out
+    if moe and "moe" in drop:
+        ffn = BF16_BYTES * (2 * h - h * ("layernorm" in drop))
+    elif moe:
+        slot = h + (2 if "moe_act" in drop else 3) * m.moe_ffn
         ffn = (
-            BF16_BYTES * 2 * h
+            BF16_BYTES * (2 * h - h * ("layernorm" in drop))
             + FP32_BYTES * m.num_experts
-            + m.top_k * BF16_BYTES * (h + 3 * m.moe_ffn)
-            + m.shared_experts * BF16_BYTES * 3 * m.shared_ffn
+            + m.top_k * BF16_BYTES * slot
+            + (0 if "shared_experts" in drop else m.shared_experts * BF16_BYTES * 3 * m.shared_ffn)
         )
+    elif "mlp" in drop:
+        ffn = BF16_BYTES * h
     else:
         ffn = BF16_BYTES * (2 * h + 3 * m.dense_ffn)
     return float(attn + ffn)
@@ -155,8 +182,9 @@ def memory_estimate(
         nd, nm = cost.stage_layer_counts(s)
         state = pay.master_weight_bytes + pay.optimizer_state_bytes
         opt = state * (dense / dp + expert / edp) if spec.distributed_optimizer else state * (dense + expert)
-        per_token = nd * activation_bytes_per_token(m, spec.recompute, moe=False) + nm * (
-            activation_bytes_per_token(m, spec.recompute, moe=True)
+        modules = spec.recompute_modules
+        per_token = nd * activation_bytes_per_token(m, spec.recompute, moe=False, modules=modules) + nm * (
+            activation_bytes_per_token(m, spec.recompute, moe=True, modules=modules)
         )
         if spec.recompute == "full":  # the layer being recomputed holds its whole set
             per_token += max(

@@ -307,11 +307,22 @@ class CostModel(WholeStepTerms):
         m = self.model
         proj = 2.0 * m.attention_params * np.asarray(tokens, dtype=np.float64)
         shared = 2.0 * 3 * m.hidden * m.shared_ffn * m.shared_experts * np.asarray(tokens, dtype=np.float64)
-        # QK^T and PV: 2 matmuls of 2 FLOPs per (pair, head dim, head).
-        attn = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
+        attn = m.core_attention_flops(causal_pairs)  # QK^T and PV (ModelSpec.core_attention_flops)
         if self.cluster.precision == "bf16":  # NOTE: one sum, so bf16 results keep their former rounding.
             return FWD_BWD_FLOP_FACTOR * (proj + shared + attn) / self.dense_rate("bf16")
         return FWD_BWD_FLOP_FACTOR * ((proj + shared) / self.dense_rate() + attn / self.dense_rate("bf16"))
+
+    def shared_expert_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds of one MoE layer's shared experts (a part of :meth:`attention_time`), fwd + bwd;
+        tokens [..., G] -> [..., G]. Zero without shared experts."""
+        m = self.model
+        flops = 2.0 * 3 * m.hidden * m.shared_ffn * m.shared_experts * np.asarray(tokens, dtype=np.float64)
+        return FWD_BWD_FLOP_FACTOR * flops / self.dense_rate()
+
+    def mla_up_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Per-GPU seconds of one layer's MLA up projections (a part of :meth:`attention_time`), fwd + bwd;
+        tokens [..., G] -> [..., G]. Zero without MLA (:meth:`ModelSpec.mla_up_flops`)."""
+        return FWD_BWD_FLOP_FACTOR * self.model.mla_up_flops(tokens) / self.dense_rate()
 
     def dense_ffn_time(self, tokens: np.ndarray) -> np.ndarray:
         """Per-GPU seconds of one dense (non-MoE) layer's FFN, fwd + bwd; tokens [..., G] -> [..., G].

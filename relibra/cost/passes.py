@@ -4,7 +4,8 @@ RL step's forward-only passes over the same tokens (``workload.rl_passes``), eac
 Per (micro-batch, MoE layer) the busiest GPU's compute work is ``T_comp + attention + permutation +
 router + norms`` and its communication ``T_comm``; both join as ``cluster.ep_overlap`` says
 (:func:`relibra.cost.overlap.overlapped_time`, or their sums). Activation recompute (``training.recompute``)
-adds, in the update's backward, the core attention's forward (``selective``) or every layer's forward,
+adds, in the update's backward, the forwards of ``training.recompute_modules`` (``selective``:
+:mod:`relibra.cost.recompute`; the MoE layer's all-to-all only with ``moe``) or every layer's forward,
 its all-to-all included (``full``). Per batch the update adds the dense layers, the LM head, the exposed
 replica refill, migration, redundant-copy sync, an online planner's critical path, the host overhead, the
 optimizer step and the exposed parts of the distributed optimizer's gradient reduce-scatter (behind the
@@ -31,58 +32,12 @@ import numpy as np
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import overlapped_time
 from relibra.cost.pipeline import StagePass, p2p_send_time, pipelined
-from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE
+from relibra.cost.recompute import selective_recompute
+from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE, TrainingSpec
 from relibra.cost.tensor import tp_block_time, tp_group_mean
+from relibra.cost.work import LayerWork, TokenWork
 
 __all__ = ["LayerWork", "PassTimes", "TokenWork", "forward_pass", "token_work", "update_pass"]
-
-
-@dataclass(frozen=True)
-class LayerWork:
-    """Busiest-GPU seconds of one pass's plan-priced MoE work, fwd + bwd, [Mb, L] each."""
-
-    compute: np.ndarray
-    """float64 [Mb, L]: ``max_g T_comp`` (expert grouped GEMMs)."""
-    comm: np.ndarray
-    """float64 [Mb, L]: ``max_g T_comm`` (dispatch and combine, 4 phases)."""
-    permute: np.ndarray
-    """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (0: MoE-only step)."""
-    cast: np.ndarray | None = None
-    """float64 [Mb, L]: ``max_g`` FP8 cast seconds of the expert GEMMs on the received slots (None: nothing
-    cast, bf16 or the MoE-only step)."""
-
-
-@dataclass(frozen=True)
-class TokenWork:
-    """Busiest-GPU seconds of the work that follows the tokens each GPU holds (not the placement), fwd +
-    bwd, per micro-batch."""
-
-    attn: np.ndarray
-    """float64 [Mb, 1]: one layer's attention and projections."""
-    core_attn: np.ndarray
-    """float64 [Mb]: one layer's core attention (QK^T, PV), what selective recompute repeats."""
-    dense: np.ndarray
-    """float64 [Mb]: one dense layer's attention and FFN."""
-    router: np.ndarray
-    """float64 [Mb]: one MoE layer's router."""
-    norm: np.ndarray
-    """float64 [Mb]: one layer's norms and residual adds."""
-    head: np.ndarray
-    """float64 [Mb]: embedding, LM head and loss."""
-    head_forward: np.ndarray
-    """float64 [Mb]: their forward share (the log-probabilities of a forward-only pass)."""
-    tp_block: np.ndarray | None = None
-    """float64 [Mb]: one tensor-parallel block's exposed collectives, fwd + bwd (None: ``tp = 1``;
-    :func:`relibra.cost.tensor.tp_block_time`)."""
-    p2p: np.ndarray | None = None
-    """float64 [Mb]: one pipeline send of a micro-batch's activations (or their gradient) between stages
-    (None: ``pp = 1``; :func:`relibra.cost.pipeline.p2p_send_time`)."""
-    cast_moe: np.ndarray | None = None
-    """float64 [Mb]: one MoE layer's FP8 casts of its dense GEMMs (attention projections, shared experts)
-    (None: nothing cast, bf16 or the MoE-only step;
-    :meth:`~relibra.cost.step.WholeStepTerms.dense_cast_time`)."""
-    cast_dense: np.ndarray | None = None
-    """float64 [Mb]: one dense layer's FP8 casts (attention projections, FFN) (None: as ``cast_moe``)."""
 
 
 def _casts(cost: CostModel, tokens: np.ndarray, tp: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -117,6 +72,10 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
         head_forward=cost.head_forward_time(tokens).max(axis=-1),
         cast_moe=cast_moe,
         cast_dense=cast_dense,
+        norm_forward=cost.norm_forward_time(tokens).max(axis=-1),
+        shared=cost.shared_expert_time(tokens).max(axis=-1),
+        dense_ffn=cost.dense_ffn_time(tokens).max(axis=-1),
+        mla_up=cost.mla_up_time(tokens).max(axis=-1),
     )
 
 
@@ -146,6 +105,10 @@ def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -
         p2p=p2p,
         cast_moe=cast_moe,
         cast_dense=cast_dense,
+        norm_forward=cost.norm_forward_time(tokens).max(axis=-1),
+        shared=tp_group_mean(cost.shared_expert_time(tokens), tp).max(axis=-1),
+        dense_ffn=tp_group_mean(cost.dense_ffn_time(tokens), tp).max(axis=-1),
+        mla_up=tp_group_mean(cost.mla_up_time(tokens), tp).max(axis=-1),
     )
 
 
@@ -192,17 +155,20 @@ def update_pass(
     if recompute == "full":
         rc_comp, rc_comm = comp * FORWARD_FLOPS_SHARE, comm * 0.5
         rc_dense = dense_layers * float(dense_mb.sum()) * FORWARD_FLOPS_SHARE
+        sel_dense = None
     elif recompute == "selective":
-        rc_comp = np.broadcast_to(tw.core_attn[:, None] * FORWARD_FLOPS_SHARE, comp.shape)
-        rc_comm = np.zeros_like(comm)
-        rc_dense = dense_layers * float(tw.core_attn.sum()) * FORWARD_FLOPS_SHARE
+        sel = selective_recompute(cost, work, tw)
+        rc_comp, rc_comm, sel_dense = sel.moe, sel.comm, sel.dense
+        rc_dense = dense_layers * float(sel.dense.sum())
     else:
-        rc_comp, rc_comm, rc_dense = np.zeros_like(comp), np.zeros_like(comm), 0.0
+        rc_comp, rc_comm, rc_dense, sel_dense = np.zeros_like(comp), np.zeros_like(comm), 0.0, None
     comp_u, comm_u = comp + rc_comp, comm + rc_comm
     if not cost.layout.trivial:
-        return _layout_update(cost, work, tw, dense_layers, fixed, comp_u, comm_u, rc_comp + rc_comm)
+        return _layout_update(
+            cost, work, tw, dense_layers, fixed, (comp_u, comm_u, rc_comp + rc_comm), sel_dense
+        )
     moe, exposed = _join(comp_u, comm_u, cost.cluster.ep_overlap)
-    if recompute == "full" and exposed > 0:
+    if recompute != "none" and exposed > 0:
         # NOTE: the exposed all-to-all is attributed to the update's own and the recomputed all-to-all in
         # proportion, so t_comm_exposed_s stays a part of t_comm_s (the recompute's is in t_recompute_s).
         exposed *= float(comm.sum()) / float(comm_u.sum())
@@ -211,7 +177,7 @@ def update_pass(
     parts = dict.fromkeys(_UPDATE_PARTS, 0.0)
     if whole:
         assert spec is not None
-        directions = 3.0 if recompute == "full" else 2.0
+        directions = _directions(spec)
         per_mb = comp_u.sum(axis=1) + comm_u.sum(axis=1) + dense_layers * dense_mb + tw.head  # [Mb]
         rs, ag = cost.grad_reduce_time(), cost.param_gather_time()
         parts.update(
@@ -281,12 +247,20 @@ def _moe_tp_blocks(cost: CostModel) -> int:
     return 1 + int(cost.model.shared_experts > 0)
 
 
-def _dense_recompute(spec_recompute: str, dense_mb: np.ndarray, tw: TokenWork) -> np.ndarray:
-    """float64 [Mb]: one dense layer's recompute seconds in the update's backward."""
+def _directions(spec: TrainingSpec) -> float:
+    """Pass directions that launch every MoE layer's kernels: forward, backward, and a third where the
+    backward recomputes the layer's forward (``full``, or ``selective`` with ``moe``)."""
+    again = spec.recompute == "full" or (spec.recompute == "selective" and "moe" in spec.recompute_modules)
+    return 3.0 if again else 2.0
+
+
+def _dense_recompute(spec_recompute: str, dense_mb: np.ndarray, sel_dense: np.ndarray | None) -> np.ndarray:
+    """float64 [Mb]: one dense layer's recompute seconds in the update's backward (``sel_dense``: the
+    selective modules', :class:`relibra.cost.recompute.SelectiveRecompute`)."""
     if spec_recompute == "full":
         return dense_mb * FORWARD_FLOPS_SHARE
-    if spec_recompute == "selective":
-        return tw.core_attn * FORWARD_FLOPS_SHARE
+    if spec_recompute == "selective" and sel_dense is not None:
+        return sel_dense
     return np.zeros_like(dense_mb)
 
 
@@ -296,13 +270,13 @@ def _layout_update(
     tw: TokenWork,
     dense_layers: int,
     fixed: tuple[float, float, float, float],
-    comp_u: np.ndarray,
-    comm_u: np.ndarray,
-    rc_moe: np.ndarray,
+    moe_work: tuple[np.ndarray, np.ndarray, np.ndarray],
+    sel_dense: np.ndarray | None,
 ) -> PassTimes:
     """:func:`update_pass` through the pipeline and with tensor parallelism (:mod:`relibra.cost.pipeline`,
-    :mod:`relibra.cost.tensor`). ``comp_u``, ``comm_u`` [Mb, L]: the MoE layers' seconds with their
-    recompute (``rc_moe`` [Mb, L]) and tensor-parallel collectives.
+    :mod:`relibra.cost.tensor`). ``moe_work``: ``comp_u``, ``comm_u`` [Mb, L], the MoE layers' seconds with
+    their recompute (``rc_moe`` [Mb, L]) and tensor-parallel collectives; ``sel_dense`` [Mb]: one dense
+    layer's selective recompute (None unless ``selective``).
 
     Per-layer parts sum every stage's layers (the model's work); the exposed gradient collectives, the
     bubble and the pipeline sends are the slowest stage's, the optimizer step the longest stage's.
@@ -310,16 +284,16 @@ def _layout_update(
     spec = cost.training
     whole = spec is not None and spec.whole
     recompute = spec.recompute if (spec is not None and whole) else "none"
+    comp_u, comm_u, rc_moe = moe_work
     lay = cost.layout
     tp_block = tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)
     p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
     dense_mb = tw.dense + tw.norm + 2.0 * tp_block  # [Mb]: one dense layer (attention and FFN blocks)
     if tw.cast_dense is not None:
         dense_mb = dense_mb + tw.cast_dense
-    rc_dense = _dense_recompute(recompute, dense_mb, tw)
+    rc_dense = _dense_recompute(recompute, dense_mb, sel_dense)
     head = (tw.head + tp_block) if whole else np.zeros_like(tw.dense)
-    directions = 3.0 if recompute == "full" else 2.0
-    launch = cost.launch_time(comp_u.shape[0], directions) if whole else 0.0
+    launch = cost.launch_time(comp_u.shape[0], _directions(spec)) if (whole and spec is not None) else 0.0
     sp = StagePass(
         comp=comp_u,
         comm=comm_u,
@@ -344,7 +318,7 @@ def _layout_update(
     st = pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
     comm = work.comm
     exposed = st.comm_exposed
-    if recompute == "full" and exposed > 0:
+    if recompute != "none" and exposed > 0:
         exposed *= float(comm.sum()) / float(comm_u.sum())  # NOTE: as update_pass
     parts = dict.fromkeys(_UPDATE_PARTS, 0.0)
     num_moe = work.compute.shape[1]

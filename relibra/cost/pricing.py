@@ -28,8 +28,9 @@ import numpy as np
 from relibra.cost.migration import migration_cost
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share
-from relibra.cost.passes import LayerWork, forward_pass, token_work, update_pass
+from relibra.cost.passes import forward_pass, token_work, update_pass
 from relibra.cost.tensor import tp_group_mean
+from relibra.cost.work import LayerWork
 from relibra.planners.protocols import BatchContext, Replication, home_assign, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 from relibra.workload import gpu_token_stats

@@ -54,6 +54,7 @@ __all__ = [
     "FP8_CAST_BYTES",
     "FP8_RECIPES",
     "RECOMPUTE",
+    "RECOMPUTE_MODULES",
     "RL_PASSES",
     "STEPS",
     "ParallelGroups",
@@ -65,7 +66,12 @@ __all__ = [
 STEPS = ("whole", "moe")
 """Values of ``simulator.step``: the whole training step, or the MoE-only step of earlier releases."""
 RECOMPUTE = ("none", "selective", "full")
-"""Values of ``training.recompute`` (Megatron's ``recompute_granularity``; ``selective`` = core attention)."""
+"""Values of ``training.recompute`` (Megatron's ``recompute_granularity``; ``selective``: the modules of
+``training.recompute_modules``)."""
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts", "mla_up_proj")
+"""Values in ``training.recompute_modules`` (Megatron-core ``TransformerConfig.recompute_modules``, read
+only under ``recompute_granularity=selective``; default ``[core_attn]``); priced by
+:mod:`relibra.cost.recompute` (``mla_up_proj`` only for a model with multi-head latent attention)."""
 RL_PASSES = ("reference", "recompute", "update")
 """Values in ``workload.rl_passes``: the reference model's forward, the old policy's log-prob recompute
 (forward only, the same replayed routing) and the policy update (forward + backward + optimizer)."""
@@ -107,7 +113,10 @@ class TrainingSpec:
     """
 
     recompute: str
-    """Activation recompute: ``none``, ``selective`` (core attention) or ``full`` (every layer's forward)."""
+    """Activation recompute: ``none``, ``selective`` (``recompute_modules``) or ``full`` (every layer's
+    forward)."""
+    recompute_modules: tuple[str, ...]
+    """What ``selective`` recomputes (:data:`RECOMPUTE_MODULES`; Megatron's default ``("core_attn",)``)."""
     overlap_grad_reduce: bool
     """Megatron's ``overlap_grad_reduce``: the reduce-scatter runs behind the last micro-batch's backward."""
     overlap_param_gather: bool
@@ -117,12 +126,17 @@ class TrainingSpec:
     group: reduce-scatter + all-gather); False: every rank holds them all and all-reduces gradients."""
     norm_values_per_hidden: float
     """bf16 values moved per token and hidden unit by one layer's norms and residual adds, fwd + bwd."""
+    norm_forward_values_per_hidden: float
+    """bf16 values moved per token and hidden unit by one RMSNorm's forward (what ``layernorm`` recompute
+    repeats)."""
     embedding_values_per_hidden: float
     """bf16 values moved per token and hidden unit by the input embedding, fwd + bwd."""
     permute_values_per_hidden: float
     """bf16 values moved per received slot and hidden unit by permutation and un-permutation, fwd + bwd."""
     swiglu_values_per_ffn: float
     """bf16 values moved per received slot and expert-FFN unit by SwiGLU with the probability multiply."""
+    swiglu_forward_values_per_ffn: float
+    """Its forward's share of those values (what ``moe_act`` recompute repeats)."""
     router_bytes_per_logit: float
     """Bytes moved per token and expert by the router's scores, top-k and auxiliary work, fwd + bwd."""
     loss_bytes_per_logit: float
@@ -150,6 +164,7 @@ class TrainingSpec:
             problems.append(f"simulator.step={self.step!r}: choose one of {', '.join(STEPS)}")
         if self.recompute not in RECOMPUTE:
             problems.append(f"training.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
+        problems.extend(self._module_problems())
         if self.fp8_recipe not in FP8_RECIPES:
             problems.append(
                 f"training.fp8_recipe={self.fp8_recipe!r}: choose one of {', '.join(FP8_RECIPES)}"
@@ -166,9 +181,11 @@ class TrainingSpec:
             )
         for name in (
             "norm_values_per_hidden",
+            "norm_forward_values_per_hidden",
             "embedding_values_per_hidden",
             "permute_values_per_hidden",
             "swiglu_values_per_ffn",
+            "swiglu_forward_values_per_ffn",
             "router_bytes_per_logit",
             "loss_bytes_per_logit",
             "optimizer_bytes_per_param",
@@ -184,6 +201,26 @@ class TrainingSpec:
                 problems.append(f"training.{name}={getattr(self, name)!r}: must be true or false")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _module_problems(self) -> list[str]:
+        """``recompute_modules``: distinct values of :data:`RECOMPUTE_MODULES`, and other than Megatron's
+        default only under ``recompute=selective`` (Megatron reads them only there). Stored as a tuple."""
+        modules = self.recompute_modules
+        if isinstance(modules, str) or not isinstance(modules, list | tuple):
+            return [f"training.recompute_modules={modules!r}: must be a list from {list(RECOMPUTE_MODULES)}"]
+        object.__setattr__(self, "recompute_modules", tuple(modules))
+        listed = list(modules)
+        if any(m not in RECOMPUTE_MODULES for m in listed) or len(set(listed)) != len(listed):
+            return [
+                f"training.recompute_modules={listed}: a list of distinct modules from "
+                f"{list(RECOMPUTE_MODULES)}"
+            ]
+        if self.recompute != "selective" and tuple(listed) != ("core_attn",):
+            return [
+                f"training.recompute_modules={listed}: Megatron recomputes these modules only with "
+                f"training.recompute=selective (got {self.recompute!r})"
+            ]
+        return []
 
     @property
     def whole(self) -> bool:
@@ -331,6 +368,19 @@ class WholeStepTerms:
         t = np.asarray(tokens, dtype=np.float64)
         return np.asarray(t * m.hidden * spec.norm_values_per_hidden * BF16_BYTES / self.hbm_rate())
 
+    def norm_forward_time(self, tokens: np.ndarray) -> np.ndarray:
+        """One RMSNorm's forward (what ``layernorm`` recompute repeats): tokens [..., G] -> seconds."""
+        spec, m = self._spec(), self.model
+        t = np.asarray(tokens, dtype=np.float64)
+        return np.asarray(t * m.hidden * spec.norm_forward_values_per_hidden * BF16_BYTES / self.hbm_rate())
+
+    def activation_share(self) -> float:
+        """The share of :meth:`permute_time` that SwiGLU's forward moves (what ``moe_act`` recompute
+        repeats): both follow the received slots at the same rate, so it is a ratio of value counts."""
+        spec, m = self._spec(), self.model
+        values = m.hidden * spec.permute_values_per_hidden + m.moe_ffn * spec.swiglu_values_per_ffn
+        return m.moe_ffn * spec.swiglu_forward_values_per_ffn / values if values > 0 else 0.0
+
     def permute_time(self, received: np.ndarray) -> np.ndarray:
         """One MoE layer's permutation, un-permutation and SwiGLU on the received slots, fwd + bwd.
 
@@ -363,22 +413,22 @@ class WholeStepTerms:
         """One layer's FP8 casts for its dense GEMMs on the tokens each GPU holds, fwd + bwd: tokens [..., G]
         -> seconds [..., G]; 0 in bf16.
 
-        Each GEMM casts its input and its output gradient: the QKV projection ``h`` and ``q + 2 kv``, the
-        output projection ``q`` and ``h``; then a MoE layer's shared experts (``2 h + 3 s``, ``s`` their
-        FFN width summed) or a dense layer's FFN (``2 h + 3 dense_ffn``).
+        Each GEMM casts its input and its output gradient: each attention projection its input and output
+        widths (:meth:`~relibra.cluster.ModelSpec.attention_gemms`; grouped-query: the QKV projection ``h``
+        and ``q + 2 kv``, the output projection ``q`` and ``h``); then a MoE layer's shared experts (``2 h +
+        3 s``, ``s`` their FFN width summed) or a dense layer's FFN (``2 h + 3 dense_ffn``).
         """
         m = self.model
-        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         ffn = m.shared_ffn * m.shared_experts if moe_layer else m.dense_ffn
-        values = 2 * m.hidden + 2 * q + 2 * kv + (2 * m.hidden + 3 * ffn if ffn > 0 else 0)
+        attention = sum(i + o for i, o in m.attention_gemms())
+        values = attention + (2 * m.hidden + 3 * ffn if ffn > 0 else 0)
         t = np.asarray(tokens, dtype=np.float64)
         return np.asarray(t * values * self._cast_seconds_per_value())
 
     def core_attention_time(self, causal_pairs: np.ndarray) -> np.ndarray:
         """QK^T and PV of one layer (bf16, at ``attention_efficiency``), fwd + bwd: causal pairs [..., G] ->
         seconds [..., G]."""
-        m = self.model
-        flops = 4.0 * np.asarray(causal_pairs, dtype=np.float64) * m.num_heads * m.head_dim
+        flops = self.model.core_attention_flops(causal_pairs)
         return np.asarray(3.0 * flops / self.dense_rate("bf16"))
 
     # ------------------------------------------------------ per-step terms

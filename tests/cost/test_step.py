@@ -21,9 +21,10 @@ MODEL = ModelSpec(
     num_heads=4, num_kv_heads=2, head_dim=10, dense_ffn=3000, vocab=5000,
 )  # fmt: skip
 SPEC = TrainingSpec(
-    recompute="none", overlap_grad_reduce=True, overlap_param_gather=True, distributed_optimizer=True,
-    norm_values_per_hidden=20.0, embedding_values_per_hidden=5.0, permute_values_per_hidden=8.0,
-    swiglu_values_per_ffn=8.0, router_bytes_per_logit=24.0, loss_bytes_per_logit=8.0,
+    recompute="none", recompute_modules=("core_attn",), overlap_grad_reduce=True, overlap_param_gather=True,
+    distributed_optimizer=True, norm_values_per_hidden=20.0, norm_forward_values_per_hidden=2.0,
+    embedding_values_per_hidden=5.0, permute_values_per_hidden=8.0, swiglu_values_per_ffn=8.0,
+    swiglu_forward_values_per_ffn=3.0, router_bytes_per_logit=24.0, loss_bytes_per_logit=8.0,
     optimizer_bytes_per_param=28.0, grad_reduce_bytes_per_param=2.0, param_gather_bytes_per_param=2.0,
     host_overhead_s=1e-5, fp8_recipe="tensorwise",
 )  # fmt: skip

@@ -119,6 +119,16 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
         (["planner=relibra", "planner.reorder.start=random"], ["planner.reorder.start='random'"]),
         (["simulator.step=partial"], ["simulator.step='partial'"]),
         (["training.recompute=layers"], ["training.recompute='layers'"]),
+        (
+            ["training.recompute=selective", "training.recompute_modules=[layernorm,mla_up_proj]"],
+            ["training.recompute_modules=['layernorm', 'mla_up_proj']", "has grouped-query attention"],
+        ),
+        (
+            ["model=deepseek-v3", "model.kv_lora_rank=0"],
+            ["model.q_lora_rank=1536, model.qk_rope_head_dim=64, model.v_head_dim=128", "kv_lora_rank > 0"],
+        ),
+        (["model=deepseek-v3", "model.v_head_dim=-1"], ["model.v_head_dim=-1"]),
+        (["training.recompute_modules=[moe_act]"], ["only with training.recompute=selective"]),
         (["workload.rl_passes=[recompute]"], ["workload.rl_passes=['recompute']", "holds update"]),
         (["workload.rl_passes=[update,update]"], ["workload.rl_passes=['update', 'update']"]),
         (["workload.rl_passes=update"], ["workload.rl_passes='update'"]),
