@@ -78,6 +78,7 @@ def build_cluster(cfg: DictConfig) -> ClusterSpec:
         ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
         nvl_domain=_nvl_domain(cfg),
         precision=str(cfg.cluster.get("precision", "bf16")),
+        comm_sms=cfg.cluster.get("comm_sms"),
     )
 
 

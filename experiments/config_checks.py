@@ -34,7 +34,7 @@ from experiments.config import (
 from experiments.config_keys import _int_key, _number_key
 from experiments.executor_check import _executor_problems
 from experiments.layout_check import layout_problems, memory_problems
-from relibra.cluster import MLA_KEYS, PRECISIONS, nvl_domain_problem
+from relibra.cluster import MLA_KEYS, PRECISIONS, comm_sms_problem, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import load_calibration
@@ -234,11 +234,17 @@ def _cluster_requirements(cfg: DictConfig, planner: DictConfig, num_experts: int
 
 
 def _comm_problems(cfg: DictConfig) -> list[str]:
-    """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.calibration``."""
+    """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.comm_sms`` (with
+    ``cluster.hardware.sms``), ``cluster.calibration``."""
     problems: list[str] = []
     dispatcher = cfg.cluster.get("dispatcher", "alltoall")
     if dispatcher not in DISPATCHERS:
         problems.append(f"cluster.dispatcher={dispatcher}: unknown; choose one of {', '.join(DISPATCHERS)}")
+    overlap = cfg.cluster.get("ep_overlap", False)
+    sms = OmegaConf.select(cfg, "cluster.hardware.sms", default=0)
+    why = comm_sms_problem(cfg.cluster.get("comm_sms"), sms, overlap is True, str(dispatcher))
+    if why:
+        problems.append(why)
     if bool(cfg.cluster.get("ep_overlap", False)):
         spm = cfg.workload.get("samples_per_microbatch")
         per_batch = cfg.trace.get("samples_per_batch")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
-from relibra.cost.fabric import DISPATCHERS
+from relibra.cost.fabric import DISPATCHER_COMM_SMS, DISPATCHERS
 
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
 """:class:`ModelSpec`'s multi-head latent attention keys: optional in a model config (0: grouped-query)."""
@@ -59,6 +59,9 @@ class HardwareSpec:
     hbm_bytes: float = 0.0
     """HBM capacity per GPU, bytes (0: unknown; ``simulator.memory_check`` then cannot run and says so,
     :mod:`relibra.cost.memory`)."""
+    sms: int = 0
+    """Streaming multiprocessors per GPU (0: unknown; an overlapped all-to-all that holds SMs,
+    ``cluster.comm_sms > 0`` under ``cluster.ep_overlap``, is then refused)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class ClusterSpec:
     precision: str = "bf16"
     """GEMM number format (:data:`PRECISIONS`): ``fp8`` runs the expert and dense GEMMs at the FP8 peak and
     dispatches FP8 tokens with their scales (combine stays bf16); core attention and the LM head stay bf16."""
+    comm_sms: int | None = None
+    """SMs the dispatch and combine kernels hold while they run (``cluster.comm_sms``; None: the
+    dispatcher's, :data:`relibra.cost.fabric.DISPATCHER_COMM_SMS`). Read under ``ep_overlap`` only
+    (:attr:`comm_sm_share`)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -95,6 +102,8 @@ class ClusterSpec:
             raise ValueError(problem)
         if self.precision not in PRECISIONS:
             raise ValueError(f"cluster.precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if problem := comm_sms_problem(self.comm_sms, self.hardware.sms, self.ep_overlap, self.dispatcher):
+            raise ValueError(problem)
         if self.precision == "fp8" and not (
             self.hardware.fp8_flops > 0 and self.hardware.fp8_gemm_efficiency > 0
         ):
@@ -117,9 +126,37 @@ class ClusterSpec:
         return min(self.nvl_domain or self.gpus_per_node, self.num_gpus)
 
     @property
+    def comm_sm_share(self) -> float:
+        """The share of each GPU's SMs the overlapped all-to-all holds (:mod:`relibra.cost.overlap`'s
+        contention): ``comm_sms / hardware.sms`` under ``ep_overlap``, else 0 (nothing runs beside it)."""
+        sms = DISPATCHER_COMM_SMS[self.dispatcher] if self.comm_sms is None else self.comm_sms
+        if not self.ep_overlap or sms == 0:
+            return 0.0
+        return sms / self.hardware.sms
+
+    @property
     def num_domains(self) -> int:
         """NVLink domains the EP group spans (``G / domain_gpus``)."""
         return self.num_gpus // self.domain_gpus
+
+
+def comm_sms_problem(comm_sms: object, sms: object, ep_overlap: bool, dispatcher: str) -> str | None:
+    """Why ``cluster.comm_sms`` cannot price the overlap's SM contention, or None: an integer in ``[0,
+    hardware.sms)`` (null: the dispatcher's), and a known SM count when the overlapped all-to-all holds
+    any."""
+    if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
+        return f"cluster.comm_sms={comm_sms!r}: must be an integer >= 0 or null (the dispatcher's)"
+    held = DISPATCHER_COMM_SMS.get(dispatcher, 0) if comm_sms is None else comm_sms
+    if not ep_overlap or held == 0:
+        return None
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms <= 0:
+        return (
+            f"cluster.ep_overlap with {held} SMs held by the all-to-all (cluster.comm_sms) needs "
+            f"cluster.hardware.sms, the GPU's SM count (got {sms!r})"
+        )
+    if held >= sms:
+        return f"cluster.comm_sms={held}: must be below cluster.hardware.sms={sms}, the GPU's SMs"
+    return None
 
 
 def nvl_domain_problem(nodes: int, gpus_per_node: int, nvl_domain: int | None) -> str | None:

@@ -61,6 +61,7 @@ def hand_hardware(
         fp8_flops=2 * bf16_flops,
         fp8_gemm_efficiency=0.6,
         hbm_efficiency=0.85,
+        sms=132,
     )
 
 
@@ -313,7 +314,7 @@ def plan_share(
     comm = cost.moe_comm_time(load, assign).max(axis=-1)
     return np.array(
         [
-            microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf)
+            microbatch_share(c + overlap.attention[l], k, overlap.neighbours[l], math.inf, overlap.contention)
             for l, (c, k) in enumerate(zip(comp, comm, strict=True))
         ]
     )

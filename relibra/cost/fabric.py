@@ -34,6 +34,7 @@ from relibra import numerics
 
 __all__ = [
     "DISPATCHERS",
+    "DISPATCHER_COMM_SMS",
     "LINK_KEYS",
     "Dispatcher",
     "alltoall_traffic",
@@ -45,6 +46,12 @@ __all__ = [
 
 Dispatcher = Literal["alltoall", "deepep"]
 DISPATCHERS: tuple[str, ...] = ("alltoall", "deepep")
+DISPATCHER_COMM_SMS = {"alltoall": 0, "deepep": 20}
+"""SMs each dispatcher's dispatch and combine kernels hold while they run (``cluster.comm_sms`` when null;
+:mod:`relibra.cost.overlap` charges the compute beside them for it). ``deepep``: DeepEP's ``Buffer.num_sms``
+default (deep_ep/buffers/legacy.py: 20; a HybridEP recipe sets its own, e.g. Megatron-Bridge's
+``moe_hybridep_num_sms = 32``). ``alltoall``: 0, NCCL's all-to-all channels are not priced (NCCL chooses
+its CTA count at run time; no measurement of it for these runs is in experiments/data)."""
 LINK_KEYS = ("nvlink_send", "nvlink_recv", "nic_send", "nic_recv")
 
 

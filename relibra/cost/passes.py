@@ -122,10 +122,10 @@ class PassTimes:
     parts: dict[str, float]
 
 
-def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool) -> tuple[float, float]:
+def _join(comp: np.ndarray, comm: np.ndarray, cost: CostModel) -> tuple[float, float]:
     """(seconds, exposed all-to-all seconds) of the MoE layers' compute and comm [Mb, L]."""
-    if overlap:
-        return overlapped_time(comp, comm)
+    if cost.cluster.ep_overlap:
+        return overlapped_time(comp, comm, cost.cluster.comm_sm_share)
     total_comm = float(comm.sum())
     return float(comp.sum()) + total_comm, total_comm
 
@@ -167,7 +167,7 @@ def update_pass(
         return _layout_update(
             cost, work, tw, dense_layers, fixed, (comp_u, comm_u, rc_comp + rc_comm), sel_dense
         )
-    moe, exposed = _join(comp_u, comm_u, cost.cluster.ep_overlap)
+    moe, exposed = _join(comp_u, comm_u, cost)
     if recompute != "none" and exposed > 0:
         # NOTE: the exposed all-to-all is attributed to the update's own and the recomputed all-to-all in
         # proportion, so t_comm_exposed_s stays a part of t_comm_s (the recompute's is in t_recompute_s).
@@ -302,6 +302,7 @@ def _layout_update(
         p2p=2.0 * lay.vpp * p2p,
         spread=sum(fixed) + launch,
         overlap=cost.cluster.ep_overlap,
+        contention=cost.cluster.comm_sm_share,
     )
 
     def per_step(stage: int, first_mb: float, last_mb: float) -> tuple[float, ...]:
@@ -385,7 +386,7 @@ def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: 
     comp, dense_cast = _with_casts(comp, work, tw, share=h)
     if not cost.layout.trivial:
         return _layout_forward(cost, work, tw, dense_layers, fixed, comp)
-    moe, _ = _join(comp, work.comm * 0.5, cost.cluster.ep_overlap)
+    moe, _ = _join(comp, work.comm * 0.5, cost)
     dense = dense_layers * float((tw.dense * f + tw.norm * h + dense_cast).sum())
     total = moe + fixed + dense
     if whole:
@@ -416,5 +417,6 @@ def _layout_forward(
         p2p=lay.vpp * p2p,
         spread=fixed + (cost.launch_time(comp.shape[0], 1.0) if whole else 0.0),
         overlap=cost.cluster.ep_overlap,
+        contention=cost.cluster.comm_sm_share,
     )
     return pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total

@@ -85,6 +85,8 @@ class StagePass:
     """Seconds over all MoE layers kept per batch, apportioned by each stage's share of them."""
     overlap: bool
     """``cluster.ep_overlap``: join compute and all-to-all as :func:`relibra.cost.overlap.overlapped_time`."""
+    contention: float
+    """The overlapped all-to-all's SM share (:attr:`relibra.cluster.ClusterSpec.comm_sm_share`)."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,11 @@ class StageTimes:
     """The slowest stage's per-step seconds (as ``per_step`` returned them)."""
 
 
-def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool) -> tuple[float, float]:
+def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool, contention: float) -> tuple[float, float]:
     if comp.shape[-1] == 0:
         return 0.0, 0.0
     if overlap:
-        return overlapped_time(comp, comm)
+        return overlapped_time(comp, comm, contention)
     total_comm = float(comm.sum())
     return float(comp.sum()) + total_comm, total_comm
 
@@ -137,7 +139,7 @@ def pipelined(
         cols = np.flatnonzero(moe_stage == s)
         nd = int((dense_stage == s).sum())
         last = s == pp - 1
-        moe, exposed = _join(sp.comp[:, cols], sp.comm[:, cols], sp.overlap)
+        moe, exposed = _join(sp.comp[:, cols], sp.comm[:, cols], sp.overlap, sp.contention)
         exposed_all += exposed
         share = len(cols) / num_moe if num_moe else 0.0
         per_mb = sp.comp[:, cols].sum(axis=1) + sp.comm[:, cols].sum(axis=1) + nd * sp.dense + sp.p2p

@@ -338,7 +338,7 @@ def layer_price(
     if overlap is None:
         return comp + comm + exposed
     share = [
-        microbatch_share(c + a, k, nb, math.inf)
+        microbatch_share(c + a, k, nb, math.inf, overlap.contention)
         for c, k, a, nb in zip(comp, comm, overlap.attention, overlap.neighbours, strict=True)
     ]
     return np.asarray(share) + exposed

@@ -111,7 +111,12 @@ def replicate_batch(
     comp, comm, extra = _stack_terms(load, home, first, ctx, window)  # [Mb, L] each
     second = [
         replicate_within_window(
-            replicator, load[m], home, ctx, window[m], OverlapNeighbours.of(comp, comm, window, m)
+            replicator,
+            load[m],
+            home,
+            ctx,
+            window[m],
+            OverlapNeighbours.of(comp, comm, window, m, ctx.cost.cluster.comm_sm_share),
         )
         for m in range(mb)
     ]
@@ -123,6 +128,7 @@ def replicate_batch(
                 np.stack([comp[:, l], comp2[:, l]]),
                 np.stack([comm[:, l], comm2[:, l]]),
                 np.stack([extra[:, l], extra2[:, l]]),
+                ctx.cost.cluster.comm_sm_share,
             )
             for l in range(num_layers)
         ],

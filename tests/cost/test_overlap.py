@@ -18,6 +18,7 @@ from relibra.cost.overlap import (
     layer_time,
     microbatch_share,
     overlapped_time,
+    pair_time,
     share_pieces,
 )
 from relibra.cost.pricing import attention_window
@@ -47,14 +48,14 @@ def test_two_microbatches_by_hand():
     # compute 3 and 6 s (forward 1 / 2, backward 2 / 4), comm 2 and 4 s (1 / 2 per pass).
     # F0 alone: 1 + 1. Pair (F1, B0): max(F1 comm 2, B0 compute 2) + max(B0 comm 1, F1 compute 2) = 4.
     # B1 alone: 4 + 2. Total 12 of the 15 without overlap: 3 s of communication stay exposed.
-    total, exposed = overlapped_time(np.array([[3.0], [6.0]]), np.array([[2.0], [4.0]]))
+    total, exposed = overlapped_time(np.array([[3.0], [6.0]]), np.array([[2.0], [4.0]]), 0.0)
     assert total == pytest.approx(12.0)
     assert exposed == pytest.approx(3.0)
 
 
 def test_one_microbatch_is_refused():
     with pytest.raises(ValueError, match=r"cluster\.ep_overlap needs at least 2 micro-batches"):
-        overlapped_time(np.ones((1, 4)), np.ones((1, 4)))
+        overlapped_time(np.ones((1, 4)), np.ones((1, 4)), 0.0)
 
 
 @settings(max_examples=50, deadline=None)
@@ -63,7 +64,7 @@ def test_one_microbatch_is_refused():
     comm=arrays(np.float64, (4, 3), elements=st.floats(0, 10)),
 )
 def test_overlap_is_bounded_by_compute_and_by_no_overlap(comp, comm):
-    total, exposed = overlapped_time(comp, comm)
+    total, exposed = overlapped_time(comp, comm, 0.0)
     assert comp.sum() - 1e-9 <= total <= comp.sum() + comm.sum() + 1e-9
     assert -1e-9 <= exposed <= comm.sum() + 1e-9
 
@@ -72,8 +73,8 @@ def test_overlap_is_bounded_by_compute_and_by_no_overlap(comp, comm):
 def test_layer_time_and_microbatch_share_are_the_simulators_rule():
     rng = np.random.default_rng(4)
     comp, comm = rng.uniform(0, 5, size=(5, 1)), rng.uniform(0, 5, size=(5, 1))
-    total, _ = overlapped_time(comp, comm)
-    assert layer_time(comp[:, 0], comm[:, 0], 5, math.inf) == pytest.approx(total, rel=1e-12)
+    total, _ = overlapped_time(comp, comm, 0.0)
+    assert layer_time(comp[:, 0], comm[:, 0], 5, math.inf, 0.0) == pytest.approx(total, rel=1e-12)
     # The terms micro-batch m enters, plus those it does not, give the layer's time for every m.
     for m in range(5):
         nb = np.array([-1.0, 0.0, -1.0, 0.0])
@@ -84,12 +85,12 @@ def test_layer_time_and_microbatch_share_are_the_simulators_rule():
         zero_c, zero_k = comp.copy(), comm.copy()
         zero_c[m], zero_k[m] = 0.0, 0.0
         # layer time = share of m + terms without m, so the change of m's share is the layer's change
-        share = microbatch_share(comp[m, 0], comm[m, 0], nb, math.inf)
-        share0 = microbatch_share(0.0, 0.0, nb, math.inf)
-        assert share - share0 == pytest.approx(total - overlapped_time(zero_c, zero_k)[0], rel=1e-9)
+        share = microbatch_share(comp[m, 0], comm[m, 0], nb, math.inf, 0.0)
+        share0 = microbatch_share(0.0, 0.0, nb, math.inf, 0.0)
+        assert share - share0 == pytest.approx(total - overlapped_time(zero_c, zero_k, 0.0)[0], rel=1e-9)
     # Smoothed: never below the hard max, within log(2) / beta per max of two.
     for beta in (1.0, 10.0, 100.0):
-        soft = layer_time(comp[:, 0], comm[:, 0], 5, beta)
+        soft = layer_time(comp[:, 0], comm[:, 0], 5, beta, 0.0)
         assert total <= soft <= total + 2 * 4 * math.log(2) / beta + 1e-12
 
 
@@ -99,26 +100,63 @@ def test_layer_time_and_microbatch_share_are_the_simulators_rule():
     nb=arrays(np.float64, 4, elements=st.floats(0, 10)),
     first=st.booleans(),
     last=st.booleans(),
+    contention=st.floats(0.0, 0.9),
 )
-def test_share_pieces_are_microbatch_share(own, nb, first, last):
-    """The affine pieces the MILP and LP minimise (one epigraph variable per max) sum to the share."""
+def test_share_pieces_are_microbatch_share(own, nb, first, last, contention):
+    """The affine pieces the MILP and LP minimise (one epigraph variable per max) sum to the share, with
+    or without SM contention."""
     nb = nb.copy()
     nb[0] = -1.0 if first else nb[0]
     nb[2] = -1.0 if last else nb[2]
-    pieces = share_pieces(nb)
+    pieces = share_pieces(nb, contention)
     assert np.all(pieces[..., :2] >= 0.0)  # non-decreasing in C and K: the epigraph form is exact
     c, k = own
     terms = pieces[..., 0] * c + pieces[..., 1] * k + pieces[..., 2]  # [4, 2]
     assert terms.max(axis=1).sum() == pytest.approx(
-        microbatch_share(c, k, nb, math.inf), rel=1e-12, abs=1e-12
+        microbatch_share(c, k, nb, math.inf, contention), rel=1e-12, abs=1e-12
     )
     assert np.isinf(pieces[:2, 1, 2]).all() == first and np.isinf(pieces[2:, 1, 2]).all() == last
 
 
+def test_contention_charges_the_compute_beside_the_all_to_all_by_hand():
+    """Two micro-batches, one layer, the all-to-all holding s = 1/4 of the SMs: the pair (B[0], F[1]) is
+    max(K1/2, 2 C0/3 + s K1/2) + max(K0/2, C1/3 + s K0/2); the first forward and the last backward run
+    alone."""
+    comp, comm, s = np.array([[3.0], [6.0]]), np.array([[2.0], [4.0]]), 0.25
+    alone = (3.0 / 3 + 2.0 / 2) + (2 * 6.0 / 3 + 4.0 / 2)
+    pair = max(4.0 / 2, 2 * 3.0 / 3 + s * 4.0 / 2) + max(2.0 / 2, 6.0 / 3 + s * 2.0 / 2)
+    total, exposed = overlapped_time(comp, comm, s)
+    assert total == pytest.approx(alone + pair, rel=1e-15) and total == pytest.approx(
+        8.0 + 2.5 + 2.25, rel=1e-15
+    )
+    assert exposed == pytest.approx(total - 9.0, rel=1e-15)  # what the compute (9 s) does not cover
+    assert overlapped_time(comp, comm, 0.0)[0] == pytest.approx(8.0 + 2.0 + 2.0, rel=1e-15)
+    # a compute that fits in the all-to-all at the reduced rate: the all-to-all bounds the pair
+    assert pair_time(0.3, 9.0, 0.3, 9.0, math.inf, 0.5) == pytest.approx(4.5 + 4.5, rel=1e-15)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    comp=arrays(np.float64, (4, 3), elements=st.floats(0, 10)),
+    comm=arrays(np.float64, (4, 3), elements=st.floats(0, 10)),
+    s=st.floats(0.0, 1.0),
+)
+def test_contention_stays_between_full_overlap_and_none(comp, comm, s):
+    """More SM contention never speeds a step up; at any share the step lies between the perfectly
+    overlapped one and the serial sum (s = 1: the compute gets nothing while the all-to-all runs)."""
+    free, _ = overlapped_time(comp, comm, 0.0)
+    held, _ = overlapped_time(comp, comm, s)
+    more, _ = overlapped_time(comp, comm, min(1.0, s + 0.1))
+    tol = 1e-9 * (1.0 + float(comp.sum() + comm.sum()))
+    assert free - tol <= held <= more + tol
+    assert held <= float(comp.sum() + comm.sum()) + tol
+    assert overlapped_time(comp, comm, 1.0)[0] == pytest.approx(float(comp.sum() + comm.sum()), rel=1e-12)
+
+
 def test_aggregate_row_is_equal_microbatches():
     comp, comm = np.array([3.0, 3.0, 3.0]), np.array([5.0, 5.0, 5.0])
-    assert layer_time(np.array([9.0]), np.array([15.0]), 3, math.inf) == pytest.approx(
-        layer_time(comp, comm, 3, math.inf), rel=1e-12
+    assert layer_time(np.array([9.0]), np.array([15.0]), 3, math.inf, 0.0) == pytest.approx(
+        layer_time(comp, comm, 3, math.inf, 0.0), rel=1e-12
     )
 
 
@@ -135,7 +173,7 @@ def _priced(
     a = home_assign(load, np.broadcast_to(home, load.shape[:1] + home.shape), load.shape[1])
     br = cost.moe(load, a)
     comp = br.t_compute + attention
-    return float((comp + br.t_comm).sum()), overlapped_time(comp[:, None], br.t_comm[:, None])[0]
+    return float((comp + br.t_comm).sum()), overlapped_time(comp[:, None], br.t_comm[:, None], 0.0)[0]
 
 
 def test_overlap_prefers_a_different_placement_by_hand():
@@ -211,7 +249,18 @@ def test_incremental_overlapped_objective_equals_recomputation(nodes, gpn, group
             _apply_swap_deepep(a, b, p, q, *deepep_args, comp, link, migr, lg, ln)
         home[a], home[b] = q, p
     arg = np.zeros((mb, 2), dtype=np.int64)
-    inc, _ = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, problem.overlap_mbs)
+    inc, _ = _evaluate(
+        comp,
+        link,
+        migr,
+        problem.coef,
+        50.0,
+        arg,
+        group,
+        problem.attn,
+        problem.overlap_mbs,
+        problem.contention,
+    )
     inc *= problem.scale
     assert inc == pytest.approx(placement_objective(problem, home, cost.cluster), rel=1e-9)
     lin = cost.linear()
@@ -220,7 +269,9 @@ def test_incremental_overlapped_objective_equals_recomputation(nodes, gpn, group
     comp_g = np.stack([np.bincount(home, weights=w[m], minlength=g) for m in range(mb)])
     comp_g = comp_g.reshape(mb, g // group, group).mean(axis=2)
     t_comm = cost.moe(load, home_assign(load, np.broadcast_to(home, (mb, e)), g)).t_comm
-    ref, _ = overlapped_time((comp_g.max(axis=1) + attention)[:, None], t_comm[:, None])
+    ref, _ = overlapped_time(
+        (comp_g.max(axis=1) + attention)[:, None], t_comm[:, None], cost.cluster.comm_sm_share
+    )
     assert inc == pytest.approx(ref, rel=1e-9)
 
 
@@ -294,11 +345,12 @@ def test_best_chain_is_the_enumerated_best_mix():
         def total(pick, comp=comp, comm=comm, extra=extra):
             cols = np.arange(len(pick))
             return (
-                layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf) + extra[pick, cols].sum()
+                layer_time(comp[pick, cols], comm[pick, cols], len(pick), math.inf, 0.0)
+                + extra[pick, cols].sum()
             )
 
         best = min(total(np.array(p)) for p in itertools.product(range(c), repeat=m))
-        assert total(best_chain(comp, comm, extra)) == pytest.approx(best, rel=1e-12)
+        assert total(best_chain(comp, comm, extra, 0.0)) == pytest.approx(best, rel=1e-12)
 
 
 def _overlap_setup(seed: int, nodes: int = 2, gpn: int = 2, experts: int = 8):
@@ -320,7 +372,7 @@ def _layer_times(ctx, load, home, reps) -> float:
         cost.exposed_refill(cost.replica_refill_time(r.replicas, home), window[m]).sum()
         for m, r in enumerate(reps)
     )
-    return overlapped_time(comp, comm)[0] + float(exposed)
+    return overlapped_time(comp, comm, 0.0)[0] + float(exposed)
 
 
 @pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2), (2, 4)])
@@ -365,7 +417,7 @@ def test_greedy_under_overlap_never_raises_its_share():
         num_layers = load.shape[0]
         nb = np.column_stack([rng.uniform(0, 4e-4, num_layers), rng.uniform(0, 4e-4, num_layers)] * 2)
         nb[:, 0] = -1.0 if m == 0 else nb[:, 0]
-        overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb)
+        overlap = OverlapNeighbours(np.full(num_layers, 5e-5), nb, 0.0)
         for split in ("waterfill", "lp"):
             rep = replicate_greedy(load, home, cost, 2, overlap=overlap, split=split)
             check_assignment(

@@ -128,6 +128,15 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
             ["model.q_lora_rank=1536, model.qk_rope_head_dim=64, model.v_head_dim=128", "kv_lora_rank > 0"],
         ),
         (["model=deepseek-v3", "model.v_head_dim=-1"], ["model.v_head_dim=-1"]),
+        (["cluster.comm_sms=-4"], ["cluster.comm_sms=-4: must be an integer >= 0 or null"]),
+        (
+            ["cluster.dispatcher=deepep", "cluster.ep_overlap=true", "cluster.comm_sms=132"],
+            ["cluster.comm_sms=132: must be below cluster.hardware.sms=132"],
+        ),
+        (
+            ["cluster.dispatcher=deepep", "cluster.ep_overlap=true", "cluster.hardware.sms=0"],
+            ["needs cluster.hardware.sms, the GPU's SM count"],
+        ),
         (["training.recompute_modules=[moe_act]"], ["only with training.recompute=selective"]),
         (["workload.rl_passes=[recompute]"], ["workload.rl_passes=['recompute']", "holds update"]),
         (["workload.rl_passes=[update,update]"], ["workload.rl_passes=['update', 'update']"]),

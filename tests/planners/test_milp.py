@@ -334,7 +334,7 @@ def _overlap_row(seed: int, first: bool = False, last: bool = False) -> OverlapN
     nb = rng.uniform(0.0, 3e-4, size=(1, 4))
     nb[0, 0] = -1.0 if first else nb[0, 0]
     nb[0, 2] = -1.0 if last else nb[0, 2]
-    return OverlapNeighbours(rng.uniform(0.0, 5e-5, size=1), nb)
+    return OverlapNeighbours(rng.uniform(0.0, 5e-5, size=1), nb, 0.0)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -390,7 +390,7 @@ def test_milp_under_overlap_hides_communication_behind_the_neighbours_by_hand() 
     x = np.array([[2000, 0], [0, 200]])
     home = np.array([0, 1])
     c_nb = 3e-4
-    overlap = OverlapNeighbours(np.zeros(1), np.array([[c_nb, 0.0, c_nb, 0.0]]))
+    overlap = OverlapNeighbours(np.zeros(1), np.array([[c_nb, 0.0, c_nb, 0.0]]), 0.0)
     plain = solve_replication(x, home, cost, 1, relative_gap=0.0)
     sol = solve_replication(x, home, cost, 1, overlap=overlap, relative_gap=0.0)
     np.testing.assert_array_equal(plain.assign, np.diag([2000.0, 200.0]))
@@ -435,7 +435,9 @@ def test_milp_replicator_passes_the_overlap_per_layer() -> None:
     home = static_placement(ctx.counts.shape[1], 8, 4)
     load = np.asarray(ctx.load[0])
     rng = np.random.default_rng(1)
-    overlap = OverlapNeighbours(rng.uniform(0, 5e-5, load.shape[0]), rng.uniform(0, 3e-4, (load.shape[0], 4)))
+    overlap = OverlapNeighbours(
+        rng.uniform(0, 5e-5, load.shape[0]), rng.uniform(0, 3e-4, (load.shape[0], 4)), 0.0
+    )
     out = MilpReplicator(1, MilpConfig(time_limit_s=5.0, relative_gap=0.0)).replicate(
         load, home, ctx, overlap
     )

@@ -156,8 +156,8 @@ def test_incremental_state_equals_recomputation() -> None:
     # Both compute levels evaluate the incremental state as they evaluate the recomputed one.
     for group in (1, 4):
         arg, arg_f = np.zeros((4, 2), dtype=np.int64), np.zeros((4, 2), dtype=np.int64)
-        inc = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, 0)
-        ful = _evaluate(comp_f, link_f, migr_f, problem.coef, 50.0, arg_f, group, problem.attn, 0)
+        inc = _evaluate(comp, link, migr, problem.coef, 50.0, arg, group, problem.attn, 0, 0.0)
+        ful = _evaluate(comp_f, link_f, migr_f, problem.coef, 50.0, arg_f, group, problem.attn, 0, 0.0)
         np.testing.assert_allclose(inc, ful, rtol=1e-12)
         np.testing.assert_array_equal(arg, arg_f)
 
@@ -171,7 +171,7 @@ def test_lse_bounds_the_hard_max(group: int) -> None:
     comp, link, migr = full_state(home, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
     for beta in (1.0, 10.0, 1000.0):
-        true, smooth = _evaluate(comp, link, migr, problem.coef, beta, arg, group, problem.attn, 0)
+        true, smooth = _evaluate(comp, link, migr, problem.coef, beta, arg, group, problem.attn, 0, 0.0)
         mb = comp.shape[0]
         assert true <= smooth <= true + 2 * mb * np.log(4) / beta + 1e-12
 

@@ -129,7 +129,7 @@ def milp_reorder(
             solver.Add(2.0 * (halves[0] + halves[1]) + lat <= k_max)
     if problem.overlap_mbs:
         rows = [(c + float(problem.attn[m]), k) for m, (c, k) in enumerate(rows_ck)]
-        objective += _overlap_objective(solver, rows, problem.overlap_mbs)
+        objective += _overlap_objective(solver, rows, problem.overlap_mbs, problem.contention)
     else:
         objective += [v for ck in rows_ck for v in ck]
     if np.any(problem.mig):
@@ -160,12 +160,15 @@ def milp_reorder(
     )
 
 
-def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: int) -> list[Any]:
+def _overlap_objective(
+    solver: Any, rows: list[tuple[Any, Any]], microbatches: int, contention: float
+) -> list[Any]:
     """:func:`relibra.cost.overlap.layer_time` (hard max) of the rows' ``(C, K)`` as linear terms to minimise.
 
     rows [R]: each row's compute (its maximum plus attention) and all-to-all expressions; ``R`` and
     ``microbatches`` as :func:`~relibra.cost.overlap.layer_time` reads them (``R == 1``: the aggregate row
-    standing for ``microbatches`` equal micro-batches). Each max of two affine terms of
+    standing for ``microbatches`` equal micro-batches); ``contention`` the all-to-all's SM share. Each max
+    of two affine terms of
     :func:`~relibra.cost.overlap.share_term` becomes an epigraph variable; every coefficient is >= 0, so
     at the optimum each variable equals its max and the model is exact.
     """
@@ -182,7 +185,7 @@ def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: i
     for i, (weight, side, row, nb) in enumerate(passes):
         for piece in range(2):
             exprs = (
-                _share_affine(side, piece, arg, rows[row], None if nb is None else rows[nb])
+                _share_affine(side, piece, arg, rows[row], None if nb is None else rows[nb], contention)
                 for arg in range(2)
             )
             args = [a for a in exprs if a is not None]
@@ -197,7 +200,7 @@ def _overlap_objective(solver: Any, rows: list[tuple[Any, Any]], microbatches: i
 
 
 def _share_affine(
-    side: int, piece: int, arg: int, own: tuple[Any, Any], nb: tuple[Any, Any] | None
+    side: int, piece: int, arg: int, own: tuple[Any, Any], nb: tuple[Any, Any] | None, contention: float
 ) -> Any | None:
     """Argument ``arg`` of :func:`~relibra.cost.overlap.share_term` as an expression of the own row's and the
     neighbour's ``(C, K)`` (None: no neighbour, the pass runs alone); None where the argument does not exist.
@@ -205,11 +208,11 @@ def _share_affine(
     share_term takes the neighbour as numbers, its constant linear in them: probing it at ``(0, 0)``,
     ``(1, 0)`` and ``(0, 1)`` reads the coefficients of the neighbour's ``C`` and ``K``."""
     if nb is None:
-        a, b, c = share_term(side, piece, arg, -1.0, 0.0)
+        a, b, c = share_term(side, piece, arg, -1.0, 0.0, contention)
         return None if c == -math.inf else a * own[0] + b * own[1] + c
-    a, b, c = share_term(side, piece, arg, 0.0, 0.0)
-    on_c = share_term(side, piece, arg, 1.0, 0.0)[2] - c
-    on_k = share_term(side, piece, arg, 0.0, 1.0)[2] - c
+    a, b, c = share_term(side, piece, arg, 0.0, 0.0, contention)
+    on_c = share_term(side, piece, arg, 1.0, 0.0, contention)[2] - c
+    on_k = share_term(side, piece, arg, 0.0, 1.0, contention)[2] - c
     return a * own[0] + b * own[1] + on_c * nb[0] + on_k * nb[1] + c
 
 

@@ -194,6 +194,7 @@ def _evaluate(
     group: int,
     attn: np.ndarray,
     overlap_mbs: int,
+    contention: float,
 ) -> tuple[float, float]:
     """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2].
 
@@ -201,8 +202,8 @@ def _evaluate(
     the per-GPU max; ``group=gpus_per_node``: the per-node mean); its bottleneck GPU is the busiest GPU of
     the bottleneck group. O(G) per micro-batch. ``overlap_mbs == 0``: the rows' ``T_MoE`` summed; else the
     rows' compute plus attention ``attn`` [Mb] and communication combined by
-    :func:`relibra.cost.overlap.layer_time` over ``overlap_mbs`` micro-batches (its pair maxima smoothed at
-    ``beta`` too in the smoothed value).
+    :func:`relibra.cost.overlap.layer_time` over ``overlap_mbs`` micro-batches with the all-to-all's SM
+    share ``contention`` (its pair maxima smoothed at ``beta`` too in the smoothed value).
     """
     mb, g_total = comp.shape
     n_groups = g_total // group
@@ -251,8 +252,8 @@ def _evaluate(
         arg[m, 0] = ca
         arg[m, 1] = ka
     if overlap_mbs > 0:
-        true = layer_time(rows_c, rows_k, overlap_mbs, math.inf)
-        smooth = layer_time(smooth_c, smooth_k, overlap_mbs, beta)
+        true = layer_time(rows_c, rows_k, overlap_mbs, math.inf, contention)
+        smooth = layer_time(smooth_c, smooth_k, overlap_mbs, beta, contention)
     mmax = 0.0
     for g in range(g_total):
         if migr[g] > mmax:
@@ -326,6 +327,7 @@ def _anneal_kernel(
     droutes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     attn: np.ndarray,
     overlap_mbs: int,
+    contention: float,
 ) -> tuple[np.ndarray, float, float, int]:
     """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
     mb, e_total, g_total = x.shape
@@ -357,7 +359,7 @@ def _anneal_kernel(
     arg = np.zeros((mb, 2), dtype=np.int64)
     arg_new = np.zeros((mb, 2), dtype=np.int64)
     beta = beta_start
-    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs)
+    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention)
     best = true0
     best_home = home.copy()
     if g_total < 2 or iterations == 0:
@@ -369,7 +371,7 @@ def _anneal_kernel(
         frac = it / iterations
         if it % stage_len == 0 and it > 0:
             beta = beta_start * (beta_end / beta_start) ** frac
-            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs)
+            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention)
         temp = t_scale * t_start * (t_end / t_start) ** frac
         # Step 1: the first expert, from a bottleneck GPU (guided) or uniformly.
         if rng.random() < guided_prob:
@@ -404,7 +406,9 @@ def _anneal_kernel(
             _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
         else:
             _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
-        new_true, new = _evaluate(comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs)
+        new_true, new = _evaluate(
+            comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs, contention
+        )
         delta = new - cur
         if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
             comp, comp2 = comp2, comp
@@ -481,6 +485,7 @@ def anneal_layer(
         _droutes(problem, cluster),
         problem.attn,
         problem.overlap_mbs,
+        problem.contention,
     )
     return best_home.astype(np.int32), best * problem.scale, start * problem.scale
 
@@ -510,6 +515,15 @@ def placement_objective(
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)
     true, _ = _evaluate(
-        comp, link, migr, problem.coef, 1.0, arg, problem.compute_group, problem.attn, problem.overlap_mbs
+        comp,
+        link,
+        migr,
+        problem.coef,
+        1.0,
+        arg,
+        problem.compute_group,
+        problem.attn,
+        problem.overlap_mbs,
+        problem.contention,
     )
     return float(true * problem.scale)

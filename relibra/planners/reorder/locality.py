@@ -306,4 +306,4 @@ def _overlapped(ctx: BatchContext, load: np.ndarray, home: np.ndarray, sample_gp
     dispatcher's communication), as the simulator prices the home-only plan; load [Mb, L, G, E]."""
     br = ctx.cost.moe(load, home_assign(load, home, ctx.num_gpus))
     attention = attention_window(ctx, sample_gpu)[:, None]  # [Mb, 1]
-    return overlapped_time(br.t_compute + attention, br.t_comm)[0]
+    return overlapped_time(br.t_compute + attention, br.t_comm, ctx.cost.cluster.comm_sm_share)[0]

@@ -78,6 +78,9 @@ class LayerProblem:
     overlap_mbs: int = 0
     """Micro-batches the rows stand for under ``cluster.ep_overlap`` (``Mb``, or the batch's count for the
     aggregate row); 0: no overlap, the objective sums the rows' ``T_MoE``."""
+    contention: float = 0.0
+    """The overlapped all-to-all's SM share (:attr:`relibra.cluster.ClusterSpec.comm_sm_share`; 0 without
+    the overlap)."""
 
     def __post_init__(self) -> None:
         # The kernels index ``coef`` without bounds checks: a short vector would read memory past its end.
@@ -160,4 +163,5 @@ def layer_problem(
         tok=np.ascontiguousarray(tok),
         attn=np.ascontiguousarray(attn),
         overlap_mbs=overlap_mbs,
+        contention=cost.cluster.comm_sm_share,
     )

@@ -183,17 +183,18 @@ def replicate_greedy(
         raise ValueError(
             f"polish_moves={polish_moves} must be >= 0 and polish_candidates={polish_candidates} >= 1"
         )
-    ov = np.zeros((0, 6))
+    ov = np.zeros((0, 7))
     if overlap is not None:
         if overlap.attention.shape != (x.shape[0],):
             raise ValueError(
                 f"overlap has {overlap.attention.shape[0]} rows; expected one per problem ({x.shape[0]})"
             )
         spt = coef.seconds_per_token
-        ov = np.empty((x.shape[0], 6))
+        ov = np.empty((x.shape[0], 7))
         ov[:, 0] = overlap.attention / spt
         ov[:, 1] = coef.latency
-        ov[:, 2:] = overlap.neighbours / spt
+        ov[:, 2:6] = overlap.neighbours / spt
+        ov[:, 6] = overlap.contention
     if split == "lp":
         # NOTE: imported on use, so that the default waterfill split never loads OR-Tools.
         from relibra.planners.replicate.milp import greedy_with_lp_split

@@ -88,7 +88,11 @@ class _Problem:
         if self.overlap is None:
             return compute_s + comm_s
         return microbatch_share(
-            compute_s + float(self.overlap.attention[0]), comm_s, self.overlap.neighbours[0], math.inf
+            compute_s + float(self.overlap.attention[0]),
+            comm_s,
+            self.overlap.neighbours[0],
+            math.inf,
+            self.overlap.contention,
         )
 
 
@@ -97,7 +101,7 @@ def _share_pieces(overlap: OverlapNeighbours, coef: ReplicationCoefficients) -> 
     equivalents of ``(t_comp, t_comm, 1)``, the attention and the all-to-all latency moved into the
     constants."""
     spt = coef.seconds_per_token
-    pieces = share_pieces(overlap.neighbours[0] / spt)
+    pieces = share_pieces(overlap.neighbours[0] / spt, overlap.contention)
     att = float(overlap.attention[0]) / spt
     pieces[..., 2] += pieces[..., 0] * att + pieces[..., 1] * coef.latency
     return pieces

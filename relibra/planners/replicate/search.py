@@ -223,7 +223,7 @@ def _greedy_batch(
 ):  # pragma: no cover
     """x [P, G, E] float64, home [P, E] -> assign int64 [P, E, G], replicas int64 [P, G, r].
 
-    ``ov`` [P, 6] (:attr:`_Problem.ov` of each problem) under ``cluster.ep_overlap``, else [0, 6].
+    ``ov`` [P, 7] (:attr:`_Problem.ov` of each problem) under ``cluster.ep_overlap``, else [0, 7].
 
     ``mode``: 0 compute-only acceptance; 1 compute-plus-comm acceptance; 2 three runs, the best kept
     (mode 1, mode 1 with the communication-driven move tried first, and the compute-driven run returning its

@@ -57,9 +57,10 @@ class _Problem(NamedTuple):
     tok: np.ndarray = np.zeros(0)
     """float64 [G]: tokens per source GPU (deepep)."""
     ov: np.ndarray = np.zeros(0)
-    """float64 [6] under ``cluster.ep_overlap`` (empty: the objective is ``T_MoE``), token equivalents: the
+    """float64 [7] under ``cluster.ep_overlap`` (empty: the objective is ``T_MoE``), token equivalents: the
     micro-batch's attention, the all-to-all latency, then ``(compute, comm)`` of the previous and of the
-    next micro-batch (compute negative where there is none); see :func:`_combine`."""
+    next micro-batch (compute negative where there is none), then the all-to-all's SM share (a fraction);
+    see :func:`_combine`."""
     dsc: float = 1.0
     """A dispatch phase's coefficients over a combine phase's (its bytes per token over bf16's)."""
 
@@ -196,7 +197,7 @@ def _combine(p, t_comp, t_comm):  # pragma: no cover - compiled
     added). Non-decreasing in both, so a lower bound on ``t_comm`` bounds it."""
     if p.ov.size == 0:
         return t_comp + t_comm
-    return microbatch_share(t_comp + p.ov[0], t_comm + p.ov[1], p.ov[2:], math.inf)
+    return microbatch_share(t_comp + p.ov[0], t_comm + p.ov[1], p.ov[2:6], math.inf, p.ov[6])
 
 
 @njit(cache=True, inline="always")
