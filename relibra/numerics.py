@@ -79,10 +79,14 @@ def _matmul3(a: np.ndarray, b: np.ndarray, nb: int) -> np.ndarray:
 
 
 def _stack(x: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
-    """``x`` [..., P, Q] as [1 or prod(lead), P, Q]: unbroadcast when its leading axes are all 1."""
+    """``x`` [..., P, Q] as [1 or prod(lead), P, Q]: unbroadcast when its leading axes are all 1. Always a
+    C-contiguous, writeable array (a read-only input, such as a cached workload's, is copied), so the
+    kernel is compiled for one array type only."""
     if math.prod(x.shape[:-2]) == 1:
-        return np.ascontiguousarray(x.reshape(1, *x.shape[-2:]))
-    return np.ascontiguousarray(np.broadcast_to(x, (*lead, *x.shape[-2:]))).reshape(-1, *x.shape[-2:])
+        out = x.reshape(1, *x.shape[-2:])
+    else:
+        out = np.broadcast_to(x, (*lead, *x.shape[-2:])).reshape(-1, *x.shape[-2:])
+    return np.require(out, np.float64, ("C", "W"))
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
