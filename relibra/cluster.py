@@ -19,7 +19,8 @@ PRECISIONS = ("bf16", "fp8")
 class HardwareSpec:
     """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``.
 
-    No field but ``fp8_flops``, ``host_to_device_bytes_per_s`` and ``hbm_bytes`` has a default: the rates
+    No field but ``fp8_flops``, ``fp8_gemm_efficiency``, ``hbm_efficiency``, ``host_to_device_bytes_per_s``,
+    ``hbm_bytes`` and ``sms`` has a default (0: unknown, refused where a run needs it): the rates
     and efficiencies are measured or derived per machine (the link efficiencies from DeepEP's published
     bandwidth tables, :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written
     and a hand-built spec states every one of them.
