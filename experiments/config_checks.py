@@ -34,7 +34,7 @@ from experiments.config import (
 from experiments.config_keys import _int_key, _number_key
 from experiments.executor_check import _executor_problems
 from experiments.layout_check import layout_problems, memory_problems
-from relibra.cluster import MLA_KEYS, PRECISIONS, comm_sms_problem, nvl_domain_problem
+from relibra.cluster import MLA_KEYS, PRECISIONS, comm_sms_problem, mla_problem, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import load_calibration
@@ -102,11 +102,7 @@ def _mla_problems(cfg: DictConfig) -> list[str]:
     values = {k: OmegaConf.select(cfg, f"model.{k}", default=0) for k in MLA_KEYS}
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
         return []  # NOTE: named by _spec_problems
-    problems: list[str] = []
-    rest = {k: v for k, v in values.items() if k != "kv_lora_rank" and v}
-    if values["kv_lora_rank"] <= 0 and rest:
-        listed = ", ".join(f"model.{k}={v}" for k, v in rest.items())
-        problems.append(f"{listed}: multi-head latent attention keys need model.kv_lora_rank > 0")
+    problems: list[str] = [p] if (p := mla_problem(values)) else []
     modules = OmegaConf.select(cfg, "training.recompute_modules", default=None)
     if values["kv_lora_rank"] <= 0 and isinstance(modules, Sequence) and "mla_up_proj" in modules:
         problems.append(

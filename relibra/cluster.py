@@ -130,7 +130,7 @@ class ClusterSpec:
     def comm_sm_share(self) -> float:
         """The share of each GPU's SMs the overlapped all-to-all holds (:mod:`relibra.cost.overlap`'s
         contention): ``comm_sms / hardware.sms`` under ``ep_overlap``, else 0 (nothing runs beside it)."""
-        sms = DISPATCHER_COMM_SMS[self.dispatcher] if self.comm_sms is None else self.comm_sms
+        sms = held_sms(self.comm_sms, self.dispatcher)
         if not self.ep_overlap or sms == 0:
             return 0.0
         return sms / self.hardware.sms
@@ -141,13 +141,28 @@ class ClusterSpec:
         return self.num_gpus // self.domain_gpus
 
 
+def mla_problem(values: dict[str, int]) -> str | None:
+    """Why the MLA keys (:data:`MLA_KEYS` -> integers) do not describe an attention, or None: the latent
+    keys other than ``kv_lora_rank`` only beside ``kv_lora_rank > 0``."""
+    rest = {k: v for k, v in values.items() if k != "kv_lora_rank" and v}
+    if values.get("kv_lora_rank", 0) <= 0 and rest:
+        listed = ", ".join(f"model.{k}={v}" for k, v in rest.items())
+        return f"{listed}: multi-head latent attention keys need model.kv_lora_rank > 0"
+    return None
+
+
+def held_sms(comm_sms: int | None, dispatcher: str) -> int:
+    """SMs the all-to-all holds: ``cluster.comm_sms``, or the dispatcher's when it is null."""
+    return DISPATCHER_COMM_SMS.get(dispatcher, 0) if comm_sms is None else comm_sms
+
+
 def comm_sms_problem(comm_sms: object, sms: object, ep_overlap: bool, dispatcher: str) -> str | None:
     """Why ``cluster.comm_sms`` cannot price the overlap's SM contention, or None: an integer in ``[0,
     hardware.sms)`` (null: the dispatcher's), and a known SM count when the overlapped all-to-all holds
     any."""
     if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
         return f"cluster.comm_sms={comm_sms!r}: must be an integer >= 0 or null (the dispatcher's)"
-    held = DISPATCHER_COMM_SMS.get(dispatcher, 0) if comm_sms is None else comm_sms
+    held = held_sms(comm_sms, dispatcher)  # type: ignore[arg-type]
     if not ep_overlap or held == 0:
         return None
     if isinstance(sms, bool) or not isinstance(sms, int) or sms <= 0:
@@ -226,17 +241,14 @@ class ModelSpec:
     """MLA's value head dimension (``v_head_dim``); 0: ``head_dim``."""
 
     def __post_init__(self) -> None:
-        mla = (self.q_lora_rank, self.qk_rope_head_dim, self.v_head_dim)
-        if any(v < 0 for v in (self.kv_lora_rank, *mla)):
+        values = {k: getattr(self, k) for k in MLA_KEYS}
+        if any(v < 0 for v in values.values()):
             raise ValueError(
                 "model.kv_lora_rank, q_lora_rank, qk_rope_head_dim and v_head_dim must be >= 0; got "
-                f"{self.kv_lora_rank}, {', '.join(str(v) for v in mla)}"
+                + ", ".join(f"{k}={v}" for k, v in values.items())
             )
-        if not self.kv_lora_rank and any(mla):
-            raise ValueError(
-                "model.q_lora_rank, qk_rope_head_dim and v_head_dim describe multi-head latent attention and "
-                f"need model.kv_lora_rank > 0; got kv_lora_rank=0 with {', '.join(str(v) for v in mla)}"
-            )
+        if problem := mla_problem(values):
+            raise ValueError(problem)
         if not 0 <= self.windowed_layers <= self.num_layers:
             raise ValueError(
                 f"model.windowed_layers={self.windowed_layers}: expected 0 to "
