@@ -25,7 +25,8 @@ Per micro-batch and GPU, from the tokens the GPU holds (``tokens`` [..., G]) or 
   HBM-bound), :meth:`~WholeStepTerms.grad_reduce_time` and :meth:`~WholeStepTerms.param_gather_time` (the
   distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group
   for dense parameters and the expert-data-parallel group for expert parameters),
-  :meth:`~WholeStepTerms.launch_time` (host overhead per MoE layer and pass).
+  :meth:`~WholeStepTerms.launch_time` (host overhead per MoE layer and pass, 0 under a full-iteration CUDA
+  graph: ``training.cuda_graph``).
 
 Memory-bound terms run at ``hbm_bytes_per_s * hbm_efficiency``; dense GEMMs at the dense peak of
 ``cluster.precision`` times ``attention_efficiency``. How they join the step (which hide what, recompute,
@@ -49,6 +50,7 @@ from relibra.cost.migration import MigrationPayload
 from relibra.parallel import ParallelLayout, stage_layers
 
 __all__ = [
+    "CUDA_GRAPHS",
     "FORWARD_BYTES_SHARE",
     "FORWARD_FLOPS_SHARE",
     "FP8_CAST_BYTES",
@@ -72,6 +74,12 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_
 """Values in ``training.recompute_modules`` (Megatron-core ``TransformerConfig.recompute_modules``, read
 only under ``recompute_granularity=selective``; default ``[core_attn]``); priced by
 :mod:`relibra.cost.recompute` (``mla_up_proj`` only for a model with multi-head latent attention)."""
+CUDA_GRAPHS = ("none", "partial", "full_iteration")
+"""Values of ``training.cuda_graph``: what the run captures in CUDA graphs (Megatron-core ``cuda_graph_impl``
+and ``cuda_graph_scope``). ``none`` and ``partial`` (attention, router, MoE preprocessing: the scopes
+Megatron-Bridge's recipes graph) leave the dropless dispatcher's host sync and the expert path's launches
+on the host, so both pay ``host_overhead_s``; ``full_iteration`` (the whole step one graph, experts padded
+to a capacity so no host sync is needed) pays none."""
 RL_PASSES = ("reference", "recompute", "update")
 """Values in ``workload.rl_passes``: the reference model's forward, the old policy's log-prob recompute
 (forward only, the same replayed routing) and the policy update (forward + backward + optimizer)."""
@@ -149,7 +157,9 @@ class TrainingSpec:
     """Bytes per parameter in the all-gather (bf16: 2)."""
     host_overhead_s: float
     """Exposed host seconds per MoE layer and pass direction (the dropless dispatcher's host sync and the
-    launches after it); 0 where no measurement isolates one."""
+    launches after it), paid unless ``cuda_graph`` is ``full_iteration``."""
+    cuda_graph: str
+    """``training.cuda_graph`` (:data:`CUDA_GRAPHS`): ``full_iteration`` removes the host overhead."""
     fp8_recipe: str
     """Megatron's ``--fp8-recipe`` (:data:`FP8_RECIPES`): how ``cluster.precision=fp8`` casts GEMM inputs
     and output gradients (:data:`FP8_CAST_BYTES`); unused in bf16."""
@@ -165,6 +175,10 @@ class TrainingSpec:
         if self.recompute not in RECOMPUTE:
             problems.append(f"training.recompute={self.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
         problems.extend(self._module_problems())
+        if self.cuda_graph not in CUDA_GRAPHS:
+            problems.append(
+                f"training.cuda_graph={self.cuda_graph!r}: choose one of {', '.join(CUDA_GRAPHS)}"
+            )
         if self.fp8_recipe not in FP8_RECIPES:
             problems.append(
                 f"training.fp8_recipe={self.fp8_recipe!r}: choose one of {', '.join(FP8_RECIPES)}"
@@ -485,5 +499,9 @@ class WholeStepTerms:
 
     def launch_time(self, microbatches: int, directions: float) -> float:
         """Exposed host seconds of ``microbatches`` micro-batches, ``directions`` passes each (forward 1,
-        backward 1, recompute 1) over every MoE layer."""
-        return self._spec().host_overhead_s * self.model.num_moe_layers * microbatches * directions
+        backward 1, recompute 1) over every MoE layer; 0 under a full-iteration CUDA graph (nothing is
+        launched from the host)."""
+        spec = self._spec()
+        if spec.cuda_graph == "full_iteration":
+            return 0.0
+        return spec.host_overhead_s * self.model.num_moe_layers * microbatches * directions

@@ -26,7 +26,7 @@ SPEC = TrainingSpec(
     embedding_values_per_hidden=5.0, permute_values_per_hidden=8.0, swiglu_values_per_ffn=8.0,
     swiglu_forward_values_per_ffn=3.0, router_bytes_per_logit=24.0, loss_bytes_per_logit=8.0,
     optimizer_bytes_per_param=28.0, grad_reduce_bytes_per_param=2.0, param_gather_bytes_per_param=2.0,
-    host_overhead_s=1e-5, fp8_recipe="tensorwise",
+    host_overhead_s=1e-5, fp8_recipe="tensorwise", cuda_graph="none",
 )  # fmt: skip
 HBM = 3.35e12 * 0.85
 DENSE = 989e12 * 0.5
@@ -100,6 +100,10 @@ def test_parameters_optimizer_and_gradient_collectives_by_hand() -> None:
     assert plain.grad_reduce_time() == pytest.approx(2 * (0.75 * dense * 2 / NIC + 10e-6), rel=1e-12)
     assert plain.param_gather_time() == 0.0
     assert c.launch_time(3, 2.0) == pytest.approx(1e-5 * 2 * 3 * 2)
+    # a partial CUDA graph (attention, router) leaves the expert path on the host; a full-iteration one
+    # launches nothing from it
+    assert cost(spec=replace(SPEC, cuda_graph="partial")).launch_time(3, 2.0) == c.launch_time(3, 2.0)
+    assert cost(spec=replace(SPEC, cuda_graph="full_iteration")).launch_time(3, 2.0) == 0.0
 
 
 def _work() -> tuple[LayerWork, TokenWork]:
@@ -238,6 +242,7 @@ def test_fp8_prices_gemms_at_the_fp8_peak_and_dispatch_with_scales() -> None:
         ({"norm_values_per_hidden": -1.0}, "training.norm_values_per_hidden=-1.0"),
         ({"host_overhead_s": "x"}, "training.host_overhead_s='x'"),
         ({"fp8_recipe": "hybrid"}, "training.fp8_recipe='hybrid'"),
+        ({"cuda_graph": "full"}, "training.cuda_graph='full'"),
         ({"overlap_grad_reduce": 1}, "training.overlap_grad_reduce=1"),
     ],
 )

@@ -119,6 +119,7 @@ def test_balanced_writes_no_plan_dump(trace_file, tmp_path):
         (["planner=relibra", "planner.reorder.start=random"], ["planner.reorder.start='random'"]),
         (["simulator.step=partial"], ["simulator.step='partial'"]),
         (["training.recompute=layers"], ["training.recompute='layers'"]),
+        (["training.cuda_graph=full"], ["training.cuda_graph='full'", "full_iteration"]),
         (
             ["training.recompute=selective", "training.recompute_modules=[layernorm,mla_up_proj]"],
             ["training.recompute_modules=['layernorm', 'mla_up_proj']", "has grouped-query attention"],
