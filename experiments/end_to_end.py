@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,15 @@ from relibra.simulator import simulate
 from relibra.types import SampleCounts
 from relibra.workload import build_workload
 
-__all__ = ["ROLES", "check_roles", "end_to_end_table", "errors", "load_rows", "simulate_row"]
+__all__ = [
+    "ROLES",
+    "check_roles",
+    "end_to_end_table",
+    "errors",
+    "fitted_overrides",
+    "load_rows",
+    "simulate_row",
+]
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "end_to_end.json"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -66,7 +75,8 @@ def load_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
 
 
 def check_roles(doc: dict[str, Any]) -> None:
-    """Refuse a file whose rows lack a role, or whose fitted constants name a ``check`` row or no row."""
+    """Refuse a file whose rows lack a role, or whose fitted constants (``{key: {"value": number, "rows":
+    [ids], ...}}``) name a ``check`` row or no row, or lack a value."""
     roles = {}
     for row in doc["rows"]:
         if row.get("role") not in ROLES:
@@ -74,13 +84,27 @@ def check_roles(doc: dict[str, Any]) -> None:
                 f"end-to-end row {row.get('id')!r}: role={row.get('role')!r}; expected one of {ROLES}"
             )
         roles[row["id"]] = row["role"]
-    for constant, ids in (doc.get("fitted_constants") or {}).items():
-        for rid in ids:
+    for constant, fit in (doc.get("fitted_constants") or {}).items():
+        value = fit.get("value") if isinstance(fit, dict) else None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not isinstance(fit.get("rows"), list)
+        ):
+            raise ValueError(
+                f"fitted constant {constant!r}: expected {{'value': number, 'rows': [row ids]}}, got {fit!r}"
+            )
+        for rid in fit["rows"]:
             if roles.get(rid) != "calibration":
                 raise ValueError(
                     f"fitted constant {constant!r} uses row {rid!r}, whose role is {roles.get(rid)!r}: only "
                     "calibration rows may be fitted to"
                 )
+
+
+def fitted_overrides(doc: dict[str, Any]) -> tuple[str, ...]:
+    """The file's fitted constants as overrides (``key=value``), in the file's order; empty if none."""
+    return tuple(f"{key}={fit['value']!r}" for key, fit in (doc.get("fitted_constants") or {}).items())
 
 
 def _counts(
@@ -113,13 +137,15 @@ def _samples_per_gpu(conf: dict[str, Any]) -> int:
     return max(int(conf["micro_batch"]) // int(conf.get("tp") or 1), 1)
 
 
-def simulate_row(row: dict[str, Any]) -> dict[str, float]:
+def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str, float]:
     """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
-    ``config`` and ``overrides`` only, never its published ``value``."""
+    ``config`` and ``overrides`` only, never its published ``value``; ``constants``: overrides applied after
+    the row's (the fitted constants, :func:`fitted_overrides`)."""
     conf = row["config"]
     dp = _replicas(row)
     overrides = [
         *row["overrides"],
+        *constants,
         "planner=force_balanced",
         "simulator.step=whole",
         f"workload.samples_per_microbatch={_samples_per_gpu(conf)}",
@@ -161,8 +187,11 @@ def simulate_row(row: dict[str, Any]) -> dict[str, float]:
 
 def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     """One row per published measurement: published, model, ratio, role, whether it is simulated, and the
-    simulated step's terms."""
+    simulated step's terms. With fitted constants in the file (``fitted_constants``), also
+    ``model_calibrated``, ``ratio_calibrated`` and ``t_launch_calibrated_s``: the row simulated with them
+    (:func:`fitted_overrides`); ``model`` and ``ratio`` keep the constants of ``experiments/conf``."""
     doc = load_rows(path)
+    fitted = fitted_overrides(doc)
     rows = []
     for row in doc["rows"]:
         conf = row["config"]
@@ -172,23 +201,37 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
         if row.get("needs"):
             rows.append({**base, "model": float("nan"), "ratio": float("nan"), "needs": row["needs"]})
             continue
-        try:
-            sim = simulate_row(row)
-        except (ValueError, KeyError, TypeError, HydraException, OmegaConfBaseException) as exc:
-            # NOTE: one message naming the file and the row, whatever part of its config is wrong.
-            why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise ConfigError(f"end-to-end data {path}: row {row.get('id')!r}: {why}") from exc
-        rows.append({**base, **sim, "ratio": sim["model"] / float(row["value"]), "needs": ""})
+        sim = _simulated(row, path, ())
+        out = {**base, **sim, "ratio": sim["model"] / float(row["value"]), "needs": ""}
+        if fitted:
+            cal = _simulated(row, path, fitted)
+            out.update(
+                model_calibrated=cal["model"],
+                ratio_calibrated=cal["model"] / float(row["value"]),
+                t_launch_calibrated_s=cal.get("t_launch_s", 0.0),
+            )
+        rows.append(out)
     return pd.DataFrame(rows)
 
 
-def errors(table: pd.DataFrame, layout: str | None = None) -> dict[str, float]:
+def _simulated(row: dict[str, Any], path: str | Path, constants: Sequence[str]) -> dict[str, float]:
+    """:func:`simulate_row`, any failure one :class:`ConfigError` naming the file and the row."""
+    try:
+        return simulate_row(row, constants)
+    except (ValueError, KeyError, TypeError, HydraException, OmegaConfBaseException) as exc:
+        # NOTE: one message naming the file and the row, whatever part of its config is wrong.
+        why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ConfigError(f"end-to-end data {path}: row {row.get('id')!r}: {why}") from exc
+
+
+def errors(table: pd.DataFrame, layout: str | None = None, column: str = "ratio") -> dict[str, float]:
     """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows
-    (``layout``: only the ``ep`` or the ``pp/tp`` rows; None: all)."""
+    (``layout``: only the ``ep`` or the ``pp/tp`` rows; None: all; ``column``: ``ratio``, or
+    ``ratio_calibrated`` for the model with the fitted constants)."""
     check = table[(table.role == "check") & (table.needs == "")]
     if layout is not None:
         check = check[check.layout == layout]
-    err = (check.ratio - 1.0).abs().tolist()
+    err = (check[column] - 1.0).abs().tolist()
     if not err:
         return {"rows": 0, "median": float("nan"), "worst": float("nan")}
     return {"rows": len(err), "median": float(statistics.median(err)), "worst": float(max(err))}

@@ -22,6 +22,9 @@ _COLUMNS = {
     "published": "published tokens/s/GPU",
     "model": "model tokens/s/GPU",
     "ratio": "model / published",
+    "model_calibrated": "fitted model tokens/s/GPU",
+    "ratio_calibrated": "fitted model / published",
+    "t_launch_calibrated_s": "fitted host s",
     "step_time_s": "step s",
     "t_compute_s": "expert GEMMs s",
     "t_comm_s": "all-to-all s",
@@ -42,31 +45,41 @@ def end_to_end_tables(e2e: pd.DataFrame, command: str) -> list[Table]:
     provenance = f"Provenance: simulated and written by `{command}` at `{code_version()}`."
     rows = e2e.reindex(columns=list(_COLUMNS)).rename(columns=_COLUMNS)
     formats = {c: ".2f" for c in rows.columns if c.endswith(" s")}
-    formats.update({"published tokens/s/GPU": ".0f", "model tokens/s/GPU": ".0f"})
+    formats.update(
+        {"published tokens/s/GPU": ".0f", "model tokens/s/GPU": ".0f", "fitted model tokens/s/GPU": ".0f"}
+    )
     table = Table(
         name="end_to_end",
         title="The whole step against published end-to-end training throughput (force-balanced, dropless)",
         frame=rows,
         formats=formats,
         note="Seconds are per step, summed over every stage's layers (the bubble and the sends: the slowest "
-        "stage's); step s is the simulated step. Rows, sources and configurations: "
-        "experiments/data/end_to_end.json.",
+        "stage's); step s is the simulated step, with the constants of experiments/conf. 'fitted': the same "
+        "row with the constants fitted to the calibration rows (fitted_constants of "
+        "experiments/data/end_to_end.json; fitted host s: their host overhead per step). Rows, sources and "
+        "configurations: experiments/data/end_to_end.json.",
         provenance=provenance,
     )
     errs = []
-    for name, layout in _SETS:
-        err = errors(e2e, layout)
-        errs.append(
-            {
-                "set": name,
-                "check rows": err["rows"],
-                "median %": 100 * err["median"],
-                "worst %": 100 * err["worst"],
-            }
-        )
+    columns = [("experiments/conf", "ratio")]
+    if "ratio_calibrated" in e2e:
+        columns.append(("fitted", "ratio_calibrated"))
+    for constants, column in columns:
+        for name, layout in _SETS:
+            err = errors(e2e, layout, column)
+            errs.append(
+                {
+                    "constants": constants,
+                    "set": name,
+                    "check rows": err["rows"],
+                    "median %": 100 * err["median"],
+                    "worst %": 100 * err["worst"],
+                }
+            )
     summary = Table(
         name="end_to_end_errors",
-        title="Check rows: |model / published - 1| (target: median <= 15 %, none beyond 30 %)",
+        title="Check rows: |model / published - 1| (target: median <= 15 %, none beyond 30 %), with the "
+        "constants of experiments/conf and with the fitted ones",
         frame=pd.DataFrame(errs),
         formats={"median %": ".0f", "worst %": ".0f"},
         provenance=provenance,

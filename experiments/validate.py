@@ -15,7 +15,9 @@ the quantity was a calibration input (its link rate was fitted to it) or an inde
 
 ``--end-to-end`` sets the whole simulated step beside published end-to-end training runs
 (``end_to_end.json``, :mod:`experiments.end_to_end`): model / published per row and the median and worst
-absolute error of the check rows.
+absolute error of the check rows, with the constants of ``experiments/conf`` and, where the file holds
+fitted constants, with those. ``--end-to-end --fit`` first fits ``training.host_overhead_s`` to the
+calibration rows (:mod:`experiments.end_to_end_fit`) and stores it in the data file.
 
 ``--extract-profile FILE`` re-extracts the profile's numbers from the Chrome trace and prints the JSON.
 ``--estimate-error`` prints how far the load-based DeepEP estimate (what per-sample counts allow) is from
@@ -345,38 +347,20 @@ def main(argv: list[str] | None = None) -> int:
         help="with --end-to-end: also write end_to_end.md / end_to_end_errors.md (and .tex) into DIR "
         "(docs/results: the tables docs/validation.md embeds; then python -m analysis --write-docs)",
     )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --end-to-end: fit training.host_overhead_s to the calibration rows and store it in the "
+        "data file (its fitted_constants) before the table",
+    )
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
     if args.end_to_end:
-        from experiments.end_to_end import DATA_FILE, end_to_end_table, errors
-
-        try:
-            e2e = end_to_end_table(args.data or DATA_FILE)
-        except ValueError as exc:  # ConfigError and the roles check: the file or a row named
-            print(f"validate: {exc}", file=sys.stderr)
-            return 2
-        cols = ["id", "role", "layout", "published", "model", "ratio", "step_time_s", "t_compute_s",
-                "t_comm_s", "t_attention_s", "t_permute_s", "t_fp8_cast_s", "t_other_s", "t_bubble_s",
-                "t_tp_comm_s", "needs"]  # fmt: skip
-        with pd.option_context("display.width", 250, "display.max_colwidth", 60):
-            print(e2e[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-        print()
-        for name, layout in (("all", None), ("EP-only", "ep"), ("PP/TP", "pp/tp")):
-            err = errors(e2e, layout)
-            print(
-                f"{name} check rows simulated: {err['rows']}; |model / published - 1|: median "
-                f"{err['median']:.1%}, worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
-            )
-        if args.write_tables:
-            from experiments.end_to_end_tables import write_end_to_end_tables
-
-            command = "python -m experiments.validate --end-to-end --write-tables " + args.write_tables
-            if args.data:
-                command += f" --data {args.data}"
-            for path in write_end_to_end_tables(e2e, Path(args.write_tables), command):
-                print(f"wrote {path}")
-        return 0
+        return _end_to_end(Path(args.data) if args.data else None, args.fit, args.write_tables)
+    if args.fit or args.data or args.write_tables:
+        print("validate: --fit, --data and --write-tables go with --end-to-end", file=sys.stderr)
+        return 2
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))
         print(err.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
@@ -395,6 +379,66 @@ def main(argv: list[str] | None = None) -> int:
         f"NVLink (H800) {fitted['nvlink'] / 1e9:.1f} GB/s per direction (of 200)"
     )
     return 0
+
+
+def _end_to_end(data: Path | None, fit: bool, write_tables: str | None) -> int:
+    """``--end-to-end`` (module doc); exit status 2 with one message for a bad data file or row."""
+    from experiments.end_to_end import DATA_FILE, end_to_end_table, errors
+
+    path = data or DATA_FILE
+    try:
+        if fit:
+            _fit_and_store(path)
+        e2e = end_to_end_table(path)
+    except ValueError as exc:  # ConfigError and the roles check: the file or a row named
+        print(f"validate: {exc}", file=sys.stderr)
+        return 2
+    cols = ["id", "role", "layout", "published", "model", "ratio", "model_calibrated", "ratio_calibrated",
+            "step_time_s", "t_compute_s", "t_comm_s", "t_attention_s", "t_other_s", "t_bubble_s",
+            "t_launch_calibrated_s", "needs"]  # fmt: skip
+    with pd.option_context("display.width", 250, "display.max_colwidth", 60):
+        print(e2e.reindex(columns=cols).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print()
+    ratio_columns = [("ratio", "constants of experiments/conf")]
+    if "ratio_calibrated" in e2e:
+        ratio_columns.append(("ratio_calibrated", "fitted constants"))
+    for column, label in ratio_columns:
+        for name, layout in (("all", None), ("EP-only", "ep"), ("PP/TP", "pp/tp")):
+            err = errors(e2e, layout, column)
+            print(
+                f"{label}: {name} check rows simulated: {err['rows']}; |model / published - 1|: median "
+                f"{err['median']:.1%}, worst {err['worst']:.1%} (target: median <= 15 %, none > 30 %)"
+            )
+    if write_tables:
+        from experiments.end_to_end_tables import write_end_to_end_tables
+
+        command = "python -m experiments.validate --end-to-end --write-tables " + write_tables
+        if data:
+            command += f" --data {data}"
+        for out in write_end_to_end_tables(e2e, Path(write_tables), command):
+            print(f"wrote {out}")
+    return 0
+
+
+def _fit_and_store(path: Path) -> None:
+    """Fit ``training.host_overhead_s`` to the calibration rows of ``path``, print the fit and store it in
+    the file's ``fitted_constants`` (written atomically; every other field kept)."""
+    from experiments.end_to_end import check_roles, load_rows
+    from experiments.end_to_end_fit import FITTED, fit_host_overhead
+    from relibra.atomic import atomic_write
+
+    doc = load_rows(path)
+    fitted = fit_host_overhead(doc)
+    print(
+        f"{FITTED} = {fitted.value:.6g} s per MoE layer, direction and micro-batch ({len(fitted.rows)} rows)"
+    )
+    for rid, before, after in zip(fitted.rows, fitted.ratios_before, fitted.ratios, strict=True):
+        print(f"  {rid}: model / published {before:.3f} at 0 -> {after:.3f}")
+    doc["fitted_constants"] = {**(doc.get("fitted_constants") or {}), FITTED: fitted.entry()}
+    check_roles(doc)
+    text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+    print(f"stored in {path} (fitted_constants)\n")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ published value reaches the model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -34,15 +35,21 @@ def test_every_row_is_a_sourced_measurement_with_a_role() -> None:
         assert row.get("needs") or row["overrides"], row["id"]  # a simulated row says how it is simulated
     # the issue's own example: Qwen3-30B-A3B on 16 H100s, EP 16, is a check row
     assert doc["rows"][0]["config"]["gpus"] == 16 and doc["rows"][0]["role"] == "check"
-    for ids_ in doc["fitted_constants"].values():
-        assert all(next(r for r in doc["rows"] if r["id"] == i)["role"] == "calibration" for i in ids_)
+    for fit in doc["fitted_constants"].values():
+        assert all(next(r for r in doc["rows"] if r["id"] == i)["role"] == "calibration" for i in fit["rows"])
 
 
 def test_a_fit_to_a_check_row_is_refused() -> None:
     doc = {"rows": [{"id": "a", "role": "check"}, {"id": "b", "role": "calibration"}]}
-    check_roles({**doc, "fitted_constants": {"training.host_overhead_s": ["b"]}})
+    check_roles({**doc, "fitted_constants": {"training.host_overhead_s": {"value": 1e-3, "rows": ["b"]}}})
     with pytest.raises(ValueError, match="uses row 'a', whose role is 'check'"):
-        check_roles({**doc, "fitted_constants": {"training.host_overhead_s": ["a", "b"]}})
+        check_roles(
+            {**doc, "fitted_constants": {"training.host_overhead_s": {"value": 1e-3, "rows": ["a", "b"]}}}
+        )
+    with pytest.raises(ValueError, match="uses row 'z', whose role is None"):
+        check_roles({**doc, "fitted_constants": {"training.host_overhead_s": {"value": 1e-3, "rows": ["z"]}}})
+    with pytest.raises(ValueError, match=re.escape("expected {'value': number, 'rows': [row ids]}")):
+        check_roles({**doc, "fitted_constants": {"training.host_overhead_s": ["b"]}})
     with pytest.raises(ValueError, match="role='guess'"):
         check_roles({"rows": [{"id": "c", "role": "guess"}]})
 
@@ -147,4 +154,10 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     assert render_block('end_to_end_errors "median %" set=all', tmp_path) == "30"  # |0.5| and |-0.1|: 0.3
     assert render_block('end_to_end_errors "worst %" set=all', tmp_path) == "50"
     assert render_block('end_to_end_errors "check rows" "set=EP only"', tmp_path) == "1"
+    # with fitted constants: their columns, and a second set of errors beside the first
+    fitted = frame.assign(model_calibrated=[110.0, 190.0, 330.0], ratio_calibrated=[1.1, 0.95, 1.1])
+    write_end_to_end_tables(fitted, tmp_path, "cmd")
+    assert render_block('end_to_end "fitted model / published" row=a/1', tmp_path) == "1.10"
+    assert render_block('end_to_end_errors "median %" set=all constants=fitted', tmp_path) == "8"  # 0.1, 0.05
+    assert render_block('end_to_end_errors "median %" set=all constants=experiments/conf', tmp_path) == "30"
     assert "`cmd`" in (tmp_path / "end_to_end.md").read_text()
