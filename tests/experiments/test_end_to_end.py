@@ -69,6 +69,7 @@ def test_perturbed_check_values_leave_every_model_value_unchanged(tmp_path: Path
     path.write_text(json.dumps(doc))
     ours, theirs = end_to_end_table(), end_to_end_table(path)
     pd.testing.assert_series_equal(ours.model, theirs.model)
+    pd.testing.assert_series_equal(ours.model_calibrated, theirs.model_calibrated)
     assert (theirs.published[theirs.role == "check"] == 3 * ours.published[ours.role == "check"]).all()
 
 
