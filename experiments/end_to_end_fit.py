@@ -53,6 +53,9 @@ class HostOverheadFit:
     """model / published of each row at 0 (the constant of ``experiments/conf``)."""
     ratios: tuple[float, ...]
     """model / published of each row simulated again at :attr:`value`."""
+    leave_one_out: tuple[float, ...]
+    """The value fitted without each row in turn (on the rows' lines; one row: the value itself): how far
+    one row moves it."""
 
     @property
     def log_rms(self) -> float:
@@ -67,6 +70,7 @@ class HostOverheadFit:
             "objective": "least squares of log(model / published) over the calibration rows, value >= 0 "
             "(experiments/end_to_end_fit.py)",
             "log_rms": round(self.log_rms, 6),
+            "leave_one_out": [min(self.leave_one_out), max(self.leave_one_out)],
         }
 
 
@@ -120,10 +124,17 @@ def fit_host_overhead(
     dependent = slope > 0
     upper = 2.0 * max(float(np.max((target[dependent] - inv0[dependent]) / slope[dependent])), probe)
     value = float(minimise_log_error(inv0, slope, target, upper))
+    keep = ~np.eye(len(rows), dtype=bool)
+    loo = (
+        [float(minimise_log_error(inv0[k], slope[k], target[k], upper)) for k in keep]
+        if len(rows) > 1
+        else []
+    )
     ratios = [simulate(r, (f"{FITTED}={value!r}",))["model"] / float(r["value"]) for r in rows]
     return HostOverheadFit(
         value=float(value),
         rows=tuple(str(r["id"]) for r in rows),
         ratios_before=tuple(float(z * t) for z, t in zip(zero, target, strict=True)),
         ratios=tuple(float(x) for x in ratios),
+        leave_one_out=tuple(loo) or (float(value),),
     )

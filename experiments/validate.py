@@ -432,8 +432,10 @@ def _fit_and_store(path: Path) -> None:
     print(
         f"{FITTED} = {fitted.value:.6g} s per MoE layer, direction and micro-batch ({len(fitted.rows)} rows)"
     )
-    for rid, before, after in zip(fitted.rows, fitted.ratios_before, fitted.ratios, strict=True):
-        print(f"  {rid}: model / published {before:.3f} at 0 -> {after:.3f}")
+    for rid, before, after, loo in zip(
+        fitted.rows, fitted.ratios_before, fitted.ratios, fitted.leave_one_out, strict=True
+    ):
+        print(f"  {rid}: model / published {before:.3f} at 0 -> {after:.3f}; fitted without it {loo:.6g}")
     doc["fitted_constants"] = {**(doc.get("fitted_constants") or {}), FITTED: fitted.entry()}
     check_roles(doc)
     text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"

@@ -68,10 +68,27 @@ def test_the_fit_reads_only_calibration_rows_and_finds_their_value() -> None:
     assert fit.value == pytest.approx(0.003, rel=1e-6)
     assert fit.ratios == pytest.approx((1.0, 1.0, 1.0), rel=1e-6) and fit.log_rms < 1e-6
     assert fit.ratios_before[1] == pytest.approx((3e-4 + 0.5 * 0.003) / 3e-4)
+    assert fit.leave_one_out == pytest.approx((0.003, 0.003, 0.003), rel=1e-6)  # the rows agree
     # the check row's published value is not read: changing it changes nothing
     doc = _doc()
     doc["rows"][2]["value"] = 1e9
     assert fit_host_overhead(doc, simulate=_fake([])) == fit
+
+
+def test_leaving_out_a_row_gives_the_value_of_the_others() -> None:
+    """Two rows on one line (1 + 1000 h seconds per token) published at 2 and 4: each alone is fitted
+    exactly (1 ms, 3 ms), both together between them."""
+    row = {"config": {}, "overrides": [], "unit": "tokens/s/GPU", "role": "calibration"}
+    doc = {"rows": [{**row, "id": "two", "value": 0.5}, {**row, "id": "four", "value": 0.25}]}
+
+    def simulate(r: dict[str, Any], constants: tuple[str, ...]) -> dict[str, float]:
+        (h,) = [float(c.split("=", 1)[1]) for c in constants]
+        return {"model": 1.0 / (1.0 + 1000.0 * h)}
+
+    fit = fit_host_overhead(doc, simulate=simulate)
+    assert fit.value == pytest.approx((np.sqrt(8.0) - 1.0) / 1000.0, rel=1e-8)
+    assert fit.leave_one_out == pytest.approx((0.003, 0.001), rel=1e-8)  # without "two": "four" alone
+    assert fit.entry()["leave_one_out"] == pytest.approx([0.001, 0.003], rel=1e-8)
 
 
 def test_a_fit_without_calibration_rows_or_without_dependence_is_refused() -> None:
@@ -98,6 +115,7 @@ def test_the_stored_value_is_what_the_fit_gives() -> None:
     stored = doc["fitted_constants"][FITTED]
     assert fit.value == pytest.approx(stored["value"], rel=1e-9)
     assert list(fit.rows) == stored["rows"] and round(fit.log_rms, 6) == stored["log_rms"]
+    assert fit.entry()["leave_one_out"] == pytest.approx(stored["leave_one_out"], rel=1e-9)
 
 
 def test_fit_from_the_command_line_stores_the_value_and_keeps_the_rest(
