@@ -1,11 +1,13 @@
 """The end-to-end validation as generated tables (``python -m experiments.validate --end-to-end
 --write-tables docs/results``): ``end_to_end`` (one row per published measurement) and ``end_to_end_errors``
-(the check rows' median and worst error), which docs/validation.md embeds as generated blocks
+(the check rows' median and worst error) and ``end_to_end_fit`` (the fitted constants), which
+docs/validation.md embeds as generated blocks
 (:mod:`analysis.docs_blocks`), so its numbers are never copied by hand."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -40,8 +42,10 @@ _COLUMNS = {
 _SETS = (("all", None), ("EP only", "ep"), ("PP/TP", "pp/tp"))
 
 
-def end_to_end_tables(e2e: pd.DataFrame, command: str) -> list[Table]:
-    """The two tables of :func:`experiments.end_to_end.end_to_end_table`'s frame ``e2e``."""
+def end_to_end_tables(e2e: pd.DataFrame, command: str, fitted: dict[str, Any] | None = None) -> list[Table]:
+    """The tables of :func:`experiments.end_to_end.end_to_end_table`'s frame ``e2e``, and with ``fitted``
+    (the data file's ``fitted_constants``, non-empty) a third, ``end_to_end_fit``: each fitted constant's
+    value, rows, log RMS error and leave-one-out range."""
     provenance = f"Provenance: simulated and written by `{command}` at `{code_version()}`."
     rows = e2e.reindex(columns=list(_COLUMNS)).rename(columns=_COLUMNS)
     formats = {c: ".2f" for c in rows.columns if c.endswith(" s")}
@@ -84,9 +88,37 @@ def end_to_end_tables(e2e: pd.DataFrame, command: str) -> list[Table]:
         formats={"median %": ".0f", "worst %": ".0f"},
         provenance=provenance,
     )
-    return [table, summary]
+    if not fitted:
+        return [table, summary]
+    fits = pd.DataFrame(
+        [
+            {
+                "constant": key,
+                "value": fit["value"],
+                "calibration rows": len(fit["rows"]),
+                "log RMS": fit.get("log_rms", float("nan")),
+                "leave-one-out lo": min(fit.get("leave_one_out") or [float("nan")]),
+                "leave-one-out hi": max(fit.get("leave_one_out") or [float("nan")]),
+            }
+            for key, fit in fitted.items()
+        ]
+    )
+    fit_table = Table(
+        name="end_to_end_fit",
+        title="Constants fitted to the calibration rows (least squares of log(model / published))",
+        frame=fits,
+        formats={"value": ".4g", "log RMS": ".2f", "leave-one-out lo": ".4g", "leave-one-out hi": ".4g"},
+        note="The rows and the objective: fitted_constants of experiments/data/end_to_end.json "
+        "(python -m experiments.validate --end-to-end --fit); leave-one-out: the value fitted without each "
+        "calibration row in turn.",
+        provenance=provenance,
+    )
+    return [table, summary, fit_table]
 
 
-def write_end_to_end_tables(e2e: pd.DataFrame, out_dir: Path, command: str) -> list[Path]:
-    """Write both tables (Markdown and LaTeX) into ``out_dir``; returns the paths."""
-    return [path for table in end_to_end_tables(e2e, command) for path in write_table(table, out_dir)]
+def write_end_to_end_tables(
+    e2e: pd.DataFrame, out_dir: Path, command: str, fitted: dict[str, Any] | None = None
+) -> list[Path]:
+    """Write the tables (Markdown and LaTeX) into ``out_dir``; returns the paths."""
+    tables = end_to_end_tables(e2e, command, fitted)
+    return [path for table in tables for path in write_table(table, out_dir)]

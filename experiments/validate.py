@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_to_end(data: Path | None, fit: bool, write_tables: str | None) -> int:
     """``--end-to-end`` (module doc); exit status 2 with one message for a bad data file or row."""
-    from experiments.end_to_end import DATA_FILE, end_to_end_table, errors
+    from experiments.end_to_end import DATA_FILE, end_to_end_table, errors, load_rows
 
     path = data or DATA_FILE
     try:
@@ -415,7 +415,8 @@ def _end_to_end(data: Path | None, fit: bool, write_tables: str | None) -> int:
         command = "python -m experiments.validate --end-to-end --write-tables " + write_tables
         if data:
             command += f" --data {data}"
-        for out in write_end_to_end_tables(e2e, Path(write_tables), command):
+        fitted = load_rows(path).get("fitted_constants")
+        for out in write_end_to_end_tables(e2e, Path(write_tables), command, fitted):
             print(f"wrote {out}")
     return 0
 

@@ -157,7 +157,18 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     assert render_block('end_to_end_errors "check rows" "set=EP only"', tmp_path) == "1"
     # with fitted constants: their columns, and a second set of errors beside the first
     fitted = frame.assign(model_calibrated=[110.0, 190.0, 330.0], ratio_calibrated=[1.1, 0.95, 1.1])
-    write_end_to_end_tables(fitted, tmp_path, "cmd")
+    fit = {
+        "training.host_overhead_s": {
+            "value": 0.0035,
+            "rows": ["c/3"],
+            "log_rms": 0.2,
+            "leave_one_out": [3e-3, 4e-3],
+        }
+    }
+    paths = write_end_to_end_tables(fitted, tmp_path, "cmd", fit)
+    assert {p.name for p in paths} >= {"end_to_end_fit.md", "end_to_end_fit.tex"}
+    assert render_block('end_to_end_fit "value" constant=training.host_overhead_s', tmp_path) == "0.0035"
+    assert render_block('end_to_end_fit "leave-one-out hi"', tmp_path) == "0.004"
     assert render_block('end_to_end "fitted model / published" row=a/1', tmp_path) == "1.10"
     assert render_block('end_to_end_errors "median %" set=all constants=fitted', tmp_path) == "8"  # 0.1, 0.05
     assert render_block('end_to_end_errors "median %" set=all constants=experiments/conf', tmp_path) == "30"
