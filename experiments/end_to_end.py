@@ -189,7 +189,8 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     """One row per published measurement: published, model, ratio, role, whether it is simulated, and the
     simulated step's terms. With fitted constants in the file (``fitted_constants``), also
     ``model_calibrated``, ``ratio_calibrated`` and ``t_launch_calibrated_s``: the row simulated with them
-    (:func:`fitted_overrides`); ``model`` and ``ratio`` keep the constants of ``experiments/conf``."""
+    (:func:`fitted_overrides`); ``model`` and ``ratio`` keep the constants of ``experiments/conf``. The
+    file's ``fitted_constants`` ride along in ``attrs["fitted_constants"]``."""
     doc = load_rows(path)
     fitted = fitted_overrides(doc)
     rows = []
@@ -211,7 +212,9 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
                 t_launch_calibrated_s=cal.get("t_launch_s", 0.0),
             )
         rows.append(out)
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    frame.attrs["fitted_constants"] = doc.get("fitted_constants") or {}
+    return frame
 
 
 def _simulated(row: dict[str, Any], path: str | Path, constants: Sequence[str]) -> dict[str, float]:
