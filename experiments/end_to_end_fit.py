@@ -132,7 +132,7 @@ def fit_host_overhead(
     )
     ratios = [simulate(r, (f"{FITTED}={value!r}",))["model"] / float(r["value"]) for r in rows]
     return HostOverheadFit(
-        value=float(value),
+        value=value,
         rows=tuple(str(r["id"]) for r in rows),
         ratios_before=tuple(float(z * t) for z, t in zip(zero, target, strict=True)),
         ratios=tuple(float(x) for x in ratios),

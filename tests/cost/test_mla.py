@@ -156,7 +156,7 @@ def test_deepseek_v3_flop_count_is_what_the_published_model_tflops_imply() -> No
         for r in rows
         if r["id"].startswith("deepseek-v3/")
     ]
-    assert len(published) >= 2  # the 26.08 check rows and the 26.04.01 calibration rows
+    assert len(published) == 4  # the two 26.08 check rows and the two 26.04.01 calibration rows
     ours = _flops_per_token(spec, 4096)
     assert ours == pytest.approx(250.457e9, rel=1e-5)
     h = spec.hidden
