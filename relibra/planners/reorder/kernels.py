@@ -40,6 +40,36 @@ def full_state(
 
 
 @njit(cache=True)
+def full_state_rail(
+    home: np.ndarray, x: np.ndarray, w: np.ndarray, gpn: int, mig: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`full_state` on the rail fabric of ``link_routes(G // gpn, gpn)``, by route class: each GPU's
+    received tokens per source first, then one :func:`_rail_route` per (micro-batch, GPU). The same arrays
+    bit for bit where :func:`_integral` holds (the link sums in another order), in O(Mb * G * (E + G))."""
+    mb, e_total, g_total = x.shape
+    comp = np.zeros((mb, g_total))
+    link = np.zeros((mb, NUM_LINKS * g_total))
+    migr = np.zeros(g_total)
+    for e in range(e_total):
+        g = home[e]
+        migr[g] += mig[e, g]
+        for m in range(mb):
+            comp[m, g] += w[m, e]
+    recv = np.zeros((g_total, g_total))  # [g, j]: tokens of source j for GPU g's experts
+    none = np.zeros(g_total)
+    prox = np.zeros(g_total // gpn + gpn)
+    for m in range(mb):
+        recv[:, :] = 0.0
+        for e in range(e_total):
+            g = home[e]
+            for j in range(g_total):
+                recv[g, j] += x[m, e, j]
+        for g in range(g_total):
+            _rail_route(link[m], recv[g], none, g, 1.0, gpn, prox)
+    return comp, link, migr
+
+
+@njit(cache=True)
 def full_state_deepep(
     home: np.ndarray,
     lq: np.ndarray,
@@ -196,7 +226,33 @@ def _evaluate(
     overlap_mbs: int,
     contention: float,
 ) -> tuple[float, float]:
-    """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2].
+    """:func:`_evaluate_in` with its own scratch."""
+    scratch = np.empty(_scratch_size(comp.shape[0], comp.shape[1]))
+    return _evaluate_in(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch)
+
+
+@njit(cache=True, inline="always")
+def _scratch_size(mb: int, g_total: int) -> int:
+    """Length of :func:`_evaluate_in`'s scratch for ``mb`` rows on ``g_total`` GPUs."""
+    return 2 * g_total + 4 * mb
+
+
+@njit(cache=True)
+def _evaluate_in(
+    comp: np.ndarray,
+    link: np.ndarray,
+    migr: np.ndarray,
+    coef: np.ndarray,
+    beta: float,
+    arg: np.ndarray,
+    group: int,
+    attn: np.ndarray,
+    overlap_mbs: int,
+    contention: float,
+    scratch: np.ndarray,
+) -> tuple[float, float]:
+    """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2];
+    ``scratch`` [:func:`_scratch_size`] is working memory (the annealer passes one, not a new one per call).
 
     The compute term is the max over groups of ``group`` consecutive GPUs of their mean compute (``group=1``:
     the per-GPU max; ``group=gpus_per_node``: the per-node mean); its bottleneck GPU is the busiest GPU of
@@ -207,15 +263,16 @@ def _evaluate(
     """
     mb, g_total = comp.shape
     n_groups = g_total // group
-    comm = np.empty(g_total)
-    cgrp = np.empty(n_groups)
+    comm = scratch[:g_total]
+    cgrp = scratch[g_total : g_total + n_groups]
     true = 0.0
     smooth = 0.0
     rows = mb if overlap_mbs > 0 else 0
-    rows_c = np.empty(rows)
-    rows_k = np.empty(rows)
-    smooth_c = np.empty(rows)
-    smooth_k = np.empty(rows)
+    at = 2 * g_total
+    rows_c = scratch[at : at + rows]
+    rows_k = scratch[at + rows : at + 2 * rows]
+    smooth_c = scratch[at + 2 * rows : at + 3 * rows]
+    smooth_k = scratch[at + 3 * rows : at + 4 * rows]
     no_comm = _no_comm(coef)
     for m in range(mb):
         cmax = -1.0
@@ -303,6 +360,89 @@ def _apply_swap(
 
 
 @njit(cache=True)
+def _integral(x: np.ndarray) -> bool:
+    """Whether every load of ``x`` is a whole number and their total below 2**52: then every sum of them is
+    exact in float64, whatever its order, so the link loads are the same numbers however they are summed."""
+    total = 0.0
+    for v in x.ravel():
+        if v != math.floor(v):
+            return False
+        total += abs(v)
+    return total < 2.0**52
+
+
+@njit(cache=True, inline="always")
+def _rail_route(
+    lm: np.ndarray, xb: np.ndarray, xa: np.ndarray, g: int, sign: float, gpn: int, prox: np.ndarray
+) -> None:
+    """Add ``d_j = sign * (xb[j] - xa[j])`` tokens from every source ``j`` to GPU ``g`` along the routes of
+    :func:`relibra.planners.reorder.links.link_routes` (``G / gpn`` nodes of ``gpn``) into one micro-batch's
+    link loads ``lm`` [8 * G], by route class: each source's own send and receive entries directly, and
+    ``g``'s entries and the cross-rail proxies' once, as sums (``prox`` [N + gpn] is scratch)."""
+    g_total = xb.shape[0]
+    nodes = g_total // gpn
+    ng = g // gpn
+    rg = g - ng * gpn
+    intra = 0.0  # (1, g): NVLink receive of the node's sources
+    remote = 0.0  # (3, g): NIC receive of every other node's sources
+    rail = 0.0  # (6, g): combine NIC send to the same-rail sources
+    cross = 0.0  # with ``intra``, (4, g): combine NVLink send
+    for r in range(gpn):
+        prox[nodes + r] = 0.0
+    for nj in range(nodes):
+        base = nj * gpn
+        if nj == ng:  # NVLink: (0, j), (1, g), (4, g), (5, j)
+            for rj in range(gpn):
+                if rj != rg:
+                    j = base + rj
+                    d = sign * (xb[j] - xa[j])
+                    lm[j] += d
+                    lm[5 * g_total + j] += d
+                    intra += d
+            prox[nj] = 0.0
+            continue
+        node_cross = 0.0
+        for rj in range(gpn):
+            j = base + rj
+            d = sign * (xb[j] - xa[j])
+            lm[7 * g_total + j] += d  # (7, j): combine NIC receive, same rail or cross
+            remote += d
+            if rj == rg:  # same rail: (2, j), (3, g), (6, g), (7, j)
+                lm[2 * g_total + j] += d
+                rail += d
+            else:  # cross rail: (0, j), (3, g), (4, g), (7, j), and the proxies' (1, 2) and (5, 6)
+                lm[j] += d
+                node_cross += d
+                prox[nodes + rj] += d
+        prox[nj] = node_cross
+        cross += node_cross
+    lm[g_total + g] += intra
+    lm[3 * g_total + g] += remote
+    lm[4 * g_total + g] += intra + cross
+    lm[6 * g_total + g] += rail
+    for n in range(nodes):
+        if n != ng:  # dispatch proxy (node of the source, rail of g): NVLink receive, NIC send
+            lm[g_total + n * gpn + rg] += prox[n]
+            lm[2 * g_total + n * gpn + rg] += prox[n]
+    for r in range(gpn):
+        if r != rg:  # combine proxy (node of g, rail of the source): NVLink send, NIC receive
+            lm[5 * g_total + ng * gpn + r] += prox[nodes + r]
+            lm[6 * g_total + ng * gpn + r] += prox[nodes + r]
+
+
+@njit(cache=True)
+def _rail_swap_links(
+    a: int, b: int, p: int, q: int, x: np.ndarray, gpn: int, link: np.ndarray, prox: np.ndarray
+) -> None:
+    """The link part of :func:`_apply_swap` by route class (:func:`_rail_route`), without ``idx``: the same
+    loads bit for bit where :func:`_integral` holds (each entry's terms are summed in another order), about
+    three times fewer memory updates. ``_rail_swap_links(b, a, p, q, ...)`` undoes it exactly."""
+    for m in range(x.shape[0]):
+        _rail_route(link[m], x[m, b], x[m, a], p, 1.0, gpn, prox)
+        _rail_route(link[m], x[m, b], x[m, a], q, -1.0, gpn, prox)
+
+
+@njit(cache=True)
 def _anneal_kernel(
     home0: np.ndarray,
     x: np.ndarray,
@@ -347,19 +487,35 @@ def _anneal_kernel(
     # search stops updating them: the same proposals, acceptances and placements, without the O(Mb * G)
     # link work per swap.
     skip_links = _no_comm(coef) and not deepep
+    integral = not deepep and _integral(x)
     if deepep:
         comp, link, migr, lg, ln = full_state_deepep(home, lq, tok, w, droutes, nodes, mig)
     else:
-        comp, link, migr = full_state(home, x, w, idx, cnt, mig)
+        if integral:
+            comp, link, migr = full_state_rail(home, x, w, gpus_per_node, mig)
+        else:
+            comp, link, migr = full_state(home, x, w, idx, cnt, mig)
         lg = np.zeros((mb, 0, 0))
         ln = np.zeros((mb, 0, 0))
+    # NOTE: in place where the link loads are whole numbers (token counts) or not tracked (comm_weight=0): a
+    # proposal updates the state itself and a rejected one is undone exactly (the compute and migration
+    # entries it changed restored, the links by the inverse route-class update), with no copy of the
+    # O(Mb * G) state; the same states, acceptances and placements as the scratch copy of the other inputs.
+    # The route classes are link_routes' of G / gpus_per_node nodes, as anneal_layer's routes.
+    in_place = skip_links or integral
+    prox = np.zeros(nodes + gpus_per_node)
+    old_p = np.empty(mb)
+    old_q = np.empty(mb)
     comp2 = comp.copy()
     link2 = link.copy()
     migr2 = migr.copy()
     arg = np.zeros((mb, 2), dtype=np.int64)
+    scratch = np.empty(_scratch_size(mb, g_total))
     arg_new = np.zeros((mb, 2), dtype=np.int64)
     beta = beta_start
-    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention)
+    true0, cur = _evaluate_in(
+        comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch
+    )
     best = true0
     best_home = home.copy()
     if g_total < 2 or iterations == 0:
@@ -371,7 +527,9 @@ def _anneal_kernel(
         frac = it / iterations
         if it % stage_len == 0 and it > 0:
             beta = beta_start * (beta_end / beta_start) ** frac
-            _, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention)
+            _, cur = _evaluate_in(
+                comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch
+            )
         temp = t_scale * t_start * (t_end / t_start) ** frac
         # Step 1: the first expert, from a bottleneck GPU (guided) or uniformly.
         if rng.random() < guided_prob:
@@ -392,28 +550,39 @@ def _anneal_kernel(
             if q >= p:
                 q += 1
         b = slots[q, rng.integers(0, per_gpu)]
-        # Step 3: incremental update of a scratch copy (cheaper than undoing a rejected swap), Metropolis
-        # acceptance on the smoothed objective.
-        comp2[:, :] = comp
-        if not skip_links:
-            link2[:, :] = link
-        migr2[:] = migr
-        if skip_links:
-            _swap_compute(a, b, p, q, w, mig, comp2, migr2)
-        elif deepep:
-            # NOTE: the miss probabilities are O(Mb * G^2): updated in place and undone on rejection rather
-            # than copied every proposal (the scratch copies carry the O(Mb * G) rest).
-            _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
+        # Step 3: incremental update (in place, or of a scratch copy), Metropolis acceptance on the smoothed
+        # objective.
+        if in_place:
+            for m in range(mb):
+                old_p[m] = comp[m, p]
+                old_q[m] = comp[m, q]
+            mig_p = migr[p]
+            mig_q = migr[q]
+            _swap_compute(a, b, p, q, w, mig, comp, migr)
+            if not skip_links:
+                _rail_swap_links(a, b, p, q, x, gpus_per_node, link, prox)
+            new_true, new = _evaluate_in(
+                comp, link, migr, coef, beta, arg_new, group, attn, overlap_mbs, contention, scratch
+            )
         else:
-            _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
-        new_true, new = _evaluate(
-            comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs, contention
-        )
+            comp2[:, :] = comp
+            link2[:, :] = link
+            migr2[:] = migr
+            if deepep:
+                # NOTE: the miss probabilities are O(Mb * G^2): updated in place and undone on rejection
+                # rather than copied every proposal (the scratch copies carry the O(Mb * G) rest).
+                _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
+            else:
+                _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
+            new_true, new = _evaluate_in(
+                comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs, contention, scratch
+            )
         delta = new - cur
         if delta <= 0.0 or rng.random() < math.exp(-delta / temp):
-            comp, comp2 = comp2, comp
-            link, link2 = link2, link
-            migr, migr2 = migr2, migr
+            if not in_place:
+                comp, comp2 = comp2, comp
+                link, link2 = link2, link
+                migr, migr2 = migr2, migr
             accepted += 1
             cur = new
             home[a] = q
@@ -428,6 +597,14 @@ def _anneal_kernel(
             if new_true < best:
                 best = new_true
                 best_home[:] = home
+        elif in_place:  # undo: a back to p, b back to q
+            for m in range(mb):
+                comp[m, p] = old_p[m]
+                comp[m, q] = old_q[m]
+            migr[p] = mig_p
+            migr[q] = mig_q
+            if not skip_links:
+                _rail_swap_links(b, a, p, q, x, gpus_per_node, link, prox)
         elif deepep:  # undo the in-place miss-probability update (a back to p, b back to q)
             _apply_swap_deepep(b, a, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
     return best_home, best, true0, accepted
@@ -511,6 +688,8 @@ def placement_objective(
             cluster.num_domains,
             problem.mig,
         )
+    elif _integral(problem.x):
+        comp, link, migr = full_state_rail(h, problem.x, problem.w, cluster.domain_gpus, problem.mig)
     else:
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)
     arg = np.zeros((comp.shape[0], 2), dtype=np.int64)

@@ -9,6 +9,8 @@ them.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -33,6 +35,15 @@ def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]
         idx int32 [G, G, 8]: flat index ``link * G + gpu`` into a per-GPU link state [8, G] (see
         :data:`NUM_LINKS`), padded with -1; count int32 [G, G]: valid entries of ``idx[j, g]``.
     """
+    idx, count = _link_routes(nodes, gpus_per_node)
+    return idx.copy(), count.copy()
+
+
+@functools.lru_cache(maxsize=16)
+def _link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`link_routes`, built once per fabric shape (a control-plane worker plans every layer of every
+    batch on one shape; the build is a Python loop over ``G^2`` pairs, milliseconds at EP 64). Callers get
+    copies, so a caller that writes into its arrays cannot change another's."""
     g_total = nodes * gpus_per_node
     idx = np.full((g_total, g_total, NUM_LINKS), -1, dtype=np.int32)
     count = np.zeros((g_total, g_total), dtype=np.int32)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 from relibra import numerics
 from relibra.cost.migration import receive_seconds
@@ -31,22 +32,37 @@ def lpt_placement(load_e: np.ndarray, num_gpus: int) -> np.ndarray:
         load = load[None]
     if load.ndim != 2:
         raise ValueError(f"load_e has shape {np.shape(load_e)}; expected [L, E] or [E]")
-    num_layers, num_experts = load.shape
+    num_experts = load.shape[1]
     if num_gpus < 1 or num_experts % num_gpus != 0:
         raise ValueError(f"num_gpus={num_gpus} must be >= 1 and divide the number of experts E={num_experts}")
-    per_gpu = num_experts // num_gpus
+    if not np.isfinite(load).all():
+        raise ValueError("load_e has non-finite entries; expected finite loads")
     order = np.argsort(-load, axis=1, kind="stable")  # [L, E]
-    gpu_load = np.zeros((num_layers, num_gpus))
-    gpu_count = np.zeros((num_layers, num_gpus), dtype=np.int64)
-    home = np.empty((num_layers, num_experts), dtype=np.int32)
-    rows = np.arange(num_layers)
-    for i in range(num_experts):
-        e = order[:, i]
-        g = np.argmin(np.where(gpu_count < per_gpu, gpu_load, np.inf), axis=1)
-        home[rows, e] = g
-        gpu_load[rows, g] += load[rows, e]
-        gpu_count[rows, g] += 1
+    home = _lpt_rows(load, order, num_gpus, num_experts // num_gpus)
     return home[0] if squeeze else home
+
+
+@njit(cache=True)
+def _lpt_rows(load: np.ndarray, order: np.ndarray, num_gpus: int, per_gpu: int) -> np.ndarray:
+    """:func:`lpt_placement`'s greedy per row of ``load`` [L, E], experts in ``order`` [L, E]: each onto
+    the least-loaded GPU with a free slot, the lowest id among equals."""
+    num_layers, num_experts = load.shape
+    home = np.empty((num_layers, num_experts), dtype=np.int32)
+    gpu_load = np.zeros(num_gpus)
+    gpu_count = np.zeros(num_gpus, dtype=np.int64)
+    for row in range(num_layers):
+        gpu_load[:] = 0.0
+        gpu_count[:] = 0
+        for i in range(num_experts):
+            e = order[row, i]
+            g = -1
+            for c in range(num_gpus):
+                if gpu_count[c] < per_gpu and (g < 0 or gpu_load[c] < gpu_load[g]):
+                    g = c
+            home[row, e] = g
+            gpu_load[g] += load[row, e]
+            gpu_count[g] += 1
+    return home
 
 
 # -------------------------------------------------------------------------------- one layer's problem
