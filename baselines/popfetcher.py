@@ -54,11 +54,28 @@ def adjacent_layer_transition(window: np.ndarray) -> np.ndarray:
     w, num_layers, g, num_experts = x.shape
     prev = x[:, :-1].transpose(1, 0, 2, 3).reshape(num_layers - 1, w * g, num_experts)
     cur = x[:, 1:].transpose(1, 0, 2, 3).reshape(num_layers - 1, w * g, num_experts)
-    co = np.einsum("lse,lsf->lef", prev, cur)
+    co = _cooccurrence(prev, cur)
     rows = co.sum(-1, keepdims=True)
     out = np.zeros((num_layers, num_experts, num_experts))
     out[1:] = np.divide(co, rows, out=np.zeros_like(co), where=rows > 0)
     return out
+
+
+def _cooccurrence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """``co[l, e, f] = sum_s prev[l, s, e] * cur[l, s, f]`` for [L, S, E] loads.
+
+    Whole-number loads (token counts, as the window's are) make every product and partial sum an integer
+    below ``2**53`` (checked), which float64 holds exactly: then BLAS's batched matmul, whatever its order
+    and host, gives the numbers of einsum's sequential sum, about 16 times faster at EP 64. Other loads keep
+    einsum's sum.
+    """
+    whole = np.array_equal(prev, np.rint(prev)) and np.array_equal(cur, np.rint(cur))
+    if whole and prev.size and cur.size:
+        bound = float(np.abs(prev).sum(axis=1).max()) * float(np.abs(cur).max())  # >= |every partial sum|
+        whole = bound < 2.0**53
+    if whole:
+        return np.matmul(prev.transpose(0, 2, 1), cur)
+    return np.einsum("lse,lsf->lef", prev, cur)
 
 
 def pull_threshold(hidden: int, expert_bytes: float, pull_ratio: float) -> float:

@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from baselines.popfetcher import PopFetcherPlanner, adjacent_layer_transition, pull_threshold
 from relibra.invariants import check_plan
@@ -79,3 +81,22 @@ def test_rejects_bad_config() -> None:
         PopFetcherPlanner(redundant_slots=1)
     with pytest.raises(ValueError, match="correlation_weight"):
         PopFetcherPlanner(correlation_weight=2.0)
+
+
+@given(seed=st.integers(0, 2**31 - 1), fractional=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_transition_equals_the_einsum_sum_bit_for_bit(seed: int, fractional: bool) -> None:
+    """Whole-number windows take BLAS's matmul (every sum exact), others einsum: the numbers of the
+    einsum the transition used before, either way."""
+    rng = np.random.default_rng(seed)
+    window = rng.poisson(rng.gamma(0.5, 30.0, size=(1, 1, 1, 16)), size=(3, 4, 8, 16)).astype(np.float64)
+    if fractional:
+        window = window * 0.37
+    x = window
+    prev = x[:, :-1].transpose(1, 0, 2, 3).reshape(3, 24, 16)
+    cur = x[:, 1:].transpose(1, 0, 2, 3).reshape(3, 24, 16)
+    co = np.einsum("lse,lsf->lef", prev, cur)
+    rows = co.sum(-1, keepdims=True)
+    want = np.zeros((4, 16, 16))
+    want[1:] = np.divide(co, rows, out=np.zeros_like(co), where=rows > 0)
+    assert np.array_equal(adjacent_layer_transition(window), want)

@@ -181,3 +181,21 @@ def test_calibration_errors(tmp_path):
         load_calibration(bad, "hand")
     with pytest.raises(ValueError, match="at least 2 points"):
         cost(calibration=(np.array([1.0]), np.array([1.0])))
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_gpu_compute_time_is_the_dense_sum_bit_for_bit(calibrated: bool) -> None:
+    """The sparse sum of busy entries gives ``expert_time(assign).sum(axis=-2)`` exactly: fractional,
+    dense and sparse rows, zeros and a negative entry (priced 0), and leading axes of any count."""
+    cal = (np.array([0.0, 40.0, 300.0]), np.array([1e-6, 3e-5, 2e-4])) if calibrated else None
+    c = cost(nodes=2, gpn=4, calibration=cal)
+    rng = np.random.default_rng(4)
+    dense = rng.gamma(0.7, 60.0, size=(3, 5, 16, 8)) * (rng.random((3, 5, 16, 8)) < 0.6)
+    dense[0, 0, 3, 2] = -5.0
+    sparse = np.zeros((2, 16, 8))
+    sparse[:, np.arange(16), np.arange(16) % 8] = rng.integers(1, 500, size=(2, 16))
+    for assign in (dense, sparse, dense[0, 0]):
+        want = c.expert_time(assign).sum(axis=-2)
+        got = c.gpu_compute_time(assign)
+        assert got.shape == want.shape and np.array_equal(got, want)
+    assert c.gpu_compute_time(np.zeros((2, 16, 8))).shape == (2, 8)

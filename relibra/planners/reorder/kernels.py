@@ -177,6 +177,29 @@ def _apply_swap_deepep(
                     _move_deepep(m, j, nq, 1.0 / f, ln, nidx, ncnt, t, link)
 
 
+@njit(cache=True)
+def _undo_miss_deepep(
+    a: int, b: int, p: int, q: int, lq: np.ndarray, nodes: int, lg: np.ndarray, ln: np.ndarray
+) -> None:
+    """Undo :func:`_apply_swap_deepep` ``(a, b, p, q)`` on the miss probabilities alone, by the arithmetic of
+    ``_apply_swap_deepep(b, a, p, q, ...)`` (the same numbers); a rejected proposal's scratch copies of the
+    compute, link and migration state are discarded, so their updates would be wasted work."""
+    mb, _, g_total = lq.shape
+    gpn = g_total // nodes
+    np_, nq = p // gpn, q // gpn
+    for m in range(mb):
+        for j in range(g_total):
+            d = lq[m, a, j] - lq[m, b, j]
+            if d != 0.0:
+                f = math.exp(d)
+                g = 1.0 / f
+                lg[m, j, p] = lg[m, j, p] * f
+                lg[m, j, q] = lg[m, j, q] * g
+                if np_ != nq:
+                    ln[m, j, np_] = ln[m, j, np_] * f
+                    ln[m, j, nq] = ln[m, j, nq] * g
+
+
 @njit(cache=True, inline="always")
 def _no_comm(coef: np.ndarray) -> bool:
     """Whether the communication term weighs nothing (``comm_weight=0``: every coefficient is 0)."""
@@ -606,7 +629,7 @@ def _anneal_kernel(
             if not skip_links:
                 _rail_swap_links(b, a, p, q, x, gpus_per_node, link, prox)
         elif deepep:  # undo the in-place miss-probability update (a back to p, b back to q)
-            _apply_swap_deepep(b, a, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
+            _undo_miss_deepep(a, b, p, q, lq, nodes, lg, ln)
     return best_home, best, true0, accepted
 
 
