@@ -144,6 +144,14 @@ PINNED: dict[tuple[int, int, str, int], tuple[float, float, str]] = {
     (4, 4, "migration", 1): (0.008051206450475228, 0.008306350911269682, "c2d8786b35950ba1"),
     (4, 4, "fractional", 0): (0.001923603861961346, 0.0020219869567685684, "97d3e45e56b3451a"),
     (4, 4, "fractional", 1): (0.0019257120240543108, 0.0020219869567685684, "3f49cb4b3d9e4098"),
+    (1, 8, "deepep", 0): (0.001158146718671493, 0.0012202134039425167, "62823ff2584fb6e2"),
+    (1, 8, "deepep", 1): (0.0011623692165801853, 0.0012202134039425167, "85def9948175ce7e"),
+    (2, 4, "deepep", 0): (0.0018439416707545391, 0.0020287797009551183, "2f882f424feba651"),
+    (2, 4, "deepep", 1): (0.0018531368249852804, 0.0020287797009551183, "08994a7dabdf27c5"),
+    (3, 2, "deepep", 0): (0.002638811599898035, 0.0028663777522150045, "fcc260b13e324629"),
+    (3, 2, "deepep", 1): (0.002638003716078566, 0.0028663777522150045, "0cecf62ee8d7f8e6"),
+    (4, 4, "deepep", 0): (0.0035240119064809737, 0.0037382055101060382, "0a2b8fb7031ed977"),
+    (4, 4, "deepep", 1): (0.0035441750546089733, 0.0037382055101060382, "6397d9f33b3a6c13"),
 }
 
 
@@ -152,6 +160,8 @@ def _pinned_problem(nodes: int, gpn: int, variant: str) -> tuple[LayerProblem, n
     cost = ctx.cost
     if variant == "overlap":
         cost = CostModel(replace(cost.cluster, ep_overlap=True), cost.model)
+    if variant == "deepep":
+        cost = CostModel(replace(cost.cluster, dispatcher="deepep"), cost.model)
     load = ctx.load[:, 1]
     kw: dict[str, object] = {}
     if variant == "overlap":
