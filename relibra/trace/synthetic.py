@@ -172,9 +172,10 @@ def _inclusion(probs: np.ndarray, top_k: int) -> np.ndarray:
     q = probs * top_k
     capped = np.zeros(q.shape, dtype=bool)
     for _ in range(top_k):
-        capped |= q >= 1.0
-        if not capped.any():
-            break
+        grown = (q >= 1.0) & ~capped
+        if not grown.any():
+            break  # NOTE: the same caps give the same q again: a fixed point
+        capped |= grown
         free_mass = np.where(capped, 0.0, probs).sum(axis=-1, keepdims=True)
         room = top_k - capped.sum(axis=-1, keepdims=True)
         scale = np.divide(room, free_mass, out=np.zeros_like(free_mass), where=free_mass > 0)

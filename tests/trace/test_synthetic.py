@@ -115,3 +115,29 @@ def test_paper_scale_is_fast_and_bounded() -> None:
     assert time.perf_counter() - start < 30
     assert counts.counts.nbytes < 30e6
     assert np.all(counts.counts.sum(-1) == counts.tokens[:, None] * 8)
+
+
+def _inclusion_reference(probs: np.ndarray, top_k: int) -> np.ndarray:
+    """The water-filling as written before its fixed-point exit (commit 3d1757c): top_k rounds at most."""
+    q = probs * top_k
+    capped = np.zeros(q.shape, dtype=bool)
+    for _ in range(top_k):
+        capped |= q >= 1.0
+        if not capped.any():
+            break
+        free_mass = np.where(capped, 0.0, probs).sum(axis=-1, keepdims=True)
+        room = top_k - capped.sum(axis=-1, keepdims=True)
+        scale = np.divide(room, free_mass, out=np.zeros_like(free_mass), where=free_mass > 0)
+        q = np.where(capped, 1.0, probs * scale)
+    return q
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("alpha", [0.02, 0.2, 2.0])
+def test_inclusion_stops_at_its_fixed_point_with_the_same_numbers(top_k: int, alpha: float) -> None:
+    from relibra.trace.synthetic import _inclusion
+
+    probs = np.random.default_rng(top_k).dirichlet(np.full(32, alpha), size=(40, 3))
+    want = _inclusion_reference(probs, top_k)
+    assert np.array_equal(_inclusion(probs, top_k), want)
+    assert np.allclose(want.sum(axis=-1), top_k) and want.max() <= 1.0
