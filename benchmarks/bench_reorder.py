@@ -1,6 +1,6 @@
 """Inter-batch reordering: quality against exact optima, speed, and effect against Megatron-LM.
 
-Usage: ``python benchmarks/bench_reorder.py [--full] [--sections quality,olmoe,speed,batch,effect]``.
+Usage: ``python benchmarks/bench_reorder.py [--full] [--sections quality,olmoe,speed,batch,effect,kernels]``.
 
 * ``quality``: LPT, annealing and the exact MILP (SCIP) on random Dirichlet-skewed layers of 16 experts x 4
   GPUs (2 x 2) and 32 experts x 8 GPUs (2 x 4), 4 micro-batches; gap = annealing / exact - 1 where the
@@ -10,6 +10,9 @@ Usage: ``python benchmarks/bench_reorder.py [--full] [--sections quality,olmoe,s
 * ``speed``: seconds per layer for 128 experts at EP 8, 16, 32, 64 (8 GPUs per node), 16 micro-batches.
 * ``batch``: a whole Qwen3-235B-A22B batch (94 layers, EP 64, 16 micro-batches) with 1 and 2 workers
   (default: the first 24 layers, scaled; ``--full``: all 94).
+* ``kernels``: the annealer's route-class kernels against the route-table ones they stand in for on
+  whole-number loads, side by side in one process (EP 64, 16 micro-batches): microseconds per swap update
+  and per full state, and whether their results are identical.
 * ``effect``: node-level imbalance (max / mean of per-node compute tokens, mean over micro-batch x layer)
   and the cost model's summed ``T_MoE`` (home-only) for Megatron's static placement, LPT, annealing and
   annealing + the locality round, on the synthetic presets and the OLMoE trace.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +37,13 @@ from relibra.planners.protocols import BatchContext, home_assign, static_placeme
 from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.exact import milp_reorder
-from relibra.planners.reorder.kernels import placement_objective
+from relibra.planners.reorder.kernels import (
+    _apply_swap,
+    _rail_swap_links,
+    full_state,
+    full_state_rail,
+    placement_objective,
+)
 from relibra.planners.reorder.links import link_routes
 from relibra.planners.reorder.problem import layer_problem, lpt_placement
 from relibra.simulator import batch_context
@@ -321,6 +331,70 @@ def section_effect(full: bool) -> None:
     console.print(table)
 
 
+def _per_call_us(fn: Callable[[int], object], calls: int) -> float:
+    """Microseconds per call of ``fn(i)``, ``i`` in ``range(calls)``."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return 1e6 * (time.perf_counter() - t0) / calls
+
+
+def _kernel_rows(nodes: int, rng: np.random.Generator, calls: int) -> list[list[str]]:
+    """The swap-update and full-state rows of :func:`section_kernels` for ``nodes`` nodes of 8 GPUs."""
+    g = nodes * 8
+    problem = layer_problem(
+        random_layer(rng, 16, g, 128, 4096, alpha=0.5), cost_for("qwen3-235b-a22b", nodes, 8)
+    )
+    x, w, mig = problem.x, problem.w, problem.mig
+    idx, cnt = link_routes(nodes, 8)
+    home = lpt_placement(w.sum(axis=0), g).astype(np.int64)
+    comp, link, migr = full_state(home, x, w, idx, cnt, mig)
+    fast, prox = link.copy(), np.zeros(nodes + 8)
+    args = [
+        (int(a), int(b), int(p), int(q))
+        for (a, b), (p, q) in zip(
+            rng.integers(0, 128, (calls, 2)), rng.integers(0, g, (calls, 2)), strict=True
+        )
+    ]
+    _apply_swap(*args[0], x, w, idx, cnt, mig, comp.copy(), link.copy(), migr.copy())  # JIT
+    _rail_swap_links(*args[0], x, 8, fast.copy(), prox)
+    old = _per_call_us(lambda i: _apply_swap(*args[i], x, w, idx, cnt, mig, comp, link, migr), calls)
+    new = _per_call_us(lambda i: _rail_swap_links(*args[i], x, 8, fast, prox), calls)
+    rows = [
+        [
+            str(g),
+            "swap update",
+            f"{old:.2f}",
+            f"{new:.2f}",
+            f"{old / new:.2f}",
+            str(np.array_equal(link, fast)),
+        ]
+    ]
+    reps = max(20, calls // 100)
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            full_state(home, x, w, idx, cnt, mig), full_state_rail(home, x, w, 8, mig), strict=True
+        )
+    )
+    old = _per_call_us(lambda i: full_state(home, x, w, idx, cnt, mig), reps)
+    new = _per_call_us(lambda i: full_state_rail(home, x, w, 8, mig), reps)
+    rows.append([str(g), "full state", f"{old:.1f}", f"{new:.1f}", f"{old / new:.2f}", str(same)])
+    return rows
+
+
+def section_kernels(full: bool) -> None:
+    table = Table(title="Annealer kernels, route table against route classes (whole-number loads, 1 process)")
+    for col in ("EP", "operation", "route table us", "route classes us", "ratio", "identical"):
+        table.add_column(col, justify="right")
+    rng = np.random.default_rng(2)
+    for nodes in (2, 4, 8):
+        for row in _kernel_rows(nodes, rng, 20000 if full else 5000):
+            table.add_row(*row)
+    table.caption = "Swap updates: the same random swaps applied to two copies of one state, in sequence."
+    console.print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--full", action="store_true", help="more instances, all 94 layers, paper-size batches")
@@ -338,6 +412,8 @@ def main() -> None:
         section_batch(args.full)
     if "effect" in sections:
         section_effect(args.full)
+    if "kernels" in sections:
+        section_kernels(args.full)
 
 
 if __name__ == "__main__":

@@ -658,6 +658,8 @@ def anneal_layer(
 ) -> tuple[np.ndarray, float, float]:
     """Anneal one layer from ``home0`` [E] with one seed.
 
+    ``routes``: ``link_routes(cluster.num_domains, cluster.domain_gpus)`` (built when None), passed in by
+    callers that anneal many layers; on whole-number loads the kernel follows the same routes by class.
     Returns (best home int32 [E], its true objective in seconds, the start's true objective in seconds).
     """
     idx, cnt = routes if routes is not None else link_routes(cluster.num_domains, cluster.domain_gpus)
