@@ -31,11 +31,16 @@ SHAPES = [(1, 8), (2, 4), (2, 2), (3, 2), (2, 1), (4, 8), (3, 3)]
 """(nodes, GPUs per node): one node, rails of 1, an odd node count, the EP 32 shape, a 3 x 3 fabric."""
 
 
-def _loads(rng: np.random.Generator, mb: int, e: int, g: int) -> np.ndarray:
-    """Whole-number, skewed loads [Mb, E, G] (the annealer's ``x`` layout), zeros included."""
+def _layer(
+    rng: np.random.Generator, g: int, *, per_gpu: int, mb: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A random layer on ``g`` GPUs: whole-number, skewed loads ``x`` [Mb, E, G] (the annealer's layout, zeros
+    included), compute weights [Mb, E], no migration charge [E, G], and a home [E] of ``per_gpu`` per GPU."""
+    e = per_gpu * g
     x = rng.poisson(rng.gamma(0.5, 40.0, size=(1, e, 1)), size=(mb, e, g)).astype(np.float64)
     x[rng.random(size=x.shape) < 0.1] = 0.0
-    return x
+    home = rng.permutation(np.repeat(np.arange(g), per_gpu)).astype(np.int64)
+    return x, rng.random((mb, e)), np.zeros((e, g)), home
 
 
 @given(
@@ -48,14 +53,10 @@ def test_rail_swap_equals_the_route_table_and_undoes_exactly(
     shape: tuple[int, int], seed: int, swaps: int
 ) -> None:
     nodes, gpn = shape
-    g = nodes * gpn
-    e = 2 * g
     rng = np.random.default_rng(seed)
-    x = _loads(rng, 3, e, g)
-    w = rng.random((3, e))
-    mig = np.zeros((e, g))
+    x, w, mig, home = _layer(rng, nodes * gpn, per_gpu=2, mb=3)
+    e = home.size
     idx, cnt = link_routes(nodes, gpn)
-    home = rng.permutation(np.repeat(np.arange(g), 2)).astype(np.int64)
     comp, link, migr = full_state(home, x, w, idx, cnt, mig)
     fast = link.copy()
     prox = np.zeros(nodes + gpn)
@@ -79,13 +80,8 @@ def test_rail_swap_equals_the_route_table_and_undoes_exactly(
 @pytest.mark.parametrize("shape", SHAPES)
 def test_full_state_rail_equals_full_state(shape: tuple[int, int]) -> None:
     nodes, gpn = shape
-    g = nodes * gpn
-    e = 4 * g
-    rng = np.random.default_rng(g)
-    x = _loads(rng, 4, e, g)
-    w = rng.random((4, e))
-    mig = rng.random((e, g))
-    home = rng.permutation(np.repeat(np.arange(g), 4)).astype(np.int64)
+    x, w, mig, home = _layer(np.random.default_rng(nodes * gpn), nodes * gpn, per_gpu=4, mb=4)
+    mig[:] = np.random.default_rng(1).random(mig.shape)  # a migration charge too
     idx, cnt = link_routes(nodes, gpn)
     ref = full_state(home, x, w, idx, cnt, mig)
     got = full_state_rail(home, x, w, gpn, mig)

@@ -23,20 +23,33 @@ def full_state(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-GPU state from scratch: comp [Mb, G], link [Mb, 8 * G] (tokens), migration [G]."""
     mb, e_total, g_total = x.shape
-    comp = np.zeros((mb, g_total))
+    comp, migr = _home_compute(home, w, mig)
     link = np.zeros((mb, NUM_LINKS * g_total))
-    migr = np.zeros(g_total)
     for e in range(e_total):
         g = home[e]
-        migr[g] += mig[e, g]
         for m in range(mb):
-            comp[m, g] += w[m, e]
             for j in range(g_total):
                 v = x[m, e, j]
                 if v != 0.0:
                     for k in range(cnt[j, g]):
                         link[m, idx[j, g, k]] += v
     return comp, link, migr
+
+
+@njit(cache=True)
+def _home_compute(home: np.ndarray, w: np.ndarray, mig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The compute [Mb, G] and migration [G] parts of :func:`full_state`: each expert's weights ``w`` [Mb, E]
+    and migration charge ``mig`` [E, G] on its home GPU, summed in expert order."""
+    mb, e_total = w.shape
+    g_total = mig.shape[1]
+    comp = np.zeros((mb, g_total))
+    migr = np.zeros(g_total)
+    for e in range(e_total):
+        g = home[e]
+        migr[g] += mig[e, g]
+        for m in range(mb):
+            comp[m, g] += w[m, e]
+    return comp, migr
 
 
 @njit(cache=True)
@@ -47,14 +60,8 @@ def full_state_rail(
     received tokens per source first, then one :func:`_rail_route` per (micro-batch, GPU). The same arrays
     bit for bit where :func:`_integral` holds (the link sums in another order), in O(Mb * G * (E + G))."""
     mb, e_total, g_total = x.shape
-    comp = np.zeros((mb, g_total))
+    comp, migr = _home_compute(home, w, mig)
     link = np.zeros((mb, NUM_LINKS * g_total))
-    migr = np.zeros(g_total)
-    for e in range(e_total):
-        g = home[e]
-        migr[g] += mig[e, g]
-        for m in range(mb):
-            comp[m, g] += w[m, e]
     recv = np.zeros((g_total, g_total))  # [g, j]: tokens of source j for GPU g's experts
     none = np.zeros(g_total)
     prox = np.zeros(g_total // gpn + gpn)
@@ -236,6 +243,12 @@ def _comm_term(
     return kmax, ka, _exp_sum(comm, kmax, beta)
 
 
+@njit(cache=True, inline="always")
+def _scratch_size(mb: int, g_total: int) -> int:
+    """Length of :func:`_evaluate`'s scratch for ``mb`` rows on ``g_total`` GPUs."""
+    return 2 * g_total + 4 * mb
+
+
 @njit(cache=True)
 def _evaluate(
     comp: np.ndarray,
@@ -248,34 +261,11 @@ def _evaluate(
     attn: np.ndarray,
     overlap_mbs: int,
     contention: float,
-) -> tuple[float, float]:
-    """:func:`_evaluate_in` with its own scratch."""
-    scratch = np.empty(_scratch_size(comp.shape[0], comp.shape[1]))
-    return _evaluate_in(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch)
-
-
-@njit(cache=True, inline="always")
-def _scratch_size(mb: int, g_total: int) -> int:
-    """Length of :func:`_evaluate_in`'s scratch for ``mb`` rows on ``g_total`` GPUs."""
-    return 2 * g_total + 4 * mb
-
-
-@njit(cache=True)
-def _evaluate_in(
-    comp: np.ndarray,
-    link: np.ndarray,
-    migr: np.ndarray,
-    coef: np.ndarray,
-    beta: float,
-    arg: np.ndarray,
-    group: int,
-    attn: np.ndarray,
-    overlap_mbs: int,
-    contention: float,
-    scratch: np.ndarray,
+    scratch: np.ndarray | None = None,
 ) -> tuple[float, float]:
     """(true, smoothed) normalised objective; writes each micro-batch's bottleneck GPUs to ``arg`` [Mb, 2];
-    ``scratch`` [:func:`_scratch_size`] is working memory (the annealer passes one, not a new one per call).
+    ``scratch`` [:func:`_scratch_size`] is working memory (the annealer passes one rather than have a new one
+    allocated per call).
 
     The compute term is the max over groups of ``group`` consecutive GPUs of their mean compute (``group=1``:
     the per-GPU max; ``group=gpus_per_node``: the per-node mean); its bottleneck GPU is the busiest GPU of
@@ -285,6 +275,8 @@ def _evaluate_in(
     share ``contention`` (its pair maxima smoothed at ``beta`` too in the smoothed value).
     """
     mb, g_total = comp.shape
+    if scratch is None:
+        scratch = np.empty(_scratch_size(mb, g_total))
     n_groups = g_total // group
     comm = scratch[:g_total]
     cgrp = scratch[g_total : g_total + n_groups]
@@ -537,9 +529,7 @@ def _anneal_kernel(
     scratch = np.empty(_scratch_size(mb, g_total))
     arg_new = np.zeros((mb, 2), dtype=np.int64)
     beta = beta_start
-    true0, cur = _evaluate_in(
-        comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch
-    )
+    true0, cur = _evaluate(comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch)
     best = true0
     best_home = home.copy()
     if g_total < 2 or iterations == 0:
@@ -551,7 +541,7 @@ def _anneal_kernel(
         frac = it / iterations
         if it % stage_len == 0 and it > 0:
             beta = beta_start * (beta_end / beta_start) ** frac
-            _, cur = _evaluate_in(
+            _, cur = _evaluate(
                 comp, link, migr, coef, beta, arg, group, attn, overlap_mbs, contention, scratch
             )
         temp = t_scale * t_start * (t_end / t_start) ** frac
@@ -585,7 +575,7 @@ def _anneal_kernel(
             _swap_compute(a, b, p, q, w, mig, comp, migr)
             if not skip_links:
                 _rail_swap_links(a, b, p, q, x, gpus_per_node, link, prox)
-            new_true, new = _evaluate_in(
+            new_true, new = _evaluate(
                 comp, link, migr, coef, beta, arg_new, group, attn, overlap_mbs, contention, scratch
             )
         else:
@@ -598,7 +588,7 @@ def _anneal_kernel(
                 _apply_swap_deepep(a, b, p, q, lq, tok, w, droutes, nodes, mig, comp2, link2, migr2, lg, ln)
             else:
                 _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp2, link2, migr2)
-            new_true, new = _evaluate_in(
+            new_true, new = _evaluate(
                 comp2, link2, migr2, coef, beta, arg_new, group, attn, overlap_mbs, contention, scratch
             )
         delta = new - cur
