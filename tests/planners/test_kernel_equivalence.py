@@ -22,6 +22,7 @@ from relibra.planners.reorder.kernels import (
     anneal_layer,
     full_state,
     full_state_rail,
+    placement_objective,
 )
 from relibra.planners.reorder.links import link_routes
 from relibra.planners.reorder.problem import LayerProblem, layer_problem, lpt_placement
@@ -219,3 +220,14 @@ def test_lpt_equals_the_vectorised_reference(seed: int, num_gpus: int, per_gpu: 
 def test_lpt_refuses_non_finite_loads() -> None:
     with pytest.raises(ValueError, match="non-finite"):
         lpt_placement(np.array([1.0, np.nan, 2.0, 0.0]), 2)
+
+
+def test_routes_of_another_fabric_are_refused() -> None:
+    problem, start, cluster = _pinned_problem(2, 4, "plain")
+    other = link_routes(4, 2)  # the same 8 GPUs as 4 nodes of 2
+    with pytest.raises(ValueError, match=r"not link_routes\(2, 4\)"):
+        anneal_layer(problem, start, cluster, AnnealConfig(iterations=10), 0, other)
+    with pytest.raises(ValueError, match=r"not link_routes\(2, 4\)"):
+        placement_objective(problem, start, cluster, other)
+    same = link_routes(2, 4)
+    assert placement_objective(problem, start, cluster, same) == placement_objective(problem, start, cluster)

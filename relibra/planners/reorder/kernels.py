@@ -12,7 +12,7 @@ from numba import njit
 from relibra.cluster import ClusterSpec
 from relibra.cost.overlap import layer_time
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
-from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, link_routes
+from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, fabric_routes
 from relibra.planners.reorder.problem import LayerProblem
 
 
@@ -649,11 +649,11 @@ def anneal_layer(
 ) -> tuple[np.ndarray, float, float]:
     """Anneal one layer from ``home0`` [E] with one seed.
 
-    ``routes``: ``link_routes(cluster.num_domains, cluster.domain_gpus)`` (built when None), passed in by
-    callers that anneal many layers; on whole-number loads the kernel follows the same routes by class.
+    ``routes``: None, or ``link_routes(cluster.num_domains, cluster.domain_gpus)`` (others are refused:
+    :func:`~relibra.planners.reorder.links.fabric_routes`).
     Returns (best home int32 [E], its true objective in seconds, the start's true objective in seconds).
     """
-    idx, cnt = routes if routes is not None else link_routes(cluster.num_domains, cluster.domain_gpus)
+    idx, cnt = fabric_routes(routes, cluster.num_domains, cluster.domain_gpus)
     best_home, best, start, _ = _anneal_kernel(
         np.asarray(home0, dtype=np.int64),
         problem.x,
@@ -692,7 +692,7 @@ def placement_objective(
     """True objective in seconds of placement ``home`` [E]: the sum of the micro-batches' ``T_MoE``, or under
     ``cluster.ep_overlap`` the overlapped layer time (:func:`relibra.cost.overlap.layer_time`), plus the
     migration term."""
-    idx, cnt = routes if routes is not None else link_routes(cluster.num_domains, cluster.domain_gpus)
+    idx, cnt = fabric_routes(routes, cluster.num_domains, cluster.domain_gpus)
     h = np.asarray(home, dtype=np.int64)
     if problem.deepep:
         comp, link, migr, _, _ = full_state_deepep(

@@ -16,7 +16,7 @@ from numba import njit
 
 from relibra.cost.model import CostModel
 
-__all__ = ["NUM_LINKS", "comm_coefficients", "comm_gpu", "deepep_routes", "link_routes"]
+__all__ = ["NUM_LINKS", "comm_coefficients", "comm_gpu", "deepep_routes", "fabric_routes", "link_routes"]
 
 NUM_LINKS = 8
 """Per-GPU link-class loads tracked by the search, one-way tokens: dispatch (``0`` NVLink send, ``1`` NVLink
@@ -37,6 +37,21 @@ def link_routes(nodes: int, gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]
     """
     idx, count = _link_routes(nodes, gpus_per_node)
     return idx.copy(), count.copy()
+
+
+def fabric_routes(
+    routes: tuple[np.ndarray, np.ndarray] | None, nodes: int, gpus_per_node: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The routes a kernel reads: :func:`link_routes` of the fabric (shared, not to be written), after
+    checking that ``routes`` a caller passed are those. The annealer follows the rail fabric by route class
+    wherever the loads are whole numbers, so other routes cannot be honoured and are refused."""
+    idx, count = _link_routes(nodes, gpus_per_node)
+    if routes is not None and not (np.array_equal(routes[0], idx) and np.array_equal(routes[1], count)):
+        raise ValueError(
+            f"routes are not link_routes({nodes}, {gpus_per_node}), the rail fabric of the cluster; the "
+            "annealer prices that fabric only"
+        )
+    return idx, count
 
 
 @functools.lru_cache(maxsize=16)
