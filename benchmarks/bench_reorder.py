@@ -37,15 +37,10 @@ from relibra.planners.protocols import BatchContext, home_assign, static_placeme
 from relibra.planners.reorder.anneal import AnnealingReorderer, solve_layer
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.exact import milp_reorder
-from relibra.planners.reorder.kernels import (
-    _apply_swap,
-    _rail_swap_links,
-    full_state,
-    full_state_rail,
-    placement_objective,
-)
+from relibra.planners.reorder.kernels import _apply_swap, full_state, placement_objective
 from relibra.planners.reorder.links import link_routes
 from relibra.planners.reorder.problem import layer_problem, lpt_placement
+from relibra.planners.reorder.rail import full_state_rail, rail_swap_links
 from relibra.simulator import batch_context
 from relibra.trace.importers import load_olmoe_prefill_counts
 from relibra.trace.synthetic import generate_counts
@@ -357,9 +352,9 @@ def _kernel_rows(nodes: int, rng: np.random.Generator, calls: int) -> list[list[
         )
     ]
     _apply_swap(*args[0], x, w, idx, cnt, mig, comp.copy(), link.copy(), migr.copy())  # JIT
-    _rail_swap_links(*args[0], x, 8, fast.copy(), prox)
+    rail_swap_links(*args[0], x, 8, fast.copy(), prox)
     old = _per_call_us(lambda i: _apply_swap(*args[i], x, w, idx, cnt, mig, comp, link, migr), calls)
-    new = _per_call_us(lambda i: _rail_swap_links(*args[i], x, 8, fast, prox), calls)
+    new = _per_call_us(lambda i: rail_swap_links(*args[i], x, 8, fast, prox), calls)
     rows = [
         [
             str(g),

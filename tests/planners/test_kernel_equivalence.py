@@ -15,17 +15,10 @@ from hypothesis import strategies as st
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.planners.reorder.config import AnnealConfig
-from relibra.planners.reorder.kernels import (
-    _apply_swap,
-    _integral,
-    _rail_swap_links,
-    anneal_layer,
-    full_state,
-    full_state_rail,
-    placement_objective,
-)
+from relibra.planners.reorder.kernels import _apply_swap, anneal_layer, full_state, placement_objective
 from relibra.planners.reorder.links import link_routes
 from relibra.planners.reorder.problem import LayerProblem, layer_problem, lpt_placement
+from relibra.planners.reorder.rail import full_state_rail, integral_loads, rail_swap_links
 from tests.builders import layer_ctx
 
 SHAPES = [(1, 8), (2, 4), (2, 2), (3, 2), (2, 1), (4, 8), (3, 3)]
@@ -70,11 +63,11 @@ def test_rail_swap_equals_the_route_table_and_undoes_exactly(
         p, q = int(home[a]), int(home[b])
         before = fast.copy()
         _apply_swap(a, b, p, q, x, w, idx, cnt, mig, comp, link, migr)
-        _rail_swap_links(a, b, p, q, x, gpn, fast, prox)
+        rail_swap_links(a, b, p, q, x, gpn, fast, prox)
         assert np.array_equal(fast, link)  # the same numbers, bit for bit
-        _rail_swap_links(b, a, p, q, x, gpn, fast, prox)
+        rail_swap_links(b, a, p, q, x, gpn, fast, prox)
         assert np.array_equal(fast, before)  # the inverse update restores the state exactly
-        _rail_swap_links(a, b, p, q, x, gpn, fast, prox)
+        rail_swap_links(a, b, p, q, x, gpn, fast, prox)
         home[a], home[b] = q, p
 
 
@@ -92,9 +85,9 @@ def test_full_state_rail_equals_full_state(shape: tuple[int, int]) -> None:
 
 
 def test_integral_decides_the_exact_path() -> None:
-    assert _integral(np.array([[[0.0, 3.0], [7.0, 1.0]]]))
-    assert not _integral(np.array([[[0.0, 3.5], [7.0, 1.0]]]))
-    assert not _integral(np.array([[[2.0**51, 2.0**51], [1.0, 0.0]]]))  # sums past 2**52 could round
+    assert integral_loads(np.array([[[0.0, 3.0], [7.0, 1.0]]]))
+    assert not integral_loads(np.array([[[0.0, 3.5], [7.0, 1.0]]]))
+    assert not integral_loads(np.array([[[2.0**51, 2.0**51], [1.0, 0.0]]]))  # sums past 2**52 could round
 
 
 # Recorded with the route-table annealer (scratch copies, commit 3d1757c) before the route-class kernels:

@@ -14,6 +14,7 @@ from relibra.cost.overlap import layer_time
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, fabric_routes
 from relibra.planners.reorder.problem import LayerProblem
+from relibra.planners.reorder.rail import full_state_rail, home_compute, integral_loads, rail_swap_links
 
 
 # ------------------------------------------------------------------------------------ numba kernels
@@ -23,7 +24,7 @@ def full_state(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-GPU state from scratch: comp [Mb, G], link [Mb, 8 * G] (tokens), migration [G]."""
     mb, e_total, g_total = x.shape
-    comp, migr = _home_compute(home, w, mig)
+    comp, migr = home_compute(home, w, mig)
     link = np.zeros((mb, NUM_LINKS * g_total))
     for e in range(e_total):
         g = home[e]
@@ -33,46 +34,6 @@ def full_state(
                 if v != 0.0:
                     for k in range(cnt[j, g]):
                         link[m, idx[j, g, k]] += v
-    return comp, link, migr
-
-
-@njit(cache=True)
-def _home_compute(home: np.ndarray, w: np.ndarray, mig: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The compute [Mb, G] and migration [G] parts of :func:`full_state`: each expert's weights ``w`` [Mb, E]
-    and migration charge ``mig`` [E, G] on its home GPU, summed in expert order."""
-    mb, e_total = w.shape
-    g_total = mig.shape[1]
-    comp = np.zeros((mb, g_total))
-    migr = np.zeros(g_total)
-    for e in range(e_total):
-        g = home[e]
-        migr[g] += mig[e, g]
-        for m in range(mb):
-            comp[m, g] += w[m, e]
-    return comp, migr
-
-
-@njit(cache=True)
-def full_state_rail(
-    home: np.ndarray, x: np.ndarray, w: np.ndarray, gpn: int, mig: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`full_state` on the rail fabric of ``link_routes(G // gpn, gpn)``, by route class: each GPU's
-    received tokens per source first, then one :func:`_rail_route` per (micro-batch, GPU). The same arrays
-    bit for bit where :func:`_integral` holds (the link sums in another order), in O(Mb * G * (E + G))."""
-    mb, e_total, g_total = x.shape
-    comp, migr = _home_compute(home, w, mig)
-    link = np.zeros((mb, NUM_LINKS * g_total))
-    recv = np.zeros((g_total, g_total))  # [g, j]: tokens of source j for GPU g's experts
-    none = np.zeros(g_total)
-    prox = np.zeros(g_total // gpn + gpn)
-    for m in range(mb):
-        recv[:, :] = 0.0
-        for e in range(e_total):
-            g = home[e]
-            for j in range(g_total):
-                recv[g, j] += x[m, e, j]
-        for g in range(g_total):
-            _rail_route(link[m], recv[g], none, g, 1.0, gpn, prox)
     return comp, link, migr
 
 
@@ -375,90 +336,6 @@ def _apply_swap(
 
 
 @njit(cache=True)
-def _integral(x: np.ndarray) -> bool:
-    """Whether every load of ``x`` is a whole number and their total below 2**52: then every sum of them is
-    exact in float64, whatever its order, so the link loads are the same numbers however they are summed."""
-    total = 0.0
-    for v in x.ravel():
-        if v != math.floor(v):
-            return False
-        total += abs(v)
-    return total < 2.0**52
-
-
-@njit(cache=True, inline="always")
-def _rail_route(
-    lm: np.ndarray, xb: np.ndarray, xa: np.ndarray, g: int, sign: float, gpn: int, prox: np.ndarray
-) -> None:
-    """Add ``d_j = sign * (xb[j] - xa[j])`` tokens from every source ``j`` to GPU ``g`` along the routes of
-    :func:`relibra.planners.reorder.links.link_routes` (``G / gpn`` nodes of ``gpn``) into one micro-batch's
-    link loads ``lm`` [8 * G], by route class: each source's own send and receive entries directly, and
-    ``g``'s entries and the cross-rail proxies' once, as sums (``prox`` [N + gpn] is scratch)."""
-    g_total = xb.shape[0]
-    nodes = g_total // gpn
-    ng = g // gpn
-    rg = g - ng * gpn
-    intra = 0.0  # (1, g): NVLink receive of the node's sources
-    remote = 0.0  # (3, g): NIC receive of every other node's sources
-    rail = 0.0  # (6, g): combine NIC send to the same-rail sources
-    cross = 0.0  # with ``intra``, (4, g): combine NVLink send
-    for r in range(gpn):
-        prox[nodes + r] = 0.0
-    for nj in range(nodes):
-        base = nj * gpn
-        if nj == ng:  # NVLink: (0, j), (1, g), (4, g), (5, j)
-            for rj in range(gpn):
-                if rj != rg:
-                    j = base + rj
-                    d = sign * (xb[j] - xa[j])
-                    lm[j] += d
-                    lm[5 * g_total + j] += d
-                    intra += d
-            prox[nj] = 0.0
-            continue
-        node_cross = 0.0
-        for rj in range(gpn):
-            j = base + rj
-            d = sign * (xb[j] - xa[j])
-            lm[7 * g_total + j] += d  # (7, j): combine NIC receive, same rail or cross
-            remote += d
-            if rj == rg:  # same rail: (2, j), (3, g), (6, g), (7, j)
-                lm[2 * g_total + j] += d
-                rail += d
-            else:  # cross rail: (0, j), (3, g), (4, g), (7, j), and the proxies' (1, 2) and (5, 6)
-                lm[j] += d
-                node_cross += d
-                prox[nodes + rj] += d
-        prox[nj] = node_cross
-        cross += node_cross
-    lm[g_total + g] += intra
-    lm[3 * g_total + g] += remote
-    lm[4 * g_total + g] += intra + cross
-    lm[6 * g_total + g] += rail
-    for n in range(nodes):
-        if n != ng:  # dispatch proxy (node of the source, rail of g): NVLink receive, NIC send
-            lm[g_total + n * gpn + rg] += prox[n]
-            lm[2 * g_total + n * gpn + rg] += prox[n]
-    for r in range(gpn):
-        if r != rg:  # combine proxy (node of g, rail of the source): NVLink send, NIC receive
-            lm[5 * g_total + ng * gpn + r] += prox[nodes + r]
-            lm[6 * g_total + ng * gpn + r] += prox[nodes + r]
-
-
-@njit(cache=True)
-def _rail_swap_links(
-    a: int, b: int, p: int, q: int, x: np.ndarray, gpn: int, link: np.ndarray, prox: np.ndarray
-) -> None:
-    """The link part of :func:`_apply_swap` by route class (:func:`_rail_route`), without ``idx``: the same
-    loads bit for bit where :func:`_integral` holds (each entry's terms are summed in another order), about
-    2.5 times faster at EP 64 (``benchmarks/bench_reorder.py --sections kernels``).
-    ``_rail_swap_links(b, a, p, q, ...)`` undoes it exactly there."""
-    for m in range(x.shape[0]):
-        _rail_route(link[m], x[m, b], x[m, a], p, 1.0, gpn, prox)
-        _rail_route(link[m], x[m, b], x[m, a], q, -1.0, gpn, prox)
-
-
-@njit(cache=True)
 def _anneal_kernel(
     home0: np.ndarray,
     x: np.ndarray,
@@ -503,7 +380,7 @@ def _anneal_kernel(
     # search stops updating them: the same proposals, acceptances and placements, without the O(Mb * G)
     # link work per swap.
     skip_links = _no_comm(coef) and not deepep
-    integral = not deepep and _integral(x)
+    integral = not deepep and integral_loads(x)
     if deepep:
         comp, link, migr, lg, ln = full_state_deepep(home, lq, tok, w, droutes, nodes, mig)
     else:
@@ -513,11 +390,10 @@ def _anneal_kernel(
             comp, link, migr = full_state(home, x, w, idx, cnt, mig)
         lg = np.zeros((mb, 0, 0))
         ln = np.zeros((mb, 0, 0))
-    # NOTE: in place where the link loads are whole numbers (token counts) or not tracked (comm_weight=0): a
-    # proposal updates the state itself and a rejected one is undone exactly (the compute and migration
-    # entries it changed restored, the links by the inverse route-class update), with no copy of the
-    # O(Mb * G) state; the same states, acceptances and placements as the scratch copy of the other inputs.
-    # The route classes are link_routes' of G / gpus_per_node nodes, as anneal_layer's routes.
+    # NOTE: in place where the link loads are whole numbers or not tracked (comm_weight=0): a rejected
+    # proposal is undone exactly (the changed compute and migration entries restored, the links by the
+    # inverse route-class update of relibra.planners.reorder.rail), with no copy of the O(Mb * G) state; the
+    # same states, acceptances and placements as the scratch copy of the other inputs.
     in_place = skip_links or integral
     prox = np.zeros(nodes + gpus_per_node)
     old_p = np.empty(mb)
@@ -574,7 +450,7 @@ def _anneal_kernel(
             mig_q = migr[q]
             _swap_compute(a, b, p, q, w, mig, comp, migr)
             if not skip_links:
-                _rail_swap_links(a, b, p, q, x, gpus_per_node, link, prox)
+                rail_swap_links(a, b, p, q, x, gpus_per_node, link, prox)
             new_true, new = _evaluate(
                 comp, link, migr, coef, beta, arg_new, group, attn, overlap_mbs, contention, scratch
             )
@@ -618,7 +494,7 @@ def _anneal_kernel(
             migr[p] = mig_p
             migr[q] = mig_q
             if not skip_links:
-                _rail_swap_links(b, a, p, q, x, gpus_per_node, link, prox)
+                rail_swap_links(b, a, p, q, x, gpus_per_node, link, prox)
         elif deepep:  # undo the in-place miss-probability update (a back to p, b back to q)
             _undo_miss_deepep(a, b, p, q, lq, nodes, lg, ln)
     return best_home, best, true0, accepted
@@ -704,7 +580,7 @@ def placement_objective(
             cluster.num_domains,
             problem.mig,
         )
-    elif _integral(problem.x):
+    elif integral_loads(problem.x):
         comp, link, migr = full_state_rail(h, problem.x, problem.w, cluster.domain_gpus, problem.mig)
     else:
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)
