@@ -88,6 +88,9 @@ def test_integral_decides_the_exact_path() -> None:
     assert integral_loads(np.array([[[0.0, 3.0], [7.0, 1.0]]]))
     assert not integral_loads(np.array([[[0.0, 3.5], [7.0, 1.0]]]))
     assert not integral_loads(np.array([[[2.0**51, 2.0**51], [1.0, 0.0]]]))  # sums past 2**52 could round
+    # LayerProblem derives it once from its loads; the fractional variant takes the route table
+    assert _pinned_problem(2, 4, "plain")[0].integral
+    assert not _pinned_problem(2, 4, "fractional")[0].integral
 
 
 # Recorded with the route-table annealer (scratch copies, commit 3d1757c) before the route-class kernels:

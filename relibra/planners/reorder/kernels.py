@@ -14,7 +14,7 @@ from relibra.cost.overlap import layer_time
 from relibra.planners.reorder.config import AnnealConfig, main_iterations
 from relibra.planners.reorder.links import NUM_LINKS, comm_gpu, deepep_routes, fabric_routes
 from relibra.planners.reorder.problem import LayerProblem
-from relibra.planners.reorder.rail import full_state_rail, home_compute, integral_loads, rail_swap_links
+from relibra.planners.reorder.rail import full_state_rail, home_compute, rail_swap_links
 
 
 # ------------------------------------------------------------------------------------ numba kernels
@@ -361,8 +361,10 @@ def _anneal_kernel(
     attn: np.ndarray,
     overlap_mbs: int,
     contention: float,
+    integral: bool,
 ) -> tuple[np.ndarray, float, float, int]:
-    """Anneal one layer from ``home0`` [E]. Returns (best home, best true objective, start true, accepted)."""
+    """Anneal one layer from ``home0`` [E] (``integral``: ``LayerProblem.integral``, whole-number loads take
+    the route-class path). Returns (best home, best true objective, start true, accepted)."""
     mb, e_total, g_total = x.shape
     per_gpu = e_total // g_total
     nodes = g_total // gpus_per_node
@@ -376,11 +378,10 @@ def _anneal_kernel(
         pos[e] = fill[g]
         fill[g] += 1
     deepep = lq.size > 0
-    # NOTE: with comm_weight=0 the objective never reads the link loads (_evaluate), so an alltoall
-    # search stops updating them: the same proposals, acceptances and placements, without the O(Mb * G)
-    # link work per swap.
+    # NOTE: with comm_weight=0 the objective never reads the link loads (_evaluate), so an alltoall search
+    # stops updating them: the same proposals, acceptances and placements, without the link work per swap.
     skip_links = _no_comm(coef) and not deepep
-    integral = not deepep and integral_loads(x)
+    integral = integral and not deepep
     if deepep:
         comp, link, migr, lg, ln = full_state_deepep(home, lq, tok, w, droutes, nodes, mig)
     else:
@@ -390,10 +391,8 @@ def _anneal_kernel(
             comp, link, migr = full_state(home, x, w, idx, cnt, mig)
         lg = np.zeros((mb, 0, 0))
         ln = np.zeros((mb, 0, 0))
-    # NOTE: in place where the link loads are whole numbers or not tracked (comm_weight=0): a rejected
-    # proposal is undone exactly (the changed compute and migration entries restored, the links by the
-    # inverse route-class update of relibra.planners.reorder.rail), with no copy of the O(Mb * G) state; the
-    # same states, acceptances and placements as the scratch copy of the other inputs.
+    # NOTE: in place where the links are whole numbers or untracked: a rejected proposal is undone exactly
+    # (compute and migration entries restored, links by the inverse update of reorder.rail), no state copy.
     in_place = skip_links or integral
     prox = np.zeros(nodes + gpus_per_node)
     old_p = np.empty(mb)
@@ -555,6 +554,7 @@ def anneal_layer(
         problem.attn,
         problem.overlap_mbs,
         problem.contention,
+        problem.integral,
     )
     return best_home.astype(np.int32), best * problem.scale, start * problem.scale
 
@@ -580,7 +580,7 @@ def placement_objective(
             cluster.num_domains,
             problem.mig,
         )
-    elif integral_loads(problem.x):
+    elif problem.integral:
         comp, link, migr = full_state_rail(h, problem.x, problem.w, cluster.domain_gpus, problem.mig)
     else:
         comp, link, migr = full_state(h, problem.x, problem.w, idx, cnt, problem.mig)

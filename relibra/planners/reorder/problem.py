@@ -13,6 +13,7 @@ from relibra import numerics
 from relibra.cost.migration import receive_seconds
 from relibra.cost.model import CostModel
 from relibra.planners.reorder.links import comm_coefficients
+from relibra.planners.reorder.rail import integral_loads
 
 
 # ----------------------------------------------------------------------------------------------- LPT
@@ -98,10 +99,15 @@ class LayerProblem:
     """The overlapped all-to-all's SM share (:attr:`relibra.cluster.ClusterSpec.comm_sm_share`; 0 without
     the overlap)."""
 
+    integral: bool = field(init=False)
+    """Whether ``x`` holds whole numbers (:func:`relibra.planners.reorder.rail.integral_loads`): derived once
+    here, read by every annealing run and pricing of the problem (the route-class path)."""
+
     def __post_init__(self) -> None:
         # The kernels index ``coef`` without bounds checks: a short vector would read memory past its end.
         if np.shape(self.coef) != (5,):
             raise ValueError(f"coef has shape {np.shape(self.coef)}; expected [5] (comm_coefficients)")
+        object.__setattr__(self, "integral", bool(integral_loads(np.asarray(self.x, dtype=np.float64))))
 
     @property
     def deepep(self) -> bool:
