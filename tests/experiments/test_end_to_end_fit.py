@@ -107,6 +107,17 @@ def test_the_stored_fit_names_calibration_rows_and_is_applied_as_an_override() -
     assert fitted_overrides(doc) == (f"{FITTED}={fit['value']!r}",)
 
 
+def test_experiments_conf_runs_the_fitted_value() -> None:
+    """The grids' default (training/megatron.yaml) is the stored fit, at the 4 digits the yaml keeps: a re-fit
+    that moves the value must move the default with it (and re-run the tables)."""
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.load(DATA_FILE.parents[1] / "conf" / "training" / "megatron.yaml")
+    stored = load_rows()["fitted_constants"][FITTED]["value"]
+    assert conf.host_overhead_s > 0
+    assert float(conf.host_overhead_s) == float(f"{stored:.4g}")
+
+
 @pytest.mark.slow
 def test_the_stored_value_is_what_the_fit_gives() -> None:
     """Re-fit on the committed rows (about 80 s): the same value and rows as stored."""
