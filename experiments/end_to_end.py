@@ -51,9 +51,9 @@ __all__ = [
     "check_roles",
     "end_to_end_table",
     "errors",
-    "fitted_overrides",
     "load_rows",
     "simulate_row",
+    "unfitted_overrides",
 ]
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "end_to_end.json"
@@ -102,9 +102,11 @@ def check_roles(doc: dict[str, Any]) -> None:
                 )
 
 
-def fitted_overrides(doc: dict[str, Any]) -> tuple[str, ...]:
-    """The file's fitted constants as overrides (``key=value``), in the file's order; empty if none."""
-    return tuple(f"{key}={fit['value']!r}" for key, fit in (doc.get("fitted_constants") or {}).items())
+def unfitted_overrides(doc: dict[str, Any]) -> tuple[str, ...]:
+    """Each of the file's fitted constants at 0, its value before any fit (``key=0.0``), in the file's
+    order; empty if none. ``experiments/conf`` holds the fitted values (a test keeps them equal to the
+    file's), so the model without these overrides is the fitted one."""
+    return tuple(f"{key}=0.0" for key in (doc.get("fitted_constants") or {}))
 
 
 def _counts(
@@ -140,7 +142,7 @@ def _samples_per_gpu(conf: dict[str, Any]) -> int:
 def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str, float]:
     """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
     ``config`` and ``overrides`` only, never its published ``value``; ``constants``: overrides applied after
-    the row's (the fitted constants, :func:`fitted_overrides`)."""
+    the row's (e.g. the fitted constants at 0, :func:`unfitted_overrides`)."""
     conf = row["config"]
     dp = _replicas(row)
     overrides = [
@@ -187,12 +189,13 @@ def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str
 
 def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     """One row per published measurement: published, model, ratio, role, whether it is simulated, and the
-    simulated step's terms. With fitted constants in the file (``fitted_constants``), also
-    ``model_calibrated``, ``ratio_calibrated`` and ``t_launch_calibrated_s``: the row simulated with them
-    (:func:`fitted_overrides`); ``model`` and ``ratio`` keep the constants of ``experiments/conf``. The
-    file's ``fitted_constants`` ride along in ``attrs["fitted_constants"]``."""
+    simulated step's terms, all with the constants of ``experiments/conf`` (the fitted ones among them).
+    With fitted constants in the file (``fitted_constants``), also ``model_unfitted`` and
+    ``ratio_unfitted``: the row simulated with each of them at 0, as before the fit
+    (:func:`unfitted_overrides`). The file's ``fitted_constants`` ride along in
+    ``attrs["fitted_constants"]``."""
     doc = load_rows(path)
-    fitted = fitted_overrides(doc)
+    unfitted = unfitted_overrides(doc)
     rows = []
     for row in doc["rows"]:
         conf = row["config"]
@@ -204,13 +207,9 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
             continue
         sim = _simulated(row, path, ())
         out = {**base, **sim, "ratio": sim["model"] / float(row["value"]), "needs": ""}
-        if fitted:
-            cal = _simulated(row, path, fitted)
-            out.update(
-                model_calibrated=cal["model"],
-                ratio_calibrated=cal["model"] / float(row["value"]),
-                t_launch_calibrated_s=cal.get("t_launch_s", 0.0),
-            )
+        if unfitted:
+            before = _simulated(row, path, unfitted)
+            out.update(model_unfitted=before["model"], ratio_unfitted=before["model"] / float(row["value"]))
         rows.append(out)
     frame = pd.DataFrame(rows)
     frame.attrs["fitted_constants"] = doc.get("fitted_constants") or {}
@@ -230,7 +229,7 @@ def _simulated(row: dict[str, Any], path: str | Path, constants: Sequence[str]) 
 def errors(table: pd.DataFrame, layout: str | None = None, column: str = "ratio") -> dict[str, float]:
     """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows
     (``layout``: only the ``ep`` or the ``pp/tp`` rows; None: all; ``column``: ``ratio``, or
-    ``ratio_calibrated`` for the model with the fitted constants)."""
+    ``ratio_unfitted`` for the model with the fitted constants at 0)."""
     check = table[(table.role == "check") & (table.needs == "")]
     if layout is not None:
         check = check[check.layout == layout]

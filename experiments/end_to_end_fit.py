@@ -12,9 +12,11 @@ What is fitted, and to what, was decided before any fit (docs/validation.md, "Ca
 * the objective: least squares of ``log(model / published)`` over those rows, the value bounded below by 0.
 
 A row's simulated seconds per token are linear in the constant wherever the slowest pipeline stage stays
-the same (the host time is a sum over micro-batches and layers, apportioned to stages by their MoE layers),
-so each row is simulated at 0 and at :data:`PROBE_S`, the objective is minimised on that line, and every
-row is simulated again at the fitted value: the fit's ratios are those of the real model, not of the line.
+the same and each overlapped gradient collective stays exposed or hidden (the host time is a sum over
+micro-batches and layers, apportioned to stages by their MoE layers; it also widens the windows the
+collectives hide in, :func:`relibra.cost.passes._exposed_collectives`), so each row is simulated at 0 and
+at :data:`PROBE_S`, the objective is minimised on that line, and every row is simulated again at the
+fitted value: the fit's ratios are those of the real model, not of the line.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ the quantity was a calibration input (its link rate was fitted to it) or an inde
 
 ``--end-to-end`` sets the whole simulated step beside published end-to-end training runs
 (``end_to_end.json``, :mod:`experiments.end_to_end`): model / published per row and the median and worst
-absolute error of the check rows, with the constants of ``experiments/conf`` and, where the file holds
-fitted constants, with those. ``--end-to-end --fit`` first fits ``training.host_overhead_s`` to the
-calibration rows (:mod:`experiments.end_to_end_fit`) and stores it in the data file.
+absolute error of the check rows, with the constants of ``experiments/conf`` (which hold the fitted ones)
+and, where the file holds fitted constants, with those at 0 (before the fit). ``--end-to-end --fit``
+first fits ``training.host_overhead_s`` to the calibration rows (:mod:`experiments.end_to_end_fit`) and
+stores it in the data file; the grids read the value from ``experiments/conf/training/megatron.yaml`` (a
+test keeps the two equal).
 
 ``--extract-profile FILE`` re-extracts the profile's numbers from the Chrome trace and prints the JSON.
 ``--estimate-error`` prints how far the load-based DeepEP estimate (what per-sample counts allow) is from
@@ -393,9 +395,9 @@ def _end_to_end(data: Path | None, fit: bool, write_tables: str | None) -> int:
     except ValueError as exc:  # ConfigError and the roles check: the file or a row named
         print(f"validate: {exc}", file=sys.stderr)
         return 2
-    cols = ["id", "role", "layout", "published", "model", "ratio", "model_calibrated", "ratio_calibrated",
+    cols = ["id", "role", "layout", "published", "model", "ratio", "model_unfitted", "ratio_unfitted",
             "step_time_s", "t_compute_s", "t_comm_s", "t_attention_s", "t_other_s", "t_bubble_s",
-            "t_launch_calibrated_s", "needs"]  # fmt: skip
+            "t_launch_s", "needs"]  # fmt: skip
     with pd.option_context("display.width", 250, "display.max_colwidth", 60):
         print(e2e.reindex(columns=cols).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print()
@@ -437,7 +439,11 @@ def _fit_and_store(path: Path) -> None:
     check_roles(doc)
     text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
-    print(f"stored in {path} (fitted_constants)\n")
+    print(f"stored in {path} (fitted_constants)")
+    print(
+        f"the grids run {FITTED} of experiments/conf/training/megatron.yaml: set it to {fitted.value:.4g} "
+        "there if it differs (tests/experiments/test_end_to_end_fit.py checks that they agree)\n"
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ its all-to-all included (``full``). Per batch the update adds the dense layers, 
 replica refill, migration, redundant-copy sync, an online planner's critical path, the host overhead, the
 optimizer step and the exposed parts of the distributed optimizer's gradient reduce-scatter (behind the
 last micro-batch's backward with ``overlap_grad_reduce``) and parameter all-gather (behind the first
-micro-batch's forward with ``overlap_param_gather``).
+micro-batch's forward with ``overlap_param_gather``). Those windows are the passes' wall time: the GPU's
+work and the host time the GPU waits for (:func:`_exposed_collectives`), since a collective already queued
+runs while the GPU waits for the host's next launch.
 
 A forward-only pass (``recompute``: the old policy's log-probabilities under the same replayed routing,
 priced with the method's own plan; ``reference``: the reference model's forward, priced on Megatron's
@@ -179,7 +181,9 @@ def update_pass(
         assert spec is not None
         directions = _directions(spec)
         per_mb = comp_u.sum(axis=1) + comm_u.sum(axis=1) + dense_layers * dense_mb + tw.head  # [Mb]
-        rs, ag = cost.grad_reduce_time(), cost.param_gather_time()
+        grad_reduce, param_gather = _exposed_collectives(
+            cost, spec, 0, float(per_mb[0]), float(per_mb[-1]), 1.0
+        )
         parts.update(
             t_head_s=head,
             t_router_s=float(tw.router.sum()) * work.compute.shape[1],
@@ -189,10 +193,8 @@ def update_pass(
             t_recompute_s=float(rc_comp.sum() + rc_comm.sum()) + rc_dense,
             t_launch_s=cost.launch_time(comp.shape[0], directions),
             t_optimizer_s=cost.optimizer_time(),
-            # NOTE: the reduce-scatter overlaps the last micro-batch's backward (two thirds of its fwd + bwd),
-            # the all-gather the first micro-batch's forward (one third), as Megatron's bucketed overlap does.
-            t_grad_reduce_s=max(rs - 2.0 * float(per_mb[-1]) / 3.0, 0.0) if spec.overlap_grad_reduce else rs,
-            t_param_gather_s=max(ag - float(per_mb[0]) / 3.0, 0.0) if spec.overlap_param_gather else ag,
+            t_grad_reduce_s=grad_reduce,
+            t_param_gather_s=param_gather,
         )
     # NOTE: the MoE-only step's sum first, in its former order, so simulator.step=moe keeps its bits.
     sync, migration, redundant, critical = fixed
@@ -245,6 +247,27 @@ def _cast_total(work: LayerWork, tw: TokenWork, dense_layers: int) -> float:
 def _moe_tp_blocks(cost: CostModel) -> int:
     """Tensor-parallel blocks of a MoE layer: attention, and the shared experts if the model has any."""
     return 1 + int(cost.model.shared_experts > 0)
+
+
+def _exposed_collectives(
+    cost: CostModel, spec: TrainingSpec, stage: int, first_mb: float, last_mb: float, share: float
+) -> tuple[float, float]:
+    """Seconds of the gradient reduce-scatter and the parameter all-gather of ``stage`` left exposed.
+
+    With ``overlap_grad_reduce`` the reduce-scatter hides behind the last micro-batch's backward (two thirds
+    of its GPU seconds ``last_mb``, fwd + bwd), with ``overlap_param_gather`` the all-gather behind the first
+    micro-batch's forward (a third of ``first_mb``), as Megatron's bucketed overlap does; each window also
+    holds the host time of its directions (the forward's one, the backward's and any recompute's the rest)
+    over the stage's ``share`` of the MoE layers, during which the GPU waits and the collective runs.
+    """
+    rs, ag = cost.grad_reduce_time(stage), cost.param_gather_time(stage)
+    directions = _directions(spec)
+    backward_host = share * cost.launch_time(1, directions - 1.0)
+    forward_host = share * cost.launch_time(1, 1.0)
+    return (
+        max(rs - (2.0 * last_mb / 3.0 + backward_host), 0.0) if spec.overlap_grad_reduce else rs,
+        max(ag - (first_mb / 3.0 + forward_host), 0.0) if spec.overlap_param_gather else ag,
+    )
 
 
 def _directions(spec: TrainingSpec) -> float:
@@ -305,15 +328,14 @@ def _layout_update(
         contention=cost.cluster.comm_sm_share,
     )
 
+    moe_stage = cost.stage_of_layer()[dense_layers:]
+
     def per_step(stage: int, first_mb: float, last_mb: float) -> tuple[float, ...]:
         assert spec is not None
-        rs, ag = cost.grad_reduce_time(stage), cost.param_gather_time(stage)
-        # NOTE: as update_pass: the reduce-scatter hides behind the last micro-batch's backward, the
-        # all-gather behind the first micro-batch's forward.
+        share = float(np.mean(moe_stage == stage)) if moe_stage.size else 0.0
         return (
             cost.optimizer_time(stage),
-            max(rs - 2.0 * last_mb / 3.0, 0.0) if spec.overlap_grad_reduce else rs,
-            max(ag - first_mb / 3.0, 0.0) if spec.overlap_param_gather else ag,
+            *_exposed_collectives(cost, spec, stage, first_mb, last_mb, share),
         )
 
     st = pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)

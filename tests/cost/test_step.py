@@ -146,6 +146,64 @@ def test_update_pass_joins_every_term_by_hand() -> None:
     assert exposed.parts["t_grad_reduce_s"] == pytest.approx(rs) and exposed.parts["t_param_gather_s"] == ag
 
 
+def _tiny_work() -> tuple[LayerWork, TokenWork]:
+    """:func:`_work` a million times smaller: micro-batches of microseconds, shorter than the collectives."""
+    work, tw = _work()
+    small = {f: getattr(tw, f) * 1e-6 for f in ("attn", "core_attn", "dense", "router", "norm", "head")}
+    return (
+        replace(work, compute=work.compute * 1e-6, comm=work.comm * 1e-6, permute=work.permute * 1e-6),
+        replace(tw, **small, head_forward=tw.head_forward * 1e-6),
+    )
+
+
+def test_host_time_widens_the_collectives_overlap_window_by_hand() -> None:
+    """The reduce-scatter hides behind the last micro-batch's backward and the all-gather behind the first
+    one's forward, host time included: with 2 MoE layers, no recompute and h host seconds per layer and
+    direction, each window is h * 2 longer than the GPU's third (or two thirds) of the micro-batch."""
+    work, tw = _tiny_work()
+    comp = work.compute + 0.3e-6 + work.permute + 0.03e-6
+    per_mb = comp.sum(axis=1) + work.comm.sum(axis=1) + (0.9e-6 + 0.02e-6) + 0.4e-6
+    for h in (0.0, 1e-5, 1e-3):
+        c = cost(spec=replace(SPEC, host_overhead_s=h))
+        rs, ag = c.grad_reduce_time(), c.param_gather_time()
+        assert rs > 2 * per_mb[-1] / 3 + 2e-5 and ag > per_mb[0] / 3 + 2e-5  # exposed at h = 1e-5
+        res = update_pass(c, work, tw, dense_layers=1, fixed=(0.0, 0.0, 0.0, 0.0))
+        assert res.parts["t_grad_reduce_s"] == pytest.approx(
+            max(rs - (2 * per_mb[-1] / 3 + h * 2), 0.0), rel=1e-12
+        )
+        assert res.parts["t_param_gather_s"] == pytest.approx(
+            max(ag - (per_mb[0] / 3 + h * 2), 0.0), rel=1e-12
+        )
+    assert res.parts["t_grad_reduce_s"] == 0.0 and res.parts["t_param_gather_s"] == 0.0  # h = 1e-3 hides both
+    # full recompute: the backward's window holds two directions (the recomputed forward and the backward)
+    c = cost(spec=replace(SPEC, host_overhead_s=1e-5, recompute="full"))
+    full = update_pass(c, work, tw, dense_layers=1, fixed=(0.0, 0.0, 0.0, 0.0))
+    none = update_pass(
+        cost(spec=replace(SPEC, host_overhead_s=0.0, recompute="full")), work, tw, 1, (0.0,) * 4
+    )
+    assert full.parts["t_grad_reduce_s"] == pytest.approx(
+        none.parts["t_grad_reduce_s"] - 1e-5 * 2 * 2, rel=1e-12
+    )
+    assert full.parts["t_param_gather_s"] == pytest.approx(
+        none.parts["t_param_gather_s"] - 1e-5 * 2, rel=1e-12
+    )
+
+
+def test_host_time_widens_each_stages_window_by_its_share_of_the_moe_layers() -> None:
+    """Two stages, the dense layer and one MoE layer on the first, the other MoE layer on the second: the
+    slowest stage's (the first's) window grows by its half of the MoE layers' host time, h per direction."""
+    work, tw = _tiny_work()
+    layout = ParallelLayout(pp=2, chunk_layers=(2, 1))
+    models = [
+        CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=replace(SPEC, host_overhead_s=h), layout=layout)
+        for h in (0.0, 1e-5)
+    ]
+    got = [update_pass(c, work, tw, 1, (0.0, 0.0, 0.0, 0.0)).parts for c in models]
+    assert got[0]["t_grad_reduce_s"] > 1e-5 and got[0]["t_param_gather_s"] > 1e-5
+    assert got[1]["t_grad_reduce_s"] == pytest.approx(got[0]["t_grad_reduce_s"] - 1e-5, rel=1e-9)
+    assert got[1]["t_param_gather_s"] == pytest.approx(got[0]["t_param_gather_s"] - 1e-5, rel=1e-9)
+
+
 @pytest.mark.parametrize("layout", [None, ParallelLayout(pp=3)])
 def test_fp8_casts_join_the_update_and_forward_by_hand(layout: ParallelLayout | None) -> None:
     """Hand-chosen casts: each MoE layer's expert casts [Mb, L] and dense ones [Mb], each dense layer's.

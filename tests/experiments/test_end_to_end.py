@@ -69,7 +69,7 @@ def test_perturbed_check_values_leave_every_model_value_unchanged(tmp_path: Path
     path.write_text(json.dumps(doc))
     ours, theirs = end_to_end_table(), end_to_end_table(path)
     pd.testing.assert_series_equal(ours.model, theirs.model)
-    pd.testing.assert_series_equal(ours.model_calibrated, theirs.model_calibrated)
+    pd.testing.assert_series_equal(ours.model_unfitted, theirs.model_unfitted)
     assert (theirs.published[theirs.role == "check"] == 3 * ours.published[ours.role == "check"]).all()
 
 
@@ -155,8 +155,8 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     assert render_block('end_to_end_errors "median %" set=all', tmp_path) == "30"  # |0.5| and |-0.1|: 0.3
     assert render_block('end_to_end_errors "worst %" set=all', tmp_path) == "50"
     assert render_block('end_to_end_errors "check rows" "set=EP only"', tmp_path) == "1"
-    # with fitted constants: their columns, and a second set of errors beside the first
-    fitted = frame.assign(model_calibrated=[110.0, 190.0, 330.0], ratio_calibrated=[1.1, 0.95, 1.1])
+    # with fitted constants: the columns before the fit, and a second set of errors beside the first
+    fitted = frame.assign(model_unfitted=[110.0, 190.0, 330.0], ratio_unfitted=[1.1, 0.95, 1.1])
     fit = {
         "training.host_overhead_s": {
             "value": 0.0035,
@@ -169,7 +169,7 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     assert {p.name for p in paths} >= {"end_to_end_fit.md", "end_to_end_fit.tex"}
     assert render_block('end_to_end_fit "value" constant=training.host_overhead_s', tmp_path) == "0.0035"
     assert render_block('end_to_end_fit "leave-one-out hi"', tmp_path) == "0.004"
-    assert render_block('end_to_end "fitted model / published" row=a/1', tmp_path) == "1.10"
-    assert render_block('end_to_end_errors "median %" set=all constants=fitted', tmp_path) == "8"  # 0.1, 0.05
+    assert render_block('end_to_end "before the fit / published" row=a/1', tmp_path) == "1.10"
+    assert render_block('end_to_end_errors "median %" set=all "constants=before the fit"', tmp_path) == "8"
     assert render_block('end_to_end_errors "median %" set=all constants=experiments/conf', tmp_path) == "30"
     assert "`cmd`" in (tmp_path / "end_to_end.md").read_text()

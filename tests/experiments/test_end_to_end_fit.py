@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from experiments.end_to_end import DATA_FILE, fitted_overrides, load_rows
+from experiments.end_to_end import DATA_FILE, load_rows, unfitted_overrides
 from experiments.end_to_end_fit import FITTED, fit_host_overhead, minimise_log_error
 
 
@@ -99,12 +99,12 @@ def test_a_fit_without_calibration_rows_or_without_dependence_is_refused() -> No
         fit_host_overhead({"rows": [doc["rows"][3]]}, simulate=_fake([]))
 
 
-def test_the_stored_fit_names_calibration_rows_and_is_applied_as_an_override() -> None:
+def test_the_stored_fit_names_calibration_rows_and_is_undone_as_an_override() -> None:
     doc = load_rows()
     fit = doc["fitted_constants"][FITTED]
     calibration = [r["id"] for r in doc["rows"] if r["role"] == "calibration" and not r.get("needs")]
     assert fit["rows"] == calibration and fit["value"] > 0
-    assert fitted_overrides(doc) == (f"{FITTED}={fit['value']!r}",)
+    assert unfitted_overrides(doc) == (f"{FITTED}=0.0",)
 
 
 def test_experiments_conf_runs_the_fitted_value() -> None:
@@ -148,9 +148,9 @@ def test_fit_from_the_command_line_stores_the_value_and_keeps_the_rest(
     fit = stored["fitted_constants"][FITTED]
     assert fit["rows"] == [row["id"]] and fit["value"] > 0 and fit["log_rms"] < 1e-3  # one row: exact
     assert stored["rows"] == mine["rows"] and stored["provenance"] == "test"
-    errors = out.split("with the fitted ones", 1)[1].splitlines()
+    errors = out.split("with the fitted ones at 0", 1)[1].splitlines()
     assert any(line.split()[:4] == ["experiments/conf", "all", "0", "NaN"] for line in errors)
-    assert any(line.split()[:4] == ["fitted", "all", "0", "NaN"] for line in errors)  # no check row here
+    assert any(line.split()[:6] == ["before", "the", "fit", "all", "0", "NaN"] for line in errors)
 
 
 def test_fit_without_end_to_end_or_with_nothing_to_fit_exits_2(
