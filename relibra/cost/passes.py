@@ -328,11 +328,8 @@ def _layout_update(
         contention=cost.cluster.comm_sm_share,
     )
 
-    moe_stage = cost.stage_of_layer()[dense_layers:]
-
-    def per_step(stage: int, first_mb: float, last_mb: float) -> tuple[float, ...]:
+    def per_step(stage: int, first_mb: float, last_mb: float, share: float) -> tuple[float, ...]:
         assert spec is not None
-        share = float(np.mean(moe_stage == stage)) if moe_stage.size else 0.0
         return (
             cost.optimizer_time(stage),
             *_exposed_collectives(cost, spec, stage, first_mb, last_mb, share),

@@ -121,13 +121,13 @@ def pipelined(
     pp: int,
     vpp: int,
     sp: StagePass,
-    per_step: Callable[[int, float, float], tuple[float, ...]] | None = None,
+    per_step: Callable[[int, float, float, float], tuple[float, ...]] | None = None,
 ) -> StageTimes:
     """Seconds of one pass through the pipeline (module doc).
 
     ``stage_of_layer`` int [num_layers] (model order, the ``dense_layers`` dense layers first); ``per_step``
-    (stage, first micro-batch's seconds, last micro-batch's seconds) -> the stage's per-step seconds after
-    the flush (None: a forward-only pass, none).
+    (stage, first micro-batch's seconds, last micro-batch's seconds, the stage's share of the MoE layers) ->
+    the stage's per-step seconds after the flush (None: a forward-only pass, none).
     """
     mb, num_moe = sp.comp.shape
     moe_stage = np.asarray(stage_of_layer)[dense_layers:]
@@ -152,7 +152,7 @@ def pipelined(
             + float(sp.p2p.sum())
             + share * sp.spread
         )
-        after = per_step(s, float(per_mb[0]), float(per_mb[-1])) if per_step is not None else ()
+        after = per_step(s, float(per_mb[0]), float(per_mb[-1]), share) if per_step is not None else ()
         total = busy * (1.0 + bubble) + sum(after)
         if total > best[0]:
             best = (total, s, busy * bubble, float(sp.p2p.sum()), after)

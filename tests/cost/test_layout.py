@@ -41,7 +41,7 @@ def test_slowest_stage_sets_the_pace_with_its_bubble_and_per_step_seconds() -> N
         comp=comp, comm=comm, dense=np.array([0.25, 0.25]), head=np.array([4.0, 4.0]),
         p2p=np.array([0.1, 0.1]), spread=3.0, overlap=False, contention=0.0,
     )  # fmt: skip
-    st = pipelined(stage, 1, 2, 2, sp, lambda s, first, last: (float(s) + 1.0,))
+    st = pipelined(stage, 1, 2, 2, sp, lambda s, first, last, share: (float(s) + 1.0,))
     bubble = 1 / (2 * 2)
     # stage 0: MoE layer 1 (2 + 0.5) x 2 mb, dense 0.25 x 2, p2p 0.2, a third of the spread
     busy0 = 5.0 + 0.5 + 0.2 + 1.0
