@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core; a file's tests stay in one process (their fixtures are built once).
 TEST_WORKERS ?= auto
 
-.PHONY: venv test test-slow test-verl reproduce reproduce-paper lint typecheck bench clean
+.PHONY: venv test test-slow test-verl reproduce reproduce-paper reproduce-field lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,14 @@ test-verl:
 reproduce: venv
 	$(PY) -m experiments.reproduce
 
-# The same six grids at the paper's scale (4 RL steps of 512 rollouts instead of 2 of 128).
+# The paper's six grids at its scale (4 RL steps of 512 rollouts instead of 1), three trace seeds.
 reproduce-paper: venv
 	$(PY) -m experiments.reproduce --scale paper
+
+# The grids beyond the paper at its scale: DeepEP (the headline's second row), NVL72, the dispatcher and
+# overlap sensitivity. Into the same results/, so the analysis draws both dispatchers.
+reproduce-field: venv
+	$(PY) -m experiments.reproduce --scale field
 
 lint: venv
 	$(PY) -m ruff check .

@@ -17,7 +17,8 @@ Examples::
 
     python -m experiments.reproduce                          # the quick presets (about 13 min on 2 cores)
     python -m experiments.reproduce --presets quick_ablation,quick_datasets
-    python -m experiments.reproduce --scale paper            # the same grids at the paper's scale
+    python -m experiments.reproduce --scale paper            # the paper's six grids at its scale
+    python -m experiments.reproduce --scale field            # the grids beyond the paper, at its scale
     python -m experiments.reproduce logger=wandb             # extra overrides go to every cell
     python -m experiments.reproduce planner=megatron,relibra # ... and may replace a preset's sweep
 """
@@ -47,8 +48,10 @@ from experiments.store import CorruptCellError, ResultsStore, cell_key, stored_c
 from relibra.provenance import code_version
 
 __all__ = [
+    "FIELD_PRESETS",
     "PAPER_PRESETS",
     "QUICK_PRESETS",
+    "SCALES",
     "CellJob",
     "CellOutcome",
     "GridReport",
@@ -65,21 +68,32 @@ __all__ = [
 
 PAPER_PRESETS = (
     "overall",
-    "overall_deepep",
     "ablation",
     "ep_scaling",
-    "nvl72",
     "datasets",
     "overhead",
     "real_trace",
 )
-"""The eight grids at the paper's scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
+"""The paper's six grids at its scale (4 RL steps of 512 rollouts; ``make reproduce-paper``)."""
+FIELD_PRESETS = (
+    "overall_deepep",
+    "nvl72",
+    "comm_sensitivity",
+    "comm_sensitivity_overall",
+)
+"""The grids beyond the paper, at its scale (``make reproduce-field``): the overall comparison under DeepEP,
+which production runs use (the headline figure's second row), rack-scale NVLink domains, and how the
+verdicts move with the dispatcher and the EP overlap."""
+SCALES = {"paper": PAPER_PRESETS, "field": FIELD_PRESETS}
+"""``--scale`` -> its presets (``quick``: :data:`QUICK_PRESETS`)."""
 QUICK_PRESETS = (
-    *(f"quick_{p}" for p in PAPER_PRESETS),
+    *(f"quick_{p}" for p in ("overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets")),
+    "quick_overhead",
+    "quick_real_trace",
     "quick_whole_step_shift",
     "quick_comm_sensitivity",
 )
-"""The same grids at the quick scale (``make reproduce``), and two that are cheap only there: the MoE-only vs
+"""Every grid at the quick scale (``make reproduce``), and two that are cheap only there: the MoE-only vs
 whole-step shift (docs/validation.md) and the communication sensitivity of ``ep_scaling``."""
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
@@ -394,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--scale",
-        choices=("quick", "paper"),
+        choices=("quick", *SCALES),
         default="quick",
-        help="quick: the quick_* presets (default); paper: the paper-scale presets",
+        help="quick: every grid at the quick scale (default); paper: the paper's six grids at its scale; "
+        "field: the grids beyond the paper (DeepEP, NVL72, dispatcher and overlap sensitivity) at its scale",
     )
     parser.add_argument(
         "--workers",
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
-    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else PAPER_PRESETS)
+    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
     from experiments.config import ConfigError
     from experiments.grid import presets as known_presets
     from experiments.schema import override_problems
