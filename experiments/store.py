@@ -70,6 +70,7 @@ __all__ = [
     "load_per_layer",
     "run_cell",
     "stored_code_version",
+    "wall_clock_column",
 ]
 
 IGNORED_KEYS: frozenset[str] = frozenset(
@@ -77,6 +78,16 @@ IGNORED_KEYS: frozenset[str] = frozenset(
 )
 """Dotted config paths left out of the cell key: they choose where and how results are written, or whether
 a run that does not fit in memory stops or warns (``simulator.memory_check``), not what they are."""
+
+
+def wall_clock_column(column: str) -> bool:
+    """Whether a result column is measured with a wall clock (planner solve times, the control plane's
+    timings), and so differs between any two runs of the same cell; every other column is a pure function
+    of the cell's config and the code."""
+    return (column.endswith("_time_s") and column != "step_time_s") or (
+        column.startswith("cp_") and column.endswith("_s")
+    )
+
 
 _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"

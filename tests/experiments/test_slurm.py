@@ -33,6 +33,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from experiments.store import wall_clock_column
 from tests.slurm_helpers import (
     REPO,
     SlurmCluster,
@@ -68,14 +69,6 @@ LAUNCHER = [
     "hydra.launcher.mem_gb=1",
     "hydra.launcher.timeout_min=60",
 ]
-
-
-def _wall_clock(column: str) -> bool:
-    """Columns measured with a wall clock (planner solve times, the control plane's timings), which differ
-    between any two runs."""
-    return (column.endswith("_time_s") and column != "step_time_s") or (
-        column.startswith("cp_") and column.endswith("_s")
-    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +123,7 @@ def _local_result(overrides: list[str], run_dir: Path) -> pd.DataFrame:
 
 
 def _assert_same_result(remote: pd.DataFrame, local: pd.DataFrame) -> None:
-    columns = [c for c in local.columns if not _wall_clock(c)]
+    columns = [c for c in local.columns if not wall_clock_column(c)]
     assert set(remote.columns) == set(local.columns)
     pd.testing.assert_frame_equal(
         remote[columns].reset_index(drop=True), local[columns].reset_index(drop=True), check_exact=False

@@ -1,0 +1,125 @@
+"""Whether two results stores hold identical cells: the evidence behind ``identical_versions.json``.
+
+Usage: ``python scripts/identical_stores.py OLD_ROOT NEW_ROOT [--presets overall,ablation,...]``.
+
+For each preset both roots hold, every cell both stores finished (same cell key) is read (verified reads)
+and compared column by column, exactly, on every result column but the code version and the columns
+measured with a wall clock (:func:`experiments.store.wall_clock_column`: planning and control-plane
+seconds). Prints per preset the cells compared and those that differ, with the first few differing cells
+and columns, and the code versions on each side. Exit status 0 when at least one cell was compared and
+none differs (the two code versions compute the same numbers on these cells, so
+``analysis.provenance`` may take them as one: list them in ``identical_versions.json`` with this command
+as the evidence), 1 otherwise, 2 for a root that is not a results store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments.store import ResultsStore, wall_clock_column  # noqa: E402
+
+SHOWN = 5
+"""Differing cells printed per preset."""
+
+
+@dataclass
+class PresetComparison:
+    """One preset's cells compared between two stores."""
+
+    preset: str
+    compared: int = 0
+    differing: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    """(cell key, planner, differing columns) of each cell whose rows differ."""
+    versions: tuple[set[str], set[str]] = field(default_factory=lambda: (set(), set()))
+    """Code versions of the compared cells: (old store's, new store's)."""
+
+
+def differing_columns(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
+    """Result columns (not wall-clock, not ``code_version``) whose values are not exactly equal; a column
+    present on one side only, or a different number of rows, counts as differing."""
+    if len(old) != len(new):
+        return ["<rows>"]
+    columns = sorted(set(old.columns) | set(new.columns))
+    out = []
+    for column in columns:
+        if column == "code_version" or wall_clock_column(column):
+            continue
+        if column not in old.columns or column not in new.columns:
+            out.append(column)
+            continue
+        a = old[column].reset_index(drop=True)
+        b = new[column].reset_index(drop=True)
+        if a.dtype.kind in "fc" and b.dtype.kind in "fc":
+            same = bool(np.array_equal(a.to_numpy(), b.to_numpy(), equal_nan=True))
+        else:
+            same = a.equals(b)
+        if not same:
+            out.append(column)
+    return out
+
+
+def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetComparison:
+    """Every cell key that both stores of ``preset`` finished, compared by :func:`differing_columns`."""
+    old_store, new_store = ResultsStore(old_root / preset), ResultsStore(new_root / preset)
+    result = PresetComparison(preset)
+    for key in sorted(set(old_store.keys()) & set(new_store.keys())):
+        old, new = old_store.read(key), new_store.read(key)
+        result.compared += 1
+        result.versions[0].update(old["code_version"].astype(str))
+        result.versions[1].update(new["code_version"].astype(str))
+        columns = differing_columns(old, new)
+        if columns:
+            result.differing.append((key, str(new["planner"].iloc[0]), columns))
+    return result
+
+
+def presets_of(root: Path) -> set[str]:
+    """Presets of a results root: its folders holding a ``cells`` folder."""
+    return {p.name for p in root.iterdir() if (p / "cells").is_dir()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--presets", default=None, help="comma-separated (default: every preset both roots hold)")
+    args = ap.parse_args(argv)
+    for root in (args.old, args.new):
+        if not root.is_dir() or not presets_of(root):
+            print(
+                f"identical_stores: {root}: not a results store (no <preset>/cells folder)", file=sys.stderr
+            )
+            return 2
+    shared = presets_of(args.old) & presets_of(args.new)
+    chosen = args.presets.split(",") if args.presets else sorted(shared)
+    missing = [p for p in chosen if p not in shared]
+    if missing:
+        print(f"identical_stores: --presets {','.join(missing)}: not in both roots", file=sys.stderr)
+        return 2
+    compared = differing = 0
+    versions: tuple[set[str], set[str]] = (set(), set())
+    for preset in chosen:
+        result = compare_preset(args.old, args.new, preset)
+        compared += result.compared
+        differing += len(result.differing)
+        versions[0].update(result.versions[0])
+        versions[1].update(result.versions[1])
+        print(f"{preset}: {result.compared} cells compared, {len(result.differing)} differ")
+        for key, planner, columns in result.differing[:SHOWN]:
+            print(f"  {key} ({planner}): {', '.join(columns[:8])}")
+    print(f"code versions: old {sorted(versions[0])}, new {sorted(versions[1])}")
+    print(f"{compared} cells compared, {differing} differ")
+    return 0 if compared and not differing else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

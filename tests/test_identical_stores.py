@@ -1,0 +1,72 @@
+"""scripts/identical_stores.py: two stores' cells compared exactly on their result columns, wall-clock
+columns and the code version left out, on hand-made cells."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments.store import ResultsStore, cell_key
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("identical_stores", REPO / "scripts" / "identical_stores.py")
+assert _spec is not None and _spec.loader is not None
+identical_stores = importlib.util.module_from_spec(_spec)
+sys.modules["identical_stores"] = identical_stores  # NOTE: its dataclasses look their module up there
+_spec.loader.exec_module(identical_stores)
+
+
+def _cell(root: Path, planner: str, step: float, version: str, plan_s: float) -> str:
+    config = {"planner": {"name": planner}, "seed": 0}
+    key = cell_key(config)
+    rows = pd.DataFrame(
+        {
+            "planner": [planner],
+            "step_time_s": [step],
+            "skew_mean": [float("nan")],
+            "plan_time_s": [plan_s],
+            "cp_wait_s": [plan_s / 2],
+            "code_version": [version],
+        }
+    )
+    ResultsStore(root / "overall").write(key, rows, config)
+    return key
+
+
+def test_identical_cells_pass_whatever_their_wall_clock_and_code_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for planner, step in (("a", 1.25), ("b", 2.5)):
+        _cell(tmp_path / "old", planner, step, "0.1.0+gold", plan_s=3.0)
+        _cell(tmp_path / "new", planner, step, "0.1.0+gnew", plan_s=0.5)  # NaN skew equal to NaN
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    out = capsys.readouterr().out
+    assert "overall: 2 cells compared, 0 differ" in out
+    assert "old ['0.1.0+gold'], new ['0.1.0+gnew']" in out
+
+
+def test_a_last_bit_difference_in_a_result_fails_and_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cell(tmp_path / "old", "a", 1.25, "v", plan_s=1.0)
+    key = _cell(tmp_path / "new", "a", 1.25 + 2.0**-50, "v", plan_s=1.0)
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
+    out = capsys.readouterr().out
+    assert f"{key} (a): step_time_s" in out and "1 differ" in out
+
+
+def test_no_shared_cell_is_not_evidence(tmp_path: Path) -> None:
+    _cell(tmp_path / "old", "a", 1.0, "v", plan_s=1.0)
+    _cell(tmp_path / "new", "b", 1.0, "v", plan_s=1.0)
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
+
+
+def test_a_root_that_is_no_store_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _cell(tmp_path / "old", "a", 1.0, "v", plan_s=1.0)
+    (tmp_path / "empty").mkdir()
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "empty")]) == 2
+    assert "not a results store" in capsys.readouterr().err
