@@ -8,6 +8,7 @@ preset's. ``python -m experiments.run -m +experiment=<name>`` launches the same 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,8 +64,35 @@ def compose_cell(experiment: str, cell: Sequence[str] = ()) -> DictConfig:
         return compose("config", overrides=[f"+experiment={experiment}", *cell])
 
 
+SEED = "seed"
+"""The trace seed: a plain value at the config's root (``conf/config.yaml``), never a config group."""
+
+
 def compose_cells(experiment: str, grid: Sequence[Sequence[str]]) -> list[DictConfig]:
-    """``compose_cell`` for many cells at once (one Hydra initialisation instead of one per cell)."""
+    """``compose_cell`` for many cells at once (one Hydra initialisation instead of one per cell).
+
+    Cells that differ only in their trace seed share one composition: the first is composed by Hydra, the
+    others are its copy with ``seed`` set to the value Hydra's override parser reads from their
+    ``seed=...`` override (the same config; tests/experiments/test_grid.py composes both ways). Hydra's
+    composition is most of a grid's planning time and the paper-scale presets run three seeds.
+    """
     _check(experiment)
+    parser = OverridesParser.create()
+    by_rest: dict[tuple[str, ...], DictConfig] = {}
+    out = []
     with _hydra():
-        return [compose("config", overrides=[f"+experiment={experiment}", *cell]) for cell in grid]
+        for cell in grid:
+            seeds = [o for o in cell if o.split("=", 1)[0] == SEED]
+            rest = tuple(o for o in cell if o.split("=", 1)[0] != SEED)
+            base = by_rest.get(rest) if len(seeds) == 1 else None
+            value = parser.parse_override(seeds[0]).value() if len(seeds) == 1 else None
+            if base is None or not isinstance(value, int) or isinstance(value, bool):
+                cfg = compose("config", overrides=[f"+experiment={experiment}", *cell])
+                if len(seeds) == 1:
+                    by_rest.setdefault(rest, cfg)
+                out.append(cfg)
+                continue
+            cfg = copy.deepcopy(base)
+            cfg[SEED] = value
+            out.append(cfg)
+    return out

@@ -81,11 +81,15 @@ a run that does not fit in memory stops or warns (``simulator.memory_check``), n
 
 
 def wall_clock_column(column: str) -> bool:
-    """Whether a result column is measured with a wall clock (planner solve times, the control plane's
-    timings), and so differs between any two runs of the same cell; every other column is a pure function
-    of the cell's config and the code."""
-    return (column.endswith("_time_s") and column != "step_time_s") or (
-        column.startswith("cp_") and column.endswith("_s")
+    """Whether a result column is measured with a wall clock (planner solve times such as ``plan_time_s``,
+    a portfolio's ``portfolio_<candidate>_plan_s``, an online balancer's ``<name>_measured_plan_s_per_layer``,
+    and the control plane's timings), and so differs between any two runs of the same cell; every other
+    column is a pure function of the cell's config and the code."""
+    return (
+        (column.endswith("_time_s") and column != "step_time_s")
+        or (column.startswith("cp_") and column.endswith("_s"))
+        or column.endswith("_plan_s")
+        or "_plan_s_" in column
     )
 
 

@@ -30,6 +30,8 @@ def _cell(root: Path, planner: str, step: float, version: str, plan_s: float) ->
             "skew_mean": [float("nan")],
             "plan_time_s": [plan_s],
             "cp_wait_s": [plan_s / 2],
+            "portfolio_keep_plan_s": [plan_s / 3],
+            "llep_measured_plan_s_per_layer": [plan_s / 4],
             "code_version": [version],
         }
     )
