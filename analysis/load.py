@@ -79,14 +79,16 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
         frame = store.load()
         if frame.empty:
             continue
+        # NOTE: each cell's config read (and verified) once, for every column below
+        configs = {key: store.config(key) for key in dict.fromkeys(frame["cell"])}
         if "param_bytes_per_gpu" not in frame:
             ep = dict(zip(frame["cell"], frame["nodes"] * frame["gpus_per_node"], strict=False))
-            frame["param_bytes_per_gpu"] = [_cell_params(store, key, int(ep[key])) for key in frame["cell"]]
+            frame["param_bytes_per_gpu"] = [_cell_params(configs[key], int(ep[key])) for key in frame["cell"]]
         for column, (key, default) in CLUSTER_COLUMNS.items():
             if column not in frame:
-                frame[column] = [_cell_cluster(store, cell, key, default) for cell in frame["cell"]]
+                frame[column] = [_cell_cluster(configs[cell], key, default) for cell in frame["cell"]]
         if "step" not in frame:
-            frame["step"] = [_cell_step(store, cell) for cell in frame["cell"]]
+            frame["step"] = [_cell_step(configs[cell]) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
     return out
 
@@ -99,20 +101,20 @@ CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {
 column -> (cluster key, its value in cells whose config predates the key)."""
 
 
-def _cell_step(store: ResultsStore, key: str) -> str:
+def _cell_step(config: Mapping[str, Any]) -> str:
     """The cell's ``simulator.step`` (``moe`` for cells whose config predates it: they priced the MoE-only
     step)."""
-    sim = store.config(key).get("simulator")
+    sim = config.get("simulator")
     return str(sim.get("step", "moe")) if isinstance(sim, Mapping) else "moe"
 
 
-def _cell_cluster(store: ResultsStore, key: str, name: str, default: object) -> object:
-    cluster = store.config(key).get("cluster")
+def _cell_cluster(config: Mapping[str, Any], name: str, default: object) -> object:
+    cluster = config.get("cluster")
     return cluster.get(name, default) if isinstance(cluster, Mapping) else default
 
 
-def _cell_params(store: ResultsStore, key: str, ep_size: int) -> float:
-    model = store.config(key).get("model")
+def _cell_params(config: Mapping[str, Any], ep_size: int) -> float:
+    model = config.get("model")
     return (
         param_bytes_per_gpu(model, ep_size)
         if isinstance(model, Mapping) and "hidden" in model
