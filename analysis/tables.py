@@ -488,21 +488,28 @@ def comm_sensitivity(frame: pd.DataFrame) -> Table:
         raise ValueError("communication sensitivity needs rows of planners megatron and relibra")
     data = frame.assign(EP=ep_size(frame), overlap=frame["ep_overlap"].map({True: "on", False: "off"}))
     keys = ["model", "dataset", "EP", "dispatcher", "overlap"]
-    wide = data.pivot_table(index=keys, columns="planner", values="step_time_s", aggfunc="mean")
+    wide = per_seed(data, keys, "step_time_s")
     planners = [p for p in ("megatron", "relibra", "balanced") if p in wide]
     planners += sorted(set(wide.columns) - set(planners))
-    out = wide[planners].rename(columns=lambda p: f"{paper.label(p)} s").reset_index()
-    out["ReLibra over Megatron-LM"] = (wide["megatron"] / wide["relibra"]).to_numpy()
+    cols: dict[str, pd.Series] = {f"{paper.label(p)} s": summarise(wide[p], keys)["mean"] for p in planners}
+    spread: dict[str, tuple[str, str]] = {}
+    _add_spread(cols, spread, "ReLibra over Megatron-LM", wide["megatron"] / wide["relibra"], keys)
     if "relibra_portfolio" in wide:
         ours = wide["relibra_portfolio"]
-        out["recommended over Megatron-LM"] = (wide["megatron"] / ours).to_numpy()
+        _add_spread(cols, spread, "recommended over Megatron-LM", wide["megatron"] / ours, keys)
         if "relibra_replicate_only" in wide:
-            out["recommended over replication only"] = (wide["relibra_replicate_only"] / ours).to_numpy()
+            _add_spread(
+                cols, spread, "recommended over replication only", wide["relibra_replicate_only"] / ours, keys
+            )
+    out = pd.DataFrame(cols).reset_index()
     return Table(
         "comm_sensitivity",
         "Step time (s) by dispatcher and EP overlap, and ReLibra's speed-up over Megatron-LM",
         out,
         formats={c: ".3f" for c in out.columns if c.endswith(" s") or " over " in c},
+        note=seed_note(frame),
+        spread=spread,
+        ties=frozenset(spread),
     )
 
 

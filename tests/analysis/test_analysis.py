@@ -530,6 +530,27 @@ def test_comm_sensitivity_pivots_dispatcher_and_overlap() -> None:
         comm_sensitivity(pd.DataFrame(rows).drop(columns="dispatcher"))
 
 
+def test_comm_sensitivity_takes_each_ratio_per_seed_with_its_spread_and_ties() -> None:
+    from analysis.tables import comm_sensitivity
+
+    rows = []
+    # seed 0: ReLibra 1.25x faster than Megatron-LM; seed 1: 0.9x (slower), so the ratio is a tie
+    for seed, relibra in ((0, 3.2), (1, 4.0 / 0.9)):
+        for planner, step in (("megatron", 4.0), ("relibra", relibra)):
+            rows.append(
+                _row("qwen3-30b-a3b", "mixed", planner, 4)
+                | {"step_time_s": step, "dispatcher": "deepep", "ep_overlap": False, "seed": seed}
+            )
+    table = comm_sensitivity(pd.DataFrame(rows))
+    frame = table.frame
+    np.testing.assert_allclose(frame["ReLibra over Megatron-LM"], (1.25 + 0.9) / 2)  # per seed, then mean
+    np.testing.assert_allclose(frame["ReLibra over Megatron-LM min"], 0.9)
+    np.testing.assert_allclose(frame["ReLibra over Megatron-LM max"], 1.25)
+    np.testing.assert_allclose(frame["ReLibra (paper) s"], (3.2 + 4.0 / 0.9) / 2)
+    assert "ReLibra over Megatron-LM" in table.ties and "2 seeds" in table.note
+    assert "tie" in table.formatted()["ReLibra over Megatron-LM"].iloc[0]
+
+
 def test_loaded_results_carry_each_cells_dispatcher_and_overlap(tmp_path: Path) -> None:
     from analysis.load import load_results
     from experiments.store import ResultsStore
