@@ -11,7 +11,6 @@ every planner's step (docs/results/README.md, results generation 5) should move 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.store import load_experiment  # noqa: E402
+from experiments.store_pair import parse_store_pair  # noqa: E402
 
 CELL = ["model", "dataset", "nodes", "seed"]
 """What makes two rows the same cell for a ratio between planners."""
@@ -54,22 +54,10 @@ def compare(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("old", type=Path)
-    ap.add_argument("new", type=Path)
-    ap.add_argument("--presets", default=None, help="comma-separated (default: every preset both roots hold)")
-    args = ap.parse_args(argv)
-    for root in (args.old, args.new):
-        if not root.is_dir():
-            print(f"compare_generations: {root}: no such results root", file=sys.stderr)
-            return 2
-    shared = sorted({p.name for p in args.old.iterdir()} & {p.name for p in args.new.iterdir()})
-    presets = (
-        args.presets.split(",") if args.presets else [p for p in shared if (args.new / p / "cells").is_dir()]
-    )
+    old_root, new_root, presets = parse_store_pair(__doc__.splitlines()[0], argv)
     pairs = closer_all = 0
     for preset in presets:
-        total, closer, flipped = compare(step_times(args.old, preset), step_times(args.new, preset))
+        total, closer, flipped = compare(step_times(old_root, preset), step_times(new_root, preset))
         pairs, closer_all = pairs + total, closer_all + closer
         print(f"{preset}: {total} pairs, {closer} as close to 1 or closer, {len(flipped)} changed side")
         for cell, a, b, before, after in flipped:

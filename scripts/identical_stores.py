@@ -14,7 +14,6 @@ as the evidence), 1 otherwise, 2 for a root that is not a results store.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.store import ResultsStore, wall_clock_column  # noqa: E402
+from experiments.store_pair import parse_store_pair  # noqa: E402
 
 SHOWN = 5
 """Differing cells printed per preset."""
@@ -82,33 +82,12 @@ def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetCompari
     return result
 
 
-def presets_of(root: Path) -> set[str]:
-    """Presets of a results root: its folders holding a ``cells`` folder."""
-    return {p.name for p in root.iterdir() if (p / "cells").is_dir()}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("old", type=Path)
-    ap.add_argument("new", type=Path)
-    ap.add_argument("--presets", default=None, help="comma-separated (default: every preset both roots hold)")
-    args = ap.parse_args(argv)
-    for root in (args.old, args.new):
-        if not root.is_dir() or not presets_of(root):
-            print(
-                f"identical_stores: {root}: not a results store (no <preset>/cells folder)", file=sys.stderr
-            )
-            return 2
-    shared = presets_of(args.old) & presets_of(args.new)
-    chosen = args.presets.split(",") if args.presets else sorted(shared)
-    missing = [p for p in chosen if p not in shared]
-    if missing:
-        print(f"identical_stores: --presets {','.join(missing)}: not in both roots", file=sys.stderr)
-        return 2
+    old_root, new_root, chosen = parse_store_pair(__doc__.splitlines()[0], argv)
     compared = differing = 0
     versions: tuple[set[str], set[str]] = (set(), set())
     for preset in chosen:
-        result = compare_preset(args.old, args.new, preset)
+        result = compare_preset(old_root, new_root, preset)
         compared += result.compared
         differing += len(result.differing)
         versions[0].update(result.versions[0])

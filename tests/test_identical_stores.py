@@ -70,5 +70,7 @@ def test_no_shared_cell_is_not_evidence(tmp_path: Path) -> None:
 def test_a_root_that_is_no_store_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _cell(tmp_path / "old", "a", 1.0, "v", plan_s=1.0)
     (tmp_path / "empty").mkdir()
-    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "empty")]) == 2
-    assert "not a results store" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        identical_stores.main([str(tmp_path / "old"), str(tmp_path / "empty")])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'empty'}: not a results store" in capsys.readouterr().err
