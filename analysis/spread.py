@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["SEED", "is_tie", "per_seed", "seeds", "summarise", "with_seed"]
+__all__ = ["SEED", "add_spread", "is_tie", "per_seed", "seed_note", "seeds", "summarise", "with_seed"]
 
 SEED = "seed"
 """Result column of the trace seed (``experiments.run``); rows without it count as seed 0."""
@@ -51,3 +51,25 @@ def is_tie(lo: float, hi: float, n: int) -> bool:
     """Whether a ratio whose seeds range over ``[lo, hi]`` (``n`` seeds) is a tie: more than one seed, and
     the range contains 1."""
     return bool(n > 1 and not np.isnan(lo) and not np.isnan(hi) and lo <= 1.0 <= hi)
+
+
+def seed_note(frame: pd.DataFrame) -> str:
+    """What a table's spreads are: over how many trace seeds, min-max, and the tie rule."""
+    n = seeds(frame)
+    if n <= 1:
+        return "One trace seed per cell: no spread over seeds (the paper-scale presets run three)."
+    return (
+        f"Each ratio is taken per trace seed ({n} seeds) and shown as its mean (min-max over the seeds); "
+        "'tie': that range contains 1, so the seeds do not agree on which planner is faster."
+    )
+
+
+def add_spread(
+    cols: dict[str, pd.Series], spread: dict[str, tuple[str, str]], name: str, per_seed_values: pd.Series,
+    keys: list[str], scale: float = 1.0,
+) -> None:  # fmt: skip
+    """Mean, min and max over seeds of ``per_seed_values`` (times ``scale``) as columns ``name``,
+    ``name min``, ``name max``."""
+    stats = summarise(per_seed_values * scale, keys)
+    cols[name], cols[f"{name} min"], cols[f"{name} max"] = stats["mean"], stats["min"], stats["max"]
+    spread[name] = (f"{name} min", f"{name} max")

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paper
-from analysis.spread import SEED, is_tie, per_seed, seeds, summarise, with_seed
+from analysis.spread import SEED, add_spread, is_tie, per_seed, seed_note, summarise, with_seed
 from analysis.table import Table
 
 __all__ = [
@@ -108,28 +108,6 @@ OVERALL_REFERENCES = (*paper.OVERALL_SPEEDUP, *ONLINE_BASELINES, "relibra_replic
 """What each ReLibra variant's throughput is divided by in the overall table (where present)."""
 
 
-def seed_note(frame: pd.DataFrame) -> str:
-    """What a table's spreads are: over how many trace seeds, min-max, and the tie rule."""
-    n = seeds(frame)
-    if n <= 1:
-        return "One trace seed per cell: no spread over seeds (the paper-scale presets run three)."
-    return (
-        f"Each ratio is taken per trace seed ({n} seeds) and shown as its mean (min-max over the seeds); "
-        "'tie': that range contains 1, so the seeds do not agree on which planner is faster."
-    )
-
-
-def _add_spread(
-    cols: dict[str, pd.Series], spread: dict[str, tuple[str, str]], name: str, per_seed_values: pd.Series,
-    keys: list[str], scale: float = 1.0,
-) -> None:  # fmt: skip
-    """Mean, min and max over seeds of ``per_seed_values`` (times ``scale``) as columns ``name``,
-    ``name min``, ``name max``."""
-    stats = summarise(per_seed_values * scale, keys)
-    cols[name], cols[f"{name} min"], cols[f"{name} max"] = stats["mean"], stats["min"], stats["max"]
-    spread[name] = (f"{name} min", f"{name} max")
-
-
 def overall_cells(frame: pd.DataFrame) -> Table:
     """Each ReLibra variant's throughput over every baseline, per (model, dataset, EP size); % of Balanced.
 
@@ -150,11 +128,11 @@ def overall_cells(frame: pd.DataFrame) -> Table:
         for base in OVERALL_REFERENCES:
             if base in wide:
                 name = f"over {paper.label(base)}"
-                _add_spread(cols, spread, name, wide[variant] / wide[base], keys)
+                add_spread(cols, spread, name, wide[variant] / wide[base], keys)
                 ties.add(name)
         for bound, col in BOUND_COLUMNS.items():
             if bound in wide:
-                _add_spread(cols, spread, col, wide[variant] / wide[bound], keys, 100.0)
+                add_spread(cols, spread, col, wide[variant] / wide[bound], keys, 100.0)
         ratios = pd.DataFrame(cols).reindex(index).reset_index()
         out = ratios[["model", "dataset"]].copy()
         out["EP"] = (ratios["nodes"] * ratios["gpus_per_node"]).astype(int)
@@ -249,7 +227,7 @@ def _skew_table(frame: pd.DataFrame, by: str, name: str, title: str, bounds: Map
     spread: dict[str, tuple[str, str]] = {}
     for planner in wide.columns:
         label = paper.label(planner)
-        _add_spread(cols, spread, label, wide[planner], [by])
+        add_spread(cols, spread, label, wide[planner], [by])
         if planner in bounds:
             lo, hi = bounds[planner]
             cols[f"{label} paper"] = pd.Series(f"{lo:.2f}-{hi:.2f}", index=cols[label].index)
@@ -265,7 +243,7 @@ def _step_table(frame: pd.DataFrame, by: str, name: str, title: str) -> Table:
     cols: dict[str, pd.Series] = {"ReLibra step s": summarise(wide["relibra"], [by])["mean"]}
     spread: dict[str, tuple[str, str]] = {}
     for planner in wide.columns.drop("relibra"):
-        _add_spread(cols, spread, f"{paper.label(planner)} / ReLibra", wide[planner] / wide["relibra"], [by])
+        add_spread(cols, spread, f"{paper.label(planner)} / ReLibra", wide[planner] / wide["relibra"], [by])
     out = pd.DataFrame(cols).rename_axis(by).reset_index()
     return Table(
         name,
@@ -493,12 +471,12 @@ def comm_sensitivity(frame: pd.DataFrame) -> Table:
     planners += sorted(set(wide.columns) - set(planners))
     cols: dict[str, pd.Series] = {f"{paper.label(p)} s": summarise(wide[p], keys)["mean"] for p in planners}
     spread: dict[str, tuple[str, str]] = {}
-    _add_spread(cols, spread, "ReLibra over Megatron-LM", wide["megatron"] / wide["relibra"], keys)
+    add_spread(cols, spread, "ReLibra over Megatron-LM", wide["megatron"] / wide["relibra"], keys)
     if "relibra_portfolio" in wide:
         ours = wide["relibra_portfolio"]
-        _add_spread(cols, spread, "recommended over Megatron-LM", wide["megatron"] / ours, keys)
+        add_spread(cols, spread, "recommended over Megatron-LM", wide["megatron"] / ours, keys)
         if "relibra_replicate_only" in wide:
-            _add_spread(
+            add_spread(
                 cols, spread, "recommended over replication only", wide["relibra_replicate_only"] / ours, keys
             )
     out = pd.DataFrame(cols).reset_index()
