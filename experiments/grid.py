@@ -83,16 +83,16 @@ def compose_cells(experiment: str, grid: Sequence[Sequence[str]]) -> list[DictCo
     with _hydra():
         for cell in grid:
             seeds = [o for o in cell if o.split("=", 1)[0] == SEED]
-            rest = tuple(o for o in cell if o.split("=", 1)[0] != SEED)
-            base = by_rest.get(rest) if len(seeds) == 1 else None
-            value = parser.parse_override(seeds[0]).value() if len(seeds) == 1 else None
-            if base is None or not isinstance(value, int) or isinstance(value, bool):
+            seed = parser.parse_override(seeds[0]).value() if len(seeds) == 1 else None
+            shareable = isinstance(seed, int) and not isinstance(seed, bool)
+            rest = tuple(o for o in cell if o not in seeds)
+            base = by_rest.get(rest) if shareable else None
+            if base is None:
                 cfg = compose("config", overrides=[f"+experiment={experiment}", *cell])
-                if len(seeds) == 1:
-                    by_rest.setdefault(rest, cfg)
-                out.append(cfg)
-                continue
-            cfg = copy.deepcopy(base)
-            cfg[SEED] = value
+                if shareable:
+                    by_rest[rest] = cfg
+            else:
+                cfg = copy.deepcopy(base)
+                cfg[SEED] = seed
             out.append(cfg)
     return out

@@ -87,7 +87,12 @@ verdicts move with the dispatcher and the EP overlap."""
 SCALES = {"paper": PAPER_PRESETS, "field": FIELD_PRESETS}
 """``--scale`` -> its presets (``quick``: :data:`QUICK_PRESETS`)."""
 QUICK_PRESETS = (
-    *(f"quick_{p}" for p in ("overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets")),
+    "quick_overall",
+    "quick_overall_deepep",
+    "quick_ablation",
+    "quick_ep_scaling",
+    "quick_nvl72",
+    "quick_datasets",
     "quick_overhead",
     "quick_real_trace",
     "quick_whole_step_shift",
