@@ -3,7 +3,8 @@
 Usage: ``python scripts/identical_stores.py OLD_ROOT NEW_ROOT [--presets overall,ablation,...]``.
 
 For each preset both roots hold, every cell both stores finished (same cell key) is read (verified reads)
-and compared column by column, exactly, on every result column but the code version and the columns
+and compared column by column, exactly, its result rows and its per-(micro-batch, layer) table, on every
+column but the code version and the columns
 measured with a wall clock (:func:`experiments.store.wall_clock_column`: planning and control-plane
 seconds). Prints per preset the cells compared and those that differ, with the first few differing cells
 and columns, and the code versions on each side. Exit status 0 when at least one cell was compared and
@@ -68,7 +69,8 @@ def differing_columns(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
 
 
 def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetComparison:
-    """Every cell key that both stores of ``preset`` finished, compared by :func:`differing_columns`."""
+    """Every cell key that both stores of ``preset`` finished, its rows and its per-layer table compared by
+    :func:`differing_columns` (per-layer columns named ``per_layer.<column>``)."""
     old_store, new_store = ResultsStore(old_root / preset), ResultsStore(new_root / preset)
     result = PresetComparison(preset)
     for key in sorted(set(old_store.keys()) & set(new_store.keys())):
@@ -77,6 +79,11 @@ def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetCompari
         result.versions[0].update(old["code_version"].astype(str))
         result.versions[1].update(new["code_version"].astype(str))
         columns = differing_columns(old, new)
+        old_layers, new_layers = old_store.read_per_layer(key), new_store.read_per_layer(key)
+        if (old_layers is None) != (new_layers is None):
+            columns.append("<per-layer table>")
+        elif old_layers is not None and new_layers is not None:
+            columns += [f"per_layer.{c}" for c in differing_columns(old_layers, new_layers)]
         if columns:
             result.differing.append((key, str(new["planner"].iloc[0]), columns))
     return result

@@ -20,7 +20,7 @@ sys.modules["identical_stores"] = identical_stores  # NOTE: its dataclasses look
 _spec.loader.exec_module(identical_stores)
 
 
-def _cell(root: Path, planner: str, step: float, version: str, plan_s: float) -> str:
+def _cell(root: Path, planner: str, step: float, version: str, plan_s: float, layer_t: float = 0.5) -> str:
     config = {"planner": {"name": planner}, "seed": 0}
     key = cell_key(config)
     rows = pd.DataFrame(
@@ -35,7 +35,8 @@ def _cell(root: Path, planner: str, step: float, version: str, plan_s: float) ->
             "code_version": [version],
         }
     )
-    ResultsStore(root / "overall").write(key, rows, config)
+    per_layer = pd.DataFrame({"layer": [0, 1], "t_moe_s": [layer_t, 0.25], "plan_time_s": [plan_s, plan_s]})
+    ResultsStore(root / "overall").write(key, rows, config, per_layer)
     return key
 
 
@@ -59,6 +60,16 @@ def test_a_last_bit_difference_in_a_result_fails_and_is_named(
     assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
     out = capsys.readouterr().out
     assert f"{key} (a): step_time_s" in out and "1 differ" in out
+
+
+def test_a_difference_in_the_per_layer_table_alone_fails_and_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cell(tmp_path / "old", "a", 1.25, "v", plan_s=1.0)
+    _cell(tmp_path / "new", "a", 1.25, "v", plan_s=2.0, layer_t=0.5 + 2.0**-40)
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
+    out = capsys.readouterr().out
+    assert "(a): per_layer.t_moe_s" in out and "per_layer.plan_time_s" not in out
 
 
 def test_no_shared_cell_is_not_evidence(tmp_path: Path) -> None:
