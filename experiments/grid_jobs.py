@@ -27,6 +27,9 @@ class GridReport:
     skipped: str = ""
     total: int = 0
     """Cells in the preset's grid."""
+    left_out: int = 0
+    """Finished cells of the grid recorded before this run that its grid leaves out (the analysis then
+    leaves them out too): a changed setting, or overrides that narrow the sweep without ``--extend-grid``."""
 
 
 @dataclass(frozen=True)

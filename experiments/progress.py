@@ -143,6 +143,13 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
                 f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
                 f"{current} ({versions}): {what}"
             )
+        if rep.left_out:
+            console.print(
+                f"  [yellow]{rep.left_out} finished cells of the grid recorded before are not in this "
+                "one[/yellow]: the analysis leaves them out (--extend-grid keeps them, e.g. when adding "
+                "trace seeds)",
+                soft_wrap=True,
+            )
         for unreadable in rep.corrupt:
             console.print(
                 f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"

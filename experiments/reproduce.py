@@ -121,9 +121,17 @@ def prepare_olmoe_trace(shared: Path, out: Path) -> Path | None:
 
 
 def plan_grid(
-    preset: str, results_root: Path, overrides: list[str], recompute_stale: bool = False
+    preset: str,
+    results_root: Path,
+    overrides: list[str],
+    recompute_stale: bool = False,
+    extend_grid: bool = False,
 ) -> tuple[GridReport, list[CellJob]]:
     """Sort ``preset``'s cells into finished ones (counted in the report) and jobs still to compute.
+
+    The store's ``grid.json`` becomes this grid's keys, or with ``extend_grid`` their union with the grid
+    recorded before; finished cells of the earlier grid that the new one leaves out are counted in the
+    report's ``left_out``.
 
     A finished cell computed by other code than the current one (its ``code_version``) is counted in
     ``stale`` and reused, or with ``recompute_stale`` becomes a job (its stored rows are replaced only when
@@ -140,7 +148,9 @@ def plan_grid(
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
     _validate_grid(preset, configs)
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
-    store.write_grid(cell_key(cfg) for cfg in configs)
+    keys = {cell_key(cfg) for cfg in configs}
+    before = store.write_grid(keys, extend=extend_grid)
+    report.left_out = 0 if extend_grid else len((before - keys) & set(store.keys()))
     report.total = len(grid)
     jobs: list[CellJob] = []
     for cell, cfg in zip(grid, configs):
@@ -162,7 +172,11 @@ def plan_grid(
 
 
 def plan_grids(
-    plans: list[tuple[str, list[str]]], results_root: Path, recompute_stale: bool = False, workers: int = 1
+    plans: list[tuple[str, list[str]]],
+    results_root: Path,
+    recompute_stale: bool = False,
+    workers: int = 1,
+    extend_grid: bool = False,
 ) -> list[tuple[GridReport, list[CellJob]]]:
     """:func:`plan_grid` of each ``(preset, overrides)``, in the order given.
 
@@ -172,13 +186,16 @@ def plan_grids(
     planning (nothing is computed); its exception is raised here.
     """
     if workers <= 1 or len(plans) <= 1:
-        return [plan_grid(preset, results_root, overrides, recompute_stale) for preset, overrides in plans]
+        return [
+            plan_grid(preset, results_root, overrides, recompute_stale, extend_grid)
+            for preset, overrides in plans
+        ]
     sizes = [len(cells(preset, overrides)) for preset, overrides in plans]
     planned: list[tuple[GridReport, list[CellJob]] | None] = [None] * len(plans)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(plans)), mp_context=ctx) as pool:
         futures = {
-            pool.submit(plan_grid, plans[i][0], results_root, plans[i][1], recompute_stale): i
+            pool.submit(plan_grid, plans[i][0], results_root, plans[i][1], recompute_stale, extend_grid): i
             for i in sorted(range(len(plans)), key=lambda i: -sizes[i])
         }
         try:
@@ -426,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-analysis", action="store_true", help="only run the cells")
     parser.add_argument(
+        "--extend-grid",
+        action="store_true",
+        help="add this run's cells to each preset's recorded grid instead of replacing it (e.g. seed=1,2 "
+        "beside a finished seed 0: the analysis then reads all three seeds)",
+    )
+    parser.add_argument(
         "--recompute-stale",
         action="store_true",
         help="recompute finished cells whose results came from other code (their code_version)",
@@ -484,7 +507,7 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
             overrides.append(f"trace.path={trace}")
         plans.append((preset, overrides))
     try:
-        planned = plan_grids(plans, root, args.recompute_stale, args.workers)
+        planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)
     except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
         console.print(f"[red]python -m experiments.reproduce: {exc}")
         return 2

@@ -9,6 +9,7 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
                                    its key and checksum likewise
         claims/<key>.lock          the lock a writer holds while it computes the cell
         grid.json                  optional: the keys of the experiment's current grid
+        claims/grid.json.lock      the lock a writer holds while it rewrites grid.json
 
 ``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
 keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``).
@@ -35,7 +36,9 @@ message, rather than trusted unverified. The format stays plain parquet: ``pd.re
 
 When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
 driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only
-the grid's finished cells (``all_cells=True`` returns every cell on disk).
+the grid's finished cells (``all_cells=True`` returns every cell on disk). A run whose overrides narrow
+the preset's sweep (``seed=1,2``) records only its own cells unless asked to extend the grid
+(``experiments.reproduce --extend-grid``); the runner says how many finished cells the new grid leaves out.
 """
 
 from __future__ import annotations
@@ -97,6 +100,9 @@ _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"
 _CHECKSUM_META = b"relibra.checksum"
 _TMP_PREFIX = TMP_PREFIX
+_GRID_CLAIM = "grid.json"
+"""The claim (``claims/grid.json.lock``) under which ``grid.json`` is read and rewritten; no cell key
+(16 hex digits) takes this name."""
 
 log = logging.getLogger(__name__)
 
@@ -426,18 +432,32 @@ class ResultsStore:
     def grid_path(self) -> Path:
         return self.root / "grid.json"
 
-    def write_grid(self, keys: Iterable[str]) -> None:
-        """Record the keys of the experiment's current grid (atomically), so loads skip stale cells."""
-        text = json.dumps(sorted(set(keys))).encode()
-        atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
+    def grid_keys(self) -> set[str] | None:
+        """The keys ``grid.json`` records, or None without one."""
+        if not self.grid_path.is_file():
+            return None
+        return set(json.loads(self.grid_path.read_text()))
+
+    def write_grid(self, keys: Iterable[str], extend: bool = False) -> set[str]:
+        """Record the keys of the experiment's current grid (atomically), so loads skip stale cells.
+
+        ``extend``: the grid becomes the union of ``keys`` and the grid recorded before (a sweep that adds
+        trace seeds to a finished grid keeps the finished ones in it); the read and the write happen under
+        one claim, so two extending runs do not lose each other's keys. Returns the keys recorded before
+        (empty without a ``grid.json``).
+        """
+        wanted = set(keys)
+        with self.claim(_GRID_CLAIM):
+            before = self.grid_keys() or set()
+            text = json.dumps(sorted(wanted | before if extend else wanted)).encode()
+            atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
+        return before
 
     def current_keys(self, all_cells: bool = False) -> list[str]:
         """Finished cells of the current grid (``grid.json``), or every finished cell without one."""
         done = self.keys()
-        if all_cells or not self.grid_path.is_file():
-            return done
-        grid = set(json.loads(self.grid_path.read_text()))
-        return [k for k in done if k in grid]
+        grid = None if all_cells else self.grid_keys()
+        return done if grid is None else [k for k in done if k in grid]
 
     def load(self, all_cells: bool = False) -> pd.DataFrame:
         """Finished cells' rows in one frame, with a ``cell`` column holding each row's key.

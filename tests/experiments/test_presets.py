@@ -343,7 +343,7 @@ def test_reproduce_scale_selects_the_presets(
 
     ran: list[str] = []
 
-    def record(preset, root, overrides, recompute_stale=False):  # type: ignore[no-untyped-def]
+    def record(preset, root, overrides, recompute_stale=False, extend_grid=False):  # type: ignore[no-untyped-def]
         ran.append(preset)
         return GridReport(preset), []
 

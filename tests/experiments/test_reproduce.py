@@ -196,3 +196,30 @@ def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
     assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=1", "seed=1"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAILED") == 2 and "same cell as quick_overall's, which failed: RuntimeError" in out
+
+
+def test_a_narrowed_sweep_replaces_the_grid_unless_extended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`seed=1` after a finished `seed=0` records only seed 1 (and says what it leaves out);
+    `--extend-grid` adds to the recorded grid instead, so the analysis reads both seeds."""
+    argv = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "1", "--no-analysis"]
+    cell = [*TINY, "planner=megatron"]
+    store = ResultsStore(tmp_path / "quick_ep_scaling")
+
+    assert reproduce.main([*argv, *cell, "seed=0"]) == 0
+    (seed0,) = store.grid_keys() or set()
+    assert "not in this one" not in capsys.readouterr().out
+
+    assert reproduce.main([*argv, *cell, "seed=1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 finished cells of the grid recorded before are not in this one" in out
+    (seed1,) = store.grid_keys() or set()
+    assert seed1 != seed0 and set(store.load()["cell"]) == {seed1}
+    assert set(store.load(all_cells=True)["cell"]) == {seed0, seed1}  # nothing was deleted
+
+    assert reproduce.main([*argv, "--extend-grid", *cell, "seed=0"]) == 0
+    out = capsys.readouterr().out
+    assert "quick_ep_scaling: 1 cells, 1 reused, 0 to compute" in out and "not in this one" not in out
+    assert store.grid_keys() == {seed0, seed1}
+    assert set(store.load()["cell"]) == {seed0, seed1}

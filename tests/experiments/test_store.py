@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
@@ -508,3 +509,13 @@ def test_a_damaged_cell_is_either_refused_or_read_unchanged(tmp_path: Path, data
         assert str(path) in str(err)
     else:
         pd.testing.assert_frame_equal(rows, good)
+
+
+def test_write_grid_replaces_or_extends_and_returns_the_grid_before(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    assert store.grid_keys() is None
+    assert store.write_grid(["a", "b"]) == set()
+    assert store.write_grid(["c"]) == {"a", "b"} and store.grid_keys() == {"c"}
+    assert store.write_grid(["d", "c"], extend=True) == {"c"} and store.grid_keys() == {"c", "d"}
+    assert json.loads(store.grid_path.read_text()) == ["c", "d"]  # sorted, each key once
+    assert not list((tmp_path / "claims").glob("*.lock"))  # the claim is given back
