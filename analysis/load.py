@@ -75,12 +75,10 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
     """``{experiment name: results frame}``; each frame carries ``experiment`` and ``cell`` columns."""
     out = {}
     for name, directory in experiment_dirs(root).items():
-        store = ResultsStore(directory)
-        frame = store.load()
+        # NOTE: each cell's file read (and verified) once, for its rows and its config
+        frame, configs = ResultsStore(directory).load_with_configs()
         if frame.empty:
             continue
-        # NOTE: each cell's config read (and verified) once, for every column below
-        configs = {key: store.config(key) for key in dict.fromkeys(frame["cell"])}
         if "param_bytes_per_gpu" not in frame:
             ep = dict(zip(frame["cell"], frame["nodes"] * frame["gpus_per_node"], strict=False))
             frame["param_bytes_per_gpu"] = [_cell_params(configs[key], int(ep[key])) for key in frame["cell"]]

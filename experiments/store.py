@@ -206,6 +206,13 @@ def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.Dat
     """``table`` (read from ``path``, the file of cell ``key``) as a frame, once its metadata says it is that
     cell's file (``relibra.cell``), its rows match ``relibra.checksum`` and (``has_config``) its stored config
     hashes to ``key``; :class:`CorruptCellError` naming what failed otherwise (module docstring)."""
+    return _verified_with_config(path, key, table, has_config)[0]
+
+
+def _verified_with_config(
+    path: Path, key: str, table: pa.Table, has_config: bool
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """:func:`_verified`'s frame and the stored config it checked (``{}`` without ``has_config``)."""
     meta = table.schema.metadata or {}
     stored_key = meta.get(_KEY_META, b"").decode(errors="replace")
     if stored_key != key:
@@ -228,9 +235,10 @@ def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.Dat
             config = json.loads(meta[_CONFIG_META])
         except (KeyError, ValueError) as err:
             raise CorruptCellError(path, f"its stored config is missing or not JSON ({err})") from err
-        if not isinstance(config, Mapping) or cell_key(config) != key:
+        if not isinstance(config, dict) or cell_key(config) != key:
             raise CorruptCellError(path, f"its stored config does not hash to its key {key}")
-    return frame
+        return frame, config
+    return frame, {}
 
 
 def _remove_non_file(path: Path) -> None:
@@ -326,9 +334,13 @@ class ResultsStore:
         Raises FileNotFoundError when the cell is not finished and :class:`CorruptCellError` (naming the
         file and the check it failed) when its file cannot be read or trusted (module docstring).
         """
+        return self.read_with_config(key)[0]
+
+    def read_with_config(self, key: str) -> tuple[pd.DataFrame, dict[str, Any]]:
+        """:meth:`read`'s rows and the resolved config the cell was run with, from one read of its file."""
         path = self.cell_path(key)
         try:
-            return _verified(path, key, _read_table(path), has_config=True)
+            return _verified_with_config(path, key, _read_table(path), has_config=True)
         except FileNotFoundError:
             raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})") from None
 
@@ -423,10 +435,7 @@ class ResultsStore:
 
     def config(self, key: str) -> dict[str, Any]:
         """The resolved config cell ``key`` was run with (read once its file passed :meth:`read`'s checks)."""
-        path = self.cell_path(key)
-        table = _read_table(path)
-        _verified(path, key, table, has_config=True)
-        return json.loads((table.schema.metadata or {})[_CONFIG_META])
+        return self.read_with_config(key)[1]
 
     @property
     def grid_path(self) -> Path:
@@ -465,12 +474,22 @@ class ResultsStore:
         Only the current grid's cells when ``grid.json`` exists, unless ``all_cells``.
         Unreadable cells are left out (each logged, naming its file; :meth:`corrupt_keys` lists them).
         """
-        frames = []
+        return self.load_with_configs(all_cells)[0]
+
+    def load_with_configs(self, all_cells: bool = False) -> tuple[pd.DataFrame, dict[str, dict[str, Any]]]:
+        """:meth:`load`'s frame and ``{cell key: resolved config}`` of its cells, each file read once."""
+        frames, configs = [], {}
         for k in self.current_keys(all_cells):
-            rows = self.finished(k)
-            if rows is not None:
-                frames.append(rows.assign(cell=k))
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
+            try:
+                rows, configs[k] = self.read_with_config(k)
+            except FileNotFoundError:  # NOTE: removed since it was listed
+                continue
+            except CorruptCellError as err:
+                log.warning("%s", err)
+                continue
+            frames.append(rows.assign(cell=k))
+        frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
+        return frame, configs
 
     def load_per_layer(self, all_cells: bool = False) -> pd.DataFrame:
         """Finished cells' per-layer tables in one frame, with a ``cell`` column (grid rule as ``load``)."""
