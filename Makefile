@@ -54,7 +54,7 @@ lint: venv
 	$(PY) -m ruff format --check .
 
 typecheck: venv
-	$(PY) -m mypy relibra baselines experiments analysis
+	$(PY) -m mypy relibra baselines experiments analysis benchmarks scripts
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) outputs multirun .pytest_cache .mypy_cache .ruff_cache

@@ -78,6 +78,7 @@ def main() -> None:
     console = Console()
     console.print(table)
     ultra = UltraEPPlanner().plan(ctx)
+    assert ultra.replicas is not None  # UltraEP replicates: its plans carry the replica placement
     cost = ctx.cost
     t_prop = cost.comm_time(cost.traffic(ultra.load, ultra.assign)).max(axis=-1).sum()
     t_own = cost.comm_time(own_split_traffic(ctx.load, 8, ultra.replicas.shape[-1])).max(axis=-1).sum()
