@@ -146,8 +146,9 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
         if rep.left_out:
             console.print(
                 f"  [yellow]{rep.left_out} finished cells of the grid recorded before are not in this "
-                "one[/yellow]: the analysis leaves them out (--extend-grid keeps them, e.g. when adding "
-                "trace seeds)",
+                "one[/yellow] (a changed setting, or overrides that narrow the sweep): the analysis leaves "
+                "them out; they stay on disk. To add this run's cells to the grid instead (e.g. more trace "
+                "seeds), rerun with --extend-grid",
                 soft_wrap=True,
             )
         for unreadable in rep.corrupt:
