@@ -110,6 +110,22 @@ def test_presets_planned_in_worker_processes_are_those_planned_in_one(tmp_path: 
             ).replace(str(tmp_path / "two"), "R")
 
 
+def test_worker_planners_extend_the_recorded_grid_as_one_does(tmp_path: Path) -> None:
+    """`extend_grid` reaches the spawned planners: each preset's grid.json becomes the union of the grid
+    recorded before and the planned keys, and without it the planned keys alone (`left_out` counts finished
+    cells only, so none here)."""
+    plans = [(preset, [*TINY, *sweep]) for preset, sweep in SHARED.items()]
+    stores = [ResultsStore(tmp_path / preset) for preset in SHARED]
+    for store in stores:
+        store.write_grid(["0123456789abcdef"])
+    planned = reproduce.plan_grids(plans, tmp_path, workers=2, extend_grid=True)
+    for store, (report, jobs) in zip(stores, planned, strict=True):
+        assert store.grid_keys() == {"0123456789abcdef", *(j.key for j in jobs)} and report.left_out == 0
+    planned = reproduce.plan_grids(plans, tmp_path, workers=2)
+    for store, (_, jobs) in zip(stores, planned, strict=True):
+        assert store.grid_keys() == {j.key for j in jobs}
+
+
 def test_a_preset_that_cannot_be_planned_stops_the_planning_in_workers(tmp_path: Path) -> None:
     """A preset every cell of which is refused raises its ConfigError from plan_grids, as from plan_grid,
     naming the preset."""
