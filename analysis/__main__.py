@@ -23,7 +23,7 @@ from analysis.claims import paper_claims
 from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
-from analysis.load import experiment_dirs, load_per_layer_results, load_results
+from analysis.load import load_per_layer_results, read_results
 from analysis.provenance import (
     IdenticalVersionsError,
     load_identical_groups,
@@ -33,7 +33,6 @@ from analysis.provenance import (
 from analysis.render import write_table
 from analysis.tables import all_tables
 from analysis.targets import recommended_targets
-from experiments.store import ResultsStore
 from relibra.provenance import code_version
 
 __all__ = ["AnalysisOutput", "analyse", "main"]
@@ -68,12 +67,12 @@ def analyse(
     """
     out_dir = out_dir or results_dir / "analysis"
     command = command or f"python -m analysis {results_dir}"
-    results = load_results(results_dir)
+    loaded = read_results(results_dir)
+    results, warnings = loaded.frames, loaded.warnings
     if not results:
         raise FileNotFoundError(
             f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
         )
-    warnings = _input_warnings(results_dir)
     groups = load_identical_groups(results_dir)
     refused = [why for name, frame in results.items() if (why := mixed_versions_refusal(name, frame, groups))]
     results = {n: f for n, f in results.items() if mixed_versions_refusal(n, f, groups) is None}
@@ -109,16 +108,6 @@ def analyse(
         for why in refused:
             console.print(f"[red]{why}")
     return AnalysisOutput(tables, figures, out_dir, skipped, warnings, refused)
-
-
-def _input_warnings(results_dir: Path) -> list[str]:
-    out = []
-    for name, directory in experiment_dirs(results_dir).items():
-        for key in ResultsStore(directory).corrupt_keys():
-            out.append(
-                f"{name}: cell file {ResultsStore(directory).cell_path(key)} is unreadable and left out"
-            )
-    return out
 
 
 REPO = Path(__file__).resolve().parents[1]

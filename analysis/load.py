@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,14 @@ from experiments.store import UNKNOWN_CODE, CorruptCellError, ResultsStore
 from relibra.cluster import ModelSpec
 
 __all__ = [
+    "Results",
     "code_versions",
     "experiment_dirs",
     "experiment_name",
     "load_per_layer_results",
     "load_results",
     "param_bytes_per_gpu",
+    "read_results",
 ]
 
 BYTES_PER_PARAM = 2.0
@@ -71,12 +74,38 @@ def code_versions(frame: pd.DataFrame) -> dict[str, int]:
     return {str(k): int(v) for k, v in frame["code_version"].fillna(UNKNOWN_CODE).value_counts().items()}
 
 
+@dataclass(frozen=True)
+class Results:
+    """Every experiment under a results root, and what a reader of its tables should know."""
+
+    frames: dict[str, pd.DataFrame]
+    """``{experiment name: results frame}``; each frame carries ``experiment`` and ``cell`` columns."""
+    warnings: list[str]
+    """Unreadable cell files left out, and grids whose recorded cells are not all finished (their tables
+    cover the finished ones only), one line each naming the experiment."""
+
+
 def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
     """``{experiment name: results frame}``; each frame carries ``experiment`` and ``cell`` columns."""
-    out = {}
+    return read_results(root).frames
+
+
+def read_results(root: str | Path) -> Results:
+    """:func:`load_results`'s frames with the warnings about their inputs, each cell file read once."""
+    out, warnings = {}, []
     for name, directory in experiment_dirs(root).items():
-        # NOTE: each cell's file read (and verified) once, for its rows and its config
-        frame, configs = ResultsStore(directory).load_with_configs()
+        store = ResultsStore(directory)
+        contents = store.contents()
+        for key in contents.corrupt:
+            warnings.append(f"{name}: cell file {store.cell_path(key)} is unreadable and left out")
+        if contents.unfinished:
+            finished, missing = len(contents.configs), len(contents.unfinished)
+            total = missing + finished + len(contents.corrupt)
+            warnings.append(
+                f"{name}: {missing} of the {total} cells of its grid are not finished (an interrupted or "
+                f"running grid): its tables cover the {finished} finished ones; a rerun completes it"
+            )
+        frame, configs = contents.rows, contents.configs
         if frame.empty:
             continue
         if "param_bytes_per_gpu" not in frame:
@@ -88,7 +117,7 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
         if "step" not in frame:
             frame["step"] = [_cell_step(configs[cell]) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
-    return out
+    return Results(out, warnings)
 
 
 CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {

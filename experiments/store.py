@@ -67,6 +67,7 @@ __all__ = [
     "UNKNOWN_CODE",
     "CorruptCellError",
     "ResultsStore",
+    "StoreContents",
     "cell_key",
     "content_checksum",
     "load_experiment",
@@ -262,6 +263,21 @@ def _drop_unheld(path: Path, handle: Any) -> None:
 
 
 @dataclass(frozen=True)
+class StoreContents:
+    """What one read of a store's current cells found (:meth:`ResultsStore.contents`)."""
+
+    rows: pd.DataFrame
+    """Every finished, readable cell's rows with a ``cell`` column (:meth:`ResultsStore.load`'s frame)."""
+    configs: dict[str, dict[str, Any]]
+    """Cell key -> the resolved config it ran with, for each cell in ``rows``."""
+    corrupt: list[str]
+    """Keys whose cell file exists but cannot be read or trusted (left out of ``rows``, each logged)."""
+    unfinished: list[str]
+    """Keys of the recorded grid (``grid.json``) with no cell file: an interrupted or running grid (empty
+    without a ``grid.json``, or with ``all_cells``)."""
+
+
+@dataclass(frozen=True)
 class ResultsStore:
     """The finished cells of one experiment, under ``root`` (see the module docstring for the layout)."""
 
@@ -366,15 +382,7 @@ class ResultsStore:
 
     def corrupt_keys(self, all_cells: bool = False) -> list[str]:
         """Cells whose file exists but cannot be read or trusted (:meth:`load` leaves them out)."""
-        bad = []
-        for key in self.current_keys(all_cells):
-            try:
-                self.read(key)
-            except CorruptCellError:
-                bad.append(key)
-            except FileNotFoundError:
-                continue
-        return bad
+        return self.contents(all_cells).corrupt
 
     @contextmanager
     def claim(self, key: str) -> Iterator[None]:
@@ -474,22 +482,27 @@ class ResultsStore:
         Only the current grid's cells when ``grid.json`` exists, unless ``all_cells``.
         Unreadable cells are left out (each logged, naming its file; :meth:`corrupt_keys` lists them).
         """
-        return self.load_with_configs(all_cells)[0]
+        return self.contents(all_cells).rows
 
-    def load_with_configs(self, all_cells: bool = False) -> tuple[pd.DataFrame, dict[str, dict[str, Any]]]:
-        """:meth:`load`'s frame and ``{cell key: resolved config}`` of its cells, each file read once."""
-        frames, configs = [], {}
-        for k in self.current_keys(all_cells):
+    def contents(self, all_cells: bool = False) -> StoreContents:
+        """:meth:`load`'s rows, each cell's config, the unreadable cells and the grid's unfinished ones,
+        from one read of each cell file."""
+        frames, configs, corrupt = [], {}, []
+        done = self.current_keys(all_cells)
+        for k in done:
             try:
                 rows, configs[k] = self.read_with_config(k)
             except FileNotFoundError:  # NOTE: removed since it was listed
                 continue
             except CorruptCellError as err:
                 log.warning("%s", err)
+                corrupt.append(k)
                 continue
             frames.append(rows.assign(cell=k))
         frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
-        return frame, configs
+        grid = None if all_cells else self.grid_keys()
+        unfinished = sorted(grid - set(done)) if grid is not None else []
+        return StoreContents(frame, configs, corrupt, unfinished)
 
     def load_per_layer(self, all_cells: bool = False) -> pd.DataFrame:
         """Finished cells' per-layer tables in one frame, with a ``cell`` column (grid rule as ``load``)."""

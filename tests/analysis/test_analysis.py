@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from rich.console import Console
 
 from analysis import paper
 from analysis.__main__ import analyse, main
@@ -507,6 +508,25 @@ def test_unreadable_cell_is_warned_about_and_left_out(tmp_path: Path) -> None:
     out = analyse(tmp_path)  # not an ArrowInvalid about a '<Buffer>'
     assert any(str(victim) in w and "unreadable" in w for w in out.warnings), out.warnings
     assert out.tables
+
+
+def test_a_grid_with_unfinished_cells_is_warned_about(tmp_path: Path, capsys) -> None:
+    """An interrupted grid (grid.json names cells with no file): the tables are built from the finished
+    cells and the reader is told how many of the grid's cells they cover; a complete grid warns nothing."""
+    rows = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in ("megatron", "relibra")]
+    _write(tmp_path, "quick_ablation", rows)
+    store = ResultsStore(tmp_path / "quick_ablation")
+    store.write_grid(store.keys())
+    assert not analyse(tmp_path / "quick_ablation").warnings
+    store.write_grid([*store.keys(), "0123456789abcdef", "fedcba9876543210"])
+    out = analyse(tmp_path / "quick_ablation", console=Console(width=200))
+    n = len(store.keys())
+    expected = (
+        f"quick_ablation: 2 of the {n + 2} cells of its grid are not finished (an interrupted or running "
+        f"grid): its tables cover the {n} finished ones"
+    )
+    assert [w for w in out.warnings if "not finished" in w] == [f"{expected}; a rerun completes it"]
+    assert expected in capsys.readouterr().out and out.tables
 
 
 def test_comm_sensitivity_pivots_dispatcher_and_overlap() -> None:

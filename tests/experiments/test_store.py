@@ -521,14 +521,15 @@ def test_write_grid_replaces_or_extends_and_returns_the_grid_before(tmp_path: Pa
     assert not list((tmp_path / "claims").glob("*.lock"))  # the claim is given back
 
 
-def test_load_with_configs_reads_each_cell_once_for_rows_and_config(
+def test_contents_reads_each_cell_once_for_rows_config_and_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    """The frame is `load`'s, the configs are `config`'s, one file read per cell; a corrupt cell is left out
-    of both (with its warning), as `load` leaves it out."""
+    """The rows are `load`'s, the configs `config`'s, one file read per cell; a corrupt cell is left out of
+    both (with its warning) and listed, and a key of grid.json without a cell file is listed unfinished."""
     store = ResultsStore(tmp_path)
     keys = [_put(store, name, _rows(i)) for i, name in enumerate(["a", "b", "c"])]
     _truncate(store.cell_path(keys[2]))
+    store.write_grid([*keys, "not-run-yet"])
     expected_frame = store.load()
     expected_configs = {k: store.config(k) for k in keys[:2]}
 
@@ -538,8 +539,10 @@ def test_load_with_configs_reads_each_cell_once_for_rows_and_config(
     real = store_module._read_table
     monkeypatch.setattr(store_module, "_read_table", lambda path: (reads.append(path), real(path))[1])
     with caplog.at_level("WARNING", logger="experiments.store"):
-        frame, configs = store.load_with_configs()
-    pd.testing.assert_frame_equal(frame, expected_frame)
-    assert configs == expected_configs and set(configs) == set(frame["cell"]) == set(keys[:2])
+        contents = store.contents()
+    pd.testing.assert_frame_equal(contents.rows, expected_frame)
+    assert contents.configs == expected_configs and set(contents.configs) == set(contents.rows["cell"])
     assert sorted(reads) == sorted(store.cell_path(k) for k in keys)  # each file once, the corrupt one too
     assert str(store.cell_path(keys[2])) in caplog.text
+    assert (contents.corrupt, contents.unfinished) == ([keys[2]], ["not-run-yet"])
+    assert store.contents(all_cells=True).unfinished == []  # every cell on disk: no grid to finish
