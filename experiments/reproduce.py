@@ -525,7 +525,7 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     else:
         run_jobs(jobs, args.workers, tracker.done)
     summarise(console, reports, args.recompute_stale, code_version())
-    console.print(_seeds_line(chosen, args.overrides), highlight=False)
+    console.print(_seeds_line(chosen, args.overrides, args.extend_grid), highlight=False)
     console.print(
         f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "
         f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}",
@@ -543,12 +543,19 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     return 1 if any(rep.failed for rep in reports) else 0
 
 
-def _seeds_line(presets: list[str], overrides: list[str]) -> str:
-    """Which trace seeds each preset ran: one seed means its tables show no spread over seeds."""
+def _seeds_line(presets: list[str], overrides: list[str], extended: bool = False) -> str:
+    """Which trace seeds each preset ran: one seed means its tables show no spread over seeds, unless
+    ``extended`` (``--extend-grid``) kept earlier cells in the grid, which may add seeds."""
     by_count: dict[int, list[str]] = {}
     for preset in presets:
         seeds = {dict(o.split("=", 1) for o in cell).get("seed", "0") for cell in cells(preset, overrides)}
         by_count.setdefault(len(seeds), []).append(preset)
+    if extended:
+        parts = [f"{', '.join(names)}: {n}" for n, names in sorted(by_count.items())]
+        return (
+            "trace seeds run now: " + "; ".join(parts) + " (--extend-grid kept the grid's earlier cells: "
+            "each table's note says the seeds it covers)"
+        )
     parts = [
         f"{', '.join(names)}: {n} trace seed{'s' if n > 1 else ''}"
         + (" (the tables show no spread over seeds)" if n == 1 else " (the tables show mean and min-max)")

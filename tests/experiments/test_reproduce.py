@@ -237,5 +237,7 @@ def test_a_narrowed_sweep_replaces_the_grid_unless_extended(
     assert reproduce.main([*argv, "--extend-grid", *cell, "seed=0"]) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 1 cells, 1 reused, 0 to compute" in out and "not in this one" not in out
+    assert "trace seeds run now: quick_ep_scaling: 1 (--extend-grid kept the grid's earlier cells" in out
+    assert "show no spread" not in out  # the grid holds two seeds now: the line does not claim one
     assert store.grid_keys() == {seed0, seed1}
     assert set(store.load()["cell"]) == {seed0, seed1}
