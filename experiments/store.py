@@ -404,7 +404,12 @@ class ResultsStore:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX)
                 except OSError as err:  # a file system without locks
-                    log.warning("cannot lock %s (%s): cell %s may be computed twice", path, err, key)
+                    what = (
+                        "grid.json may lose a concurrent run's keys"
+                        if key == _GRID_CLAIM
+                        else f"cell {key} may be computed twice"
+                    )
+                    log.warning("cannot lock %s (%s): %s", path, err, what)
                     break
                 # NOTE: the holder before this one removed the file it locked (below); a waiter that locked
                 # that removed file holds nothing, so it locks the file now at the path instead.

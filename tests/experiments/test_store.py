@@ -546,3 +546,24 @@ def test_contents_reads_each_cell_once_for_rows_config_and_checks(
     assert str(store.cell_path(keys[2])) in caplog.text
     assert (contents.corrupt, contents.unfinished) == ([keys[2]], ["not-run-yet"])
     assert store.contents(all_cells=True).unfinished == []  # every cell on disk: no grid to finish
+
+
+def test_a_file_system_without_locks_is_warned_about_naming_what_it_risks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """flock fails (a file system without locks): the store goes on and says what may happen, for a cell's
+    claim and for grid.json's."""
+    import experiments.store as store_module
+
+    def no_locks(handle, op):  # type: ignore[no-untyped-def]
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(store_module.fcntl, "flock", no_locks)
+    store = ResultsStore(tmp_path)
+    with caplog.at_level("WARNING", logger="experiments.store"):
+        store.write_grid(["a"])
+        with store.claim("0123456789abcdef"):
+            pass
+    assert store.grid_keys() == {"a"}
+    assert "grid.json may lose a concurrent run's keys" in caplog.text
+    assert "cell 0123456789abcdef may be computed twice" in caplog.text
