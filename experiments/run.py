@@ -49,7 +49,7 @@ from experiments.config_checks import validate, writable_dir
 from experiments.executor_check import executor_time_problem
 from experiments.inputs import cell_inputs
 from experiments.layout_check import workload_memory_problems
-from experiments.run_dir import commit_run
+from experiments.run_dir import commit_run, remove_new_dirs
 from experiments.store import (
     CorruptCellError,
     ResultsStore,
@@ -378,6 +378,8 @@ def main(cfg: DictConfig) -> CellFailure | None:
     try:
         results = run(cfg)
     except ConfigError as exc:
+        if HydraConfig.initialized() and not _in_sweep():  # NOTE: a refusal that needed the built inputs
+            remove_new_dirs({f"{HydraConfig.get().job.name}.log"})
         refuse(exc)
     except Exception as exc:
         if not _in_sweep():
@@ -456,6 +458,19 @@ def _slurm_problem(launcher: str) -> str | None:
     return None
 
 
+def _sweep_in_run_problems(overrides: Sequence[str]) -> list[str]:
+    """A sweep (``seed=1,2``) outside ``--multirun``, which Hydra refuses with a multi-line message."""
+    from experiments.schema import parse_problems
+
+    _, parsed = parse_problems(overrides)
+    return [
+        f"{o.input_line}: a sweep runs only with --multirun (-m); for a list write "
+        f"{o.key_or_group}=[...], for a string quote the value"
+        for o in parsed
+        if o.is_sweep_override() and not o.key_or_group.startswith("hydra")
+    ]
+
+
 def preflight(args: Sequence[str]) -> None:
     """Refuse, before Hydra composes anything, what Hydra would refuse with a traceback and exit status 1
     or silently accept: an unknown group option (``planner=bogus``), a misspelt key
@@ -470,6 +485,8 @@ def preflight(args: Sequence[str]) -> None:
     if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:
         return  # NOTE: Hydra's own help and inspection modes run no task
     problems = override_problems(known.overrides)
+    if not known.multirun:
+        problems += _sweep_in_run_problems(known.overrides)
     key = "hydra.sweep.dir" if known.multirun else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in known.overrides if o.lstrip("+").split("=", 1)[0] == key]
     target = given[-1] if given else ("multirun" if known.multirun else "outputs")

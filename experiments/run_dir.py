@@ -12,6 +12,11 @@ writing) can leave a mix; the summary is moved before the results, so ``results.
 an older run than ``summary.json``.
 
 Files that are not run files (Hydra's job log, a W&B folder) are left alone.
+
+A refused run leaves no new directory: :class:`experiments.sweep_check.ValidateCells` refuses a bad config
+before Hydra makes the run directory, and notes (:func:`note_new_dirs`) which folders of its path do not
+exist yet; a refusal that needs the built inputs (a workload over memory) comes once Hydra has made them,
+and :func:`remove_new_dirs` removes those of them that hold nothing but Hydra's job log.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 from relibra.atomic import TMP_PREFIX, file_mode
 
-__all__ = ["HYDRA_FILES", "RUN_FILES", "commit_run"]
+__all__ = ["HYDRA_FILES", "RUN_FILES", "commit_run", "note_new_dirs", "remove_new_dirs"]
 
 RUN_FILES = ("results.parquet", "summary.json", "per_layer.parquet", "plans.npz")
 """The files a run may write into its run directory (any other file there is left alone)."""
@@ -66,3 +71,36 @@ def commit_run(run_dir: Path, files: Mapping[str, Callable[[BinaryIO], object]])
                 (run_dir / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+_NEW_DIRS: list[Path] = []
+"""The folders of this process's run directory that did not exist before Hydra made them, deepest first."""
+
+
+def note_new_dirs(run_dir: Path) -> None:
+    """Remember which of ``run_dir`` and its parents do not exist yet (called before Hydra makes them)."""
+    path = run_dir.absolute()
+    _NEW_DIRS[:] = [p for p in (path, *path.parents) if not p.exists()]
+
+
+def remove_new_dirs(leftovers: Collection[str] = ()) -> list[Path]:
+    """Remove the folders :func:`note_new_dirs` noted, deepest first, each only while it holds nothing but
+    files named in ``leftovers`` (Hydra's job log); stop at the first that holds anything else. Returns the
+    folders removed."""
+    removed: list[Path] = []
+    for folder in _NEW_DIRS:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            break
+        if any(e.name not in leftovers or not e.is_file() for e in entries):
+            break
+        try:
+            for entry in entries:
+                entry.unlink()
+            folder.rmdir()
+        except OSError:
+            break
+        removed.append(folder)
+    _NEW_DIRS.clear()
+    return removed

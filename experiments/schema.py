@@ -38,7 +38,15 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigSchema", "config_schema", "flag_problems", "override_problems", "unknown_keys"]
+__all__ = [
+    "GRAMMAR_DOC",
+    "ConfigSchema",
+    "config_schema",
+    "flag_problems",
+    "override_problems",
+    "parse_problems",
+    "unknown_keys",
+]
 
 HYDRA_NODE = "hydra"
 """Hydra's own node (and its ``hydra/...`` groups): checked by Hydra, not here."""
@@ -258,20 +266,39 @@ def _values(override: Any) -> list[str]:
     return [override.get_value_element_as_str()]
 
 
+GRAMMAR_DOC = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+"""Hydra's override grammar, named in the refusal of an override it cannot parse."""
+
+
+def parse_problems(overrides: Sequence[str]) -> tuple[list[str], list[Any]]:
+    """(a problem naming each override Hydra's grammar cannot parse, the parsed others).
+
+    Each override is parsed on its own, so the message names the one at fault; Hydra's own message is
+    several lines (the reason, a caret line, a link), here folded into one."""
+    parser = OverridesParser.create()
+    problems: list[str] = []
+    parsed: list[Any] = []
+    for text in overrides:
+        try:
+            parsed.extend(parser.parse_overrides([text]))
+        except HydraException as exc:
+            reason = " ".join(
+                line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("See ")
+            )
+            problems.append(f"{text!r}: not a valid override ({reason}; the grammar: {GRAMMAR_DOC})")
+    return problems, parsed
+
+
 def override_problems(overrides: Sequence[str], schema: ConfigSchema | None = None) -> list[str]:
     """Problems of command-line ``overrides`` Hydra would refuse, or that set a key nothing reads.
 
     A group override (``planner=NAME``, also each choice of ``planner=a,b``) must name an option of its
     group; a key override (``KEY=V``, ``+KEY=V``, ``++KEY=V``) must name a known key. ``hydra.*`` and
-    ``hydra/...`` overrides are left to Hydra, apart from the launcher's option. Unparseable overrides are
-    left to Hydra too (its message names them).
+    ``hydra/...`` overrides are left to Hydra, apart from the launcher's option. An override Hydra's grammar
+    cannot parse (``seed=[``) is named with the parser's reason on one line.
     """
     schema = schema or config_schema()
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return []
-    problems = []
+    problems, parsed = parse_problems(overrides)
     for override in parsed:
         if override.is_delete():
             continue

@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.config import ConfigError, refuse
 from experiments.config_checks import validate
 from experiments.grid import expand
+from experiments.run_dir import note_new_dirs
 
 __all__ = ["FAILED_FILE", "CellFailure", "ValidateCells"]
 
@@ -84,6 +85,16 @@ class ValidateCells(Callback):
         for cell, error in self.failures.items():
             print(f"  {cell or '(no overrides)'}: {error}", file=sys.stderr)
         raise SystemExit(1)
+
+    def on_run_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        """A single run: refused here, before Hydra makes its run directory (a refusal leaves none)."""
+        note_new_dirs(Path(str(config.hydra.run.dir)))
+        overrides = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+        assert isinstance(overrides, list)
+        try:
+            validate(compose(config_name=config_name, overrides=[str(o) for o in overrides]))
+        except ConfigError as exc:
+            refuse(exc)
 
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
         node = config.hydra.sweeper.get("params")

@@ -1,0 +1,96 @@
+"""The entry points' refusals of bad input: one line naming the input, exit status 2, before any work, and
+no run directory left behind (``experiments.run``, ``experiments.reproduce``, ``slurm/sim_grid.sbatch``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.builders import REPO
+
+R = [
+    "model=olmoe-1b-7b",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=8",
+    "trace.num_batches=1",
+    "trace.samples_per_batch=16",
+    "trace.max_tokens=256",
+]
+"""A small fast run."""
+
+
+def _cli(*args: str, module: str = "experiments.run", timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("seed=-1", "seed=-1"),
+        ("cluster.nodes=null", "cluster.nodes=null"),
+        ("seed=99999999999999999999", "seed="),
+    ],
+)
+def test_a_refused_run_leaves_no_new_run_directory(override, named, tmp_path) -> None:
+    line = _one_line(_cli(*R, override, f"hydra.run.dir={tmp_path / 'new' / 'run'}"))
+    assert named in line
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_refusal_that_needs_the_inputs_removes_the_new_run_directory(tmp_path, trace_file) -> None:
+    # The overlap check of a trace file's workload needs its micro-batches, so it runs once Hydra has made
+    # the run directory; the folders it made are removed again, an existing parent is kept.
+    proc = _cli(f"trace.path={trace_file}", "model=olmoe-1b-7b", "cluster.nodes=2", "cluster.gpus_per_node=8",
+                "cluster.ep_overlap=true", "workload.samples_per_microbatch=8",
+                f"hydra.run.dir={tmp_path / 'new' / 'run'}")  # fmt: skip
+    assert "cluster.ep_overlap=true needs at least 2 micro-batches" in _one_line(proc)
+    assert tmp_path.exists() and not (tmp_path / "new").exists()
+
+
+def test_a_refusal_keeps_an_existing_run_directory_as_it_was(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "results.parquet").write_bytes(b"earlier run")
+    _one_line(_cli(*R, "seed=-1", f"hydra.run.dir={run_dir}"))
+    assert sorted(p.name for p in run_dir.iterdir()) == ["results.parquet"]
+    assert (run_dir / "results.parquet").read_bytes() == b"earlier run"
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("seed=[", "'seed=['"),
+        ("a=b=c", "'a=b=c'"),
+        ("seed=1,2", "seed=1,2: a sweep runs only with --multirun"),
+    ],
+)
+def test_an_unparseable_override_is_one_line_exit_2(override, named, tmp_path) -> None:
+    line = _one_line(_cli(*R, override, f"hydra.run.dir={tmp_path / 'run'}"))
+    assert named in line and not (tmp_path / "run").exists()
+
+
+def test_reproduce_refuses_an_unparseable_override_in_one_line(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    assert reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "seed=["]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "'seed=['" in err and "not a valid override" in err
+    assert not (tmp_path / "r").exists()
