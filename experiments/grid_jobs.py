@@ -30,6 +30,10 @@ class GridReport:
     left_out: int = 0
     """Finished cells of the grid recorded before this run that its grid leaves out (the analysis then
     leaves them out too): a changed setting, or overrides that narrow the sweep without ``--extend-grid``."""
+    rekeyed: int = 0
+    """Finished cells of the grid recorded before that were keyed by their trace file's path (the store's
+    format before cells that read a trace were keyed by its content): the grid wants them under their
+    content keys, so they are computed once more; the old files stay on disk."""
 
 
 @dataclass(frozen=True)

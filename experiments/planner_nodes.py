@@ -30,6 +30,7 @@ from dataclasses import asdict
 from hydra.core.config_store import ConfigStore
 
 from baselines.balanced import BalancedBound
+from baselines.echo import EchoPlanner
 from baselines.eplb import EplbPlanner
 from baselines.foremoe import ForeMoEPlanner
 from baselines.llep import LlepPlanner
@@ -50,6 +51,7 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/replicate", "milp"): MilpConfig,
     ("planner/majorize", "mm"): MajorizeConfig,
     ("planner/base", "balanced"): BalancedBound,
+    ("planner/base", "echo"): EchoPlanner,
     ("planner/base", "eplb"): EplbPlanner,
     ("planner/base", "foremoe"): ForeMoEPlanner,
     ("planner/base", "llep"): LlepPlanner,

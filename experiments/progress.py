@@ -151,6 +151,13 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
                 "seeds), rerun with --extend-grid",
                 soft_wrap=True,
             )
+        if rep.rekeyed:
+            console.print(
+                f"  [yellow]{rep.rekeyed} finished cells were keyed by their trace file's path[/yellow] (the "
+                "store's format before cells were keyed by the trace's content): they are computed again "
+                "under content keys, once; the old files stay on disk and the analysis leaves them out",
+                soft_wrap=True,
+            )
         for unreadable in rep.corrupt:
             console.print(
                 f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"

@@ -44,7 +44,7 @@ from rich.progress import (
 from experiments.grid import cells, compose_cells
 from experiments.grid_jobs import CellJob, CellOutcome, GridReport
 from experiments.progress import Bars, Lines, Tracker, progress_bars, summarise
-from experiments.store import CorruptCellError, ResultsStore, cell_key, stored_code_version
+from experiments.store import CorruptCellError, ResultsStore, cell_key, path_keyed, stored_code_version
 from relibra.provenance import code_version
 
 __all__ = [
@@ -150,7 +150,10 @@ def plan_grid(
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
     keys = {cell_key(cfg) for cfg in configs}
     before = store.write_grid(keys, extend=extend_grid)
-    report.left_out = 0 if extend_grid else len((before - keys) & set(store.keys()))
+    if not extend_grid:
+        gone = sorted((before - keys) & set(store.keys()))
+        report.rekeyed = sum(_path_keyed(store, key) for key in gone)
+        report.left_out = len(gone) - report.rekeyed
     report.total = len(grid)
     jobs: list[CellJob] = []
     for cell, cfg in zip(grid, configs):
@@ -225,6 +228,15 @@ def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
     if problems and sum(problems.values()) == len(configs):
         listed = "; ".join(f"{text} ({n} of {len(configs)} cells)" for text, n in problems.items())
         raise ConfigError(f"preset {preset}: bad configuration: {listed}")
+
+
+def _path_keyed(store: ResultsStore, key: str) -> bool:
+    """Whether finished cell ``key`` was keyed by its trace file's path (by the suite before content
+    keys, :func:`experiments.store.path_keyed`); False when its file cannot be read."""
+    try:
+        return path_keyed(store.config(key))
+    except (FileNotFoundError, CorruptCellError):
+        return False
 
 
 def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | None:
@@ -460,19 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
-    presets = args.presets or ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
+    presets = args.presets if args.presets is not None else ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
     from experiments.config import ConfigError
     from experiments.grid import presets as known_presets
     from experiments.schema import override_problems
 
-    chosen = [p for p in presets.split(",") if p]
-    unknown = [p for p in chosen if p not in known_presets()]
-    problems = [f"--presets {p}: no such preset (choose from {', '.join(known_presets())})" for p in unknown]
-    problems += override_problems(args.overrides)
-    if problems:  # NOTE: before any folder is made
-        print(f"python -m experiments.reproduce: {'; '.join(problems)}", file=sys.stderr)
-        return 2
     try:
+        chosen = [p.strip() for p in presets.split(",") if p.strip()]
+        problems = _argument_problems(args.presets, chosen, args.overrides, known_presets(), override_problems)
+        if problems:  # NOTE: before any folder is made
+            print(f"python -m experiments.reproduce: {'; '.join(problems)}", file=sys.stderr)
+            return 2
         return _reproduce(args, chosen, console, tty)
     except KeyboardInterrupt:
         print(
@@ -488,6 +498,29 @@ def main(argv: list[str] | None = None) -> int:
 
 EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
+
+
+def _argument_problems(
+    given: str | None,
+    chosen: list[str],
+    overrides: list[str],
+    known: list[str],
+    override_problems: Callable[[list[str]], list[str]],
+) -> list[str]:
+    """What :func:`main` refuses before any folder is made: ``--presets`` naming no preset or an unknown one,
+    an override that sets ``experiment_name`` (each preset sets its own, and the analysis picks the preset's
+    tables by it), and the overrides :func:`experiments.schema.override_problems` refuses."""
+    problems: list[str] = []
+    if given is not None and not chosen:
+        problems.append(f"--presets {given!r}: no preset given (choose from {', '.join(known)})")
+    problems += [f"--presets {p}: no such preset (choose from {', '.join(known)})" for p in chosen if p not in known]
+    problems += [
+        f"{o}: each preset sets its own experiment_name (its results folder and tables are found by it); "
+        "choose presets with --presets"
+        for o in overrides
+        if o.lstrip("+~").split("=", 1)[0] == "experiment_name"
+    ]
+    return problems + override_problems(overrides)
 
 
 def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tty: bool) -> int:

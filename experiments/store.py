@@ -12,7 +12,12 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
         claims/grid.json.lock      the lock a writer holds while it rewrites grid.json
 
 ``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
-keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``).
+keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``). A cell
+that reads a trace file is keyed by the file's content, not its path: its config holds the digest of the
+trace's arrays (``trace.content_sha256``, :mod:`experiments.trace_digest`) and the key leaves the path out,
+so a trace replaced at its path gets new cells and a store moved with its trace keeps its cells. Cells
+stored before content keys (their config holds the path, no digest: :func:`path_keyed`) still read as their
+own key; a grid wants them under content keys, so they are computed once more (``reproduce`` says so).
 
 Atomicity: every file is written by :func:`relibra.atomic.atomic_write` (a unique ``.tmp-*`` name in its
 final directory, fsync, ``os.replace``). The per-layer file is written before the cell file, so a cell is
@@ -64,14 +69,17 @@ from relibra.atomic import TMP_PREFIX, atomic_write
 
 __all__ = [
     "IGNORED_KEYS",
+    "TRACE_DIGEST",
     "UNKNOWN_CODE",
     "CorruptCellError",
     "ResultsStore",
     "StoreContents",
     "cell_key",
     "content_checksum",
+    "keyed_config",
     "load_experiment",
     "load_per_layer",
+    "path_keyed",
     "run_cell",
     "stored_code_version",
     "wall_clock_column",
@@ -137,22 +145,66 @@ def _drop(tree: Any, paths: Iterable[str]) -> Any:
     return out
 
 
-def canonical_config(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> dict[str, Any]:
-    """The part of ``config`` that defines a cell, as plain JSON-able data (resolved, ``ignored`` removed)."""
+TRACE_DIGEST = "content_sha256"
+"""Key of ``trace`` in a stored config: the digest of the trace file's arrays
+(:func:`experiments.trace_digest.trace_digest`), which keys a cell that reads ``trace.path`` in place of
+the path."""
+
+
+def keyed_config(config: Any) -> dict[str, Any]:
+    """``config`` as plain data (resolved) with, when it reads a trace file, that file's digest under
+    ``trace.content_sha256`` (:data:`TRACE_DIGEST`): the config a cell stores and is keyed by. A config
+    that holds the digest already (one read back from a cell) keeps it: the file is not read again."""
     plain = _plain(config)
     if not isinstance(plain, Mapping):
         raise TypeError(f"config must be a mapping or DictConfig, got {type(config).__name__}")
-    return _drop(plain, ignored)
+    out = dict(plain)
+    trace = out.get("trace")
+    if isinstance(trace, Mapping) and trace.get("path") and not trace.get(TRACE_DIGEST):
+        from experiments.trace_digest import trace_digest
+
+        out["trace"] = {**trace, TRACE_DIGEST: trace_digest(str(trace["path"]))}
+    return out
+
+
+def path_keyed(config: Mapping[str, Any]) -> bool:
+    """Whether a stored config was keyed by its trace file's path (by the suite before content keys):
+    it reads ``trace.path`` and holds no digest of it."""
+    trace = config.get("trace")
+    return isinstance(trace, Mapping) and bool(trace.get("path")) and not trace.get(TRACE_DIGEST)
+
+
+def canonical_config(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> dict[str, Any]:
+    """The part of ``config`` that defines a cell, as plain JSON-able data: :func:`keyed_config`, without
+    ``ignored`` and, once the trace's digest stands for its content, without ``trace.path``."""
+    keyed = keyed_config(config)
+    trace = keyed.get("trace")
+    extra = ["trace.path"] if isinstance(trace, Mapping) and trace.get(TRACE_DIGEST) else []
+    return _drop(keyed, [*ignored, *extra])
+
+
+def _hash(tree: Any) -> str:
+    text = json.dumps(tree, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def cell_key(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> str:
     """Hash of a cell's resolved config: 16 hex digits of SHA-256 over its canonical JSON.
 
     Key order, OmegaConf vs plain dicts and the ``ignored`` dotted paths do not change the key; any other
-    value does.
+    value does. A cell that reads a trace file is keyed by the digest of the file's arrays, not by its
+    path (:func:`canonical_config`), so replacing the file changes the key and moving it does not; a
+    config without ``trace.path`` (the synthetic generator) hashes as it always did.
     """
-    text = json.dumps(canonical_config(config, ignored), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _hash(canonical_config(config, ignored))
+
+
+def _stored_key(config: Mapping[str, Any]) -> str:
+    """The key a cell's stored config was written under: :func:`cell_key`, or for a :func:`path_keyed`
+    config the key of the suite before content keys (its path in the hash), without reading the file."""
+    if path_keyed(config):
+        return _hash(_drop(config, IGNORED_KEYS))
+    return cell_key(config)
 
 
 class CorruptCellError(ValueError):
@@ -236,7 +288,7 @@ def _verified_with_config(
             config = json.loads(meta[_CONFIG_META])
         except (KeyError, ValueError) as err:
             raise CorruptCellError(path, f"its stored config is missing or not JSON ({err})") from err
-        if not isinstance(config, dict) or cell_key(config) != key:
+        if not isinstance(config, dict) or _stored_key(config) != key:
             raise CorruptCellError(path, f"its stored config does not hash to its key {key}")
         return frame, config
     return frame, {}
@@ -332,7 +384,7 @@ class ResultsStore:
             raise ValueError(f"cell {key}: its config hashes to {cell_key(config)}, not to its key")
         meta = {
             _KEY_META: key.encode(),
-            _CONFIG_META: json.dumps(_plain(config), sort_keys=True, default=str).encode(),
+            _CONFIG_META: json.dumps(keyed_config(config), sort_keys=True, default=str).encode(),
             _CHECKSUM_META: content_checksum(results).encode(),
         }
         if per_layer is not None:
