@@ -25,6 +25,7 @@ BASELINE_LABELS: Final[dict[str, str]] = {
     "ultraep": "UltraEP",
     "llep": "LLEP",
     "moonep": "MoonEP",
+    "echo": "ECHO",
     "foremoe": "ForeMoE",
 }
 """Display names of the planners, as the paper writes them."""

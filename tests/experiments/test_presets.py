@@ -24,6 +24,7 @@ PLANNERS = {
     "ultraep",
     "llep",
     "moonep",
+    "echo",
     "relibra_replicate_only",
     "relibra",
     "relibra_portfolio",
