@@ -51,6 +51,10 @@ SEED_MAX = int(np.iinfo(np.int64).max)
 negative seeds, so seeds lie in ``[0, 2**63 - 1]``."""
 
 
+EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+"""What ``experiment_name`` may be: a file name of its own (no ``/``, no ``..``), as it names a folder."""
+
+
 def _run_problems(cfg: DictConfig) -> list[str]:
     """The run-wide keys: ``seed``, ``control_plane.*``, ``simulator.history_window``, the logger's wait."""
     problems: list[str] = []
@@ -63,6 +67,16 @@ def _run_problems(cfg: DictConfig) -> list[str]:
         if OmegaConf.select(cfg, "logger.init_timeout_s", default=None) is None:
             problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")
         _number_key(cfg, "logger.init_timeout_s", problems, strict=True)
+        from experiments.wandb_logger import logger_problems  # NOTE: imports wandb, so only when it logs
+
+        problems += logger_problems(OmegaConf.to_container(cfg.logger, resolve=True))  # type: ignore[arg-type]
+    if (name := cfg.get("experiment_name")) is not None and not (
+        isinstance(name, str) and EXPERIMENT_NAME.fullmatch(name)
+    ):
+        problems.append(
+            f"experiment_name={name!r}: must be a plain name (letters, digits, '_', '-'; the analysis picks "
+            "each experiment's tables by it, and results_dir and the W&B group are made from it)"
+        )
     return problems
 
 

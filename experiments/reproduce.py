@@ -45,7 +45,7 @@ from experiments.grid import cells, compose_cells
 from experiments.grid_jobs import CellJob, CellOutcome, GridReport
 from experiments.progress import Bars, Lines, Tracker, progress_bars, summarise
 from experiments.store import CorruptCellError, ResultsStore, cell_key, path_keyed, stored_code_version
-from relibra.provenance import code_version
+from relibra.provenance import code_version, code_version_note, identifies_code
 
 __all__ = [
     "FIELD_PRESETS",
@@ -163,9 +163,11 @@ def plan_grid(
         except Exception as exc:
             report.failed.append((cell, f"{type(exc).__name__}: {exc}"))
             continue
-        if stored is not None and stored != code_version():
+        # NOTE: a version that names no code (``0.1.0``, ``unknown``) is never equal to the current one
+        stale = stored is not None and (stored != code_version() or not identifies_code(stored))
+        if stale and stored is not None:
             report.stale[stored] = report.stale.get(stored, 0) + 1
-        if stored is not None and not (recompute_stale and stored != code_version()):
+        if stored is not None and not (recompute_stale and stale):
             report.reused += 1
             continue
         dataset = cfg.trace.get("dataset") or cfg.trace.preset
@@ -472,14 +474,20 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
-    presets = args.presets if args.presets is not None else ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
+    presets = (
+        args.presets
+        if args.presets is not None
+        else ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
+    )
     from experiments.config import ConfigError
     from experiments.grid import presets as known_presets
     from experiments.schema import override_problems
 
     try:
         chosen = [p.strip() for p in presets.split(",") if p.strip()]
-        problems = _argument_problems(args.presets, chosen, args.overrides, known_presets(), override_problems)
+        problems = _argument_problems(
+            args.presets, chosen, args.overrides, known_presets(), override_problems
+        )
         if problems:  # NOTE: before any folder is made
             print(f"python -m experiments.reproduce: {'; '.join(problems)}", file=sys.stderr)
             return 2
@@ -513,7 +521,9 @@ def _argument_problems(
     problems: list[str] = []
     if given is not None and not chosen:
         problems.append(f"--presets {given!r}: no preset given (choose from {', '.join(known)})")
-    problems += [f"--presets {p}: no such preset (choose from {', '.join(known)})" for p in chosen if p not in known]
+    problems += [
+        f"--presets {p}: no such preset (choose from {', '.join(known)})" for p in chosen if p not in known
+    ]
     problems += [
         f"{o}: each preset sets its own experiment_name (its results folder and tables are found by it); "
         "choose presets with --presets"
@@ -558,6 +568,8 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     else:
         run_jobs(jobs, args.workers, tracker.done)
     summarise(console, reports, args.recompute_stale, code_version())
+    if note := code_version_note():
+        console.print(f"code version: {note}", style="yellow", markup=False, highlight=False)
     console.print(_seeds_line(chosen, args.overrides, args.extend_grid), highlight=False)
     console.print(
         f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "

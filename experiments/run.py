@@ -471,6 +471,26 @@ def _sweep_in_run_problems(overrides: Sequence[str]) -> list[str]:
     ]
 
 
+def _compose_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
+    """What Hydra refuses while composing (a key of a group option not chosen, ``logger.project=x`` without
+    ``logger=wandb``; a value of the wrong type), which it prints on several lines with exit status 1:
+    here one problem, its message folded onto one line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from experiments.grid import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "See ")))
+        return [text or type(exc).__name__]
+    return []
+
+
 def preflight(args: Sequence[str]) -> None:
     """Refuse, before Hydra composes anything, what Hydra would refuse with a traceback and exit status 1
     or silently accept: an unknown group option (``planner=bogus``), a misspelt key
@@ -492,6 +512,8 @@ def preflight(args: Sequence[str]) -> None:
     target = given[-1] if given else ("multirun" if known.multirun else "outputs")
     if "${" not in target and (why := writable_dir(key, target)):
         problems.append(why)
+    if not problems and not known.multirun and not (known.config_path or known.config_dir):
+        problems += _compose_problems(known.config_name or "config", known.overrides)
     launchers = [o.split("=", 1)[1] for o in known.overrides if o.split("=", 1)[0] == "hydra/launcher"]
     if launchers and launchers[-1] in SLURM_LAUNCHERS and (why := _slurm_problem(launchers[-1])):
         problems.append(why)

@@ -16,13 +16,14 @@ import multiprocessing
 import os
 import signal
 import warnings
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-__all__ = ["STEP_ALLOWANCE_S", "log_run"]
+__all__ = ["SETTINGS_KEYS", "STEP_ALLOWANCE_S", "log_run", "logger_problems"]
 
 STEP_ALLOWANCE_S = 10.0
 """Seconds an online W&B step may take beyond ``logger.init_timeout_s``: starting its process (a Python
@@ -31,6 +32,41 @@ and one table."""
 
 _FAILED: list[str] = []
 """Why W&B failed earlier in this process (empty: it has not); later runs then skip it."""
+
+
+SETTINGS_KEYS = {"project": "project", "entity": "entity", "group": "run_group", "tags": "run_tags"}
+"""``logger.<key>`` -> the ``wandb.Settings`` field W&B validates it as (W&B's own rules, e.g. a project
+name of at most 128 characters without ``/\\#?%:``, tags of 1 to 64 characters)."""
+
+
+def logger_problems(logger_cfg: Mapping[str, Any]) -> list[str]:
+    """What W&B would refuse in ``logger.*`` (one problem per key, naming it), checked before any cell is
+    computed by W&B's own validation (``wandb.Settings``), so a bad name is not found after the grid."""
+    import wandb
+
+    problems: list[str] = []
+    for key, field in SETTINGS_KEYS.items():
+        value = given = logger_cfg.get(key)
+        if value is None:
+            continue
+        if key == "tags":
+            if not isinstance(value, Sequence) or isinstance(value, str):
+                problems.append(f"logger.tags={value!r}: must be a list of strings")
+                continue
+            value = tuple(value)
+        if not (isinstance(value, str) or (key == "tags" and all(isinstance(t, str) for t in value))):
+            problems.append(f"logger.{key}={given!r}: must be a string" + (" list" if key == "tags" else ""))
+            continue
+        try:
+            settings: Any = wandb.Settings  # NOTE: one field at a time, so the message names its key
+            settings(**{field: value})
+        except Exception as exc:  # NOTE: W&B raises UsageError or pydantic's ValidationError
+            errors = getattr(exc, "errors", None)  # NOTE: pydantic's list of errors, else W&B's message
+            reason = str(errors()[0]["msg"]) if callable(errors) else " ".join(str(exc).split())
+            problems.append(f"logger.{key}={given!r}: W&B refuses it ({reason})")
+    if logger_cfg.get("project") == "":
+        problems.append("logger.project='': give a project name (or null for relibra)")
+    return problems
 
 
 def log_run(

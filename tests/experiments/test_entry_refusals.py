@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from tests.builders import REPO
+from experiments.config import ConfigError
+from experiments.config_checks import validate
+from tests.builders import REPO, cfg
 
 R = [
     "model=olmoe-1b-7b",
@@ -94,3 +96,75 @@ def test_reproduce_refuses_an_unparseable_override_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "'seed=['" in err and "not a valid override" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_reproduce_refuses_an_empty_presets_list(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    for given in ("", ",", " , "):
+        assert reproduce(["--results", str(tmp_path / "r"), "--presets", given, "--no-analysis"]) == 2
+        err = capsys.readouterr().err
+        assert "no preset given" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_reproduce_interrupted_while_checking_its_arguments_is_one_line_exit_130(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import experiments.schema as schema
+    from experiments.reproduce import EXIT_INTERRUPTED
+    from experiments.reproduce import main as reproduce
+
+    def interrupted(*args: object, **kwargs: object) -> list[str]:
+        raise KeyboardInterrupt  # Ctrl-C during the schema walk, the first seconds of a run
+
+    monkeypatch.setattr(schema, "override_problems", interrupted)
+    assert reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead"]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "interrupted" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_reproduce_refuses_an_experiment_name_override(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    args = ["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "--no-analysis"]
+    assert reproduce([*args, "experiment_name=../../x"]) == 2
+    err = capsys.readouterr().err
+    assert "experiment_name=../../x: each preset sets its own experiment_name" in err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "", ".hidden", "x y"])
+def test_an_experiment_name_that_is_not_a_plain_name_is_refused(name) -> None:
+    with pytest.raises(ConfigError, match=r"experiment_name=.*must be a plain name"):
+        validate(cfg(*R, "+experiment=quick_overhead", f"experiment_name='{name}'"))
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("logger.project=a/b", "logger.project='a/b': W&B refuses it"),
+        ("logger.project=" + "p" * 129, "exceeded 128 characters"),
+        ("logger.tags=[" + "t" * 65 + "]", "logger.tags="),
+        ("logger.project=''", "logger.project='': give a project name"),
+    ],
+)
+def test_a_logger_setting_wandb_refuses_is_refused_before_any_cell(override, named) -> None:
+    with pytest.raises(ConfigError, match="logger") as err:
+        validate(cfg(*R, "logger=wandb", override))
+    assert named in str(err.value)
+
+
+def test_a_key_of_a_group_option_not_chosen_is_one_line_exit_2(tmp_path) -> None:
+    line = _one_line(_cli(*R, "logger.project=x", f"hydra.run.dir={tmp_path / 'run'}"))
+    assert "logger.project" in line and not (tmp_path / "run").exists()
+
+
+def test_sim_grid_sbatch_with_an_unknown_preset_is_one_line_exit_2() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RELIBRA_PYTHON": sys.executable}
+    env.pop("SLURM_ARRAY_TASK_ID", None)
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "sim_grid.sbatch"), "bogus"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    line = _one_line(proc)
+    assert "bogus" in line and "unknown experiment preset" in line
