@@ -355,6 +355,11 @@ class EplbPlanner:
     def slot_budget(self) -> SlotBudget:
         return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
+    @property
+    def history_batches(self) -> int:
+        """Batches of past loads it reads: ``history_window`` in ``load_mode=history``, else none."""
+        return self.history_window if self.load_mode == "history" else 0
+
     def weight(self, ctx: BatchContext) -> np.ndarray:
         """The loads EPLB balances: float64 [L, E] (oracle: this batch; history: moving average)."""
         num_layers, num_experts = ctx.counts.shape[1:]

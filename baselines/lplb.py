@@ -36,6 +36,7 @@ import highspy
 import numpy as np
 
 from baselines.eplb import history_weight, rebalance_experts
+from relibra.cluster import ClusterSpec
 from relibra.planners.protocols import BatchContext, SlotBudget, home_assign
 from relibra.relabel import relabel_for
 from relibra.types import BatchPlan
@@ -348,10 +349,41 @@ class LplbPlanner:
     def slot_budget(self) -> SlotBudget:
         return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
+    @property
+    def history_batches(self) -> int:
+        """Batches of past loads it reads: ``history_window`` in ``load_mode=history``, else none."""
+        return self.history_window if self.load_mode == "history" else 0
+
+    def cluster_problems(self, num_experts: int, cluster: ClusterSpec) -> list[str]:
+        """What :meth:`plan` would refuse on this EP group: a topology the group cannot hold, or more
+        redundant slots than a GPU has experts to copy (``redundant_slots`` a multiple of the topology's
+        copies per GPU, at most ``E / G``: slot ``k`` copies a GPU's ``k``-th heaviest expert)."""
+        try:
+            r2o = redundant_to_original(self.topology, cluster.num_domains, cluster.domain_gpus)
+        except ValueError as err:
+            return [f"planner.topology={self.topology}: {err} (cluster.nodes, cluster.gpus_per_node)"]
+        per_gpu = num_experts // cluster.num_gpus
+        copies = r2o.shape[1]
+        topology = (
+            auto_topology(cluster.num_domains, cluster.domain_gpus)
+            if self.topology == "auto"
+            else self.topology
+        )
+        if self.redundant_slots % copies != 0 or self.redundant_slots > per_gpu:
+            return [
+                f"planner.redundant_slots={self.redundant_slots} must be a multiple of the "
+                f"{topology} topology's {copies} copies per GPU and at most model.num_experts / G = "
+                f"{num_experts} / {cluster.num_gpus} = {per_gpu} (each slot copies one of a GPU's experts)"
+            ]
+        return []
+
     def plan(self, ctx: BatchContext) -> BatchPlan:
         """ctx.load [Mb, L, G, E] -> BatchPlan with home [L, E], redundant [L, G, R], assign [Mb, L, E, G]."""
         t0 = time.perf_counter()
         mb, num_layers, g, num_experts = ctx.load.shape
+        problems = self.cluster_problems(num_experts, ctx.cluster)
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.load_mode == "oracle":
             weight = np.asarray(ctx.load, dtype=np.float64).sum(axis=(0, 2))
         else:

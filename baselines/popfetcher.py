@@ -139,6 +139,12 @@ class PopFetcherPlanner:
     def slot_budget(self) -> SlotBudget:
         return SlotBudget(self.replica_slots, self.redundant_slots, self.replicas_in_home_node)
 
+    @property
+    def history_batches(self) -> int:
+        """Batches of past loads it may read: ``window`` (the window counts micro-batches and a batch holds at
+        least one, so ``window`` batches always fill it)."""
+        return self.window
+
     def predict(self, window: np.ndarray, current: np.ndarray) -> np.ndarray:
         """Predicted loads of one micro-batch.
 

@@ -32,6 +32,7 @@ from hydra.core.config_store import ConfigStore
 from baselines.balanced import BalancedBound
 from baselines.echo import EchoPlanner
 from baselines.eplb import EplbPlanner
+from baselines.eplb_periodic import EplbPeriodicPlanner
 from baselines.foremoe import ForeMoEPlanner
 from baselines.llep import LlepPlanner
 from baselines.lplb import LplbPlanner
@@ -53,6 +54,7 @@ NODES: dict[tuple[str, str], type] = {
     ("planner/base", "balanced"): BalancedBound,
     ("planner/base", "echo"): EchoPlanner,
     ("planner/base", "eplb"): EplbPlanner,
+    ("planner/base", "eplb_periodic"): EplbPeriodicPlanner,
     ("planner/base", "foremoe"): ForeMoEPlanner,
     ("planner/base", "llep"): LlepPlanner,
     ("planner/base", "lplb"): LplbPlanner,

@@ -36,7 +36,7 @@ from relibra.cost.pricing import Priced, batch_times, cast_seconds, permute_seco
 from relibra.cost.work import LayerWork
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
-from relibra.planners.protocols import BatchContext, Planner, SlotBudget, static_placement
+from relibra.planners.protocols import BatchContext, Planner, SlotBudget, history_need, static_placement
 from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import batch_context
 
@@ -115,7 +115,8 @@ class SimOptions:
     """Knobs of a simulation run (not of the cost model)."""
 
     history_window: int = 4
-    """Batches of past loads handed to planners in ``BatchContext.history``."""
+    """Batches of past loads handed in ``BatchContext.history`` to a planner that declares no window of its
+    own; one that declares (:class:`~relibra.planners.protocols.HistoryNeeds`) gets exactly its window."""
     keep_plans: bool = False
     seed: int = 0
     check_plans: bool = False
@@ -247,12 +248,23 @@ def simulate(
     # NOTE: the model starts in Megatron's placement, so moving away from it in batch 0 is charged too.
     prev_home = static_placement(counts.num_layers, counts.num_experts, cluster.num_gpus)
     planner_prev: np.ndarray | None = None
+    prev_redundant: np.ndarray | None = None
     dense_layers = model.num_layers - model.num_moe_layers
+    need = history_need(planner, opt.history_window)
 
     for b in range(counts.num_batches):
-        window = tuple(history[-opt.history_window :]) if opt.history_window else ()
+        window = tuple(history[-need:]) if need else ()
         ctx = batch_context(
-            counts, workload, b, cluster, model, cost, prev_home=planner_prev, history=window, seed=opt.seed
+            counts,
+            workload,
+            b,
+            cluster,
+            model,
+            cost,
+            prev_home=planner_prev,
+            history=window,
+            seed=opt.seed,
+            prev_redundant=prev_redundant,
         )
         mbs = workload.batch_microbatches(b)
         rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
@@ -276,6 +288,7 @@ def simulate(
             priced = price_plan(plan, ctx, cost, prev_home)
             kept[b] = (np.asarray(plan.home) == prev_home).all(axis=1)
             prev_home = planner_prev = plan.home
+            prev_redundant = plan.redundant
             if plan.redundant is not None:
                 slots["redundant"] = max(slots["redundant"], int(plan.redundant.shape[-1]))
             for k, v in plan.stats.items():
@@ -283,7 +296,7 @@ def simulate(
             if opt.keep_plans:
                 kept_plans.append(plan)
             history.append(plan.load)
-        history = history[-max(opt.history_window, 1) :]
+        history = history[-max(need, 1) :]
 
         times = batch_times(priced, cost, dense_layers)
         skew[rows], t_comp[rows], t_comm[rows] = priced.skew, priced.br.t_compute, priced.br.t_comm

@@ -189,6 +189,7 @@ def sample_context(
     prev_home: np.ndarray | None = None,
     history: tuple[np.ndarray, ...] = (),
     seed: int = 0,
+    prev_redundant: np.ndarray | None = None,
 ) -> BatchContext:
     """A :class:`BatchContext` over one batch's samples, with the ``regroup`` closure that recomputes the
     loads for a new sample assignment.
@@ -223,6 +224,7 @@ def sample_context(
         history=history,
         seed=seed,
         regroup=regroup,
+        prev_redundant=prev_redundant,
     )
 
 
@@ -237,6 +239,7 @@ def batch_context(
     prev_home: np.ndarray | None = None,
     history: tuple[np.ndarray, ...] = (),
     seed: int = 0,
+    prev_redundant: np.ndarray | None = None,
 ) -> BatchContext:
     """The :class:`BatchContext` of batch ``batch`` of a workload (the simulator's; seed ``seed + batch``)."""
     sl = counts.batch(batch)
@@ -257,4 +260,5 @@ def batch_context(
         prev_home=prev_home,
         history=history,
         seed=seed + batch,
+        prev_redundant=prev_redundant,
     )

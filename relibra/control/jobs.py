@@ -75,6 +75,8 @@ class Job:
     given: Assembled | None = None
     """A layout and loads handed in with the batch (:meth:`ControlPlane.plan`)."""
     history: tuple[np.ndarray, ...] = ()
+    prev_redundant: np.ndarray | None = None
+    """int32 [L, G, W] or None: ``BatchContext.prev_redundant`` (whole-batch planners)."""
     asm: Assembled | None = None
     load: np.ndarray | None = None
     """int32 [Mb, L, G, E]: the loads replication runs on (regrouped once the locality round is done)."""
@@ -155,6 +157,7 @@ class Job:
             layer=first,
             home=home,
             history=self.history if phase == "batch" else (),
+            prev_redundant=self.prev_redundant if phase == "batch" else None,
         )
 
 

@@ -137,6 +137,9 @@ class ControlPlane:
             planner.slot_budget if planner is not None else SlotBudget(replica_slots=self.replica_slots)
         )
         """The slots of the planner it runs (a composition's: ``replica_slots`` of the buffer)."""
+        self.history_batches: int | None = getattr(planner, "history_batches", None)
+        """The history the wrapped planner declares (:class:`~relibra.planners.protocols.HistoryNeeds`), so
+        the simulator hands it through; None where it declares none."""
         self.per_layer = reorderer is not None
         self.name = name or (planner.name if planner is not None else "control_plane")
         self._kit = TaskKit(
@@ -316,6 +319,7 @@ class ControlPlane:
                 reorder_prev=None if ctx.prev_home is None else prev,
                 given=given,
                 history=tuple(ctx.history),
+                prev_redundant=ctx.prev_redundant,
             )
             key = self._start(job)
         return self.plans(key)

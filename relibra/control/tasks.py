@@ -150,6 +150,8 @@ class TaskSlice:
     locality round)."""
     history: tuple[np.ndarray, ...] = ()
     """Loads [Mb', L, G, E] of earlier batches (whole-batch planners that use history)."""
+    prev_redundant: np.ndarray | None = None
+    """int32 [L, G, W] or None: the previous batch's redundant copies (whole-batch planners)."""
 
 
 def task_context(kit: TaskKit, part: TaskSlice) -> BatchContext:
@@ -166,6 +168,7 @@ def task_context(kit: TaskKit, part: TaskSlice) -> BatchContext:
         prev_home=part.prev_home,
         history=part.history,
         seed=part.seed,
+        prev_redundant=part.prev_redundant,
     )
 
 

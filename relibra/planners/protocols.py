@@ -42,6 +42,10 @@ class BatchContext:
     """int32 [L, E] or None: the previous batch's placement (None for the first batch)."""
     history: tuple[np.ndarray, ...] = ()
     """Loads ``[Mb', L, G, E]`` of earlier batches, oldest first (for history-driven baselines)."""
+    prev_redundant: np.ndarray | None = None
+    """int32 [L, G, W] or None: the previous batch's permanent redundant copies (``BatchPlan.redundant``,
+    -1 empty), so that a planner that keeps its placement between rebalances (``eplb_periodic``) keeps them
+    too."""
     seed: int = 0
     regroup: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
     """``regroup(sample_gpu) -> (load [Mb, L, G, E], tokens [Mb, G])`` for a new sample assignment."""
@@ -103,6 +107,28 @@ class Planner(Protocol):
     def slot_budget(self) -> SlotBudget: ...
 
     def plan(self, ctx: BatchContext) -> BatchPlan: ...
+
+
+@runtime_checkable
+class HistoryNeeds(Protocol):
+    """A planner that reads earlier batches' loads (``BatchContext.history``) declares how many it needs; the
+    simulator hands it exactly that many (:func:`history_need`), never a shorter window."""
+
+    @property
+    def history_batches(self) -> int:
+        """Batches of past loads the planner reads (0: none)."""
+        ...
+
+
+def history_need(planner: object, default: int) -> int:
+    """Batches of history to hand ``planner``: its declared :attr:`HistoryNeeds.history_batches` (a
+    :class:`PlannerPortfolio`: the most that it or any candidate declares), or ``default`` (the run's
+    ``simulator.history_window``) where nothing is declared. A wrapper that declares ``None`` (the control
+    plane around a planner that declares nothing) counts as declaring nothing."""
+    parts = [planner, *(planner.candidate_planners() if isinstance(planner, PlannerPortfolio) else ())]
+    declared = [getattr(p, "history_batches", None) for p in parts]
+    known = [int(d) for d in declared if d is not None]
+    return max(known) if known else default
 
 
 @runtime_checkable

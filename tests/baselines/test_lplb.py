@@ -163,3 +163,28 @@ def test_rejects_bad_slots() -> None:
         LplbPlanner(topology="cube", redundant_slots=3).plan(ctx)
     with pytest.raises(ValueError, match="solver"):
         LplbPlanner(solver="simplex")  # type: ignore[arg-type]
+
+
+def test_cluster_problems_name_what_plan_would_refuse() -> None:
+    """DeepSeek-V3 at EP 256 has one expert per GPU: two redundant slots cannot each copy one of them."""
+    from relibra.cluster import ClusterSpec
+    from tests.builders import HOPPER
+
+    ep256 = ClusterSpec(nodes=32, gpus_per_node=8, hardware=HOPPER)
+    (problem,) = LplbPlanner().cluster_problems(256, ep256)
+    assert "planner.redundant_slots=2" in problem and "256 / 256 = 1" in problem
+    assert LplbPlanner(redundant_slots=0).cluster_problems(256, ep256) == []
+    assert LplbPlanner().cluster_problems(256, ClusterSpec(nodes=4, gpus_per_node=8, hardware=HOPPER)) == []
+    (ring,) = LplbPlanner(topology="cube").cluster_problems(
+        8, ClusterSpec(nodes=1, gpus_per_node=4, hardware=HOPPER)
+    )
+    assert "planner.topology=cube" in ring
+
+
+def test_config_check_refuses_lplb_at_deepseek_v3_ep256() -> None:
+    from experiments.config import ConfigError
+    from experiments.config_checks import validate
+    from tests.builders import cfg
+
+    with pytest.raises(ConfigError, match=r"planner\.redundant_slots=2 must be a multiple"):
+        validate(cfg("model=deepseek-v3", "cluster.nodes=32", "planner=lplb", "simulator.memory_check=off"))
