@@ -451,8 +451,10 @@ def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
         return [
             f"trace.path={path}: is a directory, not a trace file (give a routing trace .npz, {FORMAT_DOC})"
         ]
-    if not Path(path).is_file():
+    if not Path(path).exists():
         return [f"trace.path={path}: no such file (give a routing trace .npz, {FORMAT_DOC})"]
+    if not Path(path).is_file():  # NOTE: a device (/dev/zero) or a FIFO would be read without end
+        return [f"trace.path={path}: not a regular file (give a routing trace .npz, {FORMAT_DOC})"]
     try:
         meta = read_trace(path).meta
     except TraceFormatError as exc:

@@ -34,7 +34,7 @@ def build_layout(cfg: DictConfig) -> ParallelLayout:
     if node is None:
         return ParallelLayout()
     values: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
-    if values.get("chunk_layers") is not None:
+    if isinstance(values.get("chunk_layers"), list):  # NOTE: anything else is named by ParallelLayout
         values["chunk_layers"] = tuple(values["chunk_layers"])
     return ParallelLayout(**values)
 

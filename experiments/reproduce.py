@@ -43,6 +43,7 @@ from rich.progress import (
 
 from experiments.grid import cells, compose_cells
 from experiments.grid_jobs import CellJob, CellOutcome, GridReport
+from experiments.peer_traces import is_peer_preset, prepare_peer_traces
 from experiments.progress import Bars, Lines, Tracker, progress_bars, summarise
 from experiments.store import CorruptCellError, ResultsStore, cell_key, path_keyed, stored_code_version
 from relibra.provenance import code_version, code_version_note, identifies_code
@@ -80,10 +81,11 @@ FIELD_PRESETS = (
     "nvl72",
     "comm_sensitivity",
     "comm_sensitivity_overall",
+    "peer",
 )
 """The grids beyond the paper, at its scale (``make reproduce-field``): the overall comparison under DeepEP,
-which production runs use (the headline figure's second row), rack-scale NVLink domains, and how the
-verdicts move with the dispatcher and the EP overlap."""
+which production runs use (the headline figure's second row), rack-scale NVLink domains, how the
+verdicts move with the dispatcher and the EP overlap, and Megatron-LM's token-imbalance workloads."""
 SCALES = {"paper": PAPER_PRESETS, "field": FIELD_PRESETS}
 """``--scale`` -> its presets (``quick``: :data:`QUICK_PRESETS`)."""
 QUICK_PRESETS = (
@@ -97,6 +99,7 @@ QUICK_PRESETS = (
     "quick_real_trace",
     "quick_whole_step_shift",
     "quick_comm_sensitivity",
+    "quick_peer",
 )
 """Every grid at the quick scale (``make reproduce``), and two that are cheap only there: the MoE-only vs
 whole-step shift (docs/validation.md) and the communication sensitivity of ``ep_scaling``."""
@@ -530,7 +533,29 @@ def _argument_problems(
         for o in overrides
         if o.lstrip("+~").split("=", 1)[0] == "experiment_name"
     ]
-    return problems + override_problems(overrides)
+    problems += override_problems(overrides)
+    if not problems:
+        problems += _yaml_problems(chosen, overrides)
+    return problems
+
+
+def _yaml_problems(chosen: list[str], overrides: list[str]) -> list[str]:
+    """The malformed config files (:attr:`experiments.schema.ConfigSchema.broken`) that a chosen preset's
+    cells use, one problem each naming the preset and the file; a malformed file no chosen preset uses
+    is left alone. Composes the cells only when the config schema found such a file."""
+    import yaml
+
+    from experiments.schema import config_schema, yaml_problem
+
+    if not config_schema().broken:
+        return []
+    problems: list[str] = []
+    for preset in chosen:
+        try:
+            compose_cells(preset, cells(preset, overrides))
+        except yaml.YAMLError as exc:
+            problems.append(f"--presets {preset}: {yaml_problem(exc)}")
+    return problems
 
 
 def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tty: bool) -> int:
@@ -548,6 +573,8 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
                 reports.append(GridReport(preset, skipped=f"no OLMoE trace under {SHARED_TRACES}"))
                 continue
             overrides.append(f"trace.path={trace}")
+        if is_peer_preset(preset):
+            overrides.append(prepare_peer_traces(preset, root, overrides, console.print))
         plans.append((preset, overrides))
     try:
         planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)

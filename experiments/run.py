@@ -475,19 +475,34 @@ def _compose_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
     """What Hydra refuses while composing (a key of a group option not chosen, ``logger.project=x`` without
     ``logger=wandb``; a value of the wrong type), which it prints on several lines with exit status 1:
     here one problem, its message folded onto one line."""
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from experiments.grid import CONF_DIR
+    from experiments.schema import yaml_problem
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             compose(config_name=config_name, overrides=list(overrides))
+    except yaml.YAMLError as exc:
+        return [yaml_problem(exc)]
     except (HydraException, OmegaConfBaseException) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "See ")))
         return [text or type(exc).__name__]
+    return []
+
+
+def _sweep_yaml_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
+    """The malformed config file a cell of a sweep chooses, if any (composed only when the config schema
+    found one: :attr:`experiments.schema.ConfigSchema.broken`)."""
+    from experiments.grid import expand
+
+    for cell in expand({}, overrides):
+        if found := [p for p in _compose_problems(config_name, cell) if "not valid YAML" in p]:
+            return found
     return []
 
 
@@ -499,7 +514,7 @@ def preflight(args: Sequence[str]) -> None:
     (:func:`experiments.schema.override_problems`)."""
     from hydra._internal.utils import get_args_parser
 
-    from experiments.schema import override_problems
+    from experiments.schema import config_schema, override_problems
 
     known, _ = get_args_parser().parse_known_args(list(args))
     if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:
@@ -512,8 +527,14 @@ def preflight(args: Sequence[str]) -> None:
     target = given[-1] if given else ("multirun" if known.multirun else "outputs")
     if "${" not in target and (why := writable_dir(key, target)):
         problems.append(why)
-    if not problems and not known.multirun and not (known.config_path or known.config_dir):
-        problems += _compose_problems(known.config_name or "config", known.overrides)
+    if known.multirun and not problems and config_schema().broken:
+        problems += _sweep_yaml_problems(known.config_name or "config", known.overrides)
+    if not known.multirun and not (known.config_path or known.config_dir):
+        composed = _compose_problems(known.config_name or "config", known.overrides)
+        if any("not valid YAML" in p for p in composed):
+            problems = composed  # NOTE: a malformed file this run chooses; the key checks read its keys
+        elif not problems:
+            problems = composed
     launchers = [o.split("=", 1)[1] for o in known.overrides if o.split("=", 1)[0] == "hydra/launcher"]
     if launchers and launchers[-1] in SLURM_LAUNCHERS and (why := _slurm_problem(launchers[-1])):
         problems.append(why)

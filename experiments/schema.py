@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import yaml
 from hydra import initialize_config_dir
 from hydra.core.default_element import ConfigDefault, GroupDefault
 from hydra.core.global_hydra import GlobalHydra
@@ -46,6 +47,7 @@ __all__ = [
     "override_problems",
     "parse_problems",
     "unknown_keys",
+    "yaml_problem",
 ]
 
 HYDRA_NODE = "hydra"
@@ -60,6 +62,10 @@ class ConfigSchema:
     """dotted key -> kinds of its defaults over every option that holds it."""
     groups: Mapping[str, tuple[str, ...]]
     """config group path (``planner``, ``planner/reorder``, ``hydra/launcher``) -> its options, sorted."""
+    broken: Mapping[str, str] = field(default_factory=dict)
+    """config path (``experiment/foo``) -> why it could not be read (:func:`yaml_problem`): left out of
+    the walk, so a malformed option no run chooses breaks nothing; a run that chooses it is refused when
+    Hydra composes it, naming the file."""
 
     def is_flag(self, key: str) -> bool:
         """Whether every default of ``key`` is a boolean (``null`` allowed beside it)."""
@@ -144,6 +150,7 @@ class _Walker:
         self.kinds: dict[str, set[str]] = {}
         self.groups: dict[str, tuple[str, ...]] = {}
         self.seen: set[tuple[str, str]] = set()
+        self.broken: dict[str, str] = {}
 
     def options(self, group: str) -> tuple[str, ...]:
         if group not in self.groups:
@@ -154,7 +161,11 @@ class _Walker:
         if (path, package) in self.seen:
             return
         self.seen.add((path, package))
-        result = self.repo.load_config(path)
+        try:
+            result = self.repo.load_config(path)
+        except yaml.YAMLError as exc:
+            self.broken[path] = yaml_problem(exc)
+            return
         if result is None:
             return
         header = (result.header or {}).get("package")
@@ -183,9 +194,20 @@ class _Walker:
                 self.walk(child, _child_package(package, entry.package, rel.rpartition("/")[0]))
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A malformed YAML file's error on one line: the file, where, and what (PyYAML's marks)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    if mark is None:
+        return f"not valid YAML ({what})"
+    return f"{mark.name}: not valid YAML at line {mark.line + 1}, column {mark.column + 1} ({what})"
+
+
 def _schema_from(repo: Any, primary: str) -> ConfigSchema:
     walker = _Walker(repo)
     walker.walk(primary, "")
+    if primary in walker.broken:  # NOTE: nothing can be composed; Hydra's compose names the same file
+        return ConfigSchema({}, {}, dict(walker.broken))
     primary_defaults = repo.load_config(primary).defaults_list or []
     selected = {g.group for g in primary_defaults if isinstance(g, GroupDefault)}
     for group in sorted(repo.get_group_options("", ObjectType.GROUP)):
@@ -197,7 +219,7 @@ def _schema_from(repo: Any, primary: str) -> ConfigSchema:
     for group in ("hydra/launcher",):  # NOTE: listed for override_problems only; their keys are Hydra's
         walker.options(group)
     kinds = {k: frozenset(v) for k, v in sorted(walker.kinds.items())}
-    return ConfigSchema(kinds, dict(walker.groups))
+    return ConfigSchema(kinds, dict(walker.groups), dict(walker.broken))
 
 
 @lru_cache(maxsize=1)

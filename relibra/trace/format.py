@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -329,6 +330,8 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
     array.
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # NOTE: a device or a FIFO would be read without end
+            raise TraceFormatError(f"trace file {path}: not a regular file (a trace is an .npz archive)")
         with open(path, "rb") as handle:
             head = handle.read(4)
     except OSError as err:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +170,72 @@ def test_sim_grid_sbatch_with_an_unknown_preset_is_one_line_exit_2() -> None:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     line = _one_line(proc)
     assert "bogus" in line and "unknown experiment preset" in line
+
+
+@pytest.fixture
+def conf_with_a_malformed_preset(tmp_path, monkeypatch) -> Iterator[Path]:
+    """A copy of experiments/conf with one malformed experiment preset, used as the suite's config dir."""
+    import shutil
+
+    import experiments.grid as grid
+    from experiments.schema import config_schema
+
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "experiments" / "conf", conf)
+    (conf / "experiment" / "zz_bad.yaml").write_text("experiment_name: zz_bad\n  x: [1,\n")
+    monkeypatch.setattr(grid, "CONF_DIR", conf)
+    config_schema.cache_clear()
+    yield conf / "experiment" / "zz_bad.yaml"
+    config_schema.cache_clear()
+
+
+def test_a_malformed_preset_no_run_uses_breaks_nothing(conf_with_a_malformed_preset, tmp_path) -> None:
+    from experiments.reproduce import _argument_problems
+    from experiments.run import preflight
+    from experiments.schema import config_schema, override_problems
+
+    assert "experiment/zz_bad" in config_schema().broken
+    preflight([*R, f"hydra.run.dir={tmp_path / 'run'}"])  # refuses nothing
+    validate(cfg(*R))
+    assert _argument_problems(None, ["quick_overhead"], [], ["quick_overhead"], override_problems) == []
+
+
+def test_a_malformed_preset_a_run_uses_is_one_message_naming_the_file(
+    conf_with_a_malformed_preset, tmp_path, capsys
+) -> None:
+    from experiments.reproduce import main as reproduce
+    from experiments.run import preflight
+
+    bad = str(conf_with_a_malformed_preset)
+    with pytest.raises(ConfigError, match="not valid YAML at line 2") as err:
+        preflight([*R, "+experiment=zz_bad", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert bad in str(err.value)
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        preflight(["-m", *R, "+experiment=zz_bad", "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert bad in str(err.value)
+    assert reproduce(["--results", str(tmp_path / "r"), "--presets", "zz_bad", "--no-analysis"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and bad in lines[0] and "--presets zz_bad" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("value", ["5", "abc", "'[8, x]'"])
+def test_chunk_layers_that_is_not_a_list_names_the_key_and_the_list_expected(value) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(cfg(*R, f"parallel.chunk_layers={value}"))
+    assert "parallel.chunk_layers=" in str(err.value) and "integers >= 1" in str(err.value)
+    assert "not iterable" not in str(err.value)
+
+
+def test_a_trace_path_that_is_not_a_regular_file_says_so(tmp_path) -> None:
+    from relibra.trace.format import TraceFormatError, load_trace
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        with pytest.raises(ConfigError, match=f"trace.path={path}: not a regular file"):
+            validate(cfg(*R, f"trace.path={path}"))
+        with pytest.raises(TraceFormatError, match="not a regular file"):
+            load_trace(path)  # returns at once: a FIFO without a writer is never opened
+    with pytest.raises(ConfigError, match="no such file"):
+        validate(cfg(*R, f"trace.path={tmp_path / 'absent.npz'}"))
