@@ -50,11 +50,13 @@ from relibra.types import BatchPlan
 
 __all__ = ["MEASURED_CRITICAL_PATH_S", "EchoLayerPlan", "EchoPlanner", "offload_plan", "spill_and_spare"]
 
-MEASURED_CRITICAL_PATH_S = 40e-6
-"""This implementation's median planning time per (micro-batch, layer) at EP 64 (Qwen3-235B-A22B shapes, one
-quick-scale mixed batch; compiled, one core of a shared 2-core machine; docs/baselines.md, "ECHO"). Upstream
-plans on the GPU (``torch.compile`` and one Triton block) after an all-gather of the per-rank counts and
-publishes no time."""
+MEASURED_CRITICAL_PATH_S = 65e-6
+"""Planning seconds charged per (micro-batch, layer): LLEP's charged median (50 us, :mod:`baselines.llep`)
+times the median ratio of this implementation's median to LLEP's, both measured in the same three runs of
+``benchmarks/bench_online.py`` (EP 64, Qwen3-235B-A22B shapes, one quick-scale mixed batch; compiled, one
+core of a shared 2-core machine under load): 130/99, 139/114, 188/101 us, ratio 1.31 (docs/baselines.md,
+"ECHO"). Upstream plans on the GPU (``torch.compile`` and one Triton block) after an all-gather of the
+per-rank counts and publishes no time."""
 
 NUM_BUCKETS = 8
 """Buckets of the approximate bin packing (``gen_assignment_for_approx_bp``'s default ``num_buckets``)."""

@@ -1,4 +1,4 @@
-"""Planning time per (micro-batch, layer) of the online planners (UltraEP, LLEP), as docs/baselines.md
+"""Planning time per (micro-batch, layer) of the online planners (UltraEP, LLEP, ECHO), as docs/baselines.md
 quotes it: the time this implementation takes, beside the constant the simulator charges by default; and
 UltraEP's communication under the suite's proportional split rule against its own locality-aware split.
 
@@ -16,6 +16,7 @@ from _common import hardware, model
 from rich.console import Console
 from rich.table import Table
 
+from baselines.echo import EchoPlanner
 from baselines.llep import LlepPlanner
 from baselines.ultraep import UltraEPPlanner, solve_domain, split_sources
 from relibra.cluster import ClusterSpec
@@ -68,7 +69,8 @@ def main() -> None:
     for col in ("planner", "median us", "p90 us", "charged by default us"):
         table.add_column(col)
     for planner, default in ((UltraEPPlanner(critical_path_s=None), UltraEPPlanner().critical_path_s),
-                             (LlepPlanner(critical_path_s=None), LlepPlanner().critical_path_s)):  # fmt: skip
+                             (LlepPlanner(critical_path_s=None), LlepPlanner().critical_path_s),
+                             (EchoPlanner(critical_path_s=None), EchoPlanner().critical_path_s)):  # fmt: skip
         plan = planner.plan(ctx)
         assert plan.online is not None
         t = plan.online.critical_path_s * 1e6
