@@ -59,6 +59,7 @@ from relibra.cost.model import CostModel
 from relibra.integrations.layout import fixed_count_layout
 from relibra.layout import SampleLayout
 from relibra.planners.protocols import Planner, StagedPlanner, StagedReorderer
+from relibra.trace.format import RoutingTrace, TraceFormatError
 from relibra.trace.importers import fill_route, from_verl
 from relibra.types import BatchPlan
 
@@ -373,6 +374,7 @@ class VerlReLibraHook:
             model=self.model.name,
             source="verl R3 routed_experts",
         )
+        self._check_shape(trace)
         layout = fixed_count_layout(
             trace.sample_tokens, self.settings.num_gpus, self.settings.samples_per_microbatch
         )
@@ -380,6 +382,23 @@ class VerlReLibraHook:
         key = self.control_plane.seal(layout=layout)
         self._pending[key] = _Pending(layout, trace.sample_tokens.astype(np.int64))
         return key
+
+    def _check_shape(self, trace: RoutingTrace) -> None:
+        """Refuse routes of another shape than the model's: planned with another top-k the loads would be
+        scaled by ``k / top_k``; another layer count would pair layers wrongly."""
+        model = self.model
+        if trace.top_k != model.top_k:
+            raise TraceFormatError(
+                f"routed_experts has top-k {trace.top_k} (its last axis) but model {model.name} routes every "
+                f"token to top_k={model.top_k} experts: the batch holds another model's routes"
+            )
+        if trace.num_layers != model.num_moe_layers:
+            picked = "the moe_layers given" if self.moe_layers is not None else "its layer axis (2)"
+            raise TraceFormatError(
+                f"routed_experts has {trace.num_layers} MoE layers ({picked}) but model {model.name} has "
+                f"num_moe_layers={model.num_moe_layers}: pass moe_layers (the MoE layers among every layer "
+                "the engine records, moe_layers_from_freq) or the model the routes came from"
+            )
 
     def before_update(self, batch: Any, key: int, deadline_s: float | None = None) -> VerlStepPlan:
         """Take the plan of ``key`` (waiting at most ``deadline_s``), reorder ``batch`` in place for it and

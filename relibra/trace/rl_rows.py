@@ -292,6 +292,10 @@ def read_padded(
         )
     if 0 in routed.shape[2:]:
         raise TraceFormatError(f"{field} has shape {routed.shape}: no layers or no top-k slots")
+    if 0 in routed.shape[:2]:
+        raise TraceFormatError(
+            f"{field} has shape {routed.shape}: an empty batch (no samples or no positions)"
+        )
     check_dtype_holds(field, routed, num_experts)
     lengths = None if route_lengths is None else ids_array("route_lengths", route_lengths)
     start, num_real, recorded = _padded_rows(real, lengths)
@@ -352,11 +356,18 @@ def read_list(
             f"tokens must be [{len(routes)}] (one token count per sample), got {counts.shape}"
         )
     per_sample, unrec = [], 0
+    first: tuple[int, ...] = ()
     for s, value in enumerate(routes):
         name = f"{field}[{s}]"
         arr = ids_array(name, value)
         if arr.ndim != 3 or 0 in arr.shape[1:]:
             raise TraceFormatError(f"{name} must be [tokens - 1, layers, topk], got shape {arr.shape}")
+        if s and arr.shape[1:] != first:
+            raise TraceFormatError(
+                f"{name} has {arr.shape[1]} layers and top-k {arr.shape[2]}, but {field}[0] has {first[0]} "
+                f"and {first[1]}: every sample holds the same model's layers and top-k"
+            )
+        first = arr.shape[1:] if not s else first
         check_dtype_holds(name, arr, num_experts)
         if counts is not None and arr.shape[0] != int(counts[s]) - 1:
             raise TraceFormatError(

@@ -337,3 +337,44 @@ def test_driver_hook_orders_the_batch_and_fills_the_last_rows() -> None:
         real = np.flatnonzero(batch.batch["attention_mask"][i].numpy())
         np.testing.assert_array_equal(got[i, real[:-1]], recorded[s])
         np.testing.assert_array_equal(got[i, real[-1]], np.tile(np.arange(2), (2, 1)))  # the filler
+
+
+@pytest.mark.parametrize(
+    ("layers", "k", "moe_layers", "message"),
+    [
+        (2, 3, None, r"routed_experts has top-k 3 \(its last axis\) but model .* top_k=2"),
+        (
+            3,
+            2,
+            None,
+            r"routed_experts has 3 MoE layers \(its layer axis \(2\)\) but model .* num_moe_layers=2",
+        ),
+        (3, 2, [0], r"routed_experts has 1 MoE layers \(the moe_layers given\)"),
+    ],
+)
+def test_driver_hook_refuses_routes_of_another_shape_than_its_model(layers, k, moe_layers, message) -> None:
+    import torch
+
+    from relibra.trace.format import TraceFormatError
+    from tests.trace.rl_builders import sample_routes, verl_batch
+
+    rng = np.random.default_rng(3)
+    prompts, responses = [3] * 16, [8] * 16
+    recorded = sample_routes(rng, [p + r - 1 for p, r in zip(prompts, responses, strict=True)], layers, 8, k)
+    routed, mask = verl_batch(recorded, prompts, 3, 8)
+    cost = make_cost(1, 4, 8, num_layers=2, top_k=2)  # a top-2 model of 2 MoE layers
+    hook = VerlReLibraHook(
+        relibra(2, reorder=AnnealConfig(locality=False)),
+        check_verl_config(GOOD),
+        cost.cluster,
+        cost.model,
+        cost,
+        moe_layers=moe_layers,
+        config=ControlPlaneConfig(workers=0, warm_up=False),
+    )
+    try:
+        batch = _Batch({"routed_experts": torch.tensor(routed), "attention_mask": torch.tensor(mask)})
+        with pytest.raises(TraceFormatError, match=message):
+            hook.after_rollout(batch)
+    finally:
+        hook.close()

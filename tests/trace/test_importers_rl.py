@@ -242,3 +242,38 @@ def test_from_verl_on_verls_dataproto(recorded) -> None:
     )
     trace = from_verl(batch.batch["routed_experts"], batch.batch["attention_mask"], E)
     _same(trace, recorded)
+
+
+@pytest.mark.parametrize("importer", ["verl", "areal", "nemo_rl", "skyrl"])
+@pytest.mark.parametrize("shape", [(0, 8, 2, 2), (2, 0, 2, 2)])
+def test_an_empty_padded_batch_is_refused_naming_the_field(importer, shape) -> None:
+    from relibra.trace import importers_rl as rl
+
+    routed, mask = np.zeros(shape, np.int32), np.zeros(shape[:2], np.int64)
+    call = {
+        "verl": lambda: rl.from_verl(routed, mask, 8),
+        "areal": lambda: rl.from_areal(routed, mask, 8),
+        "nemo_rl": lambda: rl.from_nemo_rl(routed, np.zeros(shape[0], np.int64), 8),
+        "skyrl": lambda: rl.from_skyrl(
+            routed, 8, attention_mask=mask, route_lengths=np.zeros(shape[0], np.int64)
+        ),
+    }[importer]
+    with pytest.raises(TraceFormatError, match=r"(routed_experts|rollout_expert_indices|input_lengths).*"):
+        call()
+
+
+@pytest.mark.parametrize("importer", ["slime", "skyrl"])
+@pytest.mark.parametrize(
+    ("second", "what"), [((3, 3, 2), "3 layers and top-k 2"), ((3, 2, 3), "2 layers and top-k 3")]
+)
+def test_list_samples_of_different_layers_or_top_k_are_refused_naming_the_sample(
+    importer, second, what
+) -> None:
+    from relibra.trace import importers_rl as rl
+
+    first = np.tile(np.array([[0, 1], [2, 3]], np.int32), (3, 1, 1))  # 3 rows, 2 layers, top-2
+    other = np.tile(np.arange(second[2], dtype=np.int32), (*second[:2], 1))
+    call = rl.from_slime if importer == "slime" else rl.from_skyrl
+    field = "rollout_routed_experts" if importer == "slime" else "rollout_expert_indices"
+    with pytest.raises(TraceFormatError, match=rf"{field}\[1\] has {what}, but {field}\[0\] has 2 and 2"):
+        call([first, other], 8)
