@@ -1,4 +1,4 @@
-"""The loop every online per-(micro-batch, layer) copy planner shares: UltraEP and MoonEP plan each
+"""The loop every online per-(micro-batch, layer) copy planner shares: UltraEP, MoonEP and ECHO plan each
 (micro-batch, layer) after routing from its exact loads, their planning sits on the critical path, and they
 keep Megatron-LM's static placement (no reordering). Each supplies only its per-layer kernel.
 """
