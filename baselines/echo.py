@@ -32,7 +32,22 @@ figure); the clones' weights over the fabric from their homes (NVLink in the nod
 nodes) in full after routing, and their gradients home in full in the backward (the dispatch and its
 backward combine sit on the compute stream; ``moe_echo_expert_dispatch_overlap`` is off by default), plus a
 third pass when ``recompute_expert_dispatch`` re-dispatches the weights in the backward
-(``moe_echo_recompute_expert_dispatch``). Choices the source leaves open: docs/baselines.md, "ECHO".
+(``moe_echo_recompute_expert_dispatch``).
+
+Choices the source leaves open, and the ones made here (docs/baselines.md, "ECHO", gives the reasons):
+
+* echo slots per GPU: ``replica_slots`` 2, the suite's slot count for UltraEP, ForeMoE and ReLibra
+  (upstream's config requires ``moe_num_echo_experts`` and sets no default);
+* ties: stable orders everywhere (equal loads kept home lowest expert first; equal spills and spares lowest
+  id first; equal overlaps in ``topk`` the larger spill first); upstream's ``torch.sort`` and ``topk`` leave
+  them unspecified;
+* the bucket width when ``avg < 7``: 1 token (upstream divides by ``avg // 7``, zero there);
+* each source's share of a clone: the proportional split rule shared by the cost model (upstream's
+  breadth-first pass up to its rounding; the per-clone totals are upstream's exactly);
+* memory: each layer's clones are held from forward to backward, ``L x r`` experts per GPU; the memory
+  check and ``replica_buffer_bytes`` count ``r``, as for UltraEP;
+* the planning time charged (:data:`MEASURED_CRITICAL_PATH_S`): upstream publishes none;
+* the EP group: any size, the average over the whole group, clones across nodes.
 """
 
 from __future__ import annotations
