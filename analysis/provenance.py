@@ -1,7 +1,8 @@
 """One provenance per table: which code computed its cells, and refusing tables that mix code versions.
 
 Every result row carries ``code_version`` (:func:`relibra.provenance.code_version`). A table built from
-cells of several code versions compares numbers that different code produced, so the analysis refuses it,
+cells of several code versions compares numbers that different code produced, so the analysis refuses it
+(and so it does a table of cells whose version names no code, :func:`relibra.provenance.identifies_code`),
 unless the versions are shown to give identical cells: a file ``identical_versions.json`` at the results
 root lists groups of versions, each with the evidence that they compute the same numbers (e.g. the pinned
 cells, ``tests/test_pinned_cells.py``, re-recorded identically between them)::
@@ -18,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.load import code_versions
+from relibra.provenance import identifies_code
 
 __all__ = [
     "IDENTICAL_FILE",
@@ -76,6 +78,14 @@ def mixed_versions_refusal(name: str, frame: pd.DataFrame, groups: list[frozense
     """Why the tables of experiment ``name`` are refused, or None when its cells are of one code version
     (or of versions that one of ``groups`` shows identical)."""
     versions = code_versions(frame)
+    unnamed = {v: n for v, n in versions.items() if not identifies_code(v)}
+    if unnamed:  # NOTE: two cells of such a version may come from different code: never taken as equal
+        listed = ", ".join(f"{n} rows by {v}" for v, n in sorted(unnamed.items()))
+        return (
+            f"{name}: tables refused: {listed}: a code version without a commit or a source hash names no "
+            "code, so its cells cannot be shown to come from one code version; recompute them "
+            "(`python -m experiments.reproduce --recompute-stale`)"
+        )
     if len(versions) <= 1 or any(set(versions) <= group for group in groups):
         return None
     listed = ", ".join(f"{n} rows by {v}" for v, n in sorted(versions.items()))

@@ -50,6 +50,8 @@ MODELS = ["qwen3-30b-a3b", "qwen3-235b-a22b"]
 CLAIMS = {"paper_claims.md", "paper_claims.tex"}
 """The cross-preset claims table, written beside each preset's tables (tests/analysis/test_claims.py)."""
 DATASETS = ["reasoning", "mixed"]
+CODE = "0.1.0+g0123456789ab"
+"""The code version of the test rows (one that names a commit: a version that names no code is refused)."""
 
 
 def _row(model: str, dataset: str, planner: str, nodes: int, bump: float = 1.0) -> dict:
@@ -78,6 +80,7 @@ def _row(model: str, dataset: str, planner: str, nodes: int, bump: float = 1.0) 
         "t_attention_s": step / 4,
         "param_bytes_per_gpu": 6e9,
         "num_batches": 2,
+        "code_version": CODE,
     }
 
 
@@ -495,7 +498,7 @@ def test_every_table_states_its_cells_version_and_command(results: Path) -> None
     out = analyse(results, command="python -m experiments.reproduce --scale quick")
     for path in out.tables:
         text = path.read_text().replace("`", "")  # NOTE: the LaTeX caption drops Markdown's code marks
-        assert "Provenance: cells computed by unknown" in text, path
+        assert f"Provenance: cells computed by {CODE}" in text, path
         assert "python -m experiments.reproduce --scale quick at 0.1.0" in text, path
 
 
@@ -613,3 +616,19 @@ def test_skew_and_overhead_show_their_spread_over_seeds() -> None:
         (100 * 0.2 / step, 100 * 0.4 / step)
     )
     assert "(" in table.formatted().set_index("ReLibra").loc[paper.label("relibra"), "reorder % batch"]
+
+
+@pytest.mark.parametrize("version", ["0.1.0", "unknown", None])
+def test_cells_whose_version_names_no_code_are_refused_not_taken_as_one_version(
+    tmp_path: Path, version: str | None
+) -> None:
+    """``0.1.0`` (what a checkout git refused used to record) or no version: two such cells may come from
+    different code, so the preset gets no tables, even when every cell reads the same."""
+    rows = [{**_row(m, "mixed", "relibra", 4), "code_version": version} for m in MODELS]
+    if version is None:
+        rows = [{k: v for k, v in row.items() if k != "code_version"} for row in rows]
+    _write(tmp_path, "quick_overhead", rows)
+    out = analyse(tmp_path)
+    assert len(out.refused) == 1 and out.refused[0].startswith("quick_overhead: tables refused"), out.refused
+    assert f"2 rows by {version or 'unknown'}" in out.refused[0] and "names no code" in out.refused[0]
+    assert not [p for p in out.tables if p.name.startswith("quick_overhead.")]
