@@ -350,18 +350,40 @@ def main(argv: list[str] | None = None) -> int:
         "(docs/results: the tables docs/validation.md embeds; then python -m analysis --write-docs)",
     )
     ap.add_argument(
+        "--moe-layer",
+        action="store_true",
+        help="one MoE layer's forward and backward against Megatron-LM's per-layer H100 measurements "
+        "(experiments/data/moe_layer.json)",
+    )
+    ap.add_argument(
         "--fit",
         action="store_true",
-        help="with --end-to-end: fit training.host_overhead_s to the calibration rows and store it in the "
-        "data file (its fitted_constants) before the table",
+        help="with --end-to-end: fit Blackwell's host overhead to the calibration rows; with --moe-layer: "
+        "Hopper's; either stores it in the data file (its fitted_constants) before the table",
+    )
+    ap.add_argument(
+        "--joint",
+        action="store_true",
+        help="with --moe-layer --fit: also print the diagnostic joint fit (GEMM efficiency and host time)",
     )
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
+    if args.moe_layer:
+        if args.end_to_end or args.write_tables:
+            print("validate: --moe-layer goes with --fit, --joint and --data only", file=sys.stderr)
+            return 2
+        return _moe_layer(Path(args.data) if args.data else None, args.fit, args.joint)
+    if args.joint:
+        print("validate: --joint goes with --moe-layer --fit", file=sys.stderr)
+        return 2
     if args.end_to_end:
         return _end_to_end(Path(args.data) if args.data else None, args.fit, args.write_tables)
     if args.fit or args.data or args.write_tables:
-        print("validate: --fit, --data and --write-tables go with --end-to-end", file=sys.stderr)
+        print(
+            "validate: --fit, --data and --write-tables go with --end-to-end (or --moe-layer)",
+            file=sys.stderr,
+        )
         return 2
     if args.estimate_error:
         err = estimate_error_table(Path(args.traces))
@@ -441,9 +463,52 @@ def _fit_and_store(path: Path) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
     print(f"stored in {path} (fitted_constants)")
     print(
-        f"the grids run {FITTED} of experiments/conf/training/megatron.yaml: set it to {fitted.value:.4g} "
-        "there if it differs (tests/experiments/test_end_to_end_fit.py checks that they agree)\n"
+        f"the grids run cluster.hardware.host_overhead_s of the Blackwell cluster yamls "
+        f"(experiments/conf/cluster/b200.yaml, ...): set it to {fitted.value:.4g} there if it differs "
+        "(tests/experiments/test_end_to_end_fit.py checks that they agree)\n"
     )
+
+
+def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:
+    """``--moe-layer`` (:mod:`experiments.moe_layer`); exit status 2 with one message for a bad file."""
+    from experiments.config import ConfigError
+    from experiments.moe_layer import DATA_FILE, fit_layer, layer_table, load_layer_rows
+    from relibra.atomic import atomic_write
+
+    path = data or DATA_FILE
+    try:
+        doc = load_layer_rows(path)
+        if fit:
+            fitted = fit_layer(doc)
+            print(f"cluster.hardware.host_overhead_s (Hopper) = {fitted.host_overhead_s:.6g} s per MoE "
+                  f"layer, direction and micro-batch, at the yaml gemm_efficiency ({len(fitted.rows)} rows, "
+                  f"log rms {fitted.log_rms:.3f})")  # fmt: skip
+            if joint:
+                both = fit_layer(doc, joint=True)
+                print(f"diagnostic joint fit: gemm_efficiency {both.gemm_efficiency:.3f}, host "
+                      f"{both.host_overhead_s:.6g} s (log rms {both.log_rms:.3f}); not adopted "
+                      "(docs/validation.md)")  # fmt: skip
+            doc["fitted_constants"] = fitted.entries()
+            text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+            atomic_write(path, lambda f: f.write(text.encode()))
+            print(f"stored in {path} (fitted_constants); the grids run cluster.hardware.host_overhead_s of "
+                  "experiments/conf/cluster/hopper.yaml and h800.yaml (tests/experiments/test_moe_layer.py "
+                  "checks that they agree)\n")  # fmt: skip
+        table = layer_table(path)
+    except (ConfigError, KeyError, TypeError) as exc:
+        why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"validate: per-layer data {path}: {why}", file=sys.stderr)
+        return 2
+    cols = ["id", "role", "forward_ms", "model_forward_ms", "backward_ms", "model_backward_ms", "ratio",
+            "experts_ms", "shared_ms", "comm_ms", "permute_ms", "router_ms", "fp8_cast_ms",
+            "host_ms"]  # fmt: skip
+    with pd.option_context("display.width", 250):
+        print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for role in ("calibration", "check"):
+        err = (table[table.role == role].ratio - 1.0).abs()
+        print(f"{role} rows: |model / measured - 1| of forward + backward: median {err.median():.1%}, "
+              f"worst {err.max():.1%} ({len(err)} rows)")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,12 @@ class HardwareSpec:
     hbm_bytes: float = 0.0
     """HBM capacity per GPU, bytes (0: unknown; ``simulator.memory_check`` then cannot run and says so,
     :mod:`relibra.cost.memory`)."""
+    host_overhead_s: float = 0.0
+    """Exposed host seconds per MoE layer, pass direction and micro-batch on this GPU generation with its
+    software stack (the dropless dispatcher's device-to-host sync and the launches queued after it),
+    calibrated per generation on that generation's own measurements (each cluster yaml names its rows);
+    what ``training.host_overhead_s`` takes when left null
+    (:meth:`relibra.cost.step.WholeStepTerms.host_overhead`)."""
     sms: int = 0
     """Streaming multiprocessors per GPU (0: unknown; an overlapped all-to-all that holds SMs,
     ``cluster.comm_sms > 0`` under ``cluster.ep_overlap``, is then refused)."""

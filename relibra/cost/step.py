@@ -155,9 +155,10 @@ class TrainingSpec:
     """Bytes per gradient in the reduce-scatter (bf16: 2, ``grad_reduce_in_fp32``: 4)."""
     param_gather_bytes_per_param: float
     """Bytes per parameter in the all-gather (bf16: 2)."""
-    host_overhead_s: float
+    host_overhead_s: float | None
     """Exposed host seconds per MoE layer and pass direction (the dropless dispatcher's host sync and the
-    launches after it), paid unless ``cuda_graph`` is ``full_iteration``."""
+    launches after it), paid unless ``cuda_graph`` is ``full_iteration``. None (the default): the GPU
+    generation's calibrated value, ``cluster.hardware.host_overhead_s``; a number overrides it."""
     cuda_graph: str
     """``training.cuda_graph`` (:data:`CUDA_GRAPHS`): ``full_iteration`` removes the host overhead."""
     fp8_recipe: str
@@ -208,6 +209,8 @@ class TrainingSpec:
             "host_overhead_s",
         ):
             value = getattr(self, name)
+            if name == "host_overhead_s" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 problems.append(f"training.{name}={value!r}: must be a number >= 0")
         for name in ("overlap_grad_reduce", "overlap_param_gather", "distributed_optimizer"):
@@ -439,6 +442,15 @@ class WholeStepTerms:
         t = np.asarray(tokens, dtype=np.float64)
         return np.asarray(t * values * self._cast_seconds_per_value())
 
+    def shared_cast_time(self, tokens: np.ndarray) -> np.ndarray:
+        """One MoE layer's FP8 casts for its shared experts' GEMMs alone (the share of
+        :meth:`dense_cast_time` that is not attention's), fwd + bwd: tokens [..., G] -> seconds; 0 in bf16 or
+        without shared experts."""
+        m = self.model
+        ffn = m.shared_ffn * m.shared_experts
+        values = 2 * m.hidden + 3 * ffn if ffn > 0 else 0
+        return np.asarray(np.asarray(tokens, dtype=np.float64) * values * self._cast_seconds_per_value())
+
     def core_attention_time(self, causal_pairs: np.ndarray) -> np.ndarray:
         """QK^T and PV of one layer (bf16, at ``attention_efficiency``), fwd + bwd: causal pairs [..., G] ->
         seconds [..., G]."""
@@ -504,4 +516,10 @@ class WholeStepTerms:
         spec = self._spec()
         if spec.cuda_graph == "full_iteration":
             return 0.0
-        return spec.host_overhead_s * self.model.num_moe_layers * microbatches * directions
+        return self.host_overhead() * self.model.num_moe_layers * microbatches * directions
+
+    def host_overhead(self) -> float:
+        """Exposed host seconds per MoE layer, pass direction and micro-batch: ``training.host_overhead_s``
+        when set, else the GPU generation's calibrated ``cluster.hardware.host_overhead_s``."""
+        own = self._spec().host_overhead_s
+        return float(self.cluster.hardware.host_overhead_s if own is None else own)

@@ -317,3 +317,13 @@ def test_cluster_refuses_unknown_precision_and_fp8_without_its_rates() -> None:
     with pytest.raises(ValueError, match="hbm_efficiency"):
         cost(nodes=1, gpn=2).__class__(ClusterSpec(1, 2, replace(HOPPER, hbm_efficiency=0.0)), MODEL,
                                        training=SPEC).norm_time(np.ones(2))  # fmt: skip
+
+
+def test_host_overhead_null_takes_the_generation_s_value() -> None:
+    """training.host_overhead_s null: the hardware's calibrated host time; a number overrides it."""
+    hw = replace(HOPPER, host_overhead_s=2e-3)
+    model = CostModel(ClusterSpec(2, 2, hw), MODEL, training=replace(SPEC, host_overhead_s=None))
+    assert model.host_overhead() == 2e-3
+    assert model.launch_time(3, 2.0) == pytest.approx(2e-3 * MODEL.num_moe_layers * 3 * 2.0)
+    own = CostModel(ClusterSpec(2, 2, hw), MODEL, training=replace(SPEC, host_overhead_s=5e-4))
+    assert own.host_overhead() == 5e-4

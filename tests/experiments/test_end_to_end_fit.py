@@ -107,15 +107,27 @@ def test_the_stored_fit_names_calibration_rows_and_is_undone_as_an_override() ->
     assert unfitted_overrides(doc) == (f"{FITTED}=0.0",)
 
 
-def test_experiments_conf_runs_the_fitted_value() -> None:
-    """The grids' default (training/megatron.yaml) is the stored fit, at the 4 digits the yaml keeps: a re-fit
-    that moves the value must move the default with it (and re-run the tables)."""
+BLACKWELL = ("b200", "b300", "gb200", "gb300", "gb200-nvl72")
+"""The cluster yamls of the generation the end-to-end calibration rows ran on (B200 / B300)."""
+HOPPER = ("hopper", "h800")
+
+
+def test_experiments_conf_runs_the_fitted_value_on_blackwell_only() -> None:
+    """Each Blackwell cluster yaml carries the stored fit at the 4 digits the yaml keeps (a re-fit that
+    moves the value must move them with it, and re-run the tables); the training default is null (the
+    generation's own), and no Hopper yaml takes Blackwell's value (Hopper's comes from Hopper rows,
+    tests/experiments/test_moe_layer.py)."""
     from omegaconf import OmegaConf
 
-    conf = OmegaConf.load(DATA_FILE.parents[1] / "conf" / "training" / "megatron.yaml")
+    conf_dir = DATA_FILE.parents[1] / "conf"
     stored = load_rows()["fitted_constants"][FITTED]["value"]
-    assert conf.host_overhead_s > 0
-    assert float(conf.host_overhead_s) == float(f"{stored:.4g}")
+    assert OmegaConf.load(conf_dir / "training" / "megatron.yaml").host_overhead_s is None
+    for name in BLACKWELL:
+        hw = OmegaConf.load(conf_dir / "cluster" / f"{name}.yaml").hardware
+        assert float(hw.host_overhead_s) == float(f"{stored:.4g}") > 0, name
+    for name in HOPPER:
+        hw = OmegaConf.load(conf_dir / "cluster" / f"{name}.yaml").hardware
+        assert float(hw.host_overhead_s) != float(f"{stored:.4g}"), name
 
 
 @pytest.mark.slow
