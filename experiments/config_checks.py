@@ -33,6 +33,7 @@ from experiments.config import (
 )
 from experiments.config_keys import _int_key, _number_key
 from experiments.executor_check import _executor_problems
+from experiments.input_memory import input_memory_problems
 from experiments.layout_check import layout_problems, memory_problems
 from relibra.cluster import MLA_KEYS, PRECISIONS, comm_sms_problem, mla_problem, nvl_domain_problem
 from relibra.cost.fabric import DISPATCHERS
@@ -440,6 +441,7 @@ def validate(cfg: DictConfig) -> None:
     if (
         not problems
     ):  # NOTE: the memory check builds the cost model, so it needs a config that passed the rest
+        problems += input_memory_problems(cfg)
         cluster, model = build_cluster(cfg), build_model(cfg)
         problems += memory_problems(cfg, build_cost(cfg, cluster, model))
     if problems:

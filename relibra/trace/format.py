@@ -41,6 +41,8 @@ __all__ = [
     "REQUIRED_META",
     "RoutingTrace",
     "TraceFormatError",
+    "counts_bytes",
+    "host_memory_problem",
     "load_trace",
     "positive_int",
     "save_trace",
@@ -291,13 +293,34 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
 _READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
-def _check_declared_size(archive: zipfile.ZipFile, key: str, path: str | os.PathLike[str]) -> None:
+def host_memory_problem(what: str, need: int) -> str | None:
+    """Why ``need`` bytes for ``what`` cannot be held by this host: more than the kernel's ``MemAvailable``
+    (:func:`relibra.executors.budget.available_host_bytes`); None when they fit or the host does not
+    publish it (not Linux: no check)."""
+    from relibra.executors import budget
+
+    available = budget.available_host_bytes()
+    if available is None or need <= available:
+        return None
+    return (
+        f"{what} need {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB this host has "
+        "available (MemAvailable)"
+    )
+
+
+def counts_bytes(num_samples: int, num_layers: int, num_experts: int) -> int:
+    """Bytes of the per-sample counts ``[S, L, E]`` int32 (:class:`SampleCounts`) of such a trace: what
+    :meth:`RoutingTrace.to_counts` and the synthetic generator allocate, a lower bound on a run's input."""
+    return int(num_samples) * int(num_layers) * int(num_experts) * np.dtype(np.int32).itemsize
+
+
+def _check_declared_size(archive: zipfile.ZipFile, key: str, path: str | os.PathLike[str]) -> int:
     """Refuse member ``key`` whose ``.npy`` header declares more bytes than the member holds, before numpy
-    allocates them (a forged header could ask for terabytes)."""
+    allocates them (a forged header could ask for terabytes). Returns the bytes it declares."""
     try:
         info = archive.getinfo(f"{key}.npy")
     except KeyError:
-        return  # NOTE: a member without the .npy suffix: numpy reads it as it is, nothing is declared
+        return 0  # NOTE: a member without the .npy suffix: numpy reads it as it is, nothing is declared
     try:
         with archive.open(info) as member:
             version = np.lib.format.read_magic(member)
@@ -306,13 +329,13 @@ def _check_declared_size(archive: zipfile.ZipFile, key: str, path: str | os.Path
                 (2, 0): np.lib.format.read_array_header_2_0,
             }.get(version)
             if header_reader is None:
-                return  # NOTE: a newer header version: numpy's own reader checks it
+                return 0  # NOTE: a newer header version: numpy's own reader checks it
             shape, _, dtype = header_reader(member, max_header_size=10_000)
             offset = member.tell()
     except _READ_ERRORS as err:
         raise _fail(key, f"in {path} has no readable .npy header ({type(err).__name__}: {err})") from err
     if dtype.hasobject:
-        return  # NOTE: refused as needing pickle when it is read
+        return 0  # NOTE: refused as needing pickle when it is read
     declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if declared > info.file_size - offset:
         raise _fail(
@@ -320,6 +343,7 @@ def _check_declared_size(archive: zipfile.ZipFile, key: str, path: str | os.Path
             f"in {path} declares shape {tuple(shape)} of {dtype} ({declared} bytes) but the member holds "
             f"{info.file_size - offset} bytes",
         )
+    return declared
 
 
 def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
@@ -350,9 +374,13 @@ def load_trace(path: str | os.PathLike[str]) -> RoutingTrace:
         for key in ("experts", "sample_offsets", "meta"):
             if key not in npz.files:
                 raise _fail(key, f"missing from {path} (it holds {sorted(npz.files)})")
+        declared = {key: _check_declared_size(npz.zip, key, path) for key in npz.files}
+        if why := host_memory_problem(f"trace file {path}: its arrays", sum(declared.values())):
+            raise TraceFormatError(
+                f"{why}; {', '.join(f'{k} {v / 2**30:.1f} GiB' for k, v in declared.items())}"
+            )
         arrays = {}
         for key in npz.files:
-            _check_declared_size(npz.zip, key, path)
             try:
                 arrays[key] = npz[key]
             except ValueError as err:

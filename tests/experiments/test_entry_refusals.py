@@ -239,3 +239,31 @@ def test_a_trace_path_that_is_not_a_regular_file_says_so(tmp_path) -> None:
             load_trace(path)  # returns at once: a FIFO without a writer is never opened
     with pytest.raises(ConfigError, match="no such file"):
         validate(cfg(*R, f"trace.path={tmp_path / 'absent.npz'}"))
+
+
+def test_an_input_that_cannot_fit_in_memory_is_refused_before_it_is_built(monkeypatch) -> None:
+    from relibra.executors import budget
+
+    monkeypatch.setattr(budget, "available_host_bytes", lambda *a: 8 * 2**30)
+    huge = cfg(*R[:-2], "trace.samples_per_batch=100000000", "trace.max_tokens=256")
+    with pytest.raises(ConfigError) as err:
+        validate(huge)
+    text = str(err.value)
+    assert "trace.num_batches * trace.samples_per_batch = 1 * 100000000" in text
+    assert "need 381.5 GiB, more than the 8.0 GiB this host has available" in text
+    validate(cfg(*R))  # the small run fits
+    monkeypatch.setattr(budget, "available_host_bytes", lambda *a: None)
+    validate(huge)  # a host that does not publish MemAvailable: not checked (docs/experiments.md)
+
+
+def test_a_trace_file_that_cannot_fit_in_memory_is_refused_naming_its_arrays(trace_file, monkeypatch) -> None:
+    from relibra.executors import budget
+    from relibra.trace.format import TraceFormatError, load_trace
+
+    monkeypatch.setattr(budget, "available_host_bytes", lambda *a: 1000)
+    with pytest.raises(TraceFormatError, match=rf"trace file {trace_file}: its arrays need .* GiB.*experts"):
+        load_trace(trace_file)
+    with pytest.raises(ConfigError, match=rf"trace.path={trace_file}"):
+        validate(
+            cfg(f"trace.path={trace_file}", "model=olmoe-1b-7b", "cluster.nodes=2", "cluster.gpus_per_node=8")
+        )
