@@ -38,6 +38,7 @@ from relibra.types import SampleCounts
 
 __all__ = [
     "PRESETS",
+    "counts_from_probs",
     "DomainSpec",
     "WorkloadPreset",
     "generate_counts",
@@ -183,7 +184,7 @@ def _inclusion(probs: np.ndarray, top_k: int) -> np.ndarray:
     return q
 
 
-def _counts_from_probs(
+def counts_from_probs(
     probs: np.ndarray, tokens: np.ndarray, top_k: int, rng: np.random.Generator
 ) -> np.ndarray:
     """int32 [S, L, E]: per-layer counts summing to ``tokens * top_k`` with every count ``<= tokens``."""
@@ -280,7 +281,7 @@ def generate_counts(
         _batches(spec, num_experts, num_layers, num_batches, samples_per_batch, seed, max_tokens)
     ):
         sl = slice(b * samples_per_batch, (b + 1) * samples_per_batch)
-        counts[sl] = _counts_from_probs(probs, lengths, top_k, rng)
+        counts[sl] = counts_from_probs(probs, lengths, top_k, rng)
         tokens[sl], domain[sl] = lengths, dom
     return SampleCounts(
         counts=counts,
