@@ -12,6 +12,7 @@ and ``--write-docs`` rewrites them from the committed tables.
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,8 +75,13 @@ def analyse(
             f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
         )
     groups = load_identical_groups(results_dir)
-    refused = [why for name, frame in results.items() if (why := mixed_versions_refusal(name, frame, groups))]
-    results = {n: f for n, f in results.items() if mixed_versions_refusal(n, f, groups) is None}
+    refusals = {
+        name: why for name, frame in results.items() if (why := mixed_versions_refusal(name, frame, groups))
+    }
+    refused = list(refusals.values())
+    results = {n: f for n, f in results.items() if n not in refusals}
+    for name in refusals:  # NOTE: an earlier run's tables and figures of it would pass for this run's
+        warnings += _remove_outputs(out_dir, name)
     tables: list[Path] = []
     built, skipped = all_tables(results)
     try:  # NOTE: across every grid, so not one of all_tables' per-experiment builders
@@ -95,19 +101,39 @@ def analyse(
         else:
             line = provenance_line(everything, command, code_version())
             tables += write_table(replace(claims, provenance=line), out_dir, console)
-    figures, skipped_figures = all_figures(results, load_per_layer_results(results_dir), out_dir / "figures")
+    per_layer = {n: f for n, f in load_per_layer_results(results_dir).items() if n in results}
+    figures, skipped_figures = all_figures(results, per_layer, out_dir / "figures")
     skipped += skipped_figures
     if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only
         try:
             figures += write_headline(results, out_dir)
         except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
             skipped.append(f"headline figure skipped: {exc}")
+    elif any(preset in refusals for preset in HEADLINE_PRESETS):
+        warnings += _remove_outputs(out_dir, "headline")
     if console is not None:
         for why in [*warnings, *skipped]:
             console.print(f"[yellow]{why}")
         for why in refused:
             console.print(f"[red]{why}")
     return AnalysisOutput(tables, figures, out_dir, skipped, warnings, refused)
+
+
+def _remove_outputs(out_dir: Path, name: str) -> list[str]:
+    """Remove the tables (``<name>.*``) and figures (``figures/<name>.*``) an earlier run wrote for
+    ``name``, whose cells are refused now; one line saying what went, or none when nothing was there."""
+    pattern = glob.escape(name) + ".*"
+    gone = [
+        p for folder in (out_dir, out_dir / "figures") for p in sorted(folder.glob(pattern)) if p.is_file()
+    ]
+    for path in gone:
+        path.unlink()
+    if not gone:
+        return []
+    return [
+        f"{name}: removed {len(gone)} table and figure files of an earlier run from {out_dir} "
+        "(its cells are refused now)"
+    ]
 
 
 REPO = Path(__file__).resolve().parents[1]

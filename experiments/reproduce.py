@@ -612,6 +612,11 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
         for path in out.figures:
             if path.suffix == ".png":
                 console.print(f"  {path}")
+        if out.refused:  # NOTE: each refusal was printed by the analysis, with why
+            console.print(
+                f"{len(out.refused)} preset(s) got no tables (refused above): exit status 1", style="red"
+            )
+            return 1
     return 1 if any(rep.failed for rep in reports) else 0
 
 

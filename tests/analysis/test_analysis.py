@@ -632,3 +632,25 @@ def test_cells_whose_version_names_no_code_are_refused_not_taken_as_one_version(
     assert len(out.refused) == 1 and out.refused[0].startswith("quick_overhead: tables refused"), out.refused
     assert f"2 rows by {version or 'unknown'}" in out.refused[0] and "names no code" in out.refused[0]
     assert not [p for p in out.tables if p.name.startswith("quick_overhead.")]
+
+
+def test_a_refused_preset_loses_its_earlier_tables_and_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's probe: tables and figures of an earlier run must not pass for the refused preset's, and no
+    figure (the per-layer heatmap included) is drawn from its mixed cells; exit 1."""
+    core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced", "force_balanced"]
+    rows = [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in core]
+    _write(tmp_path, "quick_overall", rows, layers=True)
+    out_dir = tmp_path / "out"
+    assert main([str(tmp_path), "--out", str(out_dir)]) == 0
+    before = {p.name for p in out_dir.rglob("quick_overall.*")}
+    assert "quick_overall.layer_skew.png" in before and "quick_overall.throughput.png" in before, before
+    store = ResultsStore(tmp_path / "quick_overall")
+    key = store.keys()[0]
+    store.write(key, store.read(key).assign(code_version="0.1.0+gother"), store.config(key))
+    assert main([str(tmp_path), "--out", str(out_dir)]) == 1
+    text = capsys.readouterr().out
+    assert "quick_overall: tables refused" in text and "removed" in text, text
+    assert not list(out_dir.rglob("quick_overall.*")), sorted(p.name for p in out_dir.rglob("*"))
+    assert not list(out_dir.glob("headline.*"))  # NOTE: drawn from quick_overall
