@@ -1,8 +1,9 @@
-"""The patches megatron-core 0.16.1 needs to run its ``MoELayer`` on CPU with gloo, applied only on CPU.
+"""The patches megatron-core needs to run its ``MoELayer`` on CPU with gloo, applied only on CPU.
 
 Megatron-core is written for CUDA. With ``use_cpu_initialization=True``, float32, ``SequentialMLP`` experts
 and the ``alltoall`` token dispatcher, its MoE layer runs forward and backward on CPU once four names that
-would otherwise raise on a machine without CUDA are given CPU stand-ins:
+would otherwise raise on a machine without CUDA are given CPU stand-ins (0.16.1 needs all four, 0.19.2 all
+but the third: :mod:`relibra.megatron.compat`):
 
 1. ``torch.cuda.Stream`` / ``current_stream`` / ``stream``: the alltoall dispatcher copies its split
    sizes device-to-host on a side stream (``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``) and
@@ -13,7 +14,8 @@ would otherwise raise on a machine without CUDA are given CPU stand-ins:
    names the CPU.
 3. ``moe_utils.te_general_gemm``: imported from Transformer Engine inside a ``try`` in 0.16.1 and read
    unconditionally by ``RouterGatingLinearFunction``; without Transformer Engine the name is missing. Set
-   to ``None``, the router takes its plain ``torch.mm`` path.
+   to ``None``, the router takes its plain ``torch.mm`` path. 0.19.2 sets it to ``None`` itself
+   (:attr:`~relibra.megatron.compat.MegatronApi.te_general_gemm_missing_without_te`).
 4. ``token_dispatcher.maybe_move_tensor_to_cpu``: leaves CPU tensors as they are, so the dispatcher
    would hand gloo's ``all_to_all_single`` split sizes as tensors. The stand-in also turns CPU tensors into
    numpy when asked (``as_numpy=True``), as it does for CUDA tensors.
@@ -31,7 +33,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_PATCHES", "applied_patches", "apply_cpu_patches", "cpu_patches", "remove_cpu_patches"]
+from relibra.megatron.compat import MegatronApi, megatron_api
+
+__all__ = [
+    "CPU_PATCHES",
+    "applied_patches",
+    "apply_cpu_patches",
+    "cpu_patches",
+    "patches_for",
+    "remove_cpu_patches",
+]
 
 
 class _CpuStream:
@@ -83,6 +94,12 @@ class _Patch:
     """Returns the object that holds the attribute."""
     attribute: str
     value: Any
+    only_if: str | None = None
+    """A boolean field of :class:`~relibra.megatron.compat.MegatronApi`: the patch is needed only in the
+    releases where it is true (None: in every release)."""
+
+    def needed(self, api: MegatronApi) -> bool:
+        return self.only_if is None or bool(getattr(api, self.only_if))
 
 
 def _token_dispatcher() -> Any:
@@ -132,6 +149,7 @@ CPU_PATCHES: tuple[_Patch, ...] = (
         _moe_utils,
         "te_general_gemm",
         None,
+        only_if="te_general_gemm_missing_without_te",
     ),
     _Patch(
         "split_sizes_to_numpy",
@@ -143,6 +161,12 @@ CPU_PATCHES: tuple[_Patch, ...] = (
 )
 """Every patch, with the reason it is needed (module docstring)."""
 
+
+def patches_for(api: MegatronApi) -> tuple[_Patch, ...]:
+    """The patches of :data:`CPU_PATCHES` that the release ``api`` needs."""
+    return tuple(p for p in CPU_PATCHES if p.needed(api))
+
+
 _MISSING = object()
 _saved: dict[str, Any] = {}
 
@@ -153,13 +177,15 @@ def applied_patches() -> tuple[str, ...]:
 
 
 def apply_cpu_patches(force: bool = False) -> tuple[str, ...]:
-    """Apply every patch of :data:`CPU_PATCHES` unless CUDA is available (``force`` applies them anyway).
+    """Apply the patches the installed release needs (:func:`patches_for`) unless CUDA is available
+    (``force`` applies them anyway). Refuses an unsupported release (:func:`megatron_api`).
 
     Idempotent. Returns the names of the patches in place afterwards.
     """
+    api = megatron_api()
     if torch.cuda.is_available() and not force:
         return applied_patches()
-    for patch in CPU_PATCHES:
+    for patch in patches_for(api):
         if patch.name in _saved:
             continue
         holder = patch.target()

@@ -8,8 +8,10 @@ it computes the top-k as usual and keeps the ids. This module speaks the trace f
 (``experts`` int16 ``[T, L, k]``, samples concatenated in token order) on one side and Megatron's
 (one ``LongTensor [T, k]`` per layer) on the other.
 
-Replay is ignored on the fused router path (``moe_router_fusion=True``) and the routes would silently be
-recomputed, so :func:`check_replay_config` refuses that combination.
+Replay is ignored on the fused router path (``moe_router_fusion=True``) and under the load-balancing types
+that pick their own top-k (sinkhorn; quantile balancing from megatron-core 0.19.2 on:
+:attr:`~relibra.megatron.compat.MegatronApi.replay_bypassing_balancing`), where the routes would silently
+be recomputed, so :func:`check_replay_config` refuses those configurations.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from relibra.megatron.compat import megatron_api
 from relibra.trace.format import RoutingTrace
 
 __all__ = [
@@ -39,6 +42,8 @@ __all__ = [
 def _replay_types() -> tuple[Any, Any]:
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+    megatron_api()  # refuses an unsupported release
+
     return RouterReplay, RouterReplayAction
 
 
@@ -51,9 +56,12 @@ def check_replay_config(config: Any) -> None:
             "config.moe_router_fusion=True: the fused router path ignores RouterReplay; "
             "set moe_router_fusion=False"
         )
-    if getattr(config, "moe_router_load_balancing_type", "aux_loss") == "sinkhorn":
+    balancing = getattr(config, "moe_router_load_balancing_type", "aux_loss")
+    api = megatron_api()
+    if balancing in api.replay_bypassing_balancing:
         raise ValueError(
-            "config.moe_router_load_balancing_type='sinkhorn' bypasses RouterReplay; use 'aux_loss' or 'none'"
+            f"config.moe_router_load_balancing_type={balancing!r} bypasses RouterReplay in megatron-core "
+            f"{api.version}; use 'aux_loss' or 'none'"
         )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         raise ValueError(

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from relibra.megatron.compat import megatron_api
 from relibra.megatron.physical import PhysicalLayout
 
 __all__ = ["ReplicatingRouter", "replicating_router"]
@@ -71,10 +72,16 @@ class ReplicatingRouter(nn.Module):
 
 def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRouter]:
     """A router builder for ``MoESubmodules(router=...)``: a logical ``TopKRouter`` over ``E`` experts
-    (the layer's config copied with ``num_moe_experts = E``) wrapped in a :class:`ReplicatingRouter`."""
+    (the layer's config copied with ``num_moe_experts = E``) wrapped in a :class:`ReplicatingRouter`.
+
+    Takes the keywords the installed release's ``MoELayer`` passes (``is_mtp_layer`` from 0.19.2 on:
+    :attr:`~relibra.megatron.compat.MegatronApi.router_builder_takes_is_mtp_layer`); refuses an
+    unsupported release (:func:`~relibra.megatron.compat.megatron_api`) before any layer is built."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    def build(*, config: Any, pg_collection: Any = None) -> ReplicatingRouter:
+    api = megatron_api()
+
+    def build(*, config: Any, pg_collection: Any = None, is_mtp_layer: bool = False) -> ReplicatingRouter:
         if config.num_moe_experts != layout.num_physical:
             raise ValueError(
                 f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer "
@@ -83,6 +90,7 @@ def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRoute
             )
         logical = copy.deepcopy(config)
         logical.num_moe_experts = layout.num_experts
-        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection), layout)
+        mtp = {"is_mtp_layer": is_mtp_layer} if api.router_builder_takes_is_mtp_layer else {}
+        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection, **mtp), layout)
 
     return build

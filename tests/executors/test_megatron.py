@@ -8,12 +8,19 @@ plans of the real planners (``relibra`` and ``relibra_replicate_only``), made in
 per-sample routes through the control plane of :mod:`relibra.megatron.planning` (routes -> trace -> counts
 -> workload -> batch context -> plan), each rank training the samples the plan gives it. The same run
 records routes, writes them as a trace file and replays them. A smoke test runs the RL-step example.
+
+Every test runs on each release the adapter supports (:mod:`relibra.megatron.compat`): 0.16.1 in the
+default environment, 0.19.2 in its own (``make test-megatron``); the tests of one release's API skip on the
+other with a message that names where they run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import importlib.util
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +37,14 @@ from relibra.executors.plan_check import routes_load
 from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertNaming, to_logical
 from relibra.invariants import check_plan
-from relibra.megatron.cpu_patches import CPU_PATCHES, applied_patches, cpu_patches
+from relibra.megatron.compat import (
+    SUPPORTED,
+    UnsupportedMegatronVersion,
+    api_for,
+    installed_version,
+    megatron_api,
+)
+from relibra.megatron.cpu_patches import applied_patches, cpu_patches, patches_for
 from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
 from relibra.megatron.router import ReplicatingRouter
@@ -539,17 +553,101 @@ def test_cpu_patches_apply_and_restore() -> None:
         pytest.skip("the CPU patches are not applied where CUDA is available")
     from megatron.core.transformer.moe import moe_utils
 
+    missing = object()
     before = set(applied_patches())
+    gemm = getattr(moe_utils, "te_general_gemm", missing)
     with cpu_patches() as names:
-        assert set(names) == {p.name for p in CPU_PATCHES}
+        assert set(names) == {p.name for p in patches_for(megatron_api())}
         assert moe_utils.te_general_gemm is None
         assert torch.cuda.current_device() == torch.device("cpu")
     if not before:
         assert applied_patches() == ()
-        assert not hasattr(moe_utils, "te_general_gemm")
+        assert getattr(moe_utils, "te_general_gemm", missing) is gemm
         with pytest.raises((AssertionError, RuntimeError)):
             torch.cuda.current_device()
-    assert all(p.reason for p in CPU_PATCHES)
+    assert all(p.reason for p in patches_for(megatron_api()))
+
+
+# ------------------------------------------------------------------------------------ release checks
+NEEDS_0_19 = pytest.mark.skipif(
+    installed_version() != "0.19.2",
+    reason=f"needs megatron-core 0.19.2 (Python 3.12), {installed_version()} is installed: run "
+    "`make test-megatron`",
+)
+
+
+def test_installed_release_is_supported_and_its_api_matches_the_table() -> None:
+    """The compat table's entry for the installed release says what its source does: the router builder's
+    keywords, and whether ``moe_utils.te_general_gemm`` exists without Transformer Engine."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    api = megatron_api()
+    assert api.version == installed_version() and api is SUPPORTED[api.version]
+    takes = "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters
+    assert takes == api.router_builder_takes_is_mtp_layer
+    if "te_general_gemm" not in applied_patches() and importlib.util.find_spec("transformer_engine") is None:
+        assert hasattr(moe_utils, "te_general_gemm") != api.te_general_gemm_missing_without_te
+
+
+@pytest.mark.parametrize("version", ["0.15.0", "0.16.0", "0.17.0", "0.18.1", "0.19.1", "0.20.0", "0.19.2rc0"])
+def test_unproven_release_is_refused_with_one_message(version: str) -> None:
+    refused = re.escape(f"megatron-core {version} is installed")
+    with pytest.raises(UnsupportedMegatronVersion, match=refused) as err:
+        api_for(version)
+    assert "0.16.1" in str(err.value) and "0.19.2" in str(err.value) and "docs/megatron.md" in str(err.value)
+
+
+def test_unproven_release_is_refused_before_a_layer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relibra.megatron import compat
+    from relibra.megatron.router import replicating_router
+
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.18.0")
+    compat.megatron_api.cache_clear()
+    refused = re.escape("megatron-core 0.18.0 is installed")
+    try:
+        with pytest.raises(UnsupportedMegatronVersion, match=refused):
+            replicating_router(PhysicalLayout(NUM_EXPERTS, WORLD, R))
+        with pytest.raises(UnsupportedMegatronVersion, match=refused), cpu_patches(force=True):
+            pass
+    finally:
+        monkeypatch.undo()
+        compat.megatron_api.cache_clear()
+    assert megatron_api().version == installed_version()
+
+
+def _layer_config(**overrides):  # type: ignore[no-untyped-def]
+    from relibra.megatron.model import TinyMoESpec, moe_config
+
+    config = moe_config(TinyMoESpec(NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K), NUM_EXPERTS, 1)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_replay_config_refuses_what_bypasses_replay() -> None:
+    from relibra.megatron.replay import check_replay_config
+
+    check_replay_config(_layer_config())
+    with pytest.raises(ValueError, match="moe_router_load_balancing_type='sinkhorn' bypasses RouterReplay"):
+        check_replay_config(_layer_config(moe_router_load_balancing_type="sinkhorn"))
+    with pytest.raises(ValueError, match="moe_router_fusion=True"):
+        check_replay_config(_layer_config(moe_router_fusion=True))
+
+
+@NEEDS_0_19
+def test_quantile_balancing_is_refused_on_0_19() -> None:
+    """0.19.2's quantile balancing picks its own top-k (``TopKRouter.quantile_balancing``) and would ignore
+    the replayed routes."""
+    from relibra.megatron.replay import check_replay_config
+
+    # a real config: 0.19.2's TransformerConfig validates the type (0.16.1 has no quantile balancing)
+    config = dataclasses.replace(_layer_config(), moe_router_load_balancing_type="quantile_balancing")
+    bypass = re.escape("'quantile_balancing' bypasses RouterReplay in megatron-core 0.19.2")
+    with pytest.raises(ValueError, match=bypass):
+        check_replay_config(config)
 
 
 # ------------------------------------------------------------------------------------------ example
