@@ -356,6 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         "(experiments/data/moe_layer.json)",
     )
     ap.add_argument(
+        "--penalty",
+        action="store_true",
+        help="what imbalance costs: dropless vs forced-balance runs (experiments/data/penalty.json), each "
+        "routing source side by side, and the force-biased routing that would reproduce each row",
+    )
+    ap.add_argument(
+        "--sources",
+        default=None,
+        help="with --penalty: comma-separated routing sources (popularity, force_biased:STD); default: "
+        "experiments.penalty.SOURCES",
+    )
+    ap.add_argument(
         "--fit",
         action="store_true",
         help="with --end-to-end: fit Blackwell's host overhead to the calibration rows; with --moe-layer: "
@@ -369,6 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     default_traces = os.environ.get("RELIBRA_SHARED_TRACES", str(ROOT.parent.parent / "shared" / "traces"))
     ap.add_argument("--traces", default=default_traces, help="real traces (default ../shared/traces)")
     args = ap.parse_args(argv)
+    if args.penalty:
+        if args.end_to_end or args.moe_layer or args.fit or args.write_tables or args.joint:
+            print("validate: --penalty goes with --data and --sources only", file=sys.stderr)
+            return 2
+        return _penalty(Path(args.data) if args.data else None, args.sources)
+    if args.sources:
+        print("validate: --sources goes with --penalty", file=sys.stderr)
+        return 2
     if args.moe_layer:
         if args.end_to_end or args.write_tables:
             print("validate: --moe-layer goes with --fit, --joint and --data only", file=sys.stderr)
@@ -467,6 +487,38 @@ def _fit_and_store(path: Path) -> None:
         f"(experiments/conf/cluster/b200.yaml, ...): set it to {fitted.value:.4g} there if it differs "
         "(tests/experiments/test_end_to_end_fit.py checks that they agree)\n"
     )
+
+
+def _penalty(data: Path | None, sources: str | None) -> int:
+    """``--penalty`` (:mod:`experiments.penalty`); exit status 2 with one message for a bad file or source."""
+    from experiments.config import ConfigError
+    from experiments.penalty import DATA_FILE, SOURCES, implied_std, load_penalty_rows, penalty_table
+
+    path = data or DATA_FILE
+    chosen = tuple(s.strip() for s in sources.split(",") if s.strip()) if sources is not None else SOURCES
+    if not chosen:
+        print("validate: --sources: no routing source given", file=sys.stderr)
+        return 2
+    try:
+        table = penalty_table(path, chosen)
+        rows = [r for r in load_penalty_rows(path)["rows"] if not r.get("needs")]
+        implied = [{"id": r["id"], **implied_std(r)} for r in rows]
+    except (ConfigError, KeyError, TypeError) as exc:
+        why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"validate: penalty data {path}: {why}", file=sys.stderr)
+        return 2
+    cols = ["id", "source", "measured_penalty", "penalty", "penalty_ratio", "dropless_skew", "forced_step_s",
+            "dropless_step_s", "needs"]  # fmt: skip
+    with pd.option_context("display.width", 250):
+        print(table.reindex(columns=cols).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print("\nforce-biased routing that reproduces each measured penalty (std of the per-layer bias):")
+        print(pd.DataFrame(implied).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    for source, part in table[table.needs == ""].groupby("source", sort=False):
+        err = (part.penalty_ratio - 1.0).abs()
+        print(
+            f"{source}: |simulated / measured penalty - 1| median {err.median():.1%}, worst {err.max():.1%}"
+        )
+    return 0
 
 
 def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:

@@ -34,7 +34,7 @@ from relibra.types import SampleCounts
 
 __all__ = ["force_biased_shares", "popularity_counts"]
 
-MC_TOKENS = 65536
+MC_TOKENS = 16384
 """Tokens drawn per layer to estimate the force-biased inclusion shares (module doc)."""
 
 
@@ -75,7 +75,9 @@ def popularity_counts(counts: SampleCounts, shares: np.ndarray, seed: int, name:
     s, num_layers, num_experts = counts.counts.shape
     p = np.asarray(shares, dtype=np.float64)
     if p.shape != (num_layers, num_experts):
-        raise ValueError(f"routing shares of shape {p.shape}: expected (layers, experts) = {(num_layers, num_experts)}")
+        raise ValueError(
+            f"routing shares of shape {p.shape}: expected (layers, experts) = {(num_layers, num_experts)}"
+        )
     if not np.isfinite(p).all() or (p < 0).any() or not np.allclose(p.sum(axis=1), 1.0, atol=1e-9):
         raise ValueError("routing shares: each layer's row must be finite, non-negative and sum to 1")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x509]))
