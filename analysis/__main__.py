@@ -113,9 +113,9 @@ def analyse(
         warnings += _remove_outputs(out_dir, "headline")
     if console is not None:
         for why in [*warnings, *skipped]:
-            console.print(f"[yellow]{why}")
+            console.print(why, style="yellow", markup=False, highlight=False)
         for why in refused:
-            console.print(f"[red]{why}")
+            console.print(why, style="red", markup=False, highlight=False)
     return AnalysisOutput(tables, figures, out_dir, skipped, warnings, refused)
 
 
@@ -200,17 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, IdenticalVersionsError) as exc:  # NOTE: nothing to build tables from
         print(f"python -m analysis: {exc}", file=sys.stderr)
         return 2
-    console.print(f"tables: {out.out_dir} ({len(out.tables)} files)")
-    console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)")
+    console.print(f"tables: {out.out_dir} ({len(out.tables)} files)", markup=False)
+    console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)", markup=False)
     if out.out_dir.resolve() == DOCS_RESULTS.resolve():
         changed, broken = write_docs(doc_files(REPO), DOCS_RESULTS)
         console.print(f"generated blocks rewritten in {len(changed)} doc(s)")
         for block in broken:
-            console.print(f"[red]{block}")
+            console.print(str(block), style="red", markup=False)
     if out.refused:
         return 1
     if not out.tables and not out.figures:
-        console.print(f"[red]no table or figure could be built from {args.results_dir} (reasons above)")
+        console.print(
+            f"no table or figure could be built from {args.results_dir} (reasons above)",
+            style="red",
+            markup=False,
+        )
         return 1
     return 0
 

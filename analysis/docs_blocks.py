@@ -72,8 +72,29 @@ def read_markdown_table(path: Path) -> tuple[list[str], list[list[str]]]:
     for ln in lines[start:]:
         if not ln.startswith("|"):
             break
-        rows.append([cell.strip() for cell in ln.strip("|").split("|")])
+        rows.append(_cells(ln))
     return rows[0], rows[2:]
+
+
+_CELL_SPLIT = re.compile(r"(?<!\\)((?:\\\\)*)\|")
+"""A ``|`` that ends a cell: one not backslash-escaped (preceded by an even run of backslashes)."""
+_ESCAPED = re.compile(r"\\(.)|&(lt|gt|amp);")
+_ENTITY = {"lt": "<", "gt": ">", "amp": "&"}
+
+
+def _cells(line: str) -> list[str]:
+    """The cell texts of one Markdown table row, as they read (``analysis.render.escape_markdown_cell``
+    undone: ``\\|`` is a ``|`` inside a cell)."""
+    inner = line.strip()
+    inner = inner[1:] if inner.startswith("|") else inner
+    inner = _CELL_SPLIT.sub(lambda m: m.group(1) + "\0", inner)
+    cells = inner.split("\0")
+    if cells and not cells[-1].strip():
+        cells = cells[:-1]
+    return [
+        _ESCAPED.sub(lambda m: m.group(1) if m.group(1) is not None else _ENTITY[m.group(2)], c.strip())
+        for c in cells
+    ]
 
 
 def _range(header: list[str], rows: list[list[str]], column: str, where: dict[str, str], name: str) -> str:

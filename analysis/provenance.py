@@ -99,5 +99,10 @@ def mixed_versions_refusal(name: str, frame: pd.DataFrame, groups: list[frozense
 def provenance_line(frame: pd.DataFrame, command: str, table_version: str) -> str:
     """One line for a table's foot: the code version(s) of its cells and the command that wrote it."""
     versions = code_versions(frame)
-    cells = "; ".join(f"`{v}` ({n} rows)" for v, n in sorted(versions.items()))
-    return f"Provenance: cells computed by {cells}; table written by `{command}` at `{table_version}`."
+    cells = "; ".join(f"`{_code(v)}` ({n} rows)" for v, n in sorted(versions.items()))
+    return f"Provenance: cells computed by {cells}; table written by `{_code(command)}` at `{table_version}`."
+
+
+def _code(text: str) -> str:
+    """``text`` inside a Markdown code span: one line, no backtick (which would end the span early)."""
+    return " ".join(str(text).replace("`", "'").split())

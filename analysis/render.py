@@ -2,45 +2,98 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from analysis.tables import Table
 
-__all__ = ["to_latex", "to_markdown", "to_rich", "write_table"]
+__all__ = [
+    "escape_latex",
+    "escape_markdown_cell",
+    "escape_markdown_text",
+    "to_latex",
+    "to_markdown",
+    "to_rich",
+    "write_table",
+]
+
+
+_MARKDOWN_CELL = re.compile(r"[\\|`\[\]<>&]")
+"""What a Markdown table cell escapes: a backslash escape for ``\\``, ``|`` and the code and link marks,
+HTML entities for ``<``, ``>`` and ``&`` (``&lt;`` ...), so no column, raw HTML or link can come from a
+name in the results. Emphasis marks (``*``, ``_``) are left as they are: they change no structure."""
+_MARKDOWN_ENTITIES = {"<": "&lt;", ">": "&gt;", "&": "&amp;"}
+_LATEX = re.compile(r"[\\&%$#_{}~^]")
+"""LaTeX's special characters: each is written as text (a caption can never run a command)."""
+_LATEX_TEXT = {
+    "\\": r"\textbackslash{}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+
+
+def _one_line(text: str) -> str:
+    """``text`` with every line break a space: a break inside a table row would end the row."""
+    return " ".join(str(text).splitlines()) if "\n" in str(text) or "\r" in str(text) else str(text)
+
+
+def escape_markdown_cell(text: str) -> str:
+    """``text`` as the content of one Markdown table cell, shown as it reads: one line, ``\\``, ``|``,
+    backticks and brackets backslash-escaped, HTML's ``<``, ``>``, ``&`` as entities."""
+
+    def sub(match: re.Match[str]) -> str:
+        char = match.group()
+        return _MARKDOWN_ENTITIES.get(char, "\\" + char)
+
+    return _MARKDOWN_CELL.sub(sub, _one_line(text))
+
+
+def escape_markdown_text(text: str) -> str:
+    """A heading, note or provenance line as text: one line, HTML's ``<``, ``>``, ``&`` as entities (the
+    tables' own Markdown marks, code spans and brackets, are kept)."""
+    return "".join(_MARKDOWN_ENTITIES.get(c, c) for c in _one_line(text))
+
+
+def escape_latex(text: str) -> str:
+    """``text`` as LaTeX text: every special character (``\\ & % $ # _ { } ~ ^``) escaped, line breaks as
+    spaces."""
+    return _LATEX.sub(lambda m: _LATEX_TEXT.get(m.group(), "\\" + m.group()), _one_line(text))
 
 
 def to_markdown(table: Table) -> str:
-    """GitHub-flavoured Markdown: a heading, the table, and its note."""
+    """GitHub-flavoured Markdown: a heading, the table, and its note; every cell, header and line escaped
+    (:func:`escape_markdown_cell`, :func:`escape_markdown_text`), so a name in the results cannot add a
+    column, a row, a link or HTML."""
     text = table.formatted()
-    head = "| " + " | ".join(map(str, text.columns)) + " |"
+    head = "| " + " | ".join(escape_markdown_cell(str(c)) for c in text.columns) + " |"
     rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(text.columns))) + "|"
-    body = ["| " + " | ".join(row) + " |" for row in text.itertuples(index=False, name=None)]
-    lines = [f"### {table.title}", "", head, rule, *body]
+    body = [
+        "| " + " | ".join(escape_markdown_cell(cell) for cell in row) + " |"
+        for row in text.itertuples(index=False, name=None)
+    ]
+    lines = [f"### {escape_markdown_text(table.title)}", "", head, rule, *body]
     if table.note:
-        lines += ["", table.note]
+        lines += ["", escape_markdown_text(table.note)]
     if table.provenance:
-        lines += ["", table.provenance]
+        lines += ["", escape_markdown_text(table.provenance)]
     return "\n".join(lines) + "\n"
 
 
-def _escape_latex(text: str) -> str:
-    """``text`` with LaTeX's special characters escaped (for the caption; cells go through the Styler)."""
-    for char in ("&", "%", "$", "#", "_", "{", "}"):
-        text = text.replace(char, "\\" + char)
-    return text
-
-
 def to_latex(table: Table) -> str:
-    """A LaTeX ``table`` float (booktabs rules, cells and headers escaped) with the title as caption."""
+    """A LaTeX ``table`` float (booktabs rules, cells and headers escaped) with the title as caption
+    (escaped: :func:`escape_latex`) and a label of the table's name in letters, digits and ``.:_-``."""
     text = table.formatted().replace("–", "--")
+    text = text.map(_one_line)
+    text.columns = [_one_line(str(c)) for c in text.columns]
     styler = text.style.hide(axis="index").format(escape="latex").format_index(escape="latex", axis=1)
     caption = table.title + (f" {table.provenance}" if table.provenance else "")
     return styler.to_latex(
-        caption=_escape_latex(caption.replace("`", "")),
-        label=f"tab:{table.name}",
+        caption=escape_latex(caption.replace("`", "")),
+        label="tab:" + re.sub(r"[^A-Za-z0-9.:_-]", "-", table.name),
         hrules=True,
         position="ht",
         position_float="centering",
@@ -49,15 +102,16 @@ def to_latex(table: Table) -> str:
 
 
 def to_rich(table: Table) -> RichTable:
-    """A rich table for the terminal; columns holding paper numbers are dimmed."""
+    """A rich table for the terminal; columns holding paper numbers are dimmed. Every text is a
+    :class:`rich.text.Text`, so a name in the results is printed as it reads, never as markup."""
     text = table.formatted()
     caption = "\n".join(t for t in (table.note, table.provenance) if t)
-    out = RichTable(title=table.title, caption=caption or None, title_justify="left")
+    out = RichTable(title=Text(table.title), caption=Text(caption) if caption else None, title_justify="left")
     for i, col in enumerate(text.columns):
         style = "dim" if "paper" in str(col) and "ours" not in str(col) else None
-        out.add_column(str(col), justify="left" if i == 0 else "right", style=style)
+        out.add_column(Text(str(col)), justify="left" if i == 0 else "right", style=style)
     for row in text.itertuples(index=False, name=None):
-        out.add_row(*row)
+        out.add_row(*(Text(str(cell)) for cell in row))
     return out
 
 

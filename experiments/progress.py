@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -130,7 +131,7 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
     ``current`` (this code's ``code_version``)."""
     for rep in reports:
         if rep.skipped:
-            console.print(f"[yellow]{rep.preset}: skipped ({rep.skipped})")
+            console.print(f"[yellow]{escape(f'{rep.preset}: skipped ({rep.skipped})')}")
             continue
         copied = f", {rep.copied} copied from the same cell of another preset" if rep.copied else ""
         console.print(
@@ -141,7 +142,7 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
             what = "recomputed" if recompute_stale else "reused; --recompute-stale recomputes them"
             console.print(
                 f"  [yellow]{sum(rep.stale.values())} finished cells came from other code than "
-                f"{current} ({versions}): {what}"
+                f"{escape(current)} ({escape(versions)}): {what}"
             )
         if rep.left_out:
             console.print(
@@ -160,7 +161,8 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
             )
         for unreadable in rep.corrupt:
             console.print(
-                f"  [yellow]unreadable cell file[/yellow] {unreadable}: treated as missing and computed again"
+                f"  [yellow]unreadable cell file[/yellow] {escape(unreadable)}: "
+                "treated as missing and computed again"
             )
         for cell, why in rep.failed:
-            console.print(f"  [red]failed[/red] {' '.join(cell)}: {why}", soft_wrap=True)
+            console.print(f"  [red]failed[/red] {escape(' '.join(cell))}: {escape(why)}", soft_wrap=True)

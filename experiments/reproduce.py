@@ -579,7 +579,7 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
     try:
         planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)
     except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
-        console.print(f"[red]python -m experiments.reproduce: {exc}")
+        console.print(f"python -m experiments.reproduce: {exc}", style="red", markup=False)
         return 2
     for report, todo in planned:
         reports.append(report)
@@ -602,16 +602,17 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
         f"grid time {time.perf_counter() - start:.0f} s ({tracker.line()}; "
         f"{args.workers} worker{'s' if args.workers > 1 else ''}); results in {root}",
         highlight=False,
+        markup=False,
     )
     if not args.no_analysis:
         from analysis.__main__ import analyse
 
         out = analyse(root, root / "analysis", console, command=args.command)
-        console.print(f"tables (Markdown, LaTeX): {out.out_dir}")
-        console.print(f"figures (PNG, PDF): {out.out_dir / 'figures'}")
+        console.print(f"tables (Markdown, LaTeX): {out.out_dir}", markup=False)
+        console.print(f"figures (PNG, PDF): {out.out_dir / 'figures'}", markup=False)
         for path in out.figures:
             if path.suffix == ".png":
-                console.print(f"  {path}")
+                console.print(f"  {path}", markup=False)
         if out.refused:  # NOTE: each refusal was printed by the analysis, with why
             console.print(
                 f"{len(out.refused)} preset(s) got no tables (refused above): exit status 1", style="red"
