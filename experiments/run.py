@@ -418,10 +418,10 @@ def cli(argv: Sequence[str] | None = None) -> None:
     Hydra app (:func:`main`)."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        preflight(args)
-    except ConfigError as exc:
-        refuse(exc)
-    try:
+        try:
+            preflight(args)
+        except ConfigError as exc:
+            refuse(exc)
         main()
     except KeyboardInterrupt:
         print(

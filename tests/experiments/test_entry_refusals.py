@@ -267,3 +267,16 @@ def test_a_trace_file_that_cannot_fit_in_memory_is_refused_naming_its_arrays(tra
         validate(
             cfg(f"trace.path={trace_file}", "model=olmoe-1b-7b", "cluster.nodes=2", "cluster.gpus_per_node=8")
         )
+
+
+def test_ctrl_c_while_a_module_is_still_importing_is_one_line_exit_130() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # sys.argv[0] is "-m" while Python imports the package of `python -m experiments.<module>`
+    as_main = "import sys; sys.argv[0] = '-m'; import experiments; raise KeyboardInterrupt"
+    proc = subprocess.run([sys.executable, "-c", as_main], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+    assert proc.returncode == 130 and proc.stderr.strip() == "python -m experiments: interrupted", proc.stderr
+    as_library = "import experiments; raise KeyboardInterrupt"  # a library user keeps Python's own hook
+    proc = subprocess.run([sys.executable, "-c", as_library], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert proc.returncode != 130 and "Traceback" in proc.stderr
