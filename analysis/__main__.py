@@ -24,7 +24,7 @@ from analysis.claims import paper_claims
 from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
-from analysis.load import load_per_layer_results, read_results
+from analysis.load import read_per_layer_results, read_results
 from analysis.provenance import (
     IdenticalVersionsError,
     load_identical_groups,
@@ -101,7 +101,19 @@ def analyse(
         else:
             line = provenance_line(everything, command, code_version())
             tables += write_table(replace(claims, provenance=line), out_dir, console)
-    per_layer = {n: f for n, f in load_per_layer_results(results_dir).items() if n in results}
+    per_layer, unreadable = read_per_layer_results(results_dir)
+    per_layer = {n: f for n, f in per_layer.items() if n in results}
+    for name in sorted(set(loaded.lost_per_layer) | set(unreadable)):
+        if name not in results:
+            continue
+        bad = sorted(set(loaded.lost_per_layer.get(name, [])) | set(unreadable.get(name, [])))
+        per_layer.pop(name, None)  # NOTE: a figure without some of its cells would pass for a whole one
+        skipped.append(
+            f"{name}: per-layer figures skipped: the per-layer tables of {len(bad)} cell(s) are missing or "
+            f"unreadable ({', '.join(f'per_layer/{k}.parquet' for k in bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); a rerun of the preset (python -m experiments.reproduce) "
+            "recomputes those cells"
+        )
     figures, skipped_figures = all_figures(results, per_layer, out_dir / "figures")
     skipped += skipped_figures
     if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ __all__ = [
     "load_per_layer_results",
     "load_results",
     "param_bytes_per_gpu",
+    "read_per_layer_results",
     "read_results",
 ]
 
@@ -83,6 +84,9 @@ class Results:
     warnings: list[str]
     """Unreadable cell files left out, and grids whose recorded cells are not all finished (their tables
     cover the finished ones only), one line each naming the experiment."""
+    lost_per_layer: dict[str, list[str]] = field(default_factory=dict)
+    """Experiment -> its cells whose recorded per-layer table is missing (:class:`~experiments.store.
+    StoreContents`); no per-layer figure of such an experiment is whole."""
 
 
 def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
@@ -92,12 +96,14 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
 
 def read_results(root: str | Path) -> Results:
     """:func:`load_results`'s frames with the warnings about their inputs, each cell file read once."""
-    out, warnings = {}, []
+    out, warnings, lost = {}, [], {}
     for name, directory in experiment_dirs(root).items():
         store = ResultsStore(directory)
         contents = store.contents()
         for key in contents.corrupt:
             warnings.append(f"{name}: cell file {store.cell_path(key)} is unreadable and left out")
+        if contents.lost_per_layer:
+            lost[name] = contents.lost_per_layer
         if contents.unfinished:
             finished, missing = len(contents.configs), len(contents.unfinished)
             total = missing + finished + len(contents.corrupt)
@@ -117,7 +123,7 @@ def read_results(root: str | Path) -> Results:
         if "step" not in frame:
             frame["step"] = [_cell_step(configs[cell]) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
-    return Results(out, warnings)
+    return Results(out, warnings, lost)
 
 
 CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {
@@ -151,10 +157,18 @@ def _cell_params(config: Mapping[str, Any], ep_size: int) -> float:
 
 def load_per_layer_results(root: str | Path) -> dict[str, pd.DataFrame]:
     """``{experiment name: per-layer frame}``, joined with each cell's ``model`` and ``dataset``."""
-    out = {}
+    return read_per_layer_results(root)[0]
+
+
+def read_per_layer_results(root: str | Path) -> tuple[dict[str, pd.DataFrame], dict[str, list[str]]]:
+    """:func:`load_per_layer_results`'s frames and, per experiment, the cells whose per-layer file exists
+    but cannot be read or trusted (left out)."""
+    out, unreadable = {}, {}
     for name, directory in experiment_dirs(root).items():
         store = ResultsStore(directory)
-        layers = store.load_per_layer()
+        layers, corrupt = store.per_layer_contents()
+        if corrupt:
+            unreadable[name] = corrupt
         if layers.empty:
             continue
         cells = store.load()
@@ -162,4 +176,4 @@ def load_per_layer_results(root: str | Path) -> dict[str, pd.DataFrame]:
         if ident:
             layers = layers.merge(cells[["cell", *ident]].drop_duplicates("cell"), on="cell", how="left")
         out[name] = layers.assign(experiment=name)
-    return out
+    return out, unreadable

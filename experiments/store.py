@@ -57,7 +57,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,9 @@ def wall_clock_column(column: str) -> bool:
 _CONFIG_META = b"relibra.config"
 _KEY_META = b"relibra.cell"
 _CHECKSUM_META = b"relibra.checksum"
+_PER_LAYER_META = b"relibra.per_layer"
+"""In a cell file: the content checksum of the per-layer table written with it (empty: it has none).
+Cells written before this key existed say nothing about theirs."""
 _TMP_PREFIX = TMP_PREFIX
 _GRID_CLAIM = "grid.json"
 """The claim (``claims/grid.json.lock``) under which ``grid.json`` is read and rewritten; no cell key
@@ -327,6 +330,9 @@ class StoreContents:
     unfinished: list[str]
     """Keys of the recorded grid (``grid.json``) with no cell file: an interrupted or running grid (empty
     without a ``grid.json``, or with ``all_cells``)."""
+    lost_per_layer: list[str] = field(default_factory=list)
+    """Keys in ``rows`` whose cell file records a per-layer table that is missing (a rerun of the grid
+    recomputes them; until then no per-layer figure of the store can be whole)."""
 
 
 @dataclass(frozen=True)
@@ -387,10 +393,14 @@ class ResultsStore:
             _CONFIG_META: json.dumps(keyed_config(config), sort_keys=True, default=str).encode(),
             _CHECKSUM_META: content_checksum(results).encode(),
         }
+        meta[_PER_LAYER_META] = b""
         if per_layer is not None:
             layer_meta = {_KEY_META: key.encode(), _CHECKSUM_META: content_checksum(per_layer).encode()}
+            meta[_PER_LAYER_META] = layer_meta[_CHECKSUM_META]
             _remove_non_file(self.per_layer_path(key))
             atomic_write_parquet(per_layer, self.per_layer_path(key), layer_meta)
+        else:  # NOTE: an earlier computation's table would pass for this one's
+            self.per_layer_path(key).unlink(missing_ok=True)
         path = self.cell_path(key)
         _remove_non_file(path)
         atomic_write_parquet(results, path, meta)
@@ -405,12 +415,30 @@ class ResultsStore:
         return self.read_with_config(key)[0]
 
     def read_with_config(self, key: str) -> tuple[pd.DataFrame, dict[str, Any]]:
-        """:meth:`read`'s rows and the resolved config the cell was run with, from one read of its file."""
+        """:meth:`read`'s rows and the resolved config the cell was run with, from one read of its file.
+
+        A cell whose file records a per-layer table that is no longer there is not finished: this raises
+        :class:`CorruptCellError` naming the missing file (so :meth:`finished` counts the cell missing and
+        a rerun restores both)."""
+        rows, config, lost = self._read_cell(key)
+        if lost:
+            raise CorruptCellError(self.per_layer_path(key), lost)
+        return rows, config
+
+    def _read_cell(self, key: str) -> tuple[pd.DataFrame, dict[str, Any], str | None]:
+        """Rows and config of cell ``key`` (verified) and why its recorded per-layer table is lost (None:
+        it is there, or the cell records none)."""
         path = self.cell_path(key)
         try:
-            return _verified_with_config(path, key, _read_table(path), has_config=True)
+            table = _read_table(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})") from None
+        rows, config = _verified_with_config(path, key, table, has_config=True)
+        recorded = (table.schema.metadata or {}).get(_PER_LAYER_META, b"")
+        lost = None
+        if recorded and not self.per_layer_path(key).is_file():
+            lost = f"the per-layer table of cell {key} is missing (its cell file records one)"
+        return rows, config, lost
 
     def finished(self, key: str) -> pd.DataFrame | None:
         """Rows of cell ``key`` when it is finished and readable, else None: the one way the suite decides
@@ -544,35 +572,44 @@ class ResultsStore:
     def contents(self, all_cells: bool = False) -> StoreContents:
         """:meth:`load`'s rows, each cell's config, the unreadable cells and the grid's unfinished ones,
         from one read of each cell file."""
-        frames, configs, corrupt = [], {}, []
+        frames, configs, corrupt, lost = [], {}, [], []
         done = self.current_keys(all_cells)
         for k in done:
             try:
-                rows, configs[k] = self.read_with_config(k)
+                rows, configs[k], why = self._read_cell(k)
             except FileNotFoundError:  # NOTE: removed since it was listed
                 continue
             except CorruptCellError as err:
                 log.warning("%s", err)
                 corrupt.append(k)
                 continue
+            if why:
+                lost.append(k)
             frames.append(rows.assign(cell=k))
         frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
         grid = None if all_cells else self.grid_keys()
         unfinished = sorted(grid - set(done)) if grid is not None else []
-        return StoreContents(frame, configs, corrupt, unfinished)
+        return StoreContents(frame, configs, corrupt, unfinished, lost)
 
     def load_per_layer(self, all_cells: bool = False) -> pd.DataFrame:
         """Finished cells' per-layer tables in one frame, with a ``cell`` column (grid rule as ``load``)."""
-        frames = []
+        return self.per_layer_contents(all_cells)[0]
+
+    def per_layer_contents(self, all_cells: bool = False) -> tuple[pd.DataFrame, list[str]]:
+        """:meth:`load_per_layer`'s frame and the keys whose per-layer file exists but cannot be read or
+        trusted (left out of the frame, each logged)."""
+        frames, corrupt = [], []
         for k in self.current_keys(all_cells):
             try:
                 table = self.read_per_layer(k)
             except CorruptCellError as err:
                 log.warning("%s", err)
+                corrupt.append(k)
                 continue
             if table is not None:
                 frames.append(table.assign(cell=k))
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
+        frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"cell": []})
+        return frame, corrupt
 
     def clean_stale(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files left by crashed writers older than ``older_than_s``; returns how many."""

@@ -654,3 +654,19 @@ def test_a_refused_preset_loses_its_earlier_tables_and_figures(
     assert "quick_overall: tables refused" in text and "removed" in text, text
     assert not list(out_dir.rglob("quick_overall.*")), sorted(p.name for p in out_dir.rglob("*"))
     assert not list(out_dir.glob("headline.*"))  # NOTE: drawn from quick_overall
+
+
+def test_a_lost_per_layer_table_skips_the_per_layer_figures_with_why(tmp_path: Path) -> None:
+    """The issue's probe: a deleted ``per_layer/<key>.parquet`` must not give a heatmap without that
+    planner, silently."""
+    core = ["megatron", "popfetcher", "eplb", "lplb", "relibra", "balanced", "force_balanced"]
+    _write(
+        tmp_path, "quick_overall", [_row(m, d, p, 4) for m in MODELS for d in DATASETS for p in core], True
+    )
+    store = ResultsStore(tmp_path / "quick_overall")
+    lost = store.keys()[0]
+    store.per_layer_path(lost).unlink()
+    out = analyse(tmp_path, tmp_path / "out")
+    assert not list((tmp_path / "out").rglob("quick_overall.layer_skew.*"))
+    assert any(f"per_layer/{lost}.parquet" in why and "skipped" in why for why in out.skipped), out.skipped
+    assert [p for p in out.tables if p.name.startswith("quick_overall.")]  # the rows are whole

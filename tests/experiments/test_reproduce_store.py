@@ -29,3 +29,18 @@ def test_a_mixed_version_preset_gets_no_tables_and_reproduce_exits_1(
     out = capsys.readouterr().out
     assert "quick_ep_scaling: tables refused" in out and "2 code versions" in out, out
     assert not list((tmp_path / "analysis").rglob("quick_ep_scaling.*"))
+
+
+def test_a_lost_per_layer_table_is_recomputed_not_counted_reused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--results", str(tmp_path), "--no-analysis", *TWO]
+    assert reproduce.main(args) == 0
+    store = ResultsStore(tmp_path / "quick_ep_scaling")
+    lost = store.keys()[0]
+    store.per_layer_path(lost).unlink()
+    capsys.readouterr()
+    assert reproduce.main(args) == 0
+    out = capsys.readouterr().out
+    assert "quick_ep_scaling: 1 cells run, 1 reused" in out, out
+    assert store.per_layer_path(lost).is_file() and store.contents().lost_per_layer == []

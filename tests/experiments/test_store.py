@@ -567,3 +567,26 @@ def test_a_file_system_without_locks_is_warned_about_naming_what_it_risks(
     assert store.grid_keys() == {"a"}
     assert "grid.json may lose a concurrent run's keys" in caplog.text
     assert "cell 0123456789abcdef may be computed twice" in caplog.text
+
+
+def test_a_lost_per_layer_table_unfinishes_its_cell(tmp_path: Path) -> None:
+    """The cell file records its per-layer table: when that file is gone the cell counts as missing (a
+    rerun restores both), and a load keeps the rows but names the cell."""
+    store = ResultsStore(tmp_path)
+    layers = pd.DataFrame({"planner": ["relibra"], "layer": [0], "skew": [1.5]})
+    key = _put(store, "a", _rows(1), layers)
+    other = _put(store, "b", _rows(2), layers)
+    store.per_layer_path(key).unlink()
+    assert store.finished(key) is None and store.finished(other) is not None
+    with pytest.raises(CorruptCellError, match=rf"per_layer/{key}\.parquet.*missing"):
+        store.read(key)
+    contents = store.contents()
+    assert contents.lost_per_layer == [key] and set(contents.rows["cell"]) == {key, other}
+    assert store.per_layer_contents()[1] == []
+
+
+def test_a_cell_stored_without_a_per_layer_table_drops_an_earlier_one(tmp_path: Path) -> None:
+    store = ResultsStore(tmp_path)
+    key = _put(store, "a", _rows(1), pd.DataFrame({"planner": ["relibra"], "skew": [9.0]}))
+    _put(store, "a", _rows(1))
+    assert store.read_per_layer(key) is None and store.finished(key) is not None
