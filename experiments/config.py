@@ -28,7 +28,7 @@ from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import RoutingTrace, load_trace
 from relibra.types import SampleCounts, Workload
-from relibra.workload import build_workload
+from relibra.workload import build_workload, split_samples
 
 __all__ = [
     "ConfigError",
@@ -202,11 +202,16 @@ def routing(cfg: DictConfig) -> str:
 def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> tuple[SampleCounts, Workload]:
     """The run's counts (routed uniformly for force-balanced) and their workload under ``workload.*``.
 
-    Returns (counts [S, L, E], workload with load [M, L, G, E]); the layout depends on the tokens only, so
+    Returns (counts [S, L, E], workload with load [M, L, G, E]); under ``parallel.tp * parallel.cp = n > 1``
+    the counts are every sample's ``n`` ranks (:func:`relibra.workload.split_samples`, ``S * n`` rows). The
+    layout depends on the tokens only, so
     every planner of one config gets the same sample layout.
     """
     if routing(cfg) == "uniform":
         counts = uniform_routing(counts, int(cfg.seed))
+    # NOTE: under parallel.tp / parallel.cp each sample becomes its TP x CP group's ranks (relibra.workload).
+    lay = build_layout(cfg)
+    counts = split_samples(counts, lay.tp, lay.cp)
     workload = build_workload(
         counts,
         num_gpus,
@@ -214,6 +219,7 @@ def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> 
         tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
         layout=str(cfg.workload.layout),
         span=build_model(cfg).attention_span,
+        group=lay.group,
     )
     return counts, workload
 

@@ -10,11 +10,12 @@ is never read), which ``tests/experiments/test_end_to_end.py`` checks by perturb
 
 A row is simulated as its run was measured: force-balanced routing (uniform top-k, Megatron's static
 placement; the tables' footnote), ``global_batch`` samples of exactly ``seq_len`` tokens in one batch,
-``micro_batch`` samples per GPU per micro-batch, the whole step (``simulator.step=whole``), the row's
-``overrides`` (model, cluster, precision, dispatcher, recompute, parallel layout). Rows with PP or TP give
-their layout as ``parallel.*`` overrides: tokens/s/GPU is then the pipeline's tokens over its ``pp * G``
-GPUs. Rows with ``needs`` (something the simulator does not have: a model) are listed and left out of the
-errors.
+``micro_batch`` samples per TP x CP group per micro-batch (Megatron's micro-batch: ``GBS / (MBS * data
+parallel)`` micro-batches a step, each GPU routing ``1 / (tp * cp)`` of its group's tokens), the whole step
+(``simulator.step=whole``), the row's ``overrides`` (model, cluster, precision, dispatcher, recompute,
+parallel layout). Rows with PP, TP or CP give their layout as ``parallel.*`` overrides: tokens/s/GPU is then
+the pipeline's tokens over its ``pp * G`` GPUs. Rows with ``needs`` (something the simulator does not have: a
+model) are listed and left out of the errors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from baselines.force_balanced import uniform_routing
@@ -43,8 +45,8 @@ from experiments.config import (
 from experiments.config_checks import validate
 from experiments.layout_check import build_layout
 from relibra.simulator import simulate
-from relibra.types import SampleCounts
-from relibra.workload import build_workload
+from relibra.types import SampleCounts, Workload
+from relibra.workload import build_workload, split_samples
 
 __all__ = [
     "ROLES",
@@ -52,6 +54,8 @@ __all__ = [
     "end_to_end_table",
     "errors",
     "load_rows",
+    "row_config",
+    "row_workload",
     "simulate_row",
     "unfitted_overrides",
 ]
@@ -132,26 +136,26 @@ def _replicas(row: dict[str, Any]) -> int:
     return 1
 
 
-def _samples_per_gpu(conf: dict[str, Any]) -> int:
-    """Samples per GPU per micro-batch: the published micro-batch is a tensor-parallel group's, shared by its
-    ``tp`` GPUs (:mod:`relibra.cost.tensor`); at least one sample per GPU, so a micro-batch smaller than
-    ``tp`` runs as ``tp`` samples per group (half the published micro-batches for ``tp = 2``, ``mbs = 1``)."""
-    return max(int(conf["micro_batch"]) // int(conf.get("tp") or 1), 1)
+def _micro_batch(conf: dict[str, Any]) -> int:
+    """Samples per TP x CP group per micro-batch: the published micro-batch (Megatron's ``MBS``), held by the
+    ``tp * cp`` GPUs of a group, each routing ``1 / (tp * cp)`` of its tokens (:mod:`relibra.workload`); a
+    step then runs ``GBS / (MBS * data parallel)`` micro-batches
+    (:func:`relibra.parallel.megatron_microbatches`)."""
+    return int(conf["micro_batch"])
 
 
-def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str, float]:
-    """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
-    ``config`` and ``overrides`` only, never its published ``value``; ``constants``: overrides applied after
-    the row's (e.g. the fitted constants at 0, :func:`unfitted_overrides`)."""
+def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig:
+    """The row's composed and validated config (its overrides, then ``constants``, then the run's own keys:
+    force-balanced, the whole step, ``GBS / dp`` samples of ``seq_len`` tokens in one batch, ``MBS`` samples
+    per TP x CP group per micro-batch), its layout checked against the row's ``config``."""
     conf = row["config"]
-    dp = _replicas(row)
     overrides = [
         *row["overrides"],
         *constants,
         "planner=force_balanced",
         "simulator.step=whole",
-        f"workload.samples_per_microbatch={_samples_per_gpu(conf)}",
-        f"trace.samples_per_batch={int(conf['global_batch']) // dp}",
+        f"workload.samples_per_microbatch={_micro_batch(conf)}",
+        f"trace.samples_per_batch={int(conf['global_batch']) // _replicas(row)}",
         f"trace.max_tokens={int(conf['seq_len'])}",
         "trace.num_batches=1",
         "control_plane.enabled=false",
@@ -159,26 +163,46 @@ def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="end_to_end"):
         cfg = compose("config", overrides=overrides)
     validate(cfg)
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    g = cluster.num_gpus
-    layout = build_layout(cfg)
+    layout, g = build_layout(cfg), int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
     world = layout.world_size(g)
-    if world != int(conf["gpus"]) or g != int(conf["ep"]) or layout.pp != int(conf.get("pp") or 1):
+    given = (world, g, layout.pp, layout.tp, layout.cp)
+    if given != (int(conf["gpus"]), int(conf["ep"]), *(int(conf.get(k) or 1) for k in ("pp", "tp", "cp"))):
         raise ValueError(
-            f"row {row['id']}: the overrides give {world} GPUs at EP {g}, PP {layout.pp}; the run had "
-            f"{conf['gpus']} at EP {conf['ep']}, PP {conf.get('pp')}"
+            f"row {row['id']}: the overrides give {world} GPUs at EP {g}, PP {layout.pp}, TP {layout.tp}, CP "
+            f"{layout.cp}; the run had {conf['gpus']} at EP {conf['ep']}, PP {conf.get('pp')}, TP "
+            f"{conf.get('tp')}, CP {conf.get('cp')}"
         )
-    cost = build_cost(cfg, cluster, model)
-    counts = _counts(int(conf["global_batch"]) // dp, int(conf["seq_len"]), model.num_moe_layers,
-                     model.num_experts,
-                     model.top_k, int(cfg.seed))  # fmt: skip
+    return cfg
+
+
+def row_workload(cfg: DictConfig, counts: SampleCounts) -> tuple[SampleCounts, Workload]:
+    """The row's samples ``counts`` [S, L, E] as its TP x CP groups' ranks and their workload (what
+    :func:`simulate_row` simulates; ``cfg`` from :func:`row_config`)."""
+    layout = build_layout(cfg)
+    counts = split_samples(counts, layout.tp, layout.cp)
     workload = build_workload(
         counts,
-        g,
-        samples_per_microbatch=_samples_per_gpu(conf),
+        int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node),
+        samples_per_microbatch=int(cfg.workload.samples_per_microbatch),
         layout=str(cfg.workload.layout),
-        span=model.attention_span,
+        span=build_model(cfg).attention_span,
+        group=layout.group,
     )
+    return counts, workload
+
+
+def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str, float]:
+    """The simulated run of one row: tokens/s/GPU and the step's terms (seconds per step). Reads the row's
+    ``config`` and ``overrides`` only, never its published ``value``; ``constants``: overrides applied after
+    the row's (e.g. the fitted constants at 0, :func:`unfitted_overrides`)."""
+    conf = row["config"]
+    cfg = row_config(row, constants)
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    g, layout = cluster.num_gpus, build_layout(cfg)
+    cost = build_cost(cfg, cluster, model)
+    counts = _counts(int(cfg.trace.samples_per_batch), int(conf["seq_len"]), model.num_moe_layers,
+                     model.num_experts, model.top_k, int(cfg.seed))  # fmt: skip
+    counts, workload = row_workload(cfg, counts)
     result = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
     m = result.metrics
     # NOTE: the simulated batch is one pipeline replica's: its tokens pass through pp stages of G GPUs.
@@ -199,7 +223,7 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     rows = []
     for row in doc["rows"]:
         conf = row["config"]
-        layout = "pp/tp" if int(conf.get("pp") or 1) > 1 or int(conf.get("tp") or 1) > 1 else "ep"
+        layout = "pp/tp" if any(int(conf.get(k) or 1) > 1 for k in ("pp", "tp", "cp")) else "ep"
         base = {"id": row["id"], "role": row["role"], "layout": layout, "published": float(row["value"]),
                 "unit": row["unit"]}  # fmt: skip
         if row.get("needs"):

@@ -26,6 +26,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from experiments.config import build_model, build_workload_for, load_counts, routing
+from experiments.layout_check import build_layout
 from relibra.types import SampleCounts, Workload
 
 __all__ = ["CACHE_SIZE", "CacheStats", "cache_stats", "cell_inputs", "clear_cache", "trace_key"]
@@ -68,6 +69,7 @@ def _workload_key(cfg: DictConfig, num_gpus: int) -> tuple[Any, ...]:
         cfg.workload.get("tokens_per_microbatch"),
         str(cfg.workload.layout),
         build_model(cfg).attention_span,  # NOTE: the layout and the attention pairs read it
+        (build_layout(cfg).tp, build_layout(cfg).cp),  # NOTE: the samples' split over a TP x CP group
     )
 
 

@@ -2,9 +2,11 @@
 (:func:`experiments.config_checks.validate`).
 
 :func:`layout_problems` checks ``parallel.*`` against the cluster and the model (each size an integer >= 1,
-``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, the layers cut into ``pp * vpp`` chunks,
-``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the layout
-(:func:`relibra.cost.memory.memory_estimate`) against ``cluster.hardware.hbm_bytes`` as
+``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, ``tp * cp`` dividing the EP group ``G``,
+``trace.max_tokens`` a multiple of ``2 * cp * tp`` (of ``tp`` without CP) as Megatron's sequence split needs
+(Megatron-core ``get_batch_on_this_cp_rank``; sequence parallelism), the layers cut into ``pp * vpp``
+chunks, ``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the
+layout (:func:`relibra.cost.memory.memory_estimate`) against ``cluster.hardware.hbm_bytes`` as
 ``simulator.memory_check`` says (``error``: a problem; ``warn``: a logged warning; ``off``: nothing), in two
 steps: :func:`experiments.config_checks.validate` checks what needs no input (parameters, gradients, optimizer
 state, replica buffer), and :func:`experiments.run.compute` checks it again with the activations of the
@@ -62,6 +64,24 @@ def layout_problems(cfg: DictConfig) -> list[str]:
         heads = cfg.model.get(key)
         if isinstance(heads, int) and heads % layout.tp:
             problems.append(f"parallel.tp={layout.tp} does not divide model.{key}={heads}")
+    if g % layout.group:
+        problems.append(
+            f"parallel.tp * parallel.cp = {layout.tp} * {layout.cp} = {layout.group} does not divide the EP "
+            f"group cluster.nodes * cluster.gpus_per_node = {nodes} * {gpn} = {g}: Megatron's data parallel "
+            "size (world / (tp * cp * pp)) would not be whole per EP group, and a TP x CP group split over "
+            "EP groups is not modelled"
+        )
+    unit = 2 * layout.cp * layout.tp if layout.cp > 1 else layout.tp
+    trace = cfg.get("trace") or {}
+    seq = None if trace.get("path") else trace.get("max_tokens")  # NOTE: a trace file's lengths are its own
+    if unit > 1 and isinstance(seq, int) and seq % unit:
+        problems.append(
+            f"trace.max_tokens={seq} is not a multiple of "
+            + (f"2 * parallel.cp * parallel.tp = 2 * {layout.cp} * {layout.tp} = {unit}" if layout.cp > 1
+               else f"parallel.tp={layout.tp}")
+            + ": Megatron cuts each sequence into 2 * cp chunks (get_batch_on_this_cp_rank) and shards each "
+            "CP rank's tokens tp ways (sequence parallelism)"
+        )  # fmt: skip
     layers = cfg.model.get("num_layers")
     if isinstance(layers, int) and (why := layer_split_problem(layers, layout)):
         problems.append(why)
@@ -113,9 +133,10 @@ def memory_problems(
         f"the layout does not fit in memory: {est.describe()} > cluster.hardware.hbm_bytes="
         f"{capacity / 1e9:.1f} GB, by {(est.total - capacity) / 1e9:.1f} GB, {what} (model={model.name}, "
         f"EP group cluster.nodes * cluster.gpus_per_node = {cluster.num_gpus}, parallel.tp={lay.tp}, "
-        f"parallel.pp={lay.pp}, parallel.vpp={lay.vpp}, parallel.dp={lay.dp}, training.recompute="
-        f"{cost.training.recompute if cost.training else None}); raise parallel.pp, parallel.tp or the EP "
-        "group, recompute, shrink the micro-batches, or set simulator.memory_check=warn"
+        f"parallel.cp={lay.cp}, parallel.pp={lay.pp}, parallel.vpp={lay.vpp}, parallel.dp={lay.dp}, "
+        f"training.recompute={cost.training.recompute if cost.training else None}); raise parallel.pp, "
+        "parallel.tp, parallel.cp or the EP group, recompute, shrink the micro-batches, or set "
+        "simulator.memory_check=warn"
     )
     if mode == "warn":
         log.warning("%s", text)

@@ -114,7 +114,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
     cluster, model = build_cluster(cfg), build_model(cfg)
     model.check_ep(cluster)
     cost = build_cost(cfg, cluster, model)
-    log.info("%s", cost.layout.describe(cluster.num_gpus))
+    log.info("%s", cost.layout.describe(cluster.num_gpus, cluster.gpus_per_node))
     planner = build_planner(cfg)
     executor = (
         CostModelExecutor(cost)
@@ -525,7 +525,9 @@ def preflight(args: Sequence[str]) -> None:
     key = "hydra.sweep.dir" if known.multirun else "hydra.run.dir"
     given = [o.split("=", 1)[1] for o in known.overrides if o.lstrip("+").split("=", 1)[0] == key]
     target = given[-1] if given else ("multirun" if known.multirun else "outputs")
-    if "${" not in target and (why := writable_dir(key, target)):
+    if not target.strip():  # NOTE: an unset shell variable; Hydra would write into the current directory
+        problems.append(f"{key}={target!r}: empty; give the folder the run's files go to")
+    elif "${" not in target and (why := writable_dir(key, target)):
         problems.append(why)
     if known.multirun and not problems and config_schema().broken:
         problems += _sweep_yaml_problems(known.config_name or "config", known.overrides)

@@ -10,6 +10,15 @@ the expert mesh ``ETP x EP x EDP x PP`` over the same ranks):
   groups of ``tp`` consecutive GPUs (one node's NVLink: ``tp`` divides ``cluster.gpus_per_node``); each group
   is one dense data-parallel rank. With sequence parallelism (which Megatron requires for MoE with TP) each
   GPU holds ``1 / tp`` of its group's tokens, and those are the tokens it routes and dispatches.
+* ``parallel.cp``: context parallelism (Megatron's ``context_parallel_size``) inside the EP group, next
+  outward from ``tp`` in Megatron's rank order (``tp-cp-ep-dp-pp``): a TP x CP group is ``tp * cp``
+  consecutive GPUs, its CP ranks ``tp`` apart, so a group larger than a node spans ``tp * cp /
+  gpus_per_node`` whole nodes (:meth:`ParallelLayout.describe`). Each sequence is cut into ``2 * cp``
+  chunks and CP rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (the load-balanced split of causal
+  attention: Megatron-core ``get_batch_on_this_cp_rank``, Transformer Engine
+  ``attention/dot_product_attention/context_parallel.py``), then sequence parallelism gives each of its
+  ``tp`` GPUs ``1 / tp`` of those tokens: every GPU holds ``1 / (tp * cp)`` of its group's tokens and
+  routes them (:mod:`relibra.workload`, :mod:`relibra.cost.context`).
 * ``parallel.etp``: expert tensor parallelism; the experts of one stage are spread over ``ep = G / etp``
   ranks. Only ``etp = 1`` is modelled (every Megatron-Bridge MoE performance recipe sets
   ``expert_tensor_parallel_size = 1``; Megatron's own default, ``etp = tp``, is refused with a message).
@@ -18,8 +27,15 @@ the expert mesh ``ETP x EP x EDP x PP`` over the same ranks):
 * ``parallel.dp`` replicas of the whole pipeline multiply it.
 
 The run trains on ``dp * pp * G`` GPUs (:meth:`ParallelLayout.world_size`). Megatron's group sizes follow:
-dense data parallel ``world / (tp * pp) = dp * G / tp``, expert data parallel
-``world / (etp * ep * pp) = dp``. The defaults (every size 1) are the EP-only layout of earlier releases.
+data parallel ``world / (tp * cp * pp) = dp * G / (tp * cp)`` (:func:`dense_data_parallel`: one rank per TP
+x CP group, the size Megatron divides the global batch by), the dense gradients' reduction group
+``world / (tp * pp)`` (data parallel with CP, since CP ranks hold the same weights), expert data parallel
+``world / (etp * ep * pp) = dp``. The EP group of a stage is its ``G`` consecutive ranks (``etp = 1``): it
+holds ``G / (tp * cp)`` whole TP x CP groups, which ``tp * cp`` must divide (a TP x CP group split over
+two EP groups is not modelled, and refused by ``experiments/layout_check.py``). Megatron's micro-batch is
+``MBS`` samples per TP x CP group, and a step runs ``GBS / (MBS * data parallel)`` of them
+(:func:`megatron_microbatches`, ``megatron/core/num_microbatches_calculator.py``). The defaults (every
+size 1) are the EP-only layout of earlier releases.
 """
 
 from __future__ import annotations
@@ -28,12 +44,17 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from relibra.attention_span import AttentionSpan
+
 __all__ = [
     "LAYOUT_KEYS",
     "ParallelLayout",
     "dense_data_parallel",
     "expert_data_parallel",
+    "layer_chunks",
     "layer_split_problem",
+    "megatron_microbatches",
+    "rank_span",
     "stage_layers",
 ]
 
@@ -46,6 +67,9 @@ class ParallelLayout:
     """Data-parallel replicas of the pipeline (``parallel.dp``)."""
     tp: int = 1
     """Tensor-parallel size inside the EP group (``parallel.tp``); divides ``cluster.gpus_per_node``."""
+    cp: int = 1
+    """Context-parallel size inside the EP group (``parallel.cp``; module doc): each sequence over ``cp``
+    ranks, ``tp`` apart."""
     pp: int = 1
     """Pipeline stages, each its own EP group of ``G`` GPUs (``parallel.pp``)."""
     vpp: int = 1
@@ -62,7 +86,7 @@ class ParallelLayout:
     :meth:`world_size`, so a layout whose sizes do not multiply to it is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vpp", "etp"):
+        for name in ("dp", "tp", "cp", "pp", "vpp", "etp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name}={value!r}: expected an integer >= 1")
@@ -92,19 +116,33 @@ class ParallelLayout:
     @property
     def trivial(self) -> bool:
         """Whether nothing but data parallelism surrounds the EP group (the layout of earlier releases)."""
-        return self.tp == 1 and self.pp == 1
+        return self.tp == 1 and self.cp == 1 and self.pp == 1
+
+    @property
+    def group(self) -> int:
+        """GPUs of one TP x CP group, ``tp * cp``: the GPUs that share each micro-batch's samples."""
+        return self.tp * self.cp
 
     def world_size(self, g: int) -> int:
         """GPUs the run trains on for a stage's EP group of ``g`` GPUs: ``dp * pp * g``."""
         return self.dp * self.pp * g
 
-    def describe(self, g: int) -> str:
-        """One line: the mapping and the GPU count it implies (printed at the start of a run)."""
+    def describe(self, g: int, gpus_per_node: int | None = None) -> str:
+        """One line: the mapping and the GPU count it implies (printed at the start of a run); with
+        ``gpus_per_node``, which nodes a TP x CP group larger than a node spans."""
+        n = self.group
+        span = (
+            f"; a TP x CP group spans {n // gpus_per_node} nodes (CP ranks {self.tp} GPUs apart), and each "
+            f"EP group is {g // gpus_per_node} consecutive nodes holding {g // n} such groups"
+            if gpus_per_node and n > gpus_per_node
+            else ""
+        )
         return (
-            f"parallel layout: EP group G={g} GPUs per stage (ep={g // self.etp}, tp={self.tp} inside it: "
-            f"{g // self.tp} tensor-parallel groups), pp={self.pp} stages x vpp={self.vpp} chunks, "
-            f"dp={self.dp} replicas: {self.dp} x {self.pp} x {g} = {self.world_size(g)} GPUs; dense data "
-            f"parallel {dense_data_parallel(self, g)}, expert data parallel {expert_data_parallel(self, g)}"
+            f"parallel layout: EP group G={g} GPUs per stage (ep={g // self.etp}, tp={self.tp} x "
+            f"cp={self.cp} inside it: {g // n} TP x CP groups of {n} consecutive GPUs{span}), pp={self.pp} "
+            f"stages x vpp={self.vpp} chunks, dp={self.dp} replicas: {self.dp} x {self.pp} x {g} = "
+            f"{self.world_size(g)} GPUs; data parallel {dense_data_parallel(self, g)}, expert data parallel "
+            f"{expert_data_parallel(self, g)}"
         )
 
 
@@ -119,8 +157,22 @@ def expert_data_parallel(layout: ParallelLayout, ep: int) -> int:
 
 
 def dense_data_parallel(layout: ParallelLayout, g: int) -> int:
-    """Megatron's data-parallel size of the dense parameters ``world / (tp * pp)``: ``dp * G / tp``."""
-    return layout.world_size(g) // (layout.tp * layout.pp)
+    """Megatron's data-parallel size ``world / (tp * cp * pp)``: ``dp * G / (tp * cp)``, one rank per TP x CP
+    group (``megatron/core/parallel_state.py``, ``get_data_parallel_world_size()``, without CP)."""
+    return layout.world_size(g) // (layout.tp * layout.cp * layout.pp)
+
+
+def megatron_microbatches(global_batch: int, micro_batch: int, layout: ParallelLayout, g: int) -> int:
+    """Micro-batches per step as Megatron computes them: ``GBS / (MBS * data parallel)``
+    (``megatron/core/num_microbatches_calculator.py``, ``ConstantNumMicroBatchesCalculator``), which refuses a
+    global batch it does not divide (so does this, with :class:`ValueError`)."""
+    per = micro_batch * dense_data_parallel(layout, g)
+    if global_batch % per:
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by micro batch {micro_batch} x data parallel "
+            f"{dense_data_parallel(layout, g)}"
+        )
+    return global_batch // per
 
 
 def layer_split_problem(num_layers: int, layout: ParallelLayout) -> str | None:
@@ -151,9 +203,21 @@ def stage_layers(num_layers: int, layout: ParallelLayout) -> np.ndarray:
     assignment, ``megatron/core/pipeline_parallel/schedules.py``). The input embedding sits on stage 0 (with
     chunk 0), the LM head and loss on stage ``pp - 1`` (with the last chunk).
     """
+    return layer_chunks(num_layers, layout) % layout.pp
+
+
+def layer_chunks(num_layers: int, layout: ParallelLayout) -> np.ndarray:
+    """int64 [num_layers]: the model chunk (virtual stage, ``0 .. pp * vpp - 1`` in model order) of each
+    layer; chunk ``v`` runs on stage ``v mod pp`` (:func:`stage_layers`)."""
     problem = layer_split_problem(num_layers, layout)
     if problem:
         raise ValueError(problem)
     chunks = layout.pp * layout.vpp
     sizes = layout.chunk_layers or (num_layers // chunks,) * chunks
-    return np.repeat(np.arange(chunks) % layout.pp, sizes).astype(np.int64)
+    return np.repeat(np.arange(chunks), sizes).astype(np.int64)
+
+
+def rank_span(span: AttentionSpan, layout: ParallelLayout) -> AttentionSpan:
+    """The attention span of one GPU's rank of a sample under ``layout`` (``span`` itself when ``tp * cp =
+    1``; :meth:`relibra.attention_span.AttentionSpan.split`)."""
+    return span if layout.group == 1 else span.split(layout.group)

@@ -12,6 +12,23 @@ GPU) loads with one sorted segment sum over flattened keys (no Python loop over 
 :func:`build_workload` does everything from a :class:`~relibra.types.SampleCounts`.
 :func:`sample_context` is the one builder of a planner's :class:`~relibra.planners.protocols.BatchContext`
 (the simulator's, through :func:`batch_context`, and the control plane's tasks').
+
+**Tensor and context parallelism** (``parallel.tp``, ``parallel.cp``, :mod:`relibra.parallel`): Megatron's
+micro-batch is ``MBS`` samples per TP x CP group of ``n = tp * cp`` consecutive GPUs, and each of them
+routes the ``1 / n`` of the group's tokens it holds. :func:`split_samples` turns every sample into its
+``n`` **ranks** (rank ``r = cp_rank * tp + tp_rank``, Megatron's rank order): CP rank ``i`` holds chunks
+``i`` and ``2 cp - 1 - i`` of the ``2 cp`` chunks of the sequence, and sequence parallelism gives each of
+its ``tp`` GPUs ``1 / tp`` of them (:func:`rank_tokens`). :func:`build_workload` with ``group = n`` lays
+the samples out over the ``G / n`` groups (``workload.samples_per_microbatch`` samples per group per
+micro-batch; ``workload.tokens_per_microbatch`` stays a per-GPU budget, ``n`` times it per group) and puts
+rank ``r`` of a sample on GPU ``group * n + r``. The counts of a rank are the sample's counts taken as
+uniform along its sequence: expert ``e``'s share ``c_e * len_r / t`` rounded down, and the rounding's
+leftovers given so that every rank keeps ``len_r * top_k`` routed slots per layer and every expert its
+``c_e`` (:func:`split_counts`; the experts' order for the leftovers rotates with the sample and the layer,
+so no rank gets them all). Choice left open: the per-sample counts keep no position, so a chunk's own
+routing (which per-token routes would give) is replaced by its even share; the pad to a multiple of
+``2 cp tp`` tokens that packed-sequence trainers add is not modelled (under ``2 cp tp`` tokens a sample).
+With ``tp = cp = 1`` nothing is split and every array is what it was.
 """
 
 from __future__ import annotations
@@ -34,6 +51,9 @@ __all__ = [
     "build_workload",
     "gpu_token_stats",
     "microbatch_loads",
+    "rank_tokens",
+    "split_counts",
+    "split_samples",
 ]
 
 
@@ -153,6 +173,127 @@ def assemble(
     )
 
 
+def rank_tokens(sample_tokens: np.ndarray, tp: int, cp: int) -> np.ndarray:
+    """int64 [S, tp * cp]: the tokens each rank of a TP x CP group holds of each sample (module doc).
+
+    CP rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` of the ``2 cp`` chunks (chunk ``c`` is tokens
+    ``floor(t c / 2cp) .. floor(t (c + 1) / 2cp)``; Megatron-core ``get_batch_on_this_cp_rank``); its ``tp``
+    GPUs hold ``floor`` / ``ceil`` of ``1 / tp`` of them each. Rank ``cp_rank * tp + tp_rank``.
+    """
+    t = np.asarray(sample_tokens, dtype=np.int64)[:, None]
+    if cp > 1:
+        bound = t * np.arange(2 * cp + 1) // (2 * cp)  # [S, 2cp + 1]
+        chunk = np.diff(bound, axis=1)  # [S, 2cp]
+        held = chunk[:, :cp] + chunk[:, ::-1][:, :cp]  # rank i: chunks i and 2cp - 1 - i
+    else:
+        held = t
+    cut = held[:, :, None] * np.arange(tp + 1) // tp  # [S, cp, tp + 1]
+    return np.diff(cut, axis=2).reshape(t.shape[0], cp * tp)
+
+
+def split_counts(counts: np.ndarray, tokens: np.ndarray, parts: np.ndarray, top_k: int) -> np.ndarray:
+    """Each sample's counts split over its ranks (module doc): exact sums both ways.
+
+    Args:
+        counts: int [S, L, E]; tokens: int [S] (``counts[s].sum(-1) == tokens[s] * top_k``);
+        parts: int [S, n] tokens of each rank (rows summing to ``tokens``).
+    Returns:
+        int32 [S * n, L, E]: rank ``r`` of sample ``s`` at row ``s * n + r``;
+        ``out[s*n + r].sum(-1) == parts[s, r] * top_k`` and ``out[s*n:(s+1)*n].sum(0) == counts[s]``.
+    """
+    num_s, num_l, num_e = np.shape(counts)
+    n = parts.shape[1]
+    out = np.empty((num_s * n, num_l, num_e), dtype=np.int32)
+    # NOTE: blocks of samples bound the int64 temporaries to about SPLIT_BLOCK_VALUES values each.
+    block = max(1, SPLIT_BLOCK_VALUES // max(num_l * num_e, 1))
+    for lo in range(0, num_s, block):
+        hi = min(lo + block, num_s)
+        out[lo * n : hi * n] = _split_block(counts[lo:hi], tokens[lo:hi], parts[lo:hi], top_k, lo)
+    return out
+
+
+SPLIT_BLOCK_VALUES = 1 << 22
+"""Values of ``[samples, L, E]`` :func:`split_counts` handles at a time (a memory bound, not a result)."""
+
+
+def _split_block(
+    counts: np.ndarray, tokens: np.ndarray, parts: np.ndarray, top_k: int, first: int
+) -> np.ndarray:
+    """:func:`split_counts` of samples ``first ..`` (the rotation counts them from 0 of the whole array)."""
+    c = np.asarray(counts, dtype=np.int64)
+    num_s, num_l, num_e = c.shape
+    n = parts.shape[1]
+    parts = np.asarray(parts, dtype=np.int64)
+    t = np.maximum(np.asarray(tokens, dtype=np.int64), 1)[:, None, None]
+    # NOTE: the leftovers go in an expert order rotated by (sample, layer), so no rank collects them all.
+    shift = ((first + np.arange(num_s))[:, None] * num_l + np.arange(num_l)[None, :]) % num_e  # [S, L]
+    order = (np.arange(num_e)[None, None, :] + shift[:, :, None]) % num_e  # [S, L, E]
+    c = np.take_along_axis(c, order, axis=2)
+    floors = [c * parts[:, r, None, None] // t for r in range(n)]  # n x [S, L, E]
+    col_left = np.cumsum(c - sum(floors), axis=2)  # [S, L, E]: leftover of each expert, cumulated
+    col_prev = col_left - (c - sum(floors))
+    out = np.empty((num_s, n, num_l, num_e), dtype=np.int64)
+    row_end = np.zeros((num_s, num_l), dtype=np.int64)
+    for r in range(n):
+        row_start = row_end
+        row_end = row_start + parts[:, r, None] * top_k - floors[r].sum(axis=2)  # [S, L]
+        # the leftover units of expert e that fall in rank r's share (north-west corner rule)
+        take = np.minimum(row_end[..., None], col_left) - np.maximum(row_start[..., None], col_prev)
+        out[:, r] = floors[r] + np.clip(take, 0, None)
+    back = np.argsort(order, axis=2)
+    out = np.take_along_axis(out, back[:, None], axis=3)
+    return out.reshape(num_s * n, num_l, num_e)
+
+
+def split_samples(counts: SampleCounts, tp: int = 1, cp: int = 1) -> SampleCounts:
+    """Every sample as its ``tp * cp`` ranks (module doc): counts int32 [S * n, L, E], tokens int64
+    [S * n], batch offsets times ``n``; ``counts`` itself when ``tp = cp = 1``."""
+    n = tp * cp
+    if n == 1:
+        return counts
+    parts = rank_tokens(counts.tokens, tp, cp)
+    domain = None if counts.sample_domain is None else np.repeat(counts.sample_domain, n)
+    return SampleCounts(
+        counts=split_counts(counts.counts, counts.tokens, parts, counts.top_k),
+        tokens=parts.reshape(-1),
+        batch_offsets=np.asarray(counts.batch_offsets, dtype=np.int64) * n,
+        top_k=counts.top_k,
+        sample_domain=domain,
+        domain_names=counts.domain_names,
+        meta={**counts.meta, "ranks_per_sample": n},
+    )
+
+
+def _group_layout(
+    rank_tokens_: np.ndarray,
+    batch_offsets: np.ndarray,
+    num_gpus: int,
+    group: int,
+    samples_per_microbatch: int | None,
+    tokens_per_microbatch: int | None,
+    layout: str,
+    span: AttentionSpan,
+) -> SampleLayout:
+    """The layout of split samples (rank rows, :func:`split_samples`): the whole samples over the
+    ``G / group`` TP x CP groups, then rank ``r`` of a sample on GPU ``group_index * group + r``."""
+    if num_gpus % group:
+        raise ValueError(f"a TP x CP group of {group} GPUs does not divide the EP group of {num_gpus}")
+    tokens = np.asarray(rank_tokens_, dtype=np.int64).reshape(-1, group).sum(axis=1)
+    offsets = np.asarray(batch_offsets, dtype=np.int64)
+    if np.any(offsets % group):
+        raise ValueError(f"batch_offsets {offsets.tolist()} are not whole samples of {group} ranks")
+    budget = None if tokens_per_microbatch is None else tokens_per_microbatch * group
+    placed = layout_samples(
+        tokens, offsets // group, num_gpus // group, samples_per_microbatch, budget, layout, span
+    )
+    gpu = (placed.sample_gpu.astype(np.int64)[:, None] * group + np.arange(group)).reshape(-1)
+    return SampleLayout(
+        sample_gpu=gpu.astype(np.int32),
+        sample_mb=np.repeat(placed.sample_mb, group).astype(np.int32),
+        mb_batch=placed.mb_batch,
+    )
+
+
 def build_workload(
     counts: SampleCounts,
     num_gpus: int,
@@ -160,9 +301,23 @@ def build_workload(
     tokens_per_microbatch: int | None = None,
     layout: str = LAYOUTS[0],
     span: AttentionSpan = FULL_CAUSAL,
+    group: int = 1,
 ) -> Workload:
     """:func:`layout_samples` then :func:`assemble`: per-sample counts to a :class:`Workload`; ``span`` is
-    the model's attention span (``ModelSpec.attention_span``)."""
+    the model's attention span (``ModelSpec.attention_span``). With ``group = tp * cp > 1`` the counts are
+    :func:`split_samples`' ranks, laid out by whole samples over the TP x CP groups (module doc)."""
+    if group > 1:
+        placed = _group_layout(
+            counts.tokens,
+            counts.batch_offsets,
+            num_gpus,
+            group,
+            samples_per_microbatch,
+            tokens_per_microbatch,
+            layout,
+            span,
+        )
+        return assemble(counts, placed, num_gpus, span.split(group))
     placed = layout_samples(
         counts.tokens,
         counts.batch_offsets,

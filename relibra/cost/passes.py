@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from relibra.cost.context import cp_exchange_time
 from relibra.cost.model import CostModel
 from relibra.cost.overlap import overlapped_time
 from relibra.cost.pipeline import StagePass, p2p_send_time, pipelined
@@ -82,22 +83,30 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
 
 
 def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
-    """:func:`token_work` under tensor or pipeline parallelism: the split GEMMs at their tensor-parallel
-    group's mean (:func:`relibra.cost.tensor.tp_group_mean`), routers and norms on each GPU's own
-    (sequence-parallel) tokens, the tensor-parallel collectives and the pipeline sends."""
+    """:func:`token_work` under tensor, context or pipeline parallelism: the split GEMMs at their
+    tensor-parallel group's mean (:func:`relibra.cost.tensor.tp_group_mean`), routers and norms on each GPU's
+    own (sequence-parallel) tokens, the tensor-parallel collectives, the context-parallel key-value ring's
+    exposed seconds in every layer's attention (:func:`relibra.cost.context.cp_exchange_time`) and the
+    pipeline sends."""
     tp = cost.layout.tp
     attn_gpu = tp_group_mean(cost.attention_time(tokens, pairs), tp)  # [Mb, G / tp]
-    dense = (attn_gpu + tp_group_mean(cost.dense_ffn_time(tokens), tp)).max(axis=-1)
+    core = cost.core_attention_time(pairs)  # [Mb, G]
+    # NOTE: context parallelism's exposed key-value ring joins every attention layer (relibra.cost.context).
+    ring = (
+        cp_exchange_time(cost.cluster, cost.model, cost.layout, tokens, core) if cost.layout.cp > 1 else 0.0
+    )
+    dense = (attn_gpu + tp_group_mean(cost.dense_ffn_time(tokens), tp)).max(axis=-1) + ring
     mb = attn_gpu.shape[0]
     tp_block = tp_block_time(cost.cluster, cost.model, tp, tokens) if tp > 1 else None
     p2p = p2p_send_time(cost, tokens) if cost.layout.pp > 1 else None
     cast_moe, cast_dense = _casts(cost, tokens, tp)
+    attn = (attn_gpu.max(axis=-1) + ring)[:, None]
     if cost.training is None or not cost.training.whole:
         zero = np.zeros(mb)
-        return TokenWork(attn_gpu.max(axis=-1)[:, None], zero, dense, zero, zero, zero, zero, tp_block, p2p)
+        return TokenWork(attn, zero, dense, zero, zero, zero, zero, tp_block, p2p)
     return TokenWork(
-        attn=attn_gpu.max(axis=-1)[:, None],
-        core_attn=tp_group_mean(cost.core_attention_time(pairs), tp).max(axis=-1),
+        attn=attn,
+        core_attn=tp_group_mean(core, tp).max(axis=-1) + ring,
         dense=dense,
         router=cost.router_time(tokens).max(axis=-1),
         norm=cost.norm_time(tokens).max(axis=-1),
@@ -335,7 +344,7 @@ def _layout_update(
             *_exposed_collectives(cost, spec, stage, first_mb, last_mb, share),
         )
 
-    st = pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
+    st = pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
     comm = work.comm
     exposed = st.comm_exposed
     if recompute != "none" and exposed > 0:
@@ -438,4 +447,4 @@ def _layout_forward(
         overlap=cost.cluster.ep_overlap,
         contention=cost.cluster.comm_sm_share,
     )
-    return pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total
+    return pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total

@@ -31,6 +31,7 @@ from relibra.cost.overlap import OverlapNeighbours, microbatch_share
 from relibra.cost.passes import forward_pass, token_work, update_pass
 from relibra.cost.tensor import tp_group_mean
 from relibra.cost.work import LayerWork
+from relibra.parallel import rank_span
 from relibra.planners.protocols import BatchContext, Replication, home_assign, static_placement
 from relibra.types import BatchPlan, OnlineCopies
 from relibra.workload import gpu_token_stats
@@ -182,7 +183,7 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         ctx.sample_mb,
         ctx.num_microbatches,
         ctx.num_gpus,
-        ctx.model.attention_span,
+        rank_span(ctx.model.attention_span, ctx.cost.layout),
     )
     reps = replicas_per_slot(plan)  # [Mb, L, G, r]
     moves = migration_cost(cost, prev_home, plan.home)
@@ -304,7 +305,7 @@ def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
         ctx.sample_mb,
         ctx.num_microbatches,
         ctx.num_gpus,
-        ctx.model.attention_span,
+        rank_span(ctx.model.attention_span, ctx.cost.layout),
     )
     attn = ctx.cost.attention_time(tokens, pairs)
     if ctx.cost.layout.tp > 1:  # a tensor-parallel group's mean (relibra.cost.tensor)

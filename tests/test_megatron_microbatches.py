@@ -1,0 +1,230 @@
+"""Megatron's micro-batch structure under tensor and context parallelism (relibra/workload.py,
+relibra/parallel.py): a micro-batch is ``MBS`` samples per TP x CP group, a step runs ``GBS / (MBS * data
+parallel)`` of them, and each GPU routes the ``1 / (tp * cp)`` of the tokens it holds; tokens are conserved
+over the split; force-balanced routing stays balanced on every GPU at any CP."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.config import ConfigError
+from experiments.config_checks import validate
+from experiments.end_to_end import load_rows, row_config, row_workload
+from experiments.grid import CONF_DIR
+from experiments.layout_check import build_layout
+from relibra.attention_span import FULL_CAUSAL, AttentionSpan
+from relibra.parallel import ParallelLayout, dense_data_parallel, megatron_microbatches
+from relibra.types import SampleCounts
+from relibra.workload import build_workload, rank_tokens, split_counts, split_samples
+
+PUBLISHED = [r for r in load_rows()["rows"] if not r.get("needs")]
+
+
+def _modelzoo(seq_len: int, cp: int) -> dict[str, Any]:
+    """Megatron-MoE-ModelZoo's Qwen3-235B-A22B on 256 H100 (yanring/Megatron-MoE-ModelZoo
+    model_configs/benchmarking/Qwen3-235B-A22B.yaml at 1ed4179: bf16, sequence parallel, embedding and loss
+    counted in the pipeline split; TP 4, PP 8, VPP 4, EP 8, ETP 1, MBS 1, GBS 256), as a row of the
+    end-to-end file's format (no published value is read)."""
+    chunks = "[2," + ",".join(["3"] * 30) + ",2]"
+    return {
+        "id": f"modelzoo/qwen3-235b-a22b/h100x256/tp4pp8vp4ep8cp{cp}/{seq_len}",
+        "config": dict(
+            gpus=256, global_batch=256, micro_batch=1, seq_len=seq_len, tp=4, pp=8, cp=cp, vp=4, ep=8
+        ),
+        "overrides": [
+            "cluster=hopper",
+            "cluster.nodes=1",
+            "cluster.gpus_per_node=8",
+            "model=qwen3-235b-a22b",
+            "cluster.precision=bf16",
+            "parallel.tp=4",
+            f"parallel.cp={cp}",
+            "parallel.pp=8",
+            "parallel.vpp=4",
+            f"parallel.chunk_layers={chunks}",
+            "parallel.dp=4",
+            "parallel.gpus=256",
+            "simulator.memory_check=off",
+        ],
+    }
+
+
+MODELZOO = [_modelzoo(16384, 1), _modelzoo(32768, 2)]
+
+
+def _light_counts(samples: int, seq_len: int) -> SampleCounts:
+    """``samples`` samples of ``seq_len`` tokens, one layer, one expert (the layout reads the tokens only)."""
+    return SampleCounts(
+        counts=np.full((samples, 1, 1), seq_len * 2, dtype=np.int32),
+        tokens=np.full(samples, seq_len, dtype=np.int64),
+        batch_offsets=np.array([0, samples], dtype=np.int64),
+        top_k=2,
+    )
+
+
+@pytest.mark.parametrize("row", PUBLISHED + MODELZOO, ids=lambda r: r["id"])
+def test_micro_batches_and_routed_tokens_follow_megatron(row: dict[str, Any]) -> None:
+    conf = row["config"]
+    gbs, mbs, seq = conf["global_batch"], conf["micro_batch"], conf["seq_len"]
+    tp, cp, pp = (int(conf.get(k) or 1) for k in ("tp", "cp", "pp"))
+    # Megatron: data parallel = world / (tp * cp * pp); micro-batches = GBS / (MBS * data parallel);
+    # each GPU holds MBS * seq / (tp * cp) tokens of a micro-batch (sequence parallel inside TP, CP's split).
+    data_parallel = conf["gpus"] // (tp * cp * pp)
+    want_mb = gbs // (mbs * data_parallel)
+    want_tokens = mbs * seq // (tp * cp)
+    cfg = row_config(row)
+    counts, workload = row_workload(cfg, _light_counts(int(cfg.trace.samples_per_batch), seq))
+    layout, g = build_layout(cfg), conf["ep"]
+    assert megatron_microbatches(gbs, mbs, layout, g) == want_mb
+    assert dense_data_parallel(layout, g) * layout.dp == data_parallel * layout.dp  # per pipeline replica
+    assert workload.num_microbatches == want_mb
+    assert (workload.tokens == want_tokens).all()
+    assert workload.tokens.sum() == counts.tokens.sum() == int(cfg.trace.samples_per_batch) * seq
+
+
+def test_the_issue_counts_on_modelzoo() -> None:
+    """32 micro-batches at 16K (CP 1), 64 at 32K (CP 2), where whole samples per GPU gave 8 and 8."""
+    layouts = [ParallelLayout(tp=4, pp=8, vpp=4, dp=4), ParallelLayout(tp=4, cp=2, pp=8, vpp=4, dp=4)]
+    assert [megatron_microbatches(256, 1, lay, 8) for lay in layouts] == [32, 64]
+    with pytest.raises(ValueError, match="not divisible"):
+        megatron_microbatches(250, 1, layouts[0], 8)
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (1, 8)])
+def test_rank_tokens_take_chunks_i_and_2cp_minus_1_minus_i(tp: int, cp: int) -> None:
+    lens = np.array([0, 1, 7, 64, 1000, 4097, 131072])
+    parts = rank_tokens(lens, tp, cp)  # [S, tp * cp], rank = cp_rank * tp + tp_rank
+    assert (parts.sum(axis=1) == lens).all()
+    assert (parts.max(axis=1) - parts.min(axis=1) <= 2).all()  # floor / ceil of each chunk, two chunks
+    # chunks i and 2cp - 1 - i: for a length 2 * cp * tp divides, every GPU holds the same tokens and the
+    # same causal pairs as FULL_CAUSAL gives the sample's CP chunks
+    t = 2 * cp * tp * 16
+    held = rank_tokens(np.array([t]), tp, cp)[0]
+    assert (held == t // (tp * cp)).all()
+    c = t // (2 * cp)
+    pos = np.arange(t) + 1.0  # keys each query attends to
+    for i in range(cp):
+        mine = pos[i * c : (i + 1) * c].sum() + pos[(2 * cp - 1 - i) * c : (2 * cp - i) * c].sum()
+        assert mine / tp == pytest.approx(FULL_CAUSAL.split(tp * cp).pairs(held[i * tp : i * tp + 1])[0])
+
+
+@pytest.mark.parametrize(("tp", "cp"), [(2, 1), (1, 2), (2, 2), (1, 4)])
+def test_split_conserves_tokens_and_every_expert(tp: int, cp: int) -> None:
+    rng = np.random.default_rng(7)
+    lens = rng.integers(0, 300, size=12)
+    k, num_l, num_e = 4, 3, 16
+    counts = np.stack([[rng.multinomial(t * k, np.ones(num_e) / num_e) for _ in range(num_l)] for t in lens])
+    parts = rank_tokens(lens, tp, cp)
+    out = split_counts(counts, lens, parts, k)
+    n = tp * cp
+    assert out.min() >= 0
+    assert (out.reshape(12, n, num_l, num_e).sum(axis=1) == counts).all()
+    assert (out.sum(axis=-1) == parts.reshape(-1)[:, None] * k).all()
+    # an even share: no rank is more than one leftover unit per layer off an expert's share
+    share = counts[:, None] * parts[:, :, None, None] / np.maximum(lens, 1)[:, None, None, None]
+    assert np.abs(out.reshape(12, n, num_l, num_e) - share).max() < n + 1
+
+
+def test_tp1_cp1_is_todays_workload() -> None:
+    rng = np.random.default_rng(3)
+    lens = rng.integers(1, 200, size=40)
+    counts = SampleCounts(
+        counts=np.stack([[rng.multinomial(t * 2, np.ones(8) / 8)] for t in lens]).astype(np.int32),
+        tokens=lens.astype(np.int64),
+        batch_offsets=np.array([0, 17, 40]),
+        top_k=2,
+    )
+    assert split_samples(counts, 1, 1) is counts
+    span = AttentionSpan(window=16, windowed_share=0.5)
+    assert span.split(1) == span
+    assert (span.split(1).pairs(lens) == span.pairs(lens)).all()
+    a = build_workload(counts, 4, samples_per_microbatch=2, span=span)
+    b = build_workload(counts, 4, samples_per_microbatch=2, span=span, group=1)
+    for field in ("load", "tokens", "causal_pairs", "sample_gpu", "sample_mb", "mb_batch"):
+        assert np.array_equal(getattr(a, field), getattr(b, field))
+
+
+def test_a_sample_stays_on_its_tp_cp_group() -> None:
+    rng = np.random.default_rng(5)
+    lens = rng.integers(8, 400, size=48)
+    counts = SampleCounts(
+        counts=np.stack([[rng.multinomial(t * 2, np.ones(16) / 16)] for t in lens]).astype(np.int32),
+        tokens=lens.astype(np.int64),
+        batch_offsets=np.array([0, 48]),
+        top_k=2,
+    )
+    n = 4
+    ranks = split_samples(counts, 2, 2)
+    wl = build_workload(ranks, 16, samples_per_microbatch=1, group=n)
+    gpu = wl.sample_gpu.reshape(48, n)
+    assert (gpu == gpu[:, :1] + np.arange(n)).all() and (gpu[:, 0] % n == 0).all()
+    assert (wl.sample_mb.reshape(48, n) == wl.sample_mb.reshape(48, n)[:, :1]).all()
+    assert wl.num_microbatches == 48 // (16 // n)
+    assert wl.load.sum() == counts.counts.sum() and wl.tokens.sum() == lens.sum()
+
+
+def _cfg(*overrides: str):
+    small = ["trace.num_batches=1", "trace.samples_per_batch=64", "trace.max_tokens=1024", "logger=none"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="cp"):
+        return compose("config", overrides=[*small, "model=qwen3-30b-a3b", "cluster.nodes=1", *overrides])
+
+
+def _tokens_at_cp1() -> float:
+    from experiments.config import load_counts
+
+    return float(load_counts(_cfg()).tokens.sum())
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_force_balanced_stays_balanced_on_every_gpu_at_any_cp(cp: int) -> None:
+    from experiments.run import compute
+
+    # NOTE: cp samples per TP x CP group keep each GPU's tokens per micro-batch those of CP 1 (the routing's
+    # multinomial noise grows as the micro-batch shrinks, whatever the layout)
+    rows, _, _ = compute(
+        _cfg("planner=force_balanced", f"parallel.cp={cp}", f"workload.samples_per_microbatch={cp}")
+    )
+    row = rows.iloc[0]
+    assert row["skew_max"] < 1.1 and row["skew_mean"] < 1.05, (row["skew_max"], row["skew_mean"])
+    assert row["tokens"] == pytest.approx(_tokens_at_cp1())  # tokens conserved over the split
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys"),
+    [
+        (["parallel.cp=0"], ["parallel.cp=0"]),
+        (
+            ["parallel.cp=3"],
+            ["parallel.tp * parallel.cp = 1 * 3 = 3", "cluster.nodes * cluster.gpus_per_node"],
+        ),
+        (["parallel.tp=4", "parallel.cp=4"], ["parallel.tp * parallel.cp = 4 * 4 = 16", "= 8"]),
+        (
+            ["parallel.cp=2", "trace.max_tokens=250"],
+            ["trace.max_tokens=250", "2 * parallel.cp * parallel.tp"],
+        ),
+        (["parallel.tp=2", "trace.max_tokens=251"], ["trace.max_tokens=251", "parallel.tp=2"]),
+    ],
+)
+def test_layouts_megatron_refuses_are_refused(overrides: list[str], keys: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg(*overrides))
+    for key in keys:
+        assert key in str(err.value), (key, str(err.value))
+
+
+def test_describe_names_the_nodes_of_a_group_wider_than_a_node() -> None:
+    text = ParallelLayout(tp=4, cp=4).describe(16, 8)
+    assert "spans 2 nodes" in text and "CP ranks 4 GPUs apart" in text and "2 consecutive nodes" in text
+    assert "spans" not in ParallelLayout(tp=4, cp=2).describe(8, 8)
+
+
+def test_end_to_end_rows_are_refused_when_cp_disagrees() -> None:
+    row = copy.deepcopy(MODELZOO[1])
+    row["config"]["cp"] = 1
+    with pytest.raises(ValueError, match="CP 2"):
+        row_config(row)
