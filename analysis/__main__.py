@@ -24,7 +24,7 @@ from analysis.claims import paper_claims
 from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
-from analysis.load import read_per_layer_results, read_results
+from analysis.load import grid_problems, read_per_layer_results, read_results
 from analysis.provenance import (
     IdenticalVersionsError,
     load_identical_groups,
@@ -70,12 +70,12 @@ def analyse(
     command = command or f"python -m analysis {results_dir}"
     loaded = read_results(results_dir)
     results, warnings = loaded.frames, loaded.warnings
-    if not results:
+    if not results and not loaded.refused:
         raise FileNotFoundError(
             f"no finished cells under {results_dir} (expected <experiment>/cells/*.parquet)"
         )
     groups = load_identical_groups(results_dir)
-    refusals = {
+    refusals = dict(loaded.refused) | {
         name: why for name, frame in results.items() if (why := mixed_versions_refusal(name, frame, groups))
     }
     refused = list(refusals.values())
@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m analysis: {args.results_dir}: no such results directory", file=sys.stderr)
         return 2
     command = "python -m analysis " + " ".join(argv if argv is not None else sys.argv[1:])
+    if problems := grid_problems(args.results_dir):  # NOTE: before any table is written
+        for why in problems:
+            print(f"python -m analysis: {why}", file=sys.stderr)
+        return 2
     try:
         out = analyse(args.results_dir, args.out, console, command)
     except (FileNotFoundError, IdenticalVersionsError) as exc:  # NOTE: nothing to build tables from

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.store import UNKNOWN_CODE, CorruptCellError, ResultsStore
+from experiments.store import UNKNOWN_CODE, CorruptCellError, GridFileError, ResultsStore
 from relibra.cluster import ModelSpec
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "code_versions",
     "experiment_dirs",
     "experiment_name",
+    "grid_problems",
     "load_per_layer_results",
     "load_results",
     "param_bytes_per_gpu",
@@ -48,14 +50,35 @@ def experiment_name(directory: Path) -> str:
     """The experiment a store holds: its cells' ``experiment_name`` (set by every preset), else the
     folder's name. So a store copied to a folder of another name still gets its preset's tables."""
     store = ResultsStore(directory)
-    for key in store.current_keys():
+    try:
+        keys = store.current_keys()
+    except GridFileError:  # NOTE: only to name the store; read_results refuses it, naming the file
+        keys = store.keys()
+    for key in keys:
         try:
             name = store.config(key).get("experiment_name")
         except (CorruptCellError, FileNotFoundError, KeyError, ValueError):
             continue
-        if name:
+        if name and PLAIN_NAME.fullmatch(str(name)):  # NOTE: a name becomes file names in --out
             return str(name)
     return directory.name
+
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""An ``experiment_name`` that may name output files (no path separator, no leading dot); a store whose
+cells hold another is named by its folder instead."""
+
+
+def grid_problems(root: str | Path) -> list[str]:
+    """One line per store under ``root`` whose ``grid.json`` is damaged (:class:`~experiments.store.
+    GridFileError`), naming the file."""
+    out = []
+    for directory in experiment_dirs(root).values():
+        try:
+            ResultsStore(directory).grid_keys()
+        except GridFileError as err:
+            out.append(str(err))
+    return out
 
 
 def experiment_dirs(root: str | Path) -> dict[str, Path]:
@@ -87,6 +110,8 @@ class Results:
     lost_per_layer: dict[str, list[str]] = field(default_factory=dict)
     """Experiment -> its cells whose recorded per-layer table is missing (:class:`~experiments.store.
     StoreContents`); no per-layer figure of such an experiment is whole."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Experiment -> why none of its cells can be read as its grid (a damaged ``grid.json``)."""
 
 
 def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
@@ -96,10 +121,14 @@ def load_results(root: str | Path) -> dict[str, pd.DataFrame]:
 
 def read_results(root: str | Path) -> Results:
     """:func:`load_results`'s frames with the warnings about their inputs, each cell file read once."""
-    out, warnings, lost = {}, [], {}
+    out, warnings, lost, refused = {}, [], {}, {}
     for name, directory in experiment_dirs(root).items():
         store = ResultsStore(directory)
-        contents = store.contents()
+        try:
+            contents = store.contents()
+        except GridFileError as err:
+            refused[name] = f"{name}: tables refused: {err}"
+            continue
         for key in contents.corrupt:
             warnings.append(f"{name}: cell file {store.cell_path(key)} is unreadable and left out")
         if contents.lost_per_layer:
@@ -123,7 +152,7 @@ def read_results(root: str | Path) -> Results:
         if "step" not in frame:
             frame["step"] = [_cell_step(configs[cell]) for cell in frame["cell"]]
         out[name] = frame.assign(experiment=name)
-    return Results(out, warnings, lost)
+    return Results(out, warnings, lost, refused)
 
 
 CLUSTER_COLUMNS: dict[str, tuple[str, object]] = {
@@ -166,7 +195,10 @@ def read_per_layer_results(root: str | Path) -> tuple[dict[str, pd.DataFrame], d
     out, unreadable = {}, {}
     for name, directory in experiment_dirs(root).items():
         store = ResultsStore(directory)
-        layers, corrupt = store.per_layer_contents()
+        try:
+            layers, corrupt = store.per_layer_contents()
+        except GridFileError:  # NOTE: read_results refuses the experiment, naming the file
+            continue
         if corrupt:
             unreadable[name] = corrupt
         if layers.empty:

@@ -30,6 +30,9 @@ class GridReport:
     left_out: int = 0
     """Finished cells of the grid recorded before this run that its grid leaves out (the analysis then
     leaves them out too): a changed setting, or overrides that narrow the sweep without ``--extend-grid``."""
+    grid_replaced: str = ""
+    """Why the ``grid.json`` found was unreadable (empty: it was fine or absent); this run's grid replaced
+    it, so cells it left out cannot be counted in ``left_out``."""
     rekeyed: int = 0
     """Finished cells of the grid recorded before that were keyed by their trace file's path (the store's
     format before cells that read a trace were keyed by its content): the grid wants them under their

@@ -152,6 +152,12 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
                 "seeds), rerun with --extend-grid",
                 soft_wrap=True,
             )
+        if rep.grid_replaced:
+            console.print(
+                f"  [yellow]grid.json was damaged[/yellow] ({escape(rep.grid_replaced)}): replaced by this "
+                "run's grid (which cells the earlier grid held cannot be told)",
+                soft_wrap=True,
+            )
         if rep.rekeyed:
             console.print(
                 f"  [yellow]{rep.rekeyed} finished cells were keyed by their trace file's path[/yellow] (the "

@@ -45,7 +45,14 @@ from experiments.grid import cells, compose_cells
 from experiments.grid_jobs import CellJob, CellOutcome, GridReport
 from experiments.peer_traces import is_peer_preset, prepare_peer_traces
 from experiments.progress import Bars, Lines, Tracker, progress_bars, summarise
-from experiments.store import CorruptCellError, ResultsStore, cell_key, path_keyed, stored_code_version
+from experiments.store import (
+    CorruptCellError,
+    GridFileError,
+    ResultsStore,
+    cell_key,
+    path_keyed,
+    stored_code_version,
+)
 from relibra.provenance import code_version, code_version_note, identifies_code
 
 __all__ = [
@@ -152,6 +159,10 @@ def plan_grid(
     _validate_grid(preset, configs)
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
     keys = {cell_key(cfg) for cfg in configs}
+    try:
+        store.grid_keys()
+    except GridFileError as err:  # NOTE: with --extend-grid, write_grid refuses it below, before any work
+        report.grid_replaced = err.reason
     before = store.write_grid(keys, extend=extend_grid)
     if not extend_grid:
         gone = sorted((before - keys) & set(store.keys()))
@@ -580,6 +591,9 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
         planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)
     except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
         console.print(f"python -m experiments.reproduce: {exc}", style="red", markup=False)
+        return 2
+    except GridFileError as exc:  # NOTE: --extend-grid over a damaged grid.json: nothing was computed
+        print(f"python -m experiments.reproduce: --extend-grid: {exc}", file=sys.stderr)
         return 2
     for report, todo in planned:
         reports.append(report)

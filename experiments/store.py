@@ -72,6 +72,7 @@ __all__ = [
     "TRACE_DIGEST",
     "UNKNOWN_CODE",
     "CorruptCellError",
+    "GridFileError",
     "ResultsStore",
     "StoreContents",
     "cell_key",
@@ -208,6 +209,21 @@ def _stored_key(config: Mapping[str, Any]) -> str:
     if path_keyed(config):
         return _hash(_drop(config, IGNORED_KEYS))
     return cell_key(config)
+
+
+class GridFileError(ValueError):
+    """A store's ``grid.json`` is there but holds no list of cell keys; names the file and the problem."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"{path}: {reason}; a run of its preset that does not extend the grid (python -m "
+            "experiments.reproduce without --extend-grid) writes it anew, or delete it to read every cell "
+            "on disk"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[Path, str]]:  # NOTE: raised in a planning worker process
+        return (type(self), (self.path, self.reason))
 
 
 class CorruptCellError(ValueError):
@@ -535,10 +551,18 @@ class ResultsStore:
         return self.root / "grid.json"
 
     def grid_keys(self) -> set[str] | None:
-        """The keys ``grid.json`` records, or None without one."""
-        if not self.grid_path.is_file():
+        """The keys ``grid.json`` records, or None without one. Raises :class:`GridFileError` naming the
+        file when it is there but is no JSON list of cell keys (truncated, edited, a directory)."""
+        path = self.grid_path
+        if not path.exists() and not path.is_symlink():
             return None
-        return set(json.loads(self.grid_path.read_text()))
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError) as err:  # NOTE: UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise GridFileError(path, f"cannot be read as JSON ({err})") from err
+        if not isinstance(data, list) or not all(isinstance(k, str) for k in data):
+            raise GridFileError(path, f"holds {type(data).__name__}, not a list of cell keys")
+        return set(data)
 
     def write_grid(self, keys: Iterable[str], extend: bool = False) -> set[str]:
         """Record the keys of the experiment's current grid (atomically), so loads skip stale cells.
@@ -546,11 +570,19 @@ class ResultsStore:
         ``extend``: the grid becomes the union of ``keys`` and the grid recorded before (a sweep that adds
         trace seeds to a finished grid keeps the finished ones in it); the read and the write happen under
         one claim, so two extending runs do not lose each other's keys. Returns the keys recorded before
-        (empty without a ``grid.json``).
+        (empty without a ``grid.json``). A damaged ``grid.json`` is replaced (its keys cannot be read, and
+        the grid written now is the grid), except with ``extend``, which raises :class:`GridFileError`
+        before writing anything: the union would lose the keys it held.
         """
         wanted = set(keys)
         with self.claim(_GRID_CLAIM):
-            before = self.grid_keys() or set()
+            try:
+                before = self.grid_keys() or set()
+            except GridFileError:
+                if extend:
+                    raise
+                before = set()
+                _remove_non_file(self.grid_path)
             text = json.dumps(sorted(wanted | before if extend else wanted)).encode()
             atomic_write(self.grid_path, lambda fh: fh.write(text), ".json")
         return before

@@ -44,3 +44,51 @@ def test_a_lost_per_layer_table_is_recomputed_not_counted_reused(
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 1 cells run, 1 reused" in out, out
     assert store.per_layer_path(lost).is_file() and store.contents().lost_per_layer == []
+
+
+@pytest.mark.parametrize("damage", ['["0123', '{"a": 1}', "dir"])
+def test_a_damaged_grid_json_is_named_and_replaced_or_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """The issue's probe: a corrupt grid.json wedged the store (a JSONDecodeError from analysis and
+    reproduce). Now: reproduce replaces it, saying so; --extend-grid and the analysis refuse it, exit 2,
+    naming the file."""
+    from analysis.__main__ import main as analysis
+
+    args = ["--results", str(tmp_path), "--no-analysis", *TWO]
+    assert reproduce.main(args) == 0
+    grid = tmp_path / "quick_ep_scaling" / "grid.json"
+    grid.unlink()
+    if damage == "dir":
+        grid.mkdir()
+    else:
+        grid.write_text(damage)
+    capsys.readouterr()
+    assert analysis([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(grid) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    assert reproduce.main([*args, "--extend-grid"]) == 2
+    err = capsys.readouterr().err
+    assert str(grid) in err and "--extend-grid" in err and len(err.strip().splitlines()) == 1, err
+    assert reproduce.main(args) == 0
+    out = capsys.readouterr().out
+    assert "grid.json was damaged" in out and "0 cells run, 2 reused" in out, out
+    assert len(ResultsStore(tmp_path / "quick_ep_scaling").grid_keys() or ()) == 2
+
+
+def test_analyse_refuses_a_store_with_a_damaged_grid_and_builds_the_rest(tmp_path: Path) -> None:
+    """What reproduce's analysis sees for a preset it did not run now: that preset refused, named."""
+    from analysis.__main__ import analyse
+    from tests.analysis.test_analysis import MODELS, _row, _write
+
+    _write(tmp_path, "quick_overhead", [_row(m, "mixed", "relibra", 4) for m in MODELS])
+    _write(
+        tmp_path,
+        "quick_ep_scaling",
+        [_row("m", "mixed", p, n) for n in (1, 2) for p in ("megatron", "relibra")],
+    )
+    (tmp_path / "quick_ep_scaling" / "grid.json").write_text("[")
+    out = analyse(tmp_path, tmp_path / "out")
+    assert len(out.refused) == 1 and "quick_ep_scaling" in out.refused[0] and "grid.json" in out.refused[0]
+    assert [p for p in out.tables if p.name.startswith("quick_overhead.")]
