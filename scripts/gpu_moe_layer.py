@@ -277,14 +277,13 @@ class Stopwatch:
 
 
 def time_fwd_bwd(
-    group: Group, forward: Callable[[], torch.Tensor], settings: Settings, dtype: torch.dtype
+    group: Group, forward: Callable[[], torch.Tensor], grad: torch.Tensor, settings: Settings
 ) -> dict[str, Any]:
-    """Forward and backward ms of ``forward()`` (its output's backward with a fixed random gradient):
+    """Forward and backward ms of ``forward()`` (its output's backward with the gradient ``grad``):
     ``warmup`` untimed, then ``repeats`` timed iterations; per iteration the slowest rank; medians."""
     pre = (
         torch.randn(PRE_GEMM, PRE_GEMM, device=group.device) if group.device.type == "cuda" else None
     )  # NOTE: fp32 as moe_perf's dummy GEMM
-    grad: torch.Tensor | None = None
     fwd, bwd = [], []
     for it in range(settings.warmup + settings.repeats):
         dist.barrier()
@@ -294,8 +293,6 @@ def time_fwd_bwd(
         watch.mark()
         out = forward()
         watch.mark()
-        if grad is None:
-            grad = torch.randn(out.shape, dtype=out.dtype, device=out.device, generator=_gen(settings.seed))
         out.backward(grad)
         watch.mark()
         f, b = watch.spans()
@@ -389,8 +386,12 @@ def workload_routes(model: dict[str, Any], settings: Settings, world: int) -> It
             per_gpu(biased_shares(ranks, ranks, s), i + 1),
             f"rank 0's experts take {s:g}x the mean per-GPU load of {ranks} GPUs, the rest share evenly",
         )
-    from relibra.trace.peer import PEER_COMMIT, routes_for_step
-
+    try:
+        from relibra.trace.peer import PEER_COMMIT, routes_for_step
+    except ImportError as exc:
+        raise Skip(
+            f"relibra.trace.peer is not importable here ({exc}); carry its packages (omegaconf)"
+        ) from exc
     for name in PEER_WORKLOADS:
         ids, _ = routes_for_step(name, e, k, t, 0, settings.seed)
         yield Workload(
@@ -598,9 +599,14 @@ def megatron_layer(
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from relibra.megatron.model import init_expert_parallel
+    cuda = group.device.type == "cuda"
+    if cuda:  # NOTE: any release with routing replay; the CPU patches are for the proven releases only
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(expert_model_parallel_size=group.world)
+    else:
+        from relibra.megatron.model import init_expert_parallel
 
-    init_expert_parallel(group.world)  # CPU patches without CUDA (relibra.megatron.cpu_patches), EP groups
+        init_expert_parallel(group.world)  # the CPU patches (relibra.megatron.cpu_patches), EP groups
     if parallel_state.get_expert_model_parallel_world_size() != group.world:
         raise Skip(
             f"Megatron's parallel state has EP {parallel_state.get_expert_model_parallel_world_size()}"
@@ -651,7 +657,6 @@ def megatron_layer(
     config = TransformerConfig(**kwargs)
     spec = get_moe_module_spec(use_te=use_te, num_experts=model["num_experts"], moe_grouped_gemm=grouped)
     layer = MoELayer(config, spec.submodules).to(group.device, dtype)
-    layer.router.to(group.device)
     layer.relibra_note = (  # type: ignore[attr-defined]
         f"megatron-core {version}, experts {type(layer.experts).__name__}, "
         f"{'Transformer Engine' if use_te else 'no Transformer Engine'}"
@@ -678,25 +683,34 @@ def part_moe_layer(group: Group, settings: Settings, start: float) -> dict[str, 
     skipped: list[dict[str, Any]] = []
     impls = (("torch", "alltoall"), ("megatron", "alltoall"), ("megatron", "flex-deepep"))
     for model in settings.models:
-        workloads = list(workload_routes(model, settings, group.world))
+        workloads: list[Workload] = []
+        try:
+            for w in workload_routes(model, settings, group.world):
+                workloads.append(w)
+        except Exception as exc:  # NOTE: the workloads built so far still run; the rest are recorded
+            skipped.append(_failure(f"{model['name']}/workloads after {len(workloads)}", exc))
         for impl, dispatcher in impls:
             case = f"{model['name']}/{impl}/{dispatcher}"
             if not group.agree(time.monotonic() - start < settings.budget_s):
                 skipped.append({"id": case, "status": "skipped", "reason": "--budget-s spent"})
                 continue
             try:
-                layer, note, run = _build(impl, dispatcher, model, group, dtype, settings.seed)
+                layer, note, bind = _build(impl, dispatcher, model, group, dtype, settings.seed)
             except Exception as exc:  # NOTE: recorded, never silent
                 skipped.append(_failure(case, exc))
                 continue
             for w in workloads:
                 try:
                     routes = torch.as_tensor(w.routes[group.rank], device=group.device)
-                    x = torch.randn(
-                        settings.tokens_per_gpu, model["hidden"], generator=_gen(settings.seed + group.rank)
-                    ).to(group.device, dtype)
-                    x.requires_grad_()
-                    timing = time_fwd_bwd(group, functools.partial(run, layer, x, routes), settings, dtype)
+                    x, grad = (
+                        torch.randn(
+                            settings.tokens_per_gpu, model["hidden"], generator=_gen(seed + group.rank)
+                        )
+                        .to(group.device, dtype)
+                        .requires_grad_(requires)
+                        for seed, requires in ((settings.seed, True), (settings.seed + 7_919, False))
+                    )
+                    timing = time_fwd_bwd(group, bind(x, routes), grad, settings)
                 except Exception as exc:  # NOTE: recorded with its reason
                     skipped.append(_failure(f"{case}/{w.name}", exc))
                     continue
@@ -733,21 +747,32 @@ def part_moe_layer(group: Group, settings: Settings, start: float) -> dict[str, 
 
 def _build(
     impl: str, dispatcher: str, model: dict[str, Any], group: Group, dtype: torch.dtype, seed: int
-) -> tuple[Any, str, Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """The layer, a note on its experts, and how to run it on (x [T, H], routes [T, k])."""
+) -> tuple[Any, str, Callable[[torch.Tensor, torch.Tensor], Callable[[], torch.Tensor]]]:
+    """The layer, a note on its experts, and ``bind(x [T, H], routes [T, k])`` -> the forward to time
+    (the routes are handed to the layer there, outside the timed region)."""
     if impl == "torch":
         layer = TorchMoELayer(model, group, dtype, seed)
-        return layer, layer.ffn_note, lambda m, x, r: m(x, r)
-    from relibra.megatron.replay import set_replay_routes
-
+        return layer, layer.ffn_note, lambda x, r: functools.partial(layer, x, r)
     layer = megatron_layer(model, dispatcher, group, dtype, seed)
+    replay = getattr(layer.router, "router_replay", None)
+    if replay is None:
+        raise Skip("this megatron-core's router has no routing replay (moe_enable_routing_replay)")
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    def run(m: Any, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        set_replay_routes(r.cpu().numpy()[:, None, :], [m.router], model["num_experts"])
-        out, _ = m(x.unsqueeze(1))  # Megatron's [S, B, H], B = 1
-        return out.squeeze(1)  # type: ignore[no-any-return]
+    def bind(x: torch.Tensor, r: torch.Tensor) -> Callable[[], torch.Tensor]:
+        # NOTE: megatron-core's RouterReplay API (relibra.megatron.replay wraps the same calls for the proven
+        # releases); the targets stay on the device, where the router gathers its scores at them
+        replay.clear_indices()
+        replay.set_target_indices(r)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    return layer, layer.relibra_note, run
+        def forward() -> torch.Tensor:
+            out, _ = layer(x.unsqueeze(1))  # Megatron's [S, B, H], B = 1
+            return out.squeeze(1)  # type: ignore[no-any-return]
+
+        return forward
+
+    return layer, layer.relibra_note, bind
 
 
 def _failure(case: str, exc: BaseException) -> dict[str, Any]:
@@ -936,8 +961,22 @@ def _soft(name: str, fn: Callable[[], dict[str, Any]], group: Group, budget_left
         return {"status": failure["status"], "reason": failure["reason"]}
 
 
+def _hoist_calibration(doc: dict[str, Any]) -> None:
+    """Move calibrate_gpu's curves and copy bandwidth to the top level, where
+    ``relibra.cost.model.load_calibration`` reads them (``models``, ``d2d_*``)."""
+    cal = doc["calibration"]
+    doc["models"] = cal.pop("models", doc.get("models", {}))
+    for key in ("d2d_bytes_per_s", "d2d_kind"):
+        if key in cal:
+            doc[key] = cal.pop(key)
+    if "provenance" in cal:
+        cal_prov = cal.pop("provenance")
+        cal["settings"] = {k: cal_prov[k] for k in ("group", "repeats")}
+
+
 def run_rank(settings: Settings, rank: int, world: int, local_rank: int) -> dict[str, Any] | None:
-    """One process's share of every part; rank 0 returns the document (the others None)."""
+    """One process's share of every part; rank 0 returns the document (the others None) and writes it
+    after every part (``complete`` false until the last), so a crash keeps what was measured."""
     start = time.monotonic()
     cuda = not settings.dry_run
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -946,14 +985,18 @@ def run_rank(settings: Settings, rank: int, world: int, local_rank: int) -> dict
     else:
         torch.set_num_threads(1)
     backend = "nccl" if cuda else "gloo"
-    timeout = timedelta(minutes=30)
+    timeout = timedelta(minutes=10)  # NOTE: the longest wait is the others' while rank 0 runs calibrate_gpu
     if "RANK" in os.environ:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     group = Group(rank, world, device)
     try:
-        doc: dict[str, Any] = {"provenance": provenance(group, settings)}
+        doc: dict[str, Any] = {"provenance": {**provenance(group, settings), "complete": False}}
+        doc.update(
+            {p: {"status": "skipped", "reason": "not reached: the run ended before this part"} for p in PARTS}
+        )
+        doc["models"] = {}
 
         def left() -> bool:
             return time.monotonic() - start < settings.budget_s
@@ -971,16 +1014,11 @@ def run_rank(settings: Settings, rank: int, world: int, local_rank: int) -> dict
             if rank == 0:
                 print(f"gpu_moe_layer: {name} ({time.monotonic() - start:.0f} s)", flush=True)
             doc[name] = _soft(name, fn, group, left())
-        # the calibration's own fields at the top level, where relibra.cost.model.load_calibration reads them
-        cal = doc["calibration"]
-        doc["models"] = cal.pop("models", {})
-        for key in ("d2d_bytes_per_s", "d2d_kind"):
-            if key in cal:
-                doc[key] = cal.pop(key)
-        if "provenance" in cal:
-            cal_prov = cal.pop("provenance")
-            cal["settings"] = {k: cal_prov[k] for k in ("group", "repeats")}
-        doc["provenance"]["seconds"] = round(time.monotonic() - start, 1)
+            if rank == 0:
+                _hoist_calibration(doc)
+                doc["provenance"]["seconds"] = round(time.monotonic() - start, 1)
+                write(doc, settings.out)
+        doc["provenance"]["complete"] = True
         dist.barrier()
     finally:
         with contextlib.suppress(Exception):
