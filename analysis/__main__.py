@@ -34,6 +34,7 @@ from analysis.provenance import (
 from analysis.render import write_table
 from analysis.tables import all_tables
 from analysis.targets import recommended_targets
+from experiments.config_checks import writable_dir
 from relibra.provenance import code_version
 
 __all__ = ["AnalysisOutput", "analyse", "main"]
@@ -207,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m analysis: {args.results_dir}: no such results directory", file=sys.stderr)
         return 2
     command = "python -m analysis " + " ".join(argv if argv is not None else sys.argv[1:])
-    if problems := grid_problems(args.results_dir):  # NOTE: before any table is written
+    problems = grid_problems(args.results_dir)  # NOTE: all before any table is written
+    out_dir = args.out or args.results_dir / "analysis"
+    if why := writable_dir("--out", str(out_dir)):
+        problems.append(why)
+    if problems:
         for why in problems:
             print(f"python -m analysis: {why}", file=sys.stderr)
         return 2

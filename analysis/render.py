@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 from rich.console import Console
 from rich.table import Table as RichTable
 from rich.text import Text
 
 from analysis.tables import Table
+from relibra.atomic import atomic_write
 
 __all__ = [
     "escape_latex",
@@ -115,12 +118,16 @@ def to_rich(table: Table) -> RichTable:
     return out
 
 
+def _write_bytes(data: bytes, handle: BinaryIO) -> None:
+    handle.write(data)
+
+
 def write_table(table: Table, out_dir: Path, console: Console | None = None) -> list[Path]:
     """Write ``<name>.md`` and ``<name>.tex`` into ``out_dir`` (and print to ``console``); returns paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     md, tex = out_dir / f"{table.name}.md", out_dir / f"{table.name}.tex"
-    md.write_text(to_markdown(table))
-    tex.write_text(to_latex(table))
+    for path, text in ((md, to_markdown(table)), (tex, to_latex(table))):
+        atomic_write(path, partial(_write_bytes, text.encode()), path.suffix)
     if console is not None:
         console.print(to_rich(table))
     return [md, tex]

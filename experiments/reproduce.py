@@ -572,6 +572,11 @@ def _yaml_problems(chosen: list[str], overrides: list[str]) -> list[str]:
 def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tty: bool) -> int:
     """:func:`main` once its arguments are checked: plan every preset, run the jobs, then the analysis."""
     root: Path = args.results.resolve()
+    from experiments.config_checks import writable_dir
+
+    if why := writable_dir("--results", str(root)):  # NOTE: before a trace is converted into it
+        print(f"python -m experiments.reproduce: {why}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     reports: list[GridReport] = []
     jobs: list[CellJob] = []

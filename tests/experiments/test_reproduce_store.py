@@ -92,3 +92,31 @@ def test_analyse_refuses_a_store_with_a_damaged_grid_and_builds_the_rest(tmp_pat
     out = analyse(tmp_path, tmp_path / "out")
     assert len(out.refused) == 1 and "quick_ep_scaling" in out.refused[0] and "grid.json" in out.refused[0]
     assert [p for p in out.tables if p.name.startswith("quick_overhead.")]
+
+
+def test_an_unwritable_results_root_is_refused_before_the_trace_is_converted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's probe (a read-only root: the OLMoE trace was written before the writability check).
+    NOTE: a folder where a file is stands in for a read-only mount, which root cannot be denied by mode."""
+    shared = tmp_path / "shared"
+    (shared / "olmoe-decode").mkdir(parents=True)
+    monkeypatch.setattr(reproduce, "SHARED_TRACES", shared)
+    (tmp_path / "file").write_text("not a folder")
+    root = tmp_path / "file" / "results"
+    assert reproduce.main(["--results", str(root), "--presets", "quick_real_trace", "--no-analysis"]) == 2
+    err = capsys.readouterr().err
+    assert "--results" in err and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unwritable_analysis_out_is_refused_before_any_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from analysis.__main__ import main as analysis
+    from tests.analysis.test_analysis import MODELS, _row, _write
+
+    _write(tmp_path / "r", "quick_overhead", [_row(m, "mixed", "relibra", 4) for m in MODELS])
+    (tmp_path / "file").write_text("not a folder")
+    assert analysis([str(tmp_path / "r"), "--out", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
