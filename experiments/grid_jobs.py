@@ -67,3 +67,6 @@ class CellOutcome:
     """The cell built its counts (a miss of the worker's cache, :mod:`experiments.inputs`)."""
     workload_built: bool = False
     """The cell laid out its workload (a miss of the worker's cache)."""
+    read_back: bool = False
+    """Nothing was computed: another run of the same store finished the cell after this one planned it,
+    and the cell was read back (counted as reused, not as computed)."""

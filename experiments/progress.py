@@ -48,6 +48,8 @@ class Lines:
         state = "done" if outcome.error is None else f"FAILED ({outcome.error.splitlines()[0]})"
         if outcome.error is None and outcome.copied_from is not None:
             state = f"copied from {outcome.copied_from} (the same cell)"
+        elif outcome.error is None and outcome.read_back:
+            state = "read back (another run of this store finished it meanwhile)"
         self.console.print(
             f"{report.preset} [{done}/{report.total}] {job.label}: {outcome.seconds:.1f} s {state}",
             highlight=False,
@@ -69,7 +71,9 @@ class Bars:
         )
 
     def finish(self, report: GridReport, job: CellJob, outcome: CellOutcome, done: int) -> None:
-        self.progress.update(self.tasks[report.preset], completed=done, failed=len(report.failed))
+        self.progress.update(
+            self.tasks[report.preset], completed=done, reused=report.reused, failed=len(report.failed)
+        )
 
 
 @dataclass
@@ -90,7 +94,7 @@ class Tracker:
 
     def done(self, job: CellJob, outcome: CellOutcome) -> None:
         report = self.reports[job.preset]
-        if outcome.copied_from is None:
+        if outcome.copied_from is None and not outcome.read_back:
             self.computed += 1
             self.traces_built += outcome.trace_generated
             self.workloads_built += outcome.workload_built
@@ -98,6 +102,8 @@ class Tracker:
             report.failed.append((job.cell, outcome.error))
         elif outcome.copied_from is not None:
             report.copied += 1
+        elif outcome.read_back:
+            report.reused += 1
         else:
             report.ran += 1
         done = report.reused + report.ran + report.copied + len(report.failed)

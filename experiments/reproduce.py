@@ -26,6 +26,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import sys
@@ -282,7 +283,17 @@ def run_cell_job(job: CellJob) -> CellOutcome:
         time.perf_counter() - start,
         trace_generated=after.counts_misses > before.counts_misses,
         workload_built=after.workload_misses > before.workload_misses,
+        read_back=_read_back(job.run_dir),
     )
+
+
+def _read_back(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` read its cell back from the store instead of computing it (another
+    sweep of the same store finished it meanwhile): its ``summary.json`` names the store file."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("reused_from") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _why(exc: Exception) -> str:

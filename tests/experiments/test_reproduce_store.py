@@ -120,3 +120,23 @@ def test_an_unwritable_analysis_out_is_refused_before_any_table(
     assert analysis([str(tmp_path / "r"), "--out", str(tmp_path / "file" / "out")]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cell_another_sweep_finished_is_counted_reused_not_computed(tmp_path: Path) -> None:
+    """The issue's probe: of two concurrent sweeps, the one that only read cells back said "5 cells
+    computed". A job planned while its cell was missing and read back when it ran is a reused cell."""
+    from rich.console import Console
+
+    from experiments.progress import Lines, Tracker
+
+    report, jobs = reproduce.plan_grid("quick_ep_scaling", tmp_path, [*TINY, "planner=megatron"])
+    assert len(jobs) == 1
+    other = reproduce.run_cell_job(jobs[0])  # NOTE: the other sweep computes the cell first
+    assert other.error is None and not other.read_back
+    outcome = reproduce.run_cell_job(jobs[0])
+    assert outcome.error is None and outcome.read_back
+    tracker = Tracker(Lines(Console(width=200)))
+    tracker.add(report, 1)
+    tracker.done(jobs[0], outcome)
+    assert (report.ran, report.reused, tracker.computed) == (0, 1, 0)
+    assert tracker.line().startswith("0 cells computed")
