@@ -4,9 +4,11 @@ Usage: ``python scripts/identical_stores.py OLD_ROOT NEW_ROOT [--presets overall
 
 For each preset both roots hold, every cell both stores finished (same cell key) is read (verified reads)
 and compared column by column, exactly, its result rows and its per-(micro-batch, layer) table, on every
-column but the code version and the columns
+column but the code version, ``trace`` (the path the trace file was read from: cells are keyed by the
+trace's content, so a store moved with its trace keeps its keys) and the columns
 measured with a wall clock (:func:`experiments.store.wall_clock_column`: planning and control-plane
-seconds). Prints per preset the cells compared and those that differ, with the first few differing cells
+seconds). A cell that cannot be read on either side (:class:`~experiments.store.CorruptCellError`) differs,
+named. Prints per preset the cells compared and those that differ, with the first few differing cells
 and columns, and the code versions on each side. Exit status 0 when at least one cell was compared and
 none differs (the two code versions compute the same numbers on these cells, so
 ``analysis.provenance`` may take them as one: list them in ``identical_versions.json`` with this command
@@ -25,11 +27,13 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.store import ResultsStore, wall_clock_column  # noqa: E402
+from experiments.store import CorruptCellError, ResultsStore, wall_clock_column  # noqa: E402
 from experiments.store_pair import parse_store_pair  # noqa: E402
 
 SHOWN = 5
 """Differing cells printed per preset."""
+NOT_COMPARED = frozenset({"code_version", "trace"})
+"""Result columns that say where or by what a cell was computed, not what it computed."""
 
 
 @dataclass
@@ -52,7 +56,7 @@ def differing_columns(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
     columns = sorted(set(old.columns) | set(new.columns))
     out = []
     for column in columns:
-        if column == "code_version" or wall_clock_column(column):
+        if column in NOT_COMPARED or wall_clock_column(column):
             continue
         if column not in old.columns or column not in new.columns:
             out.append(column)
@@ -74,12 +78,16 @@ def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetCompari
     old_store, new_store = ResultsStore(old_root / preset), ResultsStore(new_root / preset)
     result = PresetComparison(preset)
     for key in sorted(set(old_store.keys()) & set(new_store.keys())):
-        old, new = old_store.read(key), new_store.read(key)
         result.compared += 1
+        try:
+            old, new = old_store.read(key), new_store.read(key)
+            old_layers, new_layers = old_store.read_per_layer(key), new_store.read_per_layer(key)
+        except CorruptCellError as err:
+            result.differing.append((key, "?", [f"<unreadable: {err}>"]))
+            continue
         result.versions[0].update(old["code_version"].astype(str))
         result.versions[1].update(new["code_version"].astype(str))
         columns = differing_columns(old, new)
-        old_layers, new_layers = old_store.read_per_layer(key), new_store.read_per_layer(key)
         if (old_layers is None) != (new_layers is None):
             columns.append("<per-layer table>")
         elif old_layers is not None and new_layers is not None:

@@ -85,3 +85,19 @@ def test_a_root_that_is_no_store_exits_2(tmp_path: Path, capsys: pytest.CaptureF
         identical_stores.main([str(tmp_path / "old"), str(tmp_path / "empty")])
     assert exit_info.value.code == 2
     assert f"{tmp_path / 'empty'}: not a results store" in capsys.readouterr().err
+
+
+def test_the_trace_path_is_not_compared_and_an_unreadable_cell_differs_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two roots hold the same trace at two paths (a moved store): equal cells; a cell whose per-layer
+    table is lost on one side is named, not a traceback."""
+    for side in ("old", "new"):
+        key = _cell(tmp_path / side, "a", 1.0, "v", plan_s=1.0)
+        store = ResultsStore(tmp_path / side / "overall")
+        store.write(key, store.read(key).assign(trace=f"/{side}/traces/t.npz"), store.config(key),
+                    store.read_per_layer(key))  # fmt: skip
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+    ResultsStore(tmp_path / "new" / "overall").per_layer_path(key).unlink()
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
+    assert f"{key} (?): <unreadable:" in capsys.readouterr().out
