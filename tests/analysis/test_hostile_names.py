@@ -92,3 +92,20 @@ def test_a_command_cannot_end_the_provenance_code_span() -> None:
 
     line = provenance_line(pd.DataFrame({"code_version": ["0.1.0+ga"]}), "python -m analysis `x`\nr", "v")
     assert line.count("`") == 6 and "'x' r" in line, line
+
+
+def test_a_stored_experiment_name_that_is_a_path_never_names_output_files(tmp_path: Path) -> None:
+    """A copied store whose cells hold ``experiment_name=../../x``: its files stay in ``--out``, named by
+    its folder."""
+    import pandas as pd
+
+    from experiments.store import ResultsStore, cell_key
+
+    store = ResultsStore(tmp_path / "r" / "quick_overhead")
+    for i, model in enumerate(MODELS):
+        config = {"i": i, "experiment_name": "../../escaped"}
+        store.write(cell_key(config), pd.DataFrame([_row(model, "mixed", "relibra", 4)]), config)
+    out = analyse(tmp_path / "r", tmp_path / "r" / "out")
+    assert out.tables and all(p.parent == tmp_path / "r" / "out" for p in out.tables)
+    assert any(p.name.startswith("quick_overhead.") for p in out.tables)
+    assert not list(tmp_path.rglob("*escaped*"))
