@@ -100,3 +100,40 @@ def test_transition_equals_the_einsum_sum_bit_for_bit(seed: int, fractional: boo
     want = np.zeros((4, 16, 16))
     want[1:] = np.divide(co, rows, out=np.zeros_like(co), where=rows > 0)
     assert np.array_equal(adjacent_layer_transition(window), want)
+
+
+def _hot_node_run(planner, tokens: int):
+    """Simulate ``planner`` on 3 batches of a lasting hot node (2 nodes x 4 GPUs, 16 Qwen3-30B-A3B-shaped
+    experts, top-4): node 0's 8 experts take 70 % of the slots, one ``tokens``-token sample per GPU."""
+    from relibra.simulator import SimOptions, simulate
+    from relibra.workload import build_workload
+    from tests.builders import make_cost
+    from tests.planners.hot_sets import hot_set_counts
+
+    cost = make_cost(2, 4, 16, num_layers=2, top_k=4)
+    counts = hot_set_counts(
+        num_experts=16, num_layers=2, top_k=4, num_gpus=8, gpus_per_node=4, batches=3, tokens=tokens,
+        hot_share=0.7,
+    )  # fmt: skip
+    workload = build_workload(counts, 8, samples_per_microbatch=1)
+    return simulate(planner, counts, workload, cost.cluster, cost.model, cost, SimOptions(check_plans=True))
+
+
+def test_default_settings_prefetch_where_tokens_outweigh_weights() -> None:
+    """4096 tokens per GPU: each of node 1's GPUs sends about 1430 tokens to every hot expert, above the pull
+    threshold (1152 tokens for this expert shape), so the default PopFetcher must prefetch and beat the
+    static placement it starts from."""
+    from baselines.megatron import MegatronPlanner
+
+    res = _hot_node_run(PopFetcherPlanner(), tokens=4096)
+    assert res.metrics["pull_threshold_tokens"] == pytest.approx(1152.0)
+    assert res.metrics["prefetched_experts"] > 0 and res.metrics["prefetch_useful_rate"] > 0.5
+    static = _hot_node_run(MegatronPlanner(), tokens=4096)
+    assert res.metrics["step_time_s"] < static.metrics["step_time_s"]
+
+
+def test_no_prefetch_below_the_threshold_even_when_hot() -> None:
+    """At 1024 tokens per GPU (the token-imbalance benchmark's size) no GPU can send an expert more tokens
+    than the threshold, however hot: not prefetching is the method's answer there, not a fault."""
+    res = _hot_node_run(PopFetcherPlanner(), tokens=1024)
+    assert res.metrics["pull_threshold_tokens"] > 1024 and res.metrics["prefetched_experts"] == 0
