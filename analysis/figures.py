@@ -21,6 +21,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 
 from analysis import paper
+from analysis.peer import plot_peer
 from analysis.tables import BREAKDOWN, ONLINE_BASELINES, REPLAY_PLANNERS, ep_size
 
 __all__ = [
@@ -302,6 +303,7 @@ FIGURES: dict[str, list[tuple[str, Callable[[pd.DataFrame], Figure]]]] = {
     "ep_scaling": [("skew_by_ep", plot_skew_by_ep), ("step_breakdown", plot_step_breakdown)],
     "datasets": [("step_breakdown", plot_step_breakdown)],
     "real_trace": [("throughput", plot_throughput)],
+    "peer": [("peer", plot_peer)],
 }
 """Preset kind -> the figures drawn from its results frame."""
 LAYER_FIGURES = ("overall", "datasets", "real_trace")

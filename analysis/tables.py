@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import paper
+from analysis.peer import peer_table
 from analysis.spread import SEED, add_spread, is_tie, per_seed, seed_note, summarise, with_seed
 from analysis.table import Table
 
@@ -557,6 +558,7 @@ def all_tables(by_experiment: Mapping[str, pd.DataFrame]) -> tuple[list[Table], 
         "comm_sensitivity": [comm_sensitivity],
         "comm_sensitivity_overall": [comm_sensitivity],
         "whole_step_shift": [whole_step_shift],
+        "peer": [peer_table],
     }
     tables: list[Table] = []
     skipped: list[str] = []

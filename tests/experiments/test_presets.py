@@ -12,10 +12,11 @@ from experiments.config import build_cluster
 from experiments.config_checks import validate
 from experiments.grid import cells, compose_cell, compose_cells, presets
 from experiments.grid_jobs import GridReport
+from experiments.peer_traces import PEER_DIR, is_peer_preset, prepare_peer_traces
 from experiments.store import ResultsStore, cell_key
 
 FULL = ["overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace"]
-ALL = FULL + [f"quick_{p}" for p in FULL]
+ALL = FULL + [f"quick_{p}" for p in FULL] + ["peer", "quick_peer"]
 PLANNERS = {
     "megatron",
     "popfetcher",
@@ -68,7 +69,22 @@ def olmoe_like_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_trace(trace, tmp_path_factory.mktemp("trace") / "olmoe-like.npz")
 
 
-def _extra(preset: str, trace: Path) -> list[str]:
+PEER_TINY = ["peer.steps=1", "peer.tokens=8"]
+"""The peer presets' cells on traces of one step of 8 tokens per rank (model and EP size kept)."""
+
+
+@pytest.fixture(scope="module")
+def peer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny trace files of every cell of the peer presets (experiments.peer_traces)."""
+    root = tmp_path_factory.mktemp("peer")
+    for preset in ("peer", "quick_peer"):
+        prepare_peer_traces(preset, root, PEER_TINY, log=lambda _: None)
+    return root.joinpath(*PEER_DIR)
+
+
+def _extra(preset: str, trace: Path, peer: Path | None = None) -> list[str]:
+    if is_peer_preset(preset):
+        return [f"peer.dir={peer}", *PEER_TINY, MEMORY]
     return [f"trace.path={trace}", MEMORY] if preset.removeprefix("quick_") == "real_trace" else [MEMORY]
 
 
@@ -84,9 +100,12 @@ def covering(grid: list[list[str]]) -> list[list[str]]:
     return [list(cell) for cell in grid if tuple(cell) in picked]
 
 
-def _check_cells(preset: str, grid: list[list[str]], trace: Path) -> None:
+def _check_cells(
+    preset: str, grid: list[list[str]], trace: Path, request: pytest.FixtureRequest | None = None
+) -> None:
     keys = set()
-    for cfg in compose_cells(preset, [[*cell, *_extra(preset, trace)] for cell in grid]):
+    peer = request.getfixturevalue("peer_dir") if request and is_peer_preset(preset) else None
+    for cfg in compose_cells(preset, [[*cell, *_extra(preset, trace, peer)] for cell in grid]):
         validate(cfg)
         assert cfg.experiment_name == preset
         assert Path(cfg.results_dir).name == preset
@@ -95,19 +114,23 @@ def _check_cells(preset: str, grid: list[list[str]], trace: Path) -> None:
 
 
 @pytest.mark.parametrize("preset", ALL)
-def test_every_swept_value_composes_and_validates(preset: str, olmoe_like_trace: Path) -> None:
+def test_every_swept_value_composes_and_validates(
+    preset: str, olmoe_like_trace: Path, request: pytest.FixtureRequest
+) -> None:
     grid = cells(preset)
     assert grid, f"{preset} has no cells"
     subset = covering(grid)
     for i in range(len(grid[0])):
         assert {c[i] for c in subset} == {c[i] for c in grid}
-    _check_cells(preset, subset, olmoe_like_trace)
+    _check_cells(preset, subset, olmoe_like_trace, request)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ALL)
-def test_every_cell_composes_and_validates(preset: str, olmoe_like_trace: Path) -> None:
-    _check_cells(preset, cells(preset), olmoe_like_trace)
+def test_every_cell_composes_and_validates(
+    preset: str, olmoe_like_trace: Path, request: pytest.FixtureRequest
+) -> None:
+    _check_cells(preset, cells(preset), olmoe_like_trace, request)
 
 
 @pytest.mark.parametrize("preset", FULL)
@@ -325,12 +348,13 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
                 "quick_overhead",
                 "quick_whole_step_shift",
                 "quick_comm_sensitivity",
+                "quick_peer",
             ],
         ),
         (["--scale", "paper"], ["overall", "ablation", "ep_scaling", "datasets", "overhead"]),
         (
             ["--scale", "field"],
-            ["overall_deepep", "nvl72", "comm_sensitivity", "comm_sensitivity_overall"],
+            ["overall_deepep", "nvl72", "comm_sensitivity", "comm_sensitivity_overall", "peer"],
         ),
         (["--scale", "paper", "--presets", "datasets"], ["datasets"]),
     ],
@@ -350,6 +374,7 @@ def test_reproduce_scale_selects_the_presets(
 
     monkeypatch.setattr(reproduce, "plan_grid", record)
     monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
+    monkeypatch.setattr(reproduce, "prepare_peer_traces", lambda *args: "peer.dir=unused")
     # NOTE: one worker, so that the grids are planned in this process, where plan_grid is replaced
     assert reproduce.main(["--results", str(tmp_path), "--no-analysis", "--workers", "1", *argv]) == 0
     assert ran == expected

@@ -1,0 +1,88 @@
+"""The trace files of the ``peer`` presets, written before their grid runs (``experiments.reproduce``).
+
+A peer cell reads ``trace.path``, which its preset builds from ``peer.dir`` and the cell's workload, model,
+EP group, steps, tokens per rank, seed and ``peer.layer_seeds`` (``conf/experiment/peer.yaml``).
+:func:`prepare_peer_traces` composes one cell per distinct trace of the preset's grid and writes each file
+that is missing, or whose ``meta.peer`` names other arguments, with :func:`relibra.trace.peer.peer_trace`
+(atomically); a file already right is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from experiments.grid import cells, compose_cells
+from relibra.trace.format import TraceFormatError, load_trace, save_trace
+from relibra.trace.peer import ModelShape, PeerArgs, peer_trace
+
+__all__ = ["PEER_DIR", "is_peer_preset", "peer_args", "prepare_peer_traces"]
+
+PEER_DIR = ("traces", "peer")
+"""Where under the results root the peer traces go (``RESULTS/traces/peer``)."""
+
+
+def is_peer_preset(preset: str) -> bool:
+    """Whether ``preset`` runs the peer's workloads (its cells need :func:`prepare_peer_traces`)."""
+    return preset.removeprefix("quick_") == "peer"
+
+
+def peer_args(cfg: DictConfig) -> PeerArgs:
+    """The trace arguments of a composed peer cell."""
+    return PeerArgs(
+        workload=str(cfg.peer.workload),
+        model=ModelShape(
+            name=str(cfg.model.name),
+            num_experts=int(cfg.model.num_experts),
+            top_k=int(cfg.model.top_k),
+            num_moe_layers=int(cfg.model.num_moe_layers),
+        ),
+        ep=int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node),
+        steps=int(cfg.peer.steps),
+        tokens=int(cfg.peer.tokens),
+        seed=int(cfg.seed),
+        layer_seeds=bool(cfg.peer.layer_seeds),
+    )
+
+
+def _is_current(path: Path, args: PeerArgs) -> bool:
+    """Whether the file at ``path`` is the trace of ``args`` (by its ``meta``; an unreadable file is not)."""
+    if not path.is_file():
+        return False
+    try:
+        meta = load_trace(path).meta
+    except TraceFormatError:
+        return False
+    said = meta.get("peer") or {}
+    want = {
+        "workload": args.workload,
+        "seed": args.seed,
+        "steps": args.steps,
+        "tokens_per_rank": args.tokens,
+        "ep": args.ep,
+        "layer_seeds": args.layer_seeds,
+    }
+    return meta.get("model") == args.model.name and all(said.get(k) == v for k, v in want.items())
+
+
+def prepare_peer_traces(
+    preset: str, root: Path, overrides: Sequence[str] = (), log: Callable[[str], None] = print
+) -> str:
+    """Write the trace files of ``preset``'s cells under ``root/traces/peer``; returns the ``peer.dir``
+    override its cells need. ``overrides`` narrow or replace the sweep as for the grid itself."""
+    folder = root.joinpath(*PEER_DIR)
+    folder.mkdir(parents=True, exist_ok=True)
+    override = f"peer.dir={folder}"
+    by_trace: dict[tuple[str, ...], list[str]] = {}
+    for cell in cells(preset, [*overrides, override]):
+        key = tuple(sorted(o for o in cell if not o.startswith("planner")))
+        by_trace.setdefault(key, cell)
+    for cfg in compose_cells(preset, [[*cell, override] for cell in by_trace.values()]):
+        path, args = Path(str(cfg.trace.path)), peer_args(cfg)
+        if _is_current(path, args):
+            continue
+        save_trace(peer_trace(args), path)
+        log(f"peer trace written: {path}")
+    return override
