@@ -20,6 +20,11 @@ most in their previous node), by alternating two linear assignment problems
 rail permutation for a fixed node permutation, from the identity until neither improves. Each step is
 optimal given the other, so the result never keeps fewer experts in place than the plan as given (it
 moves no more experts), and it is exact when there is one node or one rail.
+
+Under tensor or context parallelism (``parallel.tp * parallel.cp = n > 1``, :mod:`relibra.parallel`) a GPU's
+rail is also its rank in a TP x CP group of ``n`` consecutive GPUs, which holds its samples' ranks and runs
+their collectives, so a rail permutation is no longer free: the relabelling permutes whole nodes only
+(``sigma`` the identity), and nothing when a group spans several nodes.
 """
 
 from __future__ import annotations
@@ -57,12 +62,15 @@ def _score(stay: np.ndarray, pi: np.ndarray, sigma: np.ndarray, big: float) -> f
     return float(big * on_node[:, np.arange(stay.shape[2]), sigma].sum() + on_node.sum())
 
 
-def keep_in_place(new_home: np.ndarray, prev_home: np.ndarray, nodes: int, gpus_per_node: int) -> np.ndarray:
+def keep_in_place(
+    new_home: np.ndarray, prev_home: np.ndarray, nodes: int, gpus_per_node: int, group: int = 1
+) -> np.ndarray:
     """The fabric-preserving GPU relabelling that keeps the most experts on their previous GPU.
 
     Args:
         new_home: int [L, E] the new placement; prev_home: int [L, E] the previous one.
-        nodes: ``N``; gpus_per_node: ``R`` (``G = N * R``, GPU ``g`` is node ``g // R``, rail ``g % R``).
+        nodes: ``N``; gpus_per_node: ``R`` (``G = N * R``, GPU ``g`` is node ``g // R``, rail ``g % R``);
+        group: GPUs of a TP x CP group (module doc: > 1 keeps the rails, > ``R`` keeps every label).
     Returns:
         int64 [G]: ``perm[g]`` is the label GPU ``g`` of ``new_home`` gets (``perm[new_home]`` is relabelled).
     """
@@ -77,6 +85,14 @@ def keep_in_place(new_home: np.ndarray, prev_home: np.ndarray, nodes: int, gpus_
     big = float(new.size + 1)
     pi = np.arange(nodes)
     sigma = np.arange(r)
+    if group > r:
+        return np.arange(nodes * r)
+    if group > 1:
+        pi_new = _node_only(stay, big)
+        if _score(stay, pi_new, sigma, big) > _score(stay, pi, sigma, big):
+            pi = pi_new
+        g = np.arange(nodes * r)
+        return pi[g // r] * r + g % r
     best = _score(stay, pi, sigma, big)
     for _ in range(MAX_ROUNDS):
         # Step 1: nodes, for the rail permutation fixed.
@@ -91,6 +107,12 @@ def keep_in_place(new_home: np.ndarray, prev_home: np.ndarray, nodes: int, gpus_
         best, pi, sigma = score, pi_new, sigma_new
     g = np.arange(nodes * r)
     return pi[g // r] * r + sigma[g % r]
+
+
+def _node_only(stay: np.ndarray, big: float) -> np.ndarray:
+    """The node permutation with the rails kept (one assignment problem; stay [N, N, R, R])."""
+    r = stay.shape[2]
+    return _assign(big * stay[:, :, np.arange(r), np.arange(r)].sum(axis=-1) + stay.sum(axis=(2, 3)))
 
 
 def permute_plan(plan: BatchPlan, perm: np.ndarray) -> BatchPlan:
@@ -108,12 +130,15 @@ def permute_plan(plan: BatchPlan, perm: np.ndarray) -> BatchPlan:
     )
 
 
-def relabel_plan(plan: BatchPlan, prev_home: np.ndarray, nodes: int, gpus_per_node: int) -> BatchPlan:
-    """``plan`` relabelled by :func:`keep_in_place` against ``prev_home`` [L, E]; the same step time, the
+def relabel_plan(
+    plan: BatchPlan, prev_home: np.ndarray, nodes: int, gpus_per_node: int, group: int = 1
+) -> BatchPlan:
+    """``plan`` relabelled by :func:`keep_in_place` against ``prev_home`` [L, E] (``group``: GPUs of a TP x
+    CP group); the same step time, the
     same experts per GPU up to the relabelling, at most as many moved experts. ``stats`` gains
     ``relabel_kept_experts`` (experts the relabelling kept in place beyond the plan as given) and an
     updated ``reorder_moved_experts``."""
-    perm = keep_in_place(plan.home, prev_home, nodes, gpus_per_node)
+    perm = keep_in_place(plan.home, prev_home, nodes, gpus_per_node, group)
     out = permute_plan(plan, perm)
     prev = np.asarray(prev_home)
     before = int(np.count_nonzero(plan.home != prev))
@@ -128,4 +153,6 @@ def relabel_plan(plan: BatchPlan, prev_home: np.ndarray, nodes: int, gpus_per_no
 
 def relabel_for(plan: BatchPlan, ctx: BatchContext) -> BatchPlan:
     """:func:`relabel_plan` against the placement the batch starts from (:func:`previous_home`)."""
-    return relabel_plan(plan, previous_home(ctx), ctx.cluster.num_domains, ctx.cluster.domain_gpus)
+    return relabel_plan(
+        plan, previous_home(ctx), ctx.cluster.num_domains, ctx.cluster.domain_gpus, ctx.cost.layout.group
+    )

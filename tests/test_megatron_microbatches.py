@@ -228,3 +228,42 @@ def test_end_to_end_rows_are_refused_when_cp_disagrees() -> None:
     row["config"]["cp"] = 1
     with pytest.raises(ValueError, match="CP 2"):
         row_config(row)
+
+
+def test_relibra_under_tp_and_cp_keeps_every_sample_on_its_group() -> None:
+    """ReLibra's sample re-assignment (the locality round) moves nothing when tp * cp > 1: a sample's ranks
+    stay on one TP x CP group, in rank order, in one micro-batch; the experts still move."""
+    from experiments.run import compute
+
+    cfg = _cfg(
+        "model=olmoe-1b-7b",
+        "planner=relibra",
+        "parallel.tp=2",
+        "parallel.cp=2",
+        "workload.samples_per_microbatch=2",
+        "dump_plans=true",
+    )
+    rows, _, dump = compute(cfg)
+    assert dump is not None
+    gpu, mb = dump["sample_gpu"].reshape(-1, 4), dump["sample_mb"].reshape(-1, 4)
+    assert (gpu == gpu[:, :1] + np.arange(4)).all() and (gpu[:, 0] % 4 == 0).all()
+    assert (mb == mb[:, :1]).all()
+    assert rows.iloc[0]["locality_moved_samples"] == 0.0
+    assert rows.iloc[0]["reorder_moved_experts"] > 0
+
+
+def test_the_relabelling_keeps_tp_cp_groups() -> None:
+    """Under tp * cp > 1 a relabelling permutes whole nodes (rails kept); nothing when a group spans nodes."""
+    from relibra.relabel import keep_in_place
+
+    rng = np.random.default_rng(11)
+    prev = rng.permutation(np.repeat(np.arange(16), 4)).reshape(2, 32)  # [L, E] over 2 nodes x 8 GPUs
+    new = (prev + 8) % 16  # the same placement on the other node
+    free = keep_in_place(new, prev, 2, 8)
+    kept = keep_in_place(new, prev, 2, 8, group=4)
+    assert (free[new] == prev).all() and (kept[new] == prev).all()  # a node swap keeps every expert
+    assert (kept % 8 == np.arange(16) % 8).all()
+    shuffled = np.where(new % 8 < 4, new + 4, new - 4)  # rails 0-3 <-> 4-7: free only without groups
+    assert (keep_in_place(shuffled, prev, 2, 8)[shuffled] == prev).all()
+    assert (keep_in_place(shuffled, prev, 2, 8, group=4) % 8 == np.arange(16) % 8).all()
+    assert (keep_in_place(new, prev, 2, 8, group=16) == np.arange(16)).all()

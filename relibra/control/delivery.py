@@ -23,9 +23,12 @@ from relibra.types import BatchPlan
 __all__ = ["freeze_plan"]
 
 
-def freeze_plan(job: Job, cluster: ClusterSpec, waited: float, now: float) -> tuple[BatchPlan, PlanReport]:
+def freeze_plan(
+    job: Job, cluster: ClusterSpec, waited: float, now: float, group: int = 1
+) -> tuple[BatchPlan, PlanReport]:
     """The plan of assembled ``job`` with its fallbacks, and its report; ``waited``: seconds the trainer's
-    call waited, ``now``: ``time.perf_counter()`` at delivery."""
+    call waited, ``now``: ``time.perf_counter()`` at delivery; ``group``: GPUs of a TP x CP group (the
+    relabelling keeps them, :mod:`relibra.relabel`)."""
     g = cluster.num_gpus
     asm = job.asm
     assert asm is not None and job.done is not None and job.reordered is not None and job.home is not None
@@ -107,7 +110,7 @@ def freeze_plan(job: Job, cluster: ClusterSpec, waited: float, now: float) -> tu
         # NOTE: as the serial planner does (ComposedPlanner.plan), keep experts where they were among
         # the equivalent relabellings of the delivered plan; a whole-batch plan relabelled itself, and
         # a plan with fallbacks is left as it is (a late layer keeps its previous placement exactly).
-        plan = relabel_plan(plan, job.prev_home, cluster.num_domains, cluster.domain_gpus)
+        plan = relabel_plan(plan, job.prev_home, cluster.num_domains, cluster.domain_gpus, group)
     moved = plan.home != job.prev_home
     counts = {
         "reorder_moved_experts": float(np.count_nonzero(moved)),

@@ -600,5 +600,5 @@ class ControlPlane:
             job.start(self._assemble(job), self.replica_slots, g, self.per_layer and self._kit.locality)
             if job.locality_pending:
                 job.locality = LocalityStatus.NOT_READY
-        plan, job.report = freeze_plan(job, self.cluster, waited, now)
+        plan, job.report = freeze_plan(job, self.cluster, waited, now, self.cost.layout.group)
         return plan
