@@ -371,8 +371,13 @@ def validate(cfg: DictConfig) -> None:
     nodes = _int_key(cfg, "cluster.nodes", problems, required=True)
     gpn = _int_key(cfg, "cluster.gpus_per_node", problems, required=True)
     e = _int_key(cfg, "model.num_experts", problems, required=True)
-    for key in ("model.num_moe_layers", "model.top_k"):
-        _int_key(cfg, key, problems, required=True)
+    layers_k = [
+        _int_key(cfg, key, problems, required=True) for key in ("model.num_moe_layers", "model.top_k")
+    ]
+    if e is not None and layers_k[1] is not None and layers_k[1] > e:
+        problems.append(
+            f"model.top_k={layers_k[1]}: a token picks distinct experts, at most model.num_experts={e}"
+        )
     problems += _window_problems(cfg)
     problems += _mla_problems(cfg)
     problems += _executor_problems(cfg, nodes * gpn if nodes is not None and gpn is not None else None)
@@ -425,7 +430,12 @@ def validate(cfg: DictConfig) -> None:
             "the other null"
         )
     path = cfg.trace.get("path")
-    if path:
+    if path is not None and not str(path).strip():  # NOTE: an unset shell variable; not the generator
+        problems.append(
+            f"trace.path={path!r}: empty; give a routing trace .npz ({FORMAT_DOC}), or null for the "
+            "synthetic generator (trace.preset)"
+        )
+    elif path:
         problems += _trace_problems(cfg, str(path))
     else:
         from relibra.trace.synthetic import PRESETS
@@ -454,7 +464,8 @@ def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
             f"trace.path={path}: is a directory, not a trace file (give a routing trace .npz, {FORMAT_DOC})"
         ]
     if not Path(path).exists():
-        return [f"trace.path={path}: no such file (give a routing trace .npz, {FORMAT_DOC})"]
+        broken = " (a symbolic link to nothing, or a loop of them)" if os.path.islink(path) else ""
+        return [f"trace.path={path}: no such file{broken} (give a routing trace .npz, {FORMAT_DOC})"]
     if not Path(path).is_file():  # NOTE: a device (/dev/zero) or a FIFO would be read without end
         return [f"trace.path={path}: not a regular file (give a routing trace .npz, {FORMAT_DOC})"]
     try:

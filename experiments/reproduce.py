@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -453,9 +454,7 @@ def _ep(cfg: DictConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.reproduce", description=__doc__.splitlines()[0]
-    )
+    parser = _OneLineParser(prog="python -m experiments.reproduce", description=__doc__.splitlines()[0])
     parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides for every cell (e.g. logger=wandb)"
     )
@@ -533,6 +532,22 @@ EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
+RESERVED_KEYS = {
+    "experiment_name": "each preset sets its own experiment_name (its results folder and tables are found "
+    "by it); choose presets with --presets",
+    "experiment": "the presets are chosen with --presets",
+    "results_dir": "each preset's store is RESULTS/<preset>; choose the results root with --results",
+}
+"""Keys the runner sets for every cell itself, so an override of them is refused (it would be ignored)."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its refusal on one line (its own prints the usage first), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def _argument_problems(
     given: str | None,
     chosen: list[str],
@@ -549,11 +564,11 @@ def _argument_problems(
     problems += [
         f"--presets {p}: no such preset (choose from {', '.join(known)})" for p in chosen if p not in known
     ]
+    problems += [f"--presets names {p} twice" for p in sorted({p for p in chosen if chosen.count(p) > 1})]
     problems += [
-        f"{o}: each preset sets its own experiment_name (its results folder and tables are found by it); "
-        "choose presets with --presets"
+        f"{o}: {RESERVED_KEYS[key]}"
         for o in overrides
-        if o.lstrip("+~").split("=", 1)[0] == "experiment_name"
+        if (key := o.lstrip("+~").split("=", 1)[0].split("@", 1)[0]) in RESERVED_KEYS
     ]
     problems += override_problems(overrides)
     if not problems:

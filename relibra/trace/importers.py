@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from relibra.trace.format import MAX_EXPERTS, RoutingTrace, TraceFormatError, positive_int
-from relibra.trace.rl_rows import select_layers
+from relibra.trace.rl_rows import ids_array, select_layers
 from relibra.types import SampleCounts
 
 __all__ = [
@@ -106,9 +106,14 @@ def from_vllm(
             :func:`relibra.trace.importers_rl.moe_layers_from_freq` builds them from ``moe_layer_freq``.
     """
     num_experts = positive_int("num_experts", num_experts, MAX_EXPERTS)
+    if not isinstance(routed_experts, Sequence) or isinstance(routed_experts, str | bytes):
+        raise TraceFormatError(
+            f"routed_experts must be a list of per-sample [seq_len, layer_num, topk] arrays, got "
+            f"{type(routed_experts).__name__}"
+        )
     if len(routed_experts) == 0:
         raise TraceFormatError("routed_experts is empty: a trace needs at least one sample")
-    arrays = [np.asarray(a) for a in routed_experts]
+    arrays = [ids_array(f"routed_experts[{s}]", a) for s, a in enumerate(routed_experts)]
     if moe_layers is not None:
         arrays = [_moe_layers(f"routed_experts[{s}]", a, moe_layers) for s, a in enumerate(arrays)]
     if arrays[0].ndim != 3:
@@ -494,13 +499,24 @@ def load_qwen3_counts(path: str | Path, top_k: int = 8) -> SampleCounts:
     ``tokens = layer sum / top_k``.
     """
     path = Path(path)
-    data = json.loads(path.read_text())
-    counts = np.rint(np.asarray(data["counts"], dtype=np.float64)).astype(np.int64)
-    if counts.shape != (int(data["num_layers"]), int(data["num_experts"])):
+    if not path.is_file():
+        raise TraceFormatError(f"{path}: not a regular file (a qwen3-moe-counts counts*.json)")
+    try:
+        data = json.loads(path.read_text())
+        counts = np.rint(np.asarray(data["counts"], dtype=np.float64)).astype(np.int64)
+        shape = (int(data["num_layers"]), int(data["num_experts"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise TraceFormatError(
+            f"{path}: not a qwen3-moe-counts file (needs JSON 'counts' [L][E] numbers, 'num_layers', "
+            f"'num_experts'): {type(err).__name__}: {err}"
+        ) from err
+    if counts.shape != shape:
         raise TraceFormatError(
             f"{path}: 'counts' has shape {counts.shape}, "
             f"but the file says {data['num_layers']} x {data['num_experts']}"
         )
+    if counts.size == 0 or (counts < 0).any():
+        raise TraceFormatError(f"{path}: 'counts' must be non-empty counts >= 0")
     per_layer = counts.sum(-1)
     tokens = round(float(per_layer.mean()) / top_k)
     model = {94: "qwen3-235b-a22b", 48: "qwen3-30b-a3b"}.get(counts.shape[0], "qwen3")

@@ -92,7 +92,10 @@ def ids_array(field: str, value: Any) -> np.ndarray:
             value = value.detach().cpu().numpy()
         except TypeError as err:  # NOTE: torch dtypes numpy has no type for (bfloat16, ...)
             raise TraceFormatError(f"{field} must hold integer expert ids, got dtype {value.dtype}") from err
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as err:  # NOTE: ragged nested lists
+        raise TraceFormatError(f"{field} is not a rectangular array of integer ids ({err})") from err
     if arr.dtype.kind not in "iu":
         raise TraceFormatError(f"{field} must hold integer expert ids, got dtype {arr.dtype}")
     return arr

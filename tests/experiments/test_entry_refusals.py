@@ -280,3 +280,60 @@ def test_ctrl_c_while_a_module_is_still_importing_is_one_line_exit_130() -> None
     proc = subprocess.run([sys.executable, "-c", as_library], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode != 130 and "Traceback" in proc.stderr
+
+
+# --- found by a hostile round on the entry points' inputs ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["trace.path=''"], "trace.path='': empty"),  # an unset shell variable: not the synthetic generator
+        (
+            ["model.top_k=100"],
+            "model.top_k=100: a token picks distinct experts, at most model.num_experts=64",
+        ),
+    ],
+)
+def test_a_setting_that_would_run_something_else_is_refused(overrides, named) -> None:
+    with pytest.raises(ConfigError, match="bad configuration") as err:
+        validate(cfg(*R, *overrides))
+    assert named in str(err.value)
+
+
+def test_an_empty_run_dir_and_a_dangling_trace_link_are_named(tmp_path) -> None:
+    from experiments.run import preflight
+
+    with pytest.raises(ConfigError, match=r"hydra\.run\.dir='': empty"):
+        preflight([*R, "hydra.run.dir="])
+    (tmp_path / "link.npz").symlink_to(tmp_path / "gone.npz")
+    with pytest.raises(ConfigError, match="no such file \\(a symbolic link to nothing"):
+        validate(cfg(*R, f"trace.path={tmp_path / 'link.npz'}"))
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--presets", "quick_overhead,quick_overhead"], "--presets names quick_overhead twice"),
+        (
+            ["--presets", "quick_overhead", "+experiment=quick_overall"],
+            "the presets are chosen with --presets",
+        ),
+        (["--presets", "quick_overhead", "results_dir=/elsewhere"], "choose the results root with --results"),
+    ],
+)
+def test_reproduce_refuses_what_it_would_ignore_or_repeat(args, named, tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    assert reproduce(["--results", str(tmp_path / "r"), "--no-analysis", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_reproduce_argument_errors_are_one_line(tmp_path, capsys) -> None:
+    from experiments.reproduce import main as reproduce
+
+    for args in (["--workers", "0"], ["--scale", "bogus"]):
+        with pytest.raises(SystemExit) as exit_:
+            reproduce(["--results", str(tmp_path / "r"), *args])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and args[0] in err, err

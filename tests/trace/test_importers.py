@@ -200,3 +200,15 @@ def test_load_olmoe_decode_errors_name_the_file(tmp_path: Path) -> None:
     )
     with pytest.raises(TraceFormatError, match=rf"{re.escape(str(objects))}: not a readable OLMoE"):
         load_olmoe_decode(objects.parents[1])
+
+
+def test_qwen3_counts_that_are_not_such_a_file_are_refused_naming_it(tmp_path) -> None:
+    from relibra.trace.importers import load_qwen3_counts
+
+    with pytest.raises(TraceFormatError, match="not a regular file"):
+        load_qwen3_counts(tmp_path)
+    for name, text in {"bad.json": '{"counts": [1,', "keys.json": '{"x": 1}', "neg.json":
+                       '{"counts": [[-1, 2]], "num_layers": 1, "num_experts": 2}'}.items():  # fmt: skip
+        (tmp_path / name).write_text(text)
+        with pytest.raises(TraceFormatError, match=str(tmp_path / name)):
+            load_qwen3_counts(tmp_path / name)

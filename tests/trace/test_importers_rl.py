@@ -277,3 +277,13 @@ def test_list_samples_of_different_layers_or_top_k_are_refused_naming_the_sample
     field = "rollout_routed_experts" if importer == "slime" else "rollout_expert_indices"
     with pytest.raises(TraceFormatError, match=rf"{field}\[1\] has {what}, but {field}\[0\] has 2 and 2"):
         call([first, other], 8)
+
+
+def test_a_ragged_or_missing_route_list_is_refused_naming_the_field() -> None:
+    from relibra.trace import importers_rl as rl
+    from relibra.trace.importers import from_vllm
+
+    with pytest.raises(TraceFormatError, match=r"rollout_routed_experts\[0\] is not a rectangular array"):
+        rl.from_slime([[[[0, 1], [2]]]], 8)
+    with pytest.raises(TraceFormatError, match="routed_experts must be a list of per-sample"):
+        from_vllm(None, 8)  # type: ignore[arg-type]
