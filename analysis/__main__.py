@@ -115,11 +115,14 @@ def analyse(
             f"{', ...' if len(bad) > 3 else ''}); a rerun of the preset (python -m experiments.reproduce) "
             "recomputes those cells"
         )
-    figures, skipped_figures = all_figures(results, per_layer, out_dir / "figures")
+    drawn = {n: _plain_labels(f) for n, f in results.items()}
+    figures, skipped_figures = all_figures(
+        drawn, {n: _plain_labels(f) for n, f in per_layer.items()}, out_dir / "figures"
+    )
     skipped += skipped_figures
     if any(preset in results for preset in HEADLINE_PRESETS):  # NOTE: drawn from the overall preset only
         try:
-            figures += write_headline(results, out_dir)
+            figures += write_headline(drawn, out_dir)
         except (ValueError, KeyError) as exc:  # NOTE: a partial grid must not cost the other figures
             skipped.append(f"headline figure skipped: {exc}")
     elif any(preset in refusals for preset in HEADLINE_PRESETS):
@@ -130,6 +133,22 @@ def analyse(
         for why in refused:
             console.print(why, style="red", markup=False, highlight=False)
     return AnalysisOutput(tables, figures, out_dir, skipped, warnings, refused)
+
+
+LABEL_COLUMNS = ("dataset", "model")
+"""Result columns whose names become figure labels."""
+
+
+def _plain_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with each ``$`` of :data:`LABEL_COLUMNS` escaped (``\\$``), so matplotlib draws a name
+    as it reads instead of parsing it as mathtext (a name with ``$\\frac{`` cost every figure)."""
+    out = frame
+    for column in LABEL_COLUMNS:
+        if column in out and not pd.api.types.is_numeric_dtype(out[column]):
+            texts = out[column].astype(str)
+            if texts.str.contains("$", regex=False).any():
+                out = out.assign(**{column: texts.str.replace("$", r"\$", regex=False)})
+    return out
 
 
 def _remove_outputs(out_dir: Path, name: str) -> list[str]:

@@ -470,11 +470,27 @@ class ResultsStore:
 
     def read_per_layer(self, key: str) -> pd.DataFrame | None:
         """Per-layer table of cell ``key``, or None when the cell stored none; :class:`CorruptCellError`
-        when its file cannot be read or trusted (the same checks as :meth:`read`, without a config)."""
+        when its file cannot be read or trusted (the same checks as :meth:`read`, without a config), or is
+        not the table the cell file records (a recompute stopped between writing the two)."""
         path = self.per_layer_path(key)
         if not path.exists():
             return None
-        return _verified(path, key, _read_table(path), has_config=False)
+        table = _read_table(path)
+        frame = _verified(path, key, table, has_config=False)
+        recorded = self._recorded_per_layer(key)
+        if recorded and recorded != (table.schema.metadata or {}).get(_CHECKSUM_META):
+            raise CorruptCellError(
+                path, "it is not the per-layer table its cell file records (another computation's)"
+            )
+        return frame
+
+    def _recorded_per_layer(self, key: str) -> bytes | None:
+        """The per-layer checksum cell ``key``'s file records (its footer only); None when it records
+        none or cannot be read (the cell's own read reports that)."""
+        try:
+            return (pq.read_schema(self.cell_path(key)).metadata or {}).get(_PER_LAYER_META)
+        except (OSError, pa.ArrowException):
+            return None
 
     def corrupt_keys(self, all_cells: bool = False) -> list[str]:
         """Cells whose file exists but cannot be read or trusted (:meth:`load` leaves them out)."""

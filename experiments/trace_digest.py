@@ -18,6 +18,7 @@ import zipfile
 import zlib
 from functools import lru_cache
 from pathlib import Path
+from stat import S_ISREG
 
 __all__ = ["TraceDigestError", "trace_digest"]
 
@@ -39,6 +40,8 @@ def trace_digest(path: str | Path) -> str:
         stat = os.stat(path)
     except OSError as err:
         raise TraceDigestError(f"trace.path={path}: cannot read it ({err.strerror or err})") from err
+    if not S_ISREG(stat.st_mode):  # NOTE: /dev/zero or a FIFO would be read without end
+        raise TraceDigestError(f"trace.path={path}: not a regular file")
     return _digest(str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 

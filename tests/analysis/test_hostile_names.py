@@ -109,3 +109,10 @@ def test_a_stored_experiment_name_that_is_a_path_never_names_output_files(tmp_pa
     assert out.tables and all(p.parent == tmp_path / "r" / "out" for p in out.tables)
     assert any(p.name.startswith("quick_overhead.") for p in out.tables)
     assert not list(tmp_path.rglob("*escaped*"))
+
+
+def test_a_dollar_in_a_name_is_drawn_as_it_reads_not_parsed_as_mathtext(tmp_path: Path) -> None:
+    r"""A dataset ``a$\frac{x$`` made matplotlib's mathtext parser fail every figure that names it."""
+    plain = analyse(_results(tmp_path / "plain", ["reasoning", "mixed"]), tmp_path / "plain_out")
+    dollar = analyse(_results(tmp_path / "dollar", ["a$\\frac{x$", "b^_$"]), tmp_path / "dollar_out")
+    assert len(dollar.figures) == len(plain.figures) > 0, dollar.skipped

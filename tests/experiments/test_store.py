@@ -590,3 +590,21 @@ def test_a_cell_stored_without_a_per_layer_table_drops_an_earlier_one(tmp_path: 
     key = _put(store, "a", _rows(1), pd.DataFrame({"planner": ["relibra"], "skew": [9.0]}))
     _put(store, "a", _rows(1))
     assert store.read_per_layer(key) is None and store.finished(key) is not None
+
+
+def test_a_per_layer_table_of_another_computation_is_refused(tmp_path: Path) -> None:
+    """A recompute that stopped after writing the per-layer table, before the cell file: the table is
+    whole and of this key, but not the one the cell file records."""
+    import experiments.store as store_module
+
+    store = ResultsStore(tmp_path)
+    key = _put(store, "a", _rows(1), pd.DataFrame({"layer": [0], "skew": [1.5]}))
+    newer = pd.DataFrame({"layer": [0], "skew": [3.0]})
+    meta = {
+        store_module._KEY_META: key.encode(),
+        store_module._CHECKSUM_META: store_module.content_checksum(newer).encode(),
+    }
+    store_module.atomic_write_parquet(newer, store.per_layer_path(key), meta)
+    with pytest.raises(CorruptCellError, match="not the per-layer table its cell file records"):
+        store.read_per_layer(key)
+    assert store.per_layer_contents()[1] == [key]

@@ -167,3 +167,11 @@ def test_reproduce_says_cells_keyed_by_their_path_are_computed_again(tmp_path: P
     store.write_grid([old_key])
     report, jobs = plan_grid("quick_ep_scaling", root, overrides)
     assert (report.rekeyed, report.left_out, len(jobs)) == (1, 0, 1), report
+
+
+def test_a_trace_path_that_is_no_regular_file_is_refused_not_read(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(TraceDigestError, match="not a regular file"):
+            trace_digest(path)
