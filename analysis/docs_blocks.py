@@ -125,7 +125,10 @@ def render_block(spec: str, tables_dir: Path) -> str:
     if not path.is_file():
         raise BlockError(f"no table {name} ({path} does not exist)")
     if not rest:
-        return "\n" + path.read_text().rstrip("\n") + "\n"
+        text = path.read_text()
+        if "<!--" in text or "-->" in text:  # NOTE: the analysis escapes "<" and ">"; an edited file may not
+            raise BlockError(f"table {name} ({path}) holds an HTML comment marker, which would end the block")
+        return "\n" + text.rstrip("\n") + "\n"
     where = {}
     for word in rest[1:]:
         key, sep, value = word.partition("=")

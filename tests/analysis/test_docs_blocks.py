@@ -91,3 +91,13 @@ def test_check_docs_refuses_a_missing_tables_folder(
 ) -> None:
     assert main(["--check-docs", "--tables", str(tmp_path / "none")]) == 2
     assert "--tables" in capsys.readouterr().err
+
+
+def test_an_escaped_cell_reads_as_written_and_a_comment_marker_is_refused(tables: Path) -> None:
+    """A range block matches KEY=VALUE against the cell as it reads (``\\|`` is a ``|``); a table file
+    holding ``-->`` (an edited one: the analysis escapes ``>``) would end the block early."""
+    (tables / "t.md").write_text("| dataset | x |\n|---|---:|\n| a \\| b | 1.5 |\n| c | 2.5 |\n")
+    assert render_block("t x 'dataset=a | b'", tables) == "1.5"
+    (tables / "bad.md").write_text("| a |\n|---|\n| x --> y |\n")
+    with pytest.raises(BlockError, match="HTML comment marker"):
+        render_block("bad", tables)
