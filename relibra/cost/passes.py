@@ -344,7 +344,7 @@ def _layout_update(
             *_exposed_collectives(cost, spec, stage, first_mb, last_mb, share),
         )
 
-    st = pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
+    st = pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
     comm = work.comm
     exposed = st.comm_exposed
     if recompute != "none" and exposed > 0:
@@ -447,4 +447,4 @@ def _layout_forward(
         overlap=cost.cluster.ep_overlap,
         contention=cost.cluster.comm_sm_share,
     )
-    return pipelined(cost.stage_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total
+    return pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total

@@ -4,10 +4,13 @@ Every stage is its own EP group of ``G`` GPUs holding its layers (:func:`relibra
 one micro-batch visits every stage, so every stage sees the same tokens per GPU and the planner's plan for
 a layer is the plan of the stage that holds it. A pass over the batch is Megatron's interleaved 1F1B
 schedule (``megatron/core/pipeline_parallel/schedules.py``; Narayanan et al. 2021, arXiv 2104.04473,
-Section 2.2.2): the slowest stage sets the pace, and the pipeline's fill and drain idle it for a bubble of
-``(pp - 1) / (vpp * M)`` of its busy seconds over ``M`` micro-batches (:func:`bubble_fraction`). After the
-flush every stage runs its own optimizer step and gradient collectives at once; the step is the slowest
-stage's busy seconds times ``1 + bubble``, plus its per-step seconds (:func:`pipelined`).
+Section 2.2.2), run op by op over each (stage, model chunk, micro-batch)'s own seconds
+(:func:`relibra.cost.schedule.simulate_schedule`): a slow micro-batch on one stage delays the stages it
+feeds, which a price from the stages' means misses. With equal micro-batches the schedule's fill and drain
+idle the slowest stage for a bubble of ``(pp - 1) / (vpp * M)`` of its busy seconds (:func:`bubble_fraction`,
+tested equal). After the flush every stage runs its own optimizer step and gradient collectives at once;
+the step is the latest stage's finish plus its per-step seconds (:func:`pipelined`). Before results
+generation 6 the step was priced from means: the slowest stage's busy seconds times ``1 + bubble``.
 
 Between stages each micro-batch's activations travel forward and their gradients back, once per model
 chunk (``vpp`` sends each way per stage and micro-batch): ``tokens x hidden`` bf16 per GPU to the same GPU
@@ -30,11 +33,16 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.overlap import overlapped_time
+from relibra.cost.schedule import simulate_schedule
 from relibra.parallel import ParallelLayout
 
 __all__ = ["StagePass", "StageTimes", "bubble_fraction", "p2p_send_time", "pipelined"]
 
 BF16_BYTES = 2
+FORWARD_SHARE = 1.0 / 3.0
+"""The forward's share of a (micro-batch, chunk)'s update seconds in the schedule (a GEMM's forward third,
+:data:`relibra.cost.step.FORWARD_FLOPS_SHARE`; the all-to-all's and memory-bound kernels' half is not split
+apart: the schedule's makespan moves by a few percent of one micro-batch's chunk at most)."""
 
 
 class _Cost(Protocol):
@@ -116,7 +124,7 @@ def _join(comp: np.ndarray, comm: np.ndarray, overlap: bool, contention: float) 
 
 
 def pipelined(
-    stage_of_layer: np.ndarray,
+    chunk_of_layer: np.ndarray,
     dense_layers: int,
     pp: int,
     vpp: int,
@@ -125,36 +133,57 @@ def pipelined(
 ) -> StageTimes:
     """Seconds of one pass through the pipeline (module doc).
 
-    ``stage_of_layer`` int [num_layers] (model order, the ``dense_layers`` dense layers first); ``per_step``
-    (stage, first micro-batch's seconds, last micro-batch's seconds, the stage's share of the MoE layers) ->
-    the stage's per-step seconds after the flush (None: a forward-only pass, none).
+    ``chunk_of_layer`` int [num_layers]: each layer's model chunk (virtual stage ``v``, on stage ``v mod
+    pp``; model order, the ``dense_layers`` dense layers first); ``per_step`` (stage, first micro-batch's
+    seconds, last micro-batch's seconds, the stage's share of the MoE layers) -> the stage's per-step
+    seconds after the flush (None: a forward-only pass, none).
     """
     mb, num_moe = sp.comp.shape
-    moe_stage = np.asarray(stage_of_layer)[dense_layers:]
-    dense_stage = np.asarray(stage_of_layer)[:dense_layers]
-    bubble = bubble_fraction(pp, vpp, mb)
-    best: tuple[float, int, float, float, tuple[float, ...]] = (-np.inf, 0, 0.0, 0.0, ())
+    chunks = np.asarray(chunk_of_layer)
+    moe_chunk, dense_chunk = chunks[dense_layers:], chunks[:dense_layers]
+    moe_stage = moe_chunk % pp
+    forward_only = per_step is None
+    work = np.zeros((pp, vpp, mb))  # [pp, vpp, Mb]: each (stage, chunk, micro-batch)'s seconds
+    busy_of = np.zeros(pp)
+    after_of: list[tuple[float, ...]] = [()] * pp
     exposed_all = 0.0
     for s in range(pp):
         cols = np.flatnonzero(moe_stage == s)
-        nd = int((dense_stage == s).sum())
+        nd = int((dense_chunk % pp == s).sum())
         last = s == pp - 1
         moe, exposed = _join(sp.comp[:, cols], sp.comm[:, cols], sp.overlap, sp.contention)
         exposed_all += exposed
         share = len(cols) / num_moe if num_moe else 0.0
+        raw = sp.comp[:, cols].sum(axis=1) + sp.comm[:, cols].sum(axis=1)  # [Mb]
+        # NOTE: under overlap each micro-batch keeps its share of the stage's overlapped MoE seconds.
+        scale = moe / float(raw.sum()) if raw.sum() > 0 else 0.0
+        for c in range(vpp):
+            v = c * pp + s
+            on = moe_chunk[cols] == v
+            work[s, c] = (
+                scale * (sp.comp[:, cols[on]].sum(axis=1) + sp.comm[:, cols[on]].sum(axis=1))
+                + int((dense_chunk == v).sum()) * sp.dense
+                + sp.p2p / vpp
+                + share * sp.spread / (mb * vpp)
+            )
+        if last:
+            work[s, vpp - 1] += sp.head
+        busy_of[s] = float(work[s].sum())
         per_mb = sp.comp[:, cols].sum(axis=1) + sp.comm[:, cols].sum(axis=1) + nd * sp.dense + sp.p2p
         if last:
             per_mb = per_mb + sp.head
-        busy = (
-            moe
-            + nd * float(sp.dense.sum())
-            + (float(sp.head.sum()) if last else 0.0)
-            + float(sp.p2p.sum())
-            + share * sp.spread
-        )
-        after = per_step(s, float(per_mb[0]), float(per_mb[-1]), share) if per_step is not None else ()
-        total = busy * (1.0 + bubble) + sum(after)
-        if total > best[0]:
-            best = (total, s, busy * bubble, float(sp.p2p.sum()), after)
-    total, s, b, p2p, after = best
-    return StageTimes(float(total), exposed_all, int(s), float(b), float(p2p), tuple(after))
+        after_of[s] = per_step(s, float(per_mb[0]), float(per_mb[-1]), share) if per_step is not None else ()
+    if forward_only:
+        finish = simulate_schedule(work, np.zeros_like(work), forward_only=True)
+    else:
+        finish = simulate_schedule(FORWARD_SHARE * work, (1.0 - FORWARD_SHARE) * work)
+    totals = finish + np.array([sum(a) for a in after_of])
+    s = int(np.argmax(totals))
+    return StageTimes(
+        float(totals[s]),
+        exposed_all,
+        s,
+        float(finish[s] - busy_of[s]),
+        float(sp.p2p.sum()),
+        tuple(after_of[s]),
+    )

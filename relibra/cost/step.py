@@ -47,7 +47,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.migration import MigrationPayload
-from relibra.parallel import ParallelLayout, stage_layers
+from relibra.parallel import ParallelLayout, layer_chunks, stage_layers
 
 __all__ = [
     "CUDA_GRAPHS",
@@ -304,6 +304,11 @@ class WholeStepTerms:
         """int64 [num_layers]: the pipeline stage of each layer, dense layers first (model order; the
         models' dense layers lead, ``first_k_dense_replace``)."""
         return stage_layers(self.model.num_layers, self.layout)
+
+    def chunk_of_layer(self) -> np.ndarray:
+        """int64 [num_layers]: the model chunk (virtual stage) of each layer, model order
+        (:func:`relibra.parallel.layer_chunks`)."""
+        return layer_chunks(self.model.num_layers, self.layout)
 
     def stage_layer_counts(self, stage: int) -> tuple[int, int]:
         """(dense, MoE) layers pipeline stage ``stage`` holds."""

@@ -11,8 +11,15 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.memory import activation_bytes_per_token, in_flight_microbatches, memory_estimate
 from relibra.cost.model import CostModel
 from relibra.cost.pipeline import StagePass, bubble_fraction, p2p_send_time, pipelined
+from relibra.cost.schedule import simulate_schedule
 from relibra.cost.tensor import tp_block_time, tp_group_mean
-from relibra.parallel import ParallelLayout, dense_data_parallel, expert_data_parallel, stage_layers
+from relibra.parallel import (
+    ParallelLayout,
+    dense_data_parallel,
+    expert_data_parallel,
+    layer_chunks,
+    stage_layers,
+)
 from tests.builders import HOPPER, training_spec
 
 NVL = HOPPER.nvlink_bytes_per_s * HOPPER.nvlink_efficiency
@@ -30,29 +37,47 @@ def test_bubble_is_pp_minus_one_over_vpp_microbatches() -> None:
     assert bubble_fraction(1, 1, 4) == 0.0
 
 
-def test_slowest_stage_sets_the_pace_with_its_bubble_and_per_step_seconds() -> None:
+def test_the_pass_runs_each_stage_chunk_and_micro_batch_through_the_schedule() -> None:
     # 4 layers (1 dense first, 3 MoE), pp = 2, vpp = 2: chunks of 1 layer, chunk c on stage c mod 2:
-    # stage 0 holds the dense layer and MoE layer 1 (model layer 2), stage 1 MoE layers 0 and 2.
-    stage = stage_layers(4, ParallelLayout(pp=2, vpp=2))
-    assert stage.tolist() == [0, 1, 0, 1]
+    # stage 0 holds the dense layer (chunk 0) and MoE layer 1 (chunk 2), stage 1 MoE layers 0 and 2.
+    layout = ParallelLayout(pp=2, vpp=2)
+    assert stage_layers(4, layout).tolist() == [0, 1, 0, 1]
+    chunks = layer_chunks(4, layout)
+    assert chunks.tolist() == [0, 1, 2, 3]
     comp = np.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])  # [Mb = 2, L = 3]
     comm = np.full((2, 3), 0.5)
     sp = StagePass(
         comp=comp, comm=comm, dense=np.array([0.25, 0.25]), head=np.array([4.0, 4.0]),
         p2p=np.array([0.1, 0.1]), spread=3.0, overlap=False, contention=0.0,
     )  # fmt: skip
-    st = pipelined(stage, 1, 2, 2, sp, lambda s, first, last, share: (float(s) + 1.0,))
-    bubble = 1 / (2 * 2)
-    # stage 0: MoE layer 1 (2 + 0.5) x 2 mb, dense 0.25 x 2, p2p 0.2, a third of the spread
-    busy0 = 5.0 + 0.5 + 0.2 + 1.0
-    # stage 1: MoE layers 0 and 2 ((1 + 3) + 1) x 2, the head 8, p2p 0.2, two thirds of the spread
+    st = pipelined(chunks, 1, 2, 2, sp, lambda s, first, last, share: (float(s) + 1.0,))
+    # by hand, per micro-batch: the chunk's layers, half the sends, the stage's spread over its 4 ops
+    work = np.empty((2, 2, 2))
+    work[0, 0] = 0.25 + 0.05 + 1.0 / 4  # the dense layer
+    work[0, 1] = 2.5 + 0.05 + 1.0 / 4  # MoE layer 1
+    work[1, 0] = 1.5 + 0.05 + 2.0 / 4  # MoE layer 0
+    work[1, 1] = 3.5 + 0.05 + 2.0 / 4 + 4.0  # MoE layer 2 and the head
+    finish = simulate_schedule(work / 3, 2 * work / 3)
+    totals = finish + np.array([1.0, 2.0])
+    assert st.total == pytest.approx(totals.max(), rel=1e-12) and st.slowest == int(np.argmax(totals))
     busy1 = 10.0 + 8.0 + 0.2 + 2.0
-    assert st.slowest == 1
-    assert st.total == pytest.approx(busy1 * (1 + bubble) + 2.0, rel=1e-12)
-    assert st.bubble == pytest.approx(busy1 * bubble, rel=1e-12)
-    assert st.p2p == pytest.approx(0.2) and st.per_step == (2.0,)
+    assert st.total >= busy1 + 2.0  # never faster than the busiest stage's work and its per-step seconds
+    assert st.bubble == pytest.approx(finish[st.slowest] - work[st.slowest].sum(), rel=1e-12)
+    assert st.p2p == pytest.approx(0.2) and st.per_step == (float(st.slowest) + 1.0,)
     assert st.comm_exposed == pytest.approx(3.0)  # every layer's all-to-all, no overlap
-    assert busy0 * (1 + bubble) + 1.0 < st.total
+
+
+def test_equal_micro_batches_price_the_bubble_formula() -> None:
+    """Balanced stages and micro-batches: the schedule's pass is the busy seconds times 1 + bubble."""
+    layout = ParallelLayout(pp=2, vpp=1)
+    chunks = layer_chunks(4, layout)  # layers 0-1 on stage 0, 2-3 on stage 1
+    mb = 4
+    sp = StagePass(
+        comp=np.full((mb, 4), 1.0), comm=np.zeros((mb, 4)), dense=np.zeros(mb), head=np.zeros(mb),
+        p2p=np.zeros(mb), spread=0.0, overlap=False, contention=0.0,
+    )  # fmt: skip
+    st = pipelined(chunks, 0, 2, 1, sp, lambda s, first, last, share: ())
+    assert st.total == pytest.approx(mb * 2.0 * (1 + bubble_fraction(2, 1, mb)), rel=1e-12)
 
 
 def test_pipeline_send_and_tensor_parallel_collectives_by_hand() -> None:
