@@ -86,3 +86,31 @@ def prepare_peer_traces(
         save_trace(peer_trace(args), path)
         log(f"peer trace written: {path}")
     return override
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m experiments.peer_traces PRESET [--results DIR] [OVERRIDES...]``: write the preset's trace
+    files (before a Slurm launch, which does not write them) and print the ``peer.dir`` override its cells
+    need. Exit status 2 with one line for a preset that is not a peer preset."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.peer_traces", description=main.__doc__)
+    ap.add_argument("preset", help="peer or quick_peer")
+    ap.add_argument(
+        "overrides", nargs="*", help="Hydra overrides narrowing the sweep (e.g. model=deepseek-v3)"
+    )
+    ap.add_argument("--results", type=Path, default=Path("results"), help="results root (default results/)")
+    ns = ap.parse_intermixed_args(argv)
+    if not is_peer_preset(ns.preset):
+        print(
+            f"python -m experiments.peer_traces: {ns.preset}: not a peer preset (peer, quick_peer)",
+            file=sys.stderr,
+        )
+        return 2
+    print(prepare_peer_traces(ns.preset, ns.results.resolve(), ns.overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -49,3 +49,16 @@ def test_every_peer_shape_fits_memory_with_its_tokens(model: str, ep: str, tmp_p
     assert memory_problems(cfg, cost) == []
     _, work = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
     assert workload_memory_problems(cfg, cost, work.tokens, work.mb_batch) == []
+
+
+def test_cli_writes_the_traces_and_prints_the_override(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from experiments.peer_traces import main
+
+    assert main(["quick_peer", "--results", str(tmp_path), "peer.workload=W0_balanced", "peer.steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().endswith(f"peer.dir={tmp_path.joinpath(*PEER_DIR)}")
+    assert len(list(tmp_path.joinpath(*PEER_DIR).glob("*.npz"))) == 1
+    assert main(["overall", "--results", str(tmp_path)]) == 2
+    assert "not a peer preset" in capsys.readouterr().err
