@@ -148,7 +148,7 @@ def tiny(model: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def max_skew(model: dict[str, Any], tokens: int, ranks: int) -> float:
+def max_skew(model: dict[str, Any], ranks: int) -> float:
     """The largest per-GPU skew :func:`biased_shares` can route: no expert above ``T`` slots of a GPU (one
     per token) and the hot rank at most all of them."""
     e, k = model["num_experts"], model["top_k"]
@@ -200,9 +200,9 @@ def parse(argv: list[str] | None) -> Settings:
         if m["num_experts"] % world or m["num_experts"] % ranks:
             bad(f"--models {name}: {m['num_experts']} experts cannot be spread over {ranks} GPUs")
         for s in a.skews:
-            if not 1.0 < s <= max_skew(m, tokens, ranks):
+            if not 1.0 < s <= max_skew(m, ranks):
                 bad(
-                    f"--skews {s}: expected above 1 and at most {max_skew(m, tokens, ranks):g} for {name} "
+                    f"--skews {s}: expected above 1 and at most {max_skew(m, ranks):g} for {name} "
                     f"({m['num_experts']} experts, top-{m['top_k']}, {ranks} GPUs)"
                 )
     if a.dry_run:
@@ -668,11 +668,17 @@ def megatron_layer(
 def part_calibration(group: Group, settings: Settings) -> dict[str, Any]:
     """(b): ``scripts/calibrate_gpu.py`` on rank 0 (its own defaults); the others wait."""
     result: dict[str, Any] = {}
+    error: BaseException | None = None
     if group.rank == 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            argv = ["--out", str(Path(tmp) / "cal.json")] + (["--dry-run"] if settings.dry_run else [])
-            result = calibrate_gpu.main(argv)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                argv = ["--out", str(Path(tmp) / "cal.json")] + (["--dry-run"] if settings.dry_run else [])
+                result = calibrate_gpu.main(argv)
+        except (Exception, SystemExit) as exc:  # NOTE: re-raised after the others left the barrier
+            error = exc
     dist.barrier()
+    if error is not None:
+        raise RuntimeError(f"scripts/calibrate_gpu.py: {type(error).__name__}: {error}") from error
     return result
 
 
@@ -694,12 +700,22 @@ def part_moe_layer(group: Group, settings: Settings, start: float) -> dict[str, 
             if not group.agree(time.monotonic() - start < settings.budget_s):
                 skipped.append({"id": case, "status": "skipped", "reason": "--budget-s spent"})
                 continue
+            built: tuple[Any, str, Any] | None = None
             try:
-                layer, note, bind = _build(impl, dispatcher, model, group, dtype, settings.seed)
+                built = _build(impl, dispatcher, model, group, dtype, settings.seed)
             except Exception as exc:  # NOTE: recorded, never silent
                 skipped.append(_failure(case, exc))
+            # NOTE: every rank takes the same branch, so no rank waits in a collective the others skipped
+            if not group.agree(built is not None):
+                if built is not None:
+                    skipped.append(
+                        {"id": case, "status": "failed", "reason": "another rank could not build it"}
+                    )
                 continue
+            assert built is not None
+            layer, note, bind = built
             for w in workloads:
+                forward = None
                 try:
                     routes = torch.as_tensor(w.routes[group.rank], device=group.device)
                     x, grad = (
@@ -710,8 +726,18 @@ def part_moe_layer(group: Group, settings: Settings, start: float) -> dict[str, 
                         .requires_grad_(requires)
                         for seed, requires in ((settings.seed, True), (settings.seed + 7_919, False))
                     )
-                    timing = time_fwd_bwd(group, bind(x, routes), grad, settings)
+                    forward = bind(x, routes)
                 except Exception as exc:  # NOTE: recorded with its reason
+                    skipped.append(_failure(f"{case}/{w.name}", exc))
+                if not group.agree(forward is not None):
+                    if forward is not None:
+                        why = "failed on another rank"
+                        skipped.append({"id": f"{case}/{w.name}", "status": "failed", "reason": why})
+                    continue
+                assert forward is not None
+                try:
+                    timing = time_fwd_bwd(group, forward, grad, settings)
+                except Exception as exc:  # NOTE: recorded; a failure on one rank only can stall the others
                     skipped.append(_failure(f"{case}/{w.name}", exc))
                     continue
                 rows.append(
@@ -728,7 +754,7 @@ def part_moe_layer(group: Group, settings: Settings, start: float) -> dict[str, 
                         **timing,
                     }
                 )
-            del layer
+            del layer, built, bind
             if group.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {
@@ -923,7 +949,10 @@ def part_executor(group: Group, settings: Settings) -> dict[str, Any]:
 def provenance(group: Group, settings: Settings) -> dict[str, Any]:
     dtype = torch.float32 if settings.dry_run else torch.bfloat16
     info = calibrate_gpu.provenance(group.device, settings.dry_run, dtype)
-    mc, why = megatron_version()
+    try:  # NOTE: the installed release, without importing it (slow); the Megatron part imports it
+        mc: str | None = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        mc = None
     info.update(
         command=settings.command,
         world=group.world,
@@ -934,8 +963,6 @@ def provenance(group: Group, settings: Settings) -> dict[str, Any]:
         deep_ep=_optional_version("deep_ep", "deep_ep"),
         python=platform.python_version(),
     )
-    if why:
-        info["megatron_core_reason"] = why
     try:
         from relibra.provenance import code_version
 
@@ -1021,10 +1048,9 @@ def run_rank(settings: Settings, rank: int, world: int, local_rank: int) -> dict
         doc["provenance"]["complete"] = True
         dist.barrier()
     finally:
-        with contextlib.suppress(Exception):
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+        if "megatron.core.parallel_state" in sys.modules:  # NOTE: only where the Megatron part set it up
+            with contextlib.suppress(Exception):
+                sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
         dist.destroy_process_group()
     return doc if rank == 0 else None
 
