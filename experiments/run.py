@@ -516,9 +516,13 @@ def preflight(args: Sequence[str]) -> None:
 
     from experiments.schema import config_schema, override_problems
 
-    known, _ = get_args_parser().parse_known_args(list(args))
+    known, stray = get_args_parser().parse_known_args(list(args))
     if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:
         return  # NOTE: Hydra's own help and inspection modes run no task
+    if stray:  # NOTE: Hydra's argparse would print its usage and this on several lines
+        raise ConfigError(
+            f"unrecognized arguments {' '.join(stray)}: give options (-m, --cfg, ...) before the overrides"
+        )
     problems = override_problems(known.overrides)
     if not known.multirun:
         problems += _sweep_in_run_problems(known.overrides)

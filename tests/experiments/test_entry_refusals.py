@@ -337,3 +337,10 @@ def test_reproduce_argument_errors_are_one_line(tmp_path, capsys) -> None:
             reproduce(["--results", str(tmp_path / "r"), *args])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and args[0] in err, err
+
+
+def test_an_option_after_the_overrides_is_one_line(tmp_path) -> None:
+    from experiments.run import preflight
+
+    with pytest.raises(ConfigError, match=r"unrecognized arguments seed=0,1: give options \(-m"):
+        preflight([*R, "-m", "seed=0,1"])  # Hydra's argparse would print its usage, exit status 2
