@@ -3,8 +3,8 @@ executor on the visible GPUs; write one JSON that the calibration and the per-la
 
 Usage (one node; relaunches itself under ``torchrun`` when more than one GPU is visible)::
 
-    python scripts/gpu_moe_layer.py --out gpu_moe_layer.json            # about 3-6 minutes on a Hopper node
-    python scripts/gpu_moe_layer.py --dry-run --out /tmp/moe.json       # CPU, gloo, tiny shapes, < 30 s
+    python scripts/gpu_moe_layer.py --out gpu_moe_layer.json       # parts stop starting after --budget-s 540
+    python scripts/gpu_moe_layer.py --dry-run --out /tmp/moe.json  # CPU, gloo, tiny shapes, about 20 s
 
 What it measures, each part failing soft (its ``status`` ``measured``, ``skipped`` or ``failed`` and the
 ``reason`` are written, never left out):
@@ -83,7 +83,6 @@ PRE_GEMM = 8192
 """Side of the dense GEMM queued before each timed iteration (moe_perf's 'dummy GEMM', same file)."""
 SKEW_RANKS_ONE_GPU = 8
 """On one GPU the skew is set over this many groups of contiguous experts (the moe_perf rows' EP 8)."""
-STATUSES = ("measured", "skipped", "failed")
 
 
 class Skip(Exception):
