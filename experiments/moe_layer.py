@@ -114,20 +114,30 @@ def _cost(row: dict[str, Any], constants: dict[str, float]) -> CostModel:
 def price_layer(row: dict[str, Any], constants: dict[str, float] | None = None) -> LayerTimes:
     """The forward and backward seconds of the row's layer (module doc); never reads its measurements.
 
-    Force-balanced routing: each of the ``G`` GPUs holds ``tokens_per_gpu`` tokens and sends ``T k / E`` of
-    them to every expert, so every expert computes ``G T k / E`` tokens on its home GPU (``E / G`` each).
+    Force-balanced routing (the default): each of the ``G`` GPUs holds ``tokens_per_gpu`` tokens and sends
+    ``T k / E`` of them to every expert, so every expert computes ``G T k / E`` tokens on its home GPU
+    (``E / G`` each, contiguous). A row with ``routing.load`` (float [G][E], the tokens each GPU sent each
+    expert; ``experiments/gpu_measurements.py`` writes it for measured imbalance) is priced with that load
+    on the same static placement: the busiest GPU's expert GEMMs, permutation and casts, the busiest link.
     """
     cost = _cost(row, constants or {})
     m, g = cost.model, cost.cluster.num_gpus
     if m.num_experts % g:
         raise ConfigError(f"per-layer row {row.get('id')!r}: {m.num_experts} experts over {g} GPUs")
     t = float(row["tokens_per_gpu"])
-    per_expert = t * m.top_k / m.num_experts
-    load = np.full((g, m.num_experts), per_expert)  # [G, E]
+    given = (row.get("routing") or {}).get("load")
+    if given is None:
+        load = np.full((g, m.num_experts), t * m.top_k / m.num_experts)  # [G, E]
+    else:
+        load = np.asarray(given, dtype=np.float64)
+        if load.shape != (g, m.num_experts) or not np.isfinite(load).all() or (load < 0).any():
+            raise ConfigError(
+                f"per-layer row {row.get('id')!r}: routing.load must be {g} x {m.num_experts} counts >= 0"
+            )
     home = np.arange(m.num_experts) // (m.num_experts // g)  # [E]
     assign = np.zeros((m.num_experts, g))  # [E, G]
-    assign[np.arange(m.num_experts), home] = per_expert * g
-    received = np.array([t * m.top_k])
+    assign[np.arange(m.num_experts), home] = load.sum(axis=0)
+    received = np.array([assign.sum(axis=0).max()])
     tokens = np.array([t])
     terms = {
         "experts": float(cost.moe(load, assign).t_compute),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from experiments.config import ConfigError
 from experiments.moe_layer import DATA_FILE, FITTED, fit_layer, load_layer_rows, price_layer
 from experiments.validate import main as validate_main
 
@@ -125,3 +126,18 @@ def test_the_check_rows_stay_within_the_recorded_error() -> None:
         p = price_layer(row)
         ratio = (p.forward_s + p.backward_s) * 1e3 / (row["forward_ms"] + row["backward_ms"])
         assert abs(ratio - 1.0) < 0.15, (row["id"], ratio)
+
+
+def test_a_measured_load_is_priced_on_the_static_placement() -> None:
+    """routing.load: the uniform load gives the force-balanced price; a hot expert costs its GPU more."""
+    row = _row()
+    uniform = [[4096 * 2 / 8] * 8 for _ in range(8)]
+    balanced = price_layer(row)
+    same = price_layer({**row, "routing": {"load": uniform}})
+    assert (same.forward_s, same.backward_s) == pytest.approx((balanced.forward_s, balanced.backward_s))
+    hot = [[1024.0 * 2] + [1024.0 * 6 / 7] * 7 for _ in range(8)]  # expert 0 takes a quarter of the slots
+    skewed = price_layer({**row, "routing": {"load": hot}})
+    assert skewed.terms["experts"] > balanced.terms["experts"] * 1.9
+    assert skewed.backward_s > balanced.backward_s
+    with pytest.raises(ConfigError, match=r"routing\.load"):
+        price_layer({**row, "routing": {"load": [[1.0] * 8]}})
