@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import build_cluster, build_cost, build_model
+from experiments.config import build_cluster, build_cost, build_model, build_workload_for, load_counts
 from experiments.grid import cells, compose_cells
-from experiments.inputs import build_workload_for, load_counts
 from experiments.layout_check import memory_problems, workload_memory_problems
 from experiments.peer_traces import PEER_DIR, peer_args, prepare_peer_traces
 from relibra.trace.format import load_trace
