@@ -173,7 +173,7 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
             )
         for unreadable in rep.corrupt:
             console.print(
-                f"  [yellow]unreadable cell file[/yellow] {escape(unreadable)}: "
+                f"  [yellow]unreadable or incomplete cell[/yellow] {escape(unreadable)}: "
                 "treated as missing and computed again"
             )
         for cell, why in rep.failed:

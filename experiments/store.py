@@ -451,10 +451,18 @@ class ResultsStore:
             raise FileNotFoundError(f"cell {key} is not finished in {self.root} (no {path})") from None
         rows, config = _verified_with_config(path, key, table, has_config=True)
         recorded = (table.schema.metadata or {}).get(_PER_LAYER_META, b"")
-        lost = None
-        if recorded and not self.per_layer_path(key).is_file():
-            lost = f"the per-layer table of cell {key} is missing (its cell file records one)"
-        return rows, config, lost
+        if not recorded:
+            return rows, config, None
+        layer_path = self.per_layer_path(key)
+        if not layer_path.is_file():
+            return rows, config, f"the per-layer table of cell {key} is missing (its cell file records one)"
+        try:  # NOTE: the footer only; read_per_layer checks the rows against it
+            held = (pq.read_schema(layer_path).metadata or {}).get(_CHECKSUM_META)
+        except (OSError, pa.ArrowException) as err:
+            return rows, config, f"the per-layer table of cell {key} cannot be read ({err})"
+        if held != recorded:
+            return rows, config, f"the per-layer table of cell {key} is not the one its cell file records"
+        return rows, config, None
 
     def finished(self, key: str) -> pd.DataFrame | None:
         """Rows of cell ``key`` when it is finished and readable, else None: the one way the suite decides

@@ -416,19 +416,21 @@ def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, 
     (tmp_path / "file").write_text("not a folder")
     code = reproduce(["--results", str(tmp_path / "file"), "--presets", "quick_overhead", "--no-analysis"])
     assert code == 2
-    # NOTE: each cell's results_dir is checked with the grid's validation, before the store is touched
-    assert f"results_dir={tmp_path / 'file'}/quick_overhead" in capsys.readouterr().err
+    # NOTE: the results root is checked first, before a trace could be converted into it (issue 54)
+    assert f"--results={tmp_path / 'file'}: {tmp_path / 'file'} is a file" in capsys.readouterr().err
 
 
-def test_reused_cell_with_an_unreadable_per_layer_table_says_so(tmp_path) -> None:
+def test_a_cell_with_an_unreadable_per_layer_table_is_recomputed_restoring_it(tmp_path) -> None:
+    """The cell file records its per-layer table (issue 54): a truncated one unfinishes the cell."""
     c = cfg(*TINY, "planner=megatron", f"+results_dir={tmp_path / 'store'}")
     run(c, run_dir=tmp_path / "a")
-    with open(ResultsStore(tmp_path / "store").per_layer_path(cell_key(c)), "r+b") as fh:
+    store = ResultsStore(tmp_path / "store")
+    with open(store.per_layer_path(cell_key(c)), "r+b") as fh:
         fh.truncate(100)
     run(c, run_dir=tmp_path / "b")
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert summary["reused_from"] and "per_layer.parquet" in summary["not_written"]
-    assert not (tmp_path / "b" / "per_layer.parquet").exists()
+    assert summary["reused_from"] is None and (tmp_path / "b" / "per_layer.parquet").exists()
+    assert store.read_per_layer(cell_key(c)) is not None
 
 
 # --- round two (issue 32): Hydra's refusals, run directories, sweeps, store, traces, W&B, messages ---------

@@ -608,3 +608,4 @@ def test_a_per_layer_table_of_another_computation_is_refused(tmp_path: Path) -> 
     with pytest.raises(CorruptCellError, match="not the per-layer table its cell file records"):
         store.read_per_layer(key)
     assert store.per_layer_contents()[1] == [key]
+    assert store.finished(key) is None and store.contents().lost_per_layer == [key]  # recomputed on a rerun
