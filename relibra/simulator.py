@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -266,6 +266,7 @@ def simulate(
             seed=opt.seed,
             prev_redundant=prev_redundant,
         )
+        ctx = replace(ctx, batches_left=counts.num_batches - b)
         mbs = workload.batch_microbatches(b)
         rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
         t0 = time.perf_counter()

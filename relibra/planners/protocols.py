@@ -46,6 +46,10 @@ class BatchContext:
     """int32 [L, G, W] or None: the previous batch's permanent redundant copies (``BatchPlan.redundant``,
     -1 empty), so that a planner that keeps its placement between rebalances (``eplb_periodic``) keeps them
     too."""
+    batches_left: int | None = None
+    """Batches of the run from this one on, this one included (a trainer knows its training steps); None:
+    unknown. A planner that spreads a move's migration over a placement's predicted lifetime caps the
+    lifetime at it (:class:`~relibra.planners.portfolio.PortfolioPlanner`)."""
     seed: int = 0
     regroup: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = field(default=None, repr=False)
     """``regroup(sample_gpu) -> (load [Mb, L, G, E], tokens [Mb, G])`` for a new sample assignment."""

@@ -38,7 +38,7 @@ def _with_cost(ctx: BatchContext, dispatcher: str, overlap: bool, path: str = "n
 
 def _recommended() -> object:
     """``planner=relibra_portfolio`` as composed (fewer annealing proposals, to keep the test fast)."""
-    over = [f"planner.candidates.{c}.reorder.{k}={v}" for c in ("balance",) for k, v in
+    over = [f"planner.candidates.{c}.reorder.{k}={v}" for c in ("balance", "spread") for k, v in
             (("iterations", 150), ("aggregate_warmup", 100), ("locality_iterations", 2))]  # fmt: skip
     return instantiate(cfg("planner=relibra_portfolio", *over).planner, _convert_="all")
 

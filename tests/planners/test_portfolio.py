@@ -108,7 +108,7 @@ def test_portfolio_refuses_bad_candidates() -> None:
         portfolio({"x": 3})  # type: ignore[dict-item]
 
 
-def test_portfolio_config_composes_its_two_candidates() -> None:
+def test_portfolio_config_composes_its_three_candidates() -> None:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(
             config_name="config",
@@ -120,15 +120,23 @@ def test_portfolio_config_composes_its_two_candidates() -> None:
     planner = instantiate(cfg.planner, _convert_="all")
     assert isinstance(planner, PortfolioPlanner) and isinstance(planner, Planner)
     assert planner.name == "relibra_portfolio" and planner.replica_slots == 3
-    balance, keep = planner.candidates
-    assert (balance.name, keep.name) == ("relibra_balance_incremental", "relibra_keep_placement")
+    balance, spread, keep = planner.candidates
+    assert (balance.name, spread.name, keep.name) == (
+        "relibra_balance_incremental",
+        "relibra_spread_incremental",
+        "relibra_keep_placement",
+    )
     # the recommended configuration reorders incrementally
-    assert balance.reorderer.config.start == "previous"  # type: ignore[attr-defined]
+    for c in (balance, spread):
+        assert c.reorderer.config.start == "previous"  # type: ignore[attr-defined]
     assert balance.reorderer.config.horizon == cfg.planner.candidates.balance.reorder.horizon > 0  # type: ignore[attr-defined]
-    assert balance.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
+    assert spread.reorderer.config.horizon > balance.reorderer.config.horizon  # type: ignore[attr-defined]
+    assert balance.replica_slots == spread.replica_slots == keep.replica_slots == 3  # type: ignore[attr-defined]
     assert isinstance(keep.reorderer, PreviousReorderer)  # type: ignore[attr-defined]
     assert balance.replicator.config.acceptance == "compute"  # type: ignore[attr-defined]
     assert balance.reorderer.config.comm_weight == 0.0  # type: ignore[attr-defined]
+    assert spread.reorderer.config.comm_weight == 1.0  # type: ignore[attr-defined]
+    assert planner.lifetime_window == planner.history_batches == 12
 
 
 def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) -> None:
@@ -156,3 +164,91 @@ def test_keep_placement_keeps_the_previous_placement_and_moves_nothing(setup) ->
         keep.plan(batch_context(counts, workload, 1, cluster, model, cost, prev_home=prev[:, :-1]))
     with pytest.raises(ValueError, match="placement='latest'"):
         relibra_replicate_only(replica_slots=2, placement="latest")
+
+
+# ------------------------------------------------------------------------------ predicted lifetime
+def _hot_node(batches: int, hot_share: float):
+    """2 nodes x 4 GPUs, 16 Qwen3-30B-A3B-shaped experts, 2 layers; node 0's experts take ``hot_share``."""
+    from relibra.workload import build_workload
+    from tests.builders import make_cost
+    from tests.planners.hot_sets import hot_set_counts
+
+    cost = make_cost(2, 4, 16, num_layers=2, top_k=4)
+    counts = hot_set_counts(
+        num_experts=16, num_layers=2, top_k=4, num_gpus=8, gpus_per_node=4, batches=batches, tokens=4096,
+        hot_share=hot_share,
+    )  # fmt: skip
+    return counts, build_workload(counts, 8, samples_per_microbatch=1), cost
+
+
+def test_placement_lifetime_counts_the_batches_a_saving_lasted() -> None:
+    from relibra.planners.portfolio import placement_lifetime
+    from relibra.planners.protocols import static_placement
+
+    counts, workload, cost = _hot_node(4, 0.8)
+    loads = [batch_context(counts, workload, b, cost.cluster, cost.model, cost).load for b in range(4)]
+    prev = static_placement(2, 16, 8)
+    spread = np.broadcast_to(np.arange(16) % 8, (2, 16)).astype(np.int32)  # node 0's experts over both nodes
+    assert placement_lifetime(cost, loads[3], tuple(loads[:3]), prev, spread) == pytest.approx(4.0, abs=0.1)
+    assert placement_lifetime(cost, loads[3], (), prev, spread) == 1.0
+    assert placement_lifetime(cost, loads[3], tuple(loads[:3]), prev, prev) == 1.0
+    cool, cool_wl, _ = _hot_node(4, 0.5)  # balanced routing: the spread saves nothing in the past
+    past = tuple(batch_context(cool, cool_wl, b, cost.cluster, cost.model, cost).load for b in range(3))
+    assert placement_lifetime(cost, loads[3], past, prev, spread) < 1.5
+
+
+def _portfolio_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["planner=relibra_portfolio", *overrides])
+    return instantiate(cfg.planner, _convert_="all")
+
+
+def test_a_lasting_hot_node_is_spread_across_nodes() -> None:
+    """A whole node hot for 5 batches: the portfolio with the spread candidate and the predicted lifetime
+    moves experts off the node and is faster than the former two-candidate portfolio, which never moved."""
+    counts, workload, cost = _hot_node(5, 0.8)
+    fast = [f"planner.candidates.{c}.reorder.iterations=300" for c in ("balance", "spread")]
+    now = simulate(_portfolio_cfg(*fast), counts, workload, cost.cluster, cost.model, cost)
+    before = simulate(
+        _portfolio_cfg(fast[0], "planner.lifetime_window=0", "~planner.candidates.spread"),
+        counts, workload, cost.cluster, cost.model, cost,
+    )  # fmt: skip
+    assert now.moved.sum() > 0
+    assert now.metrics["step_time_s"] < before.metrics["step_time_s"]
+
+
+@dataclass(frozen=True)
+class _FixedHome:
+    """A planner that always answers the same placement, every expert computed at home."""
+
+    name: str
+    home: np.ndarray
+    slot_budget: SlotBudget = field(default_factory=SlotBudget)
+
+    def plan(self, ctx: BatchContext) -> BatchPlan:
+        from relibra.planners.protocols import home_assign
+
+        load = np.asarray(ctx.load)
+        return BatchPlan(home=self.home, assign=home_assign(load, self.home, ctx.num_gpus), load=load,
+                         sample_gpu=ctx.sample_gpu)  # fmt: skip
+
+
+def test_the_lifetime_is_capped_by_the_batches_left_in_the_run() -> None:
+    """A move on the last batch of a run serves that batch alone: no lifetime is credited beyond it."""
+    from dataclasses import replace as dc_replace
+
+    from relibra.planners.protocols import static_placement
+
+    counts, workload, cost = _hot_node(4, 0.8)
+    history = tuple(batch_context(counts, workload, b, cost.cluster, cost.model, cost).load for b in range(3))
+    ctx = dc_replace(batch_context(counts, workload, 3, cost.cluster, cost.model, cost), history=history)
+    spread = np.broadcast_to(np.arange(16) % 8, (2, 16)).astype(np.int32)
+    chooser = PortfolioPlanner(
+        "p", (_FixedHome("keep", static_placement(2, 16, 8)), _FixedHome("spread", spread)), 0, 3
+    )
+    lifetimes = {}
+    for left in (None, 2, 1):
+        stats = chooser.plan(dc_replace(ctx, batches_left=left)).stats
+        lifetimes[left] = stats["portfolio_spread_lifetime"]
+        assert stats["portfolio_keep_lifetime"] == 1.0
+    assert lifetimes[None] == pytest.approx(4.0, abs=0.1) and lifetimes[2] == 2.0 and lifetimes[1] == 1.0
