@@ -267,3 +267,27 @@ def test_the_relabelling_keeps_tp_cp_groups() -> None:
     assert (keep_in_place(shuffled, prev, 2, 8)[shuffled] == prev).all()
     assert (keep_in_place(shuffled, prev, 2, 8, group=4) % 8 == np.arange(16) % 8).all()
     assert (keep_in_place(new, prev, 2, 8, group=16) == np.arange(16)).all()
+
+
+def test_the_p2p_ring_is_exposed_only_beyond_the_attention_it_hides_behind() -> None:
+    from experiments.config import build_cluster, build_model
+    from relibra.cost.context import cp_exchange_time, kv_bytes_per_token
+
+    cfg = _cfg()
+    cluster, model = build_cluster(cfg), build_model(cfg)
+    hw = cluster.hardware
+    tokens = np.full((1, 8), 4096.0)
+    lay = ParallelLayout(tp=2, cp=4)
+    assert cp_exchange_time(cluster, model, ParallelLayout(tp=2), tokens, np.zeros((1, 8)))[0] == 0.0
+    send = 4096 * 2 * kv_bytes_per_token(model, 2) / (hw.nvlink_bytes_per_s * hw.nvlink_efficiency)
+    send += hw.alltoall_latency_s
+    # no attention to hide behind: cp - 1 sends forward, twice the bytes backward
+    bare = cp_exchange_time(cluster, model, lay, tokens, np.zeros((1, 8)))[0]
+    assert bare == pytest.approx(3 * (send + 2 * send))
+    # attention longer than every send: nothing exposed
+    assert cp_exchange_time(cluster, model, lay, tokens, np.full((1, 8), 1.0))[0] == 0.0
+    # a group wider than the NVLink domain rides the rail NIC
+    wide = cp_exchange_time(cluster, model, ParallelLayout(tp=2, cp=8), tokens, np.zeros((1, 8)))[0]
+    nic = 4096 * 2 * kv_bytes_per_token(model, 2) / (hw.nic_bytes_per_s * hw.nic_efficiency)
+    assert wide == pytest.approx(7 * 3 * (nic + hw.alltoall_latency_s))
+    assert kv_bytes_per_token(model, 8) == 2 * 1 * 2 * model.head_dim  # 4 KV heads: one per GPU at tp 8
