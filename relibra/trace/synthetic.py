@@ -38,9 +38,9 @@ from relibra.types import SampleCounts
 
 __all__ = [
     "PRESETS",
-    "counts_from_probs",
     "DomainSpec",
     "WorkloadPreset",
+    "counts_from_probs",
     "generate_counts",
     "generate_lengths",
     "generate_trace",
