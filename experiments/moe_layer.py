@@ -15,11 +15,16 @@ times are never read) with the same terms the simulator charges a MoE layer of a
   (``host_overhead_s``, :meth:`relibra.cost.step.WholeStepTerms.launch_time`);
 * backward: the rest of each, and the second direction of host time.
 
-The fit (:func:`fit_layer`) sets the two Hopper constants the rows' provenance names,
-``cluster.hardware.gemm_efficiency`` and ``cluster.hardware.host_overhead_s``, by least squares of
-``log(model / measured)`` over the forward and backward of every calibration row (a grid over the
-efficiency, each point's host time solved in closed form on its line, then refined); check rows are never
-read by it.
+What the rows can and cannot identify: each iteration of the test queues a long GEMM "to hide the router
+launch overhead" before one isolated layer, so the host launches the layer's first kernels ahead of the GPU
+and only the host time after the dispatcher's device-to-host sync can show in the timings. A whole step's
+per-layer host time (``cluster.hardware.host_overhead_s``: every launch the GPU waits for once the host falls
+behind, layer after layer) is not in them. So a row is priced with no step host time, and :func:`fit_layer`
+fits the one host term the rows do see, the isolated layer's post-sync host time (:data:`POST_SYNC`, stored
+in the data file, never in a cluster yaml), by least squares of ``log(model / measured)`` over the forward
+and backward of every calibration row at the yaml's GEMM efficiency; ``joint`` also fits the efficiency (a
+grid over it, each point's host time solved on its line), as a diagnostic. Check rows are never read by
+it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE, Training
 __all__ = [
     "DATA_FILE",
     "FITTED",
+    "POST_SYNC",
     "LayerFit",
     "LayerTimes",
     "fit_layer",
@@ -54,7 +60,11 @@ __all__ = [
 DATA_FILE = Path(__file__).resolve().parent / "data" / "moe_layer.json"
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 FITTED = ("cluster.hardware.gemm_efficiency", "cluster.hardware.host_overhead_s")
-"""The constants the calibration rows set, in the order :class:`LayerFit` holds them."""
+"""The constants a row is priced with in place of the cluster yaml's, in the order :class:`LayerFit` holds
+them."""
+POST_SYNC = "layer.post_sync_host_s"
+"""The data file's ``fitted_constants`` key of the isolated layer's host time (module doc): a property of
+the measurement's setup, never written into a cluster yaml."""
 ROLES = ("calibration", "check")
 _EFFICIENCY_RANGE = (0.4, 1.0)
 """The efficiencies searched (a fraction of the datasheet peak: above 1 is impossible)."""
@@ -120,7 +130,8 @@ def price_layer(row: dict[str, Any], constants: dict[str, float] | None = None) 
     expert; ``experiments/gpu_measurements.py`` writes it for measured imbalance) is priced with that load
     on the same static placement: the busiest GPU's expert GEMMs, permutation and casts, the busiest link.
     """
-    cost = _cost(row, constants or {})
+    # NOTE: the isolated layer has no step host time (module doc): 0 unless the caller prices one.
+    cost = _cost(row, {FITTED[1]: 0.0, **(constants or {})})
     m, g = cost.model, cost.cluster.num_gpus
     if m.num_experts % g:
         raise ConfigError(f"per-layer row {row.get('id')!r}: {m.num_experts} experts over {g} GPUs")
@@ -159,11 +170,12 @@ def price_layer(row: dict[str, Any], constants: dict[str, float] | None = None) 
 
 @dataclass(frozen=True)
 class LayerFit:
-    """The fitted constants (:data:`FITTED`) and what they were fitted to."""
+    """The fitted post-sync host time (and, jointly, the efficiency) and what they were fitted to."""
 
     gemm_efficiency: float
     """The fitted efficiency; NaN when it was held at the cluster yaml's (the default fit)."""
     host_overhead_s: float
+    """The isolated layer's host seconds per direction after the sync (:data:`POST_SYNC`)."""
     rows: tuple[str, ...]
     """The calibration rows' ids, in the file's order."""
     log_rms: float
@@ -181,7 +193,7 @@ class LayerFit:
         }
         eff = [e for e, _ in self.leave_one_out]
         host = [h for _, h in self.leave_one_out]
-        out = {FITTED[1]: {"value": self.host_overhead_s, **common, "leave_one_out": [min(host), max(host)]}}
+        out = {POST_SYNC: {"value": self.host_overhead_s, **common, "leave_one_out": [min(host), max(host)]}}
         if not math.isnan(self.gemm_efficiency):
             out[FITTED[0]] = {"value": self.gemm_efficiency, **common, "leave_one_out": [min(eff), max(eff)]}
         return out
@@ -229,9 +241,9 @@ def _fit(target: np.ndarray, lines: dict[float | None, np.ndarray]) -> tuple[flo
 def fit_layer(doc: dict[str, Any], joint: bool = False) -> LayerFit:
     """Fit the calibration rows of ``doc`` (module doc); check rows are never priced.
 
-    Default: ``host_overhead_s`` alone, at the cluster yaml's ``gemm_efficiency`` (what the suite adopts,
-    docs/validation.md "Calibration per GPU generation"). ``joint``: both constants, the efficiency on a
-    grid of 0.005 over ``[0.4, 1.0]`` (a diagnostic: where the layer's other terms would put the GEMMs).
+    Default: the post-sync host time alone, at the cluster yaml's ``gemm_efficiency``. ``joint``: with the
+    efficiency, on a grid of 0.005 over ``[0.4, 1.0]`` (a diagnostic: where the layer's other terms would put
+    the GEMMs).
     """
     rows = [r for r in doc["rows"] if r["role"] == "calibration"]
     if not rows:
@@ -262,8 +274,11 @@ def fit_layer(doc: dict[str, Any], joint: bool = False) -> LayerFit:
 def layer_table(path: str | Path = DATA_FILE, constants: dict[str, float] | None = None) -> pd.DataFrame:
     """One row per measured layer: measured and priced forward and backward (ms), model / measured of each
     and of their sum, the role, and the priced terms (ms, fwd + bwd); with the constants of
-    ``experiments/conf`` unless ``constants`` replaces some."""
+    ``experiments/conf`` and the file's stored post-sync host time unless ``constants`` replaces them."""
     doc = load_layer_rows(path)
+    stored = (doc.get("fitted_constants") or {}).get(POST_SYNC)
+    if stored is not None:
+        constants = {FITTED[1]: float(stored["value"]), **(constants or {})}
     out = []
     for row in doc["rows"]:
         p = price_layer(row, constants)

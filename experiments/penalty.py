@@ -112,10 +112,11 @@ def routing_source(name: str, model: str, num_layers: int, num_experts: int, top
     raise ConfigError(f"routing {name!r}: expected 'popularity' or 'force_biased:STD'")
 
 
-def simulate_pair(row: dict[str, Any], source: str) -> dict[str, float]:
+def simulate_pair(row: dict[str, Any], source: str, constants: tuple[str, ...] = ()) -> dict[str, float]:
     """The row's forced and dropless runs (module doc): their step seconds, the simulated and measured
-    penalty and the dropless routing's mean skew."""
-    cfg = row_config(row)
+    penalty and the dropless routing's mean skew. ``constants``: overrides after the row's (e.g.
+    ``training.host_overhead_s=0.003589``, to price the pair with another host time)."""
+    cfg = row_config(row, constants)
     cluster, model = build_cluster(cfg), build_model(cfg)
     cost = build_cost(cfg, cluster, model)
     blank = SampleCounts(

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fit",
         action="store_true",
         help="with --end-to-end: fit Blackwell's host overhead to the calibration rows; with --moe-layer: "
-        "Hopper's; either stores it in the data file (its fitted_constants) before the table",
+        "the isolated layer's post-sync host time; either stores it in the data file (fitted_constants)",
     )
     ap.add_argument(
         "--joint",
@@ -524,7 +524,7 @@ def _penalty(data: Path | None, sources: str | None) -> int:
 def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:
     """``--moe-layer`` (:mod:`experiments.moe_layer`); exit status 2 with one message for a bad file."""
     from experiments.config import ConfigError
-    from experiments.moe_layer import DATA_FILE, fit_layer, layer_table, load_layer_rows
+    from experiments.moe_layer import DATA_FILE, POST_SYNC, fit_layer, layer_table, load_layer_rows
     from relibra.atomic import atomic_write
 
     path = data or DATA_FILE
@@ -532,8 +532,8 @@ def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:
         doc = load_layer_rows(path)
         if fit:
             fitted = fit_layer(doc)
-            print(f"cluster.hardware.host_overhead_s (Hopper) = {fitted.host_overhead_s:.6g} s per MoE "
-                  f"layer, direction and micro-batch, at the yaml gemm_efficiency ({len(fitted.rows)} rows, "
+            print(f"{POST_SYNC} = {fitted.host_overhead_s:.6g} s per direction (the isolated layer's host "
+                  f"time after the sync), at the yaml gemm_efficiency ({len(fitted.rows)} rows, "
                   f"log rms {fitted.log_rms:.3f})")  # fmt: skip
             if joint:
                 both = fit_layer(doc, joint=True)
@@ -543,9 +543,10 @@ def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:
             doc["fitted_constants"] = fitted.entries()
             text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
             atomic_write(path, lambda f: f.write(text.encode()))
-            print(f"stored in {path} (fitted_constants); the grids run cluster.hardware.host_overhead_s of "
-                  "experiments/conf/cluster/hopper.yaml and h800.yaml (tests/experiments/test_moe_layer.py "
-                  "checks that they agree)\n")  # fmt: skip
+            print(
+                f"stored in {path} (fitted_constants); a property of the measurement's setup, not a "
+                "cluster yaml's host_overhead_s (docs/validation.md, 'Calibration per GPU generation')\n"
+            )
         table = layer_table(path)
     except (ConfigError, KeyError, TypeError) as exc:
         why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
