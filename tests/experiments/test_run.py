@@ -437,6 +437,7 @@ def test_portfolio_candidates_each_get_a_control_plane():
         assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
         assert [c.name for c in wrapped.candidates] == [
             "relibra_balance_incremental",
+            "relibra_spread_incremental",
             "relibra_keep_placement",
         ]
 
