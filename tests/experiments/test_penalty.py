@@ -98,7 +98,7 @@ def test_a_row_with_needs_is_listed_not_simulated(tmp_path: Path) -> None:
 @pytest.mark.skipif(not (SHARED / "qwen3-moe-counts").is_dir(), reason="needs ../shared qwen3-moe-counts")
 def test_the_16k_penalty_on_qwen3_popularity_is_within_a_quarter_of_measured() -> None:
     """The issue's target, on the 16K row with the model's real per-layer popularity (about 20 s): the
-    simulated penalty within 25 % of the measured one (0.286 / 0.245 when recorded)."""
+    simulated penalty within 25 % of the measured one (0.215 / 0.245 when recorded)."""
     sim = simulate_pair(load_penalty_rows()["rows"][0], "popularity")
     assert abs(sim["penalty"] / sim["measured_penalty"] - 1) <= 0.25
     assert 1.6 < sim["dropless_skew"] < 1.9  # the repo's identity r_avg at EP 8: 1.737
