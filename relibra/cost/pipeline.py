@@ -173,7 +173,9 @@ def pipelined(
         if last:
             per_mb = per_mb + sp.head
         after_of[s] = per_step(s, float(per_mb[0]), float(per_mb[-1]), share) if per_step is not None else ()
-    if forward_only:
+    if pp == 1:  # NOTE: one stage runs its ops back to back: no schedule, no bubble, the busy sum's bits.
+        finish = np.array([_one_stage_busy(sp, moe_chunk, dense_chunk, num_moe)])
+    elif forward_only:
         finish = simulate_schedule(work, np.zeros_like(work), forward_only=True)
     else:
         finish = simulate_schedule(FORWARD_SHARE * work, (1.0 - FORWARD_SHARE) * work)
@@ -183,7 +185,22 @@ def pipelined(
         float(totals[s]),
         exposed_all,
         s,
-        float(finish[s] - busy_of[s]),
+        0.0 if pp == 1 else max(float(finish[s] - busy_of[s]), 0.0),
         float(sp.p2p.sum()),
         tuple(after_of[s]),
+    )
+
+
+def _one_stage_busy(sp: StagePass, moe_chunk: np.ndarray, dense_chunk: np.ndarray, num_moe: int) -> float:
+    """The busy seconds of a one-stage pass (``pp = 1``), summed as before the schedule was run (so
+    tensor-parallel layouts without a pipeline keep their bits): the MoE layers joined as the cluster says,
+    the dense layers, the head, the sends and the spread."""
+    moe, _ = _join(sp.comp, sp.comm, sp.overlap, sp.contention)
+    nd = len(dense_chunk)
+    return (
+        moe
+        + nd * float(sp.dense.sum())
+        + float(sp.head.sum())
+        + float(sp.p2p.sum())
+        + (1.0 if num_moe else 0.0) * sp.spread
     )

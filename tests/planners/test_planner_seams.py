@@ -39,7 +39,7 @@ def test_planner_declares_its_slot_budget(name: str) -> None:
         assert planner.replicator.with_slots(0).replica_slots == 0
     if isinstance(planner, PlannerPortfolio):
         candidates = planner.candidate_planners()
-        assert len(candidates) == 2
+        assert len(candidates) == 3
         assert planner.with_candidates(candidates[:1]).candidate_planners() == candidates[:1]
 
 
