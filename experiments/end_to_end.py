@@ -20,7 +20,6 @@ model) are listed and left out of the errors.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +42,7 @@ from experiments.config import (
     sim_options,
 )
 from experiments.config_checks import validate
+from experiments.data_files import read_rows_file
 from experiments.layout_check import build_layout
 from relibra.simulator import simulate
 from relibra.types import SampleCounts, Workload
@@ -68,12 +68,7 @@ ROLES = ("calibration", "check")
 def load_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
     """The end-to-end data file (format: module doc), its roles checked (:func:`check_roles`). Refuses a
     missing or unreadable file, and one without a ``rows`` list, naming the path."""
-    try:
-        doc: dict[str, Any] = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"end-to-end data {path}: cannot be read as JSON ({exc})") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ConfigError(f"end-to-end data {path}: expected an object with a 'rows' list")
+    doc = read_rows_file(path, "end-to-end data")
     check_roles(doc)
     return doc
 

@@ -30,7 +30,6 @@ it.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +40,7 @@ import pandas as pd
 from hydra import compose, initialize_config_dir
 
 from experiments.config import ConfigError, build_cluster, build_training
+from experiments.data_files import read_rows_file
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE, TrainingSpec
@@ -83,12 +83,7 @@ class LayerTimes:
 
 def load_layer_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
     """The per-layer data file, its roles checked; one :class:`ConfigError` naming the path otherwise."""
-    try:
-        doc: dict[str, Any] = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"per-layer data {path}: cannot be read as JSON ({exc})") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ConfigError(f"per-layer data {path}: expected an object with a 'rows' list")
+    doc = read_rows_file(path, "per-layer data")
     for row in doc["rows"]:
         if not isinstance(row, dict) or row.get("role") not in ROLES:
             rid = row.get("id") if isinstance(row, dict) else row

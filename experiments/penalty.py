@@ -33,6 +33,7 @@ import pandas as pd
 
 from baselines.force_balanced import uniform_routing
 from experiments.config import ConfigError, build_cluster, build_cost, build_model, build_planner, sim_options
+from experiments.data_files import read_rows_file
 from experiments.end_to_end import row_config, row_workload
 from relibra.simulator import simulate
 from relibra.trace.biased import force_biased_shares, popularity_counts
@@ -55,12 +56,7 @@ Routing = Callable[[SampleCounts, int], SampleCounts]
 
 def load_penalty_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
     """The penalty data file; one :class:`ConfigError` naming the path otherwise."""
-    try:
-        doc: dict[str, Any] = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"penalty data {path}: cannot be read as JSON ({exc})") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-        raise ConfigError(f"penalty data {path}: expected an object with a 'rows' list")
+    doc = read_rows_file(path, "penalty data")
     for row in doc["rows"]:
         for key in ("id", "config", "overrides", "forced_tflops_per_gpu", "dropless_tflops_per_gpu"):
             if not isinstance(row, dict) or key not in row:
