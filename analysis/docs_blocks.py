@@ -58,8 +58,11 @@ class StaleBlock:
 
 
 def doc_files(repo: Path) -> list[Path]:
-    """The hand-written docs: ``README.md`` and ``docs/*.md`` (``docs/results/`` is generated itself)."""
-    return [p for p in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))] if p.is_file()]
+    """The hand-written docs: ``README.md``, ``docs/*.md`` and the measurement records ``docs/records/*.md``
+    (``docs/results/`` is generated itself)."""
+    docs = repo / "docs"
+    pages = [repo / "README.md", *sorted(docs.glob("*.md")), *sorted((docs / "records").glob("*.md"))]
+    return [p for p in pages if p.is_file()]
 
 
 def read_markdown_table(path: Path) -> tuple[list[str], list[list[str]]]:

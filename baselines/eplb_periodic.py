@@ -17,7 +17,7 @@ Sources (read at their source, not copied):
 Both count inference forward passes (engine steps); here a step is one RL training step (one batch), so
 their 1000 / 3000 have no counterpart and the defaults are in batches: ``rebalance_interval = 4`` and
 ``history_window = 4`` (SGLang's window equal to its interval), which is the placement lifetime measured on
-the synthetic traces (docs/benchmarks.md, "Placement lifetime"; the horizon of ``relibra_portfolio``).
+the synthetic traces (docs/records/reorder.md, "Placement lifetime"; the horizon of ``relibra_portfolio``).
 ``redundant_slots = 2`` as ``eplb`` (EPLB+), so the two compare on one memory budget; the upstream
 default 0 is ``planner.redundant_slots=0``. As upstream, the first rebalance comes after
 ``rebalance_interval`` steps (steps ``rebalance_interval, 2 * rebalance_interval, ...``); before it,

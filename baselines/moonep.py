@@ -50,8 +50,8 @@ __all__ = ["MEASURED_CRITICAL_PATH_S", "MoonEPPlanner", "allocate", "receive_cap
 MEASURED_CRITICAL_PATH_S = 93e-6
 """This implementation's median planning time per (micro-batch, layer) at EP 64 in one NVLink domain (128
 experts, 8192 tokens x top-8 per GPU, 200 skewed draws; compiled, one core of a shared 2-core machine;
-docs/benchmarks.md, "MoonEP planning"). Upstream plans in one cooperative GPU launch after an all-gather of
-the per-rank histograms and publishes no time."""
+docs/records/baselines.md, "MoonEP planning"). Upstream plans in one cooperative GPU launch after an
+all-gather of the per-rank histograms and publishes no time."""
 
 
 # ------------------------------------------------------------------------------------------ kernels

@@ -360,7 +360,8 @@ def schedule(jobs: list[CellJob]) -> tuple[list[CellJob], dict[str, list[CellJob
 
 def _reorderings(planner: DictConfig) -> int:
     """Annealing reorderers in a planner's config (its ``reorder`` nodes, candidates' included): the
-    stage that dominates a cell's time (docs/benchmarks.md), so the schedule's estimate of its length."""
+    stage that dominates a cell's time (docs/records/reproduce.md), so the schedule's estimate of its
+    length."""
     tree = OmegaConf.to_container(planner, resolve=False)
 
     def count(node: object) -> int:

@@ -70,7 +70,8 @@ def test_estimate_is_within_3x_of_a_real_run(monkeypatch) -> None:
     """One small real run (olmoe shape, 4 ranks, 8 samples of at most 64 tokens, the default 64 x 32
     experts): the preflight estimate against the wall time of ``TorchExecutor.execute`` (start, every
     micro-batch and layer, the Adam step). Factor 3: the estimate leaves out the gloo all-to-all waits and
-    measures on a host whose load changes between the probe and the run (docs/benchmarks.md)."""
+    measures on a host whose load changes between the probe and the run (docs/records/runtime.md, "Torch
+    executor time estimate")."""
     pytest.importorskip("torch")
     import time
 

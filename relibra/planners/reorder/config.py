@@ -69,7 +69,7 @@ class AnnealConfig:
     comm_weight: float = 1.0
     """Weight of the communication term in the objective (1: the cost model's ``T_MoE``). ``0`` turns the
     search into pure compute balancing, the load-balancing view of the paper's skewness figures: it trades
-    ``T_MoE`` for balance wherever the all-to-all dominates (docs/benchmarks.md, "Balance-first")."""
+    ``T_MoE`` for balance wherever the all-to-all dominates (docs/records/replicate.md, "Balance")."""
     compute_level: str = "gpu"
     """Compute term of the objective. ``gpu``: the per-GPU max (what the placement alone runs). ``node``: the
     per-node max of ``node compute / gpus_per_node``, the per-GPU compute after perfect intra-node balancing

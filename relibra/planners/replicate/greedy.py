@@ -31,7 +31,7 @@ The split is solved two ways:
   ``sum_g max(0, lambda - b[g]) = A``. A few sweeps of this over the node's replicated experts converge to
   the split that minimises the sum of squared GPU loads, which for this splittable restricted-assignment
   problem is also the min-max split (the lexicographically optimal base of a polymatroid, Fujishige).
-  Compiled with numba: 0.1-0.7 ms per problem at EP 8-64 (docs/benchmarks.md). A candidate's
+  Compiled with numba: 0.1-0.7 ms per problem at EP 8-64 (docs/records/replicate.md, "Speed"). A candidate's
   communication term is evaluated incrementally: only the traffic columns of the node whose split changed
   are rebuilt, and a candidate whose compute max plus an O(G) lower bound on one GPU's communication
   already misses the threshold is rejected without the O(G^2) pass (docs/replicate.md).
