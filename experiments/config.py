@@ -28,7 +28,7 @@ from relibra.planners.protocols import Planner, PlannerPortfolio
 from relibra.simulator import SimOptions
 from relibra.trace.format import RoutingTrace, load_trace
 from relibra.types import SampleCounts, Workload
-from relibra.workload import build_workload, split_samples
+from relibra.workload import parallel_workload
 
 __all__ = [
     "ConfigError",
@@ -203,25 +203,23 @@ def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> 
     """The run's counts (routed uniformly for force-balanced) and their workload under ``workload.*``.
 
     Returns (counts [S, L, E], workload with load [M, L, G, E]); under ``parallel.tp * parallel.cp = n > 1``
-    the counts are every sample's ``n`` ranks (:func:`relibra.workload.split_samples`, ``S * n`` rows). The
+    the counts are the ranks of every sample the EP group holds (:func:`relibra.workload.parallel_workload`:
+    ``S * n`` rows, ``S * G`` when the TP x CP group is larger than the EP group). The
     layout depends on the tokens only, so
     every planner of one config gets the same sample layout.
     """
     if routing(cfg) == "uniform":
         counts = uniform_routing(counts, int(cfg.seed))
     # NOTE: under parallel.tp / parallel.cp each sample becomes its TP x CP group's ranks (relibra.workload).
-    lay = build_layout(cfg)
-    counts = split_samples(counts, lay.tp, lay.cp)
-    workload = build_workload(
+    return parallel_workload(
         counts,
+        build_layout(cfg),
         num_gpus,
         samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
         tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
         layout=str(cfg.workload.layout),
         span=build_model(cfg).attention_span,
-        group=lay.group,
     )
-    return counts, workload
 
 
 def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:

@@ -46,7 +46,7 @@ from experiments.data_files import read_rows_file
 from experiments.layout_check import build_layout
 from relibra.simulator import simulate
 from relibra.types import SampleCounts, Workload
-from relibra.workload import build_workload, split_samples
+from relibra.workload import parallel_workload
 
 __all__ = [
     "ROLES",
@@ -131,6 +131,15 @@ def _replicas(row: dict[str, Any]) -> int:
     return 1
 
 
+def _samples(row: dict[str, Any]) -> int:
+    """Samples one EP group holds a part of per step: ``GBS / dp`` when its TP x CP groups nest in it (each
+    of its ``G / (tp * cp)`` groups takes its share), ``GBS / dp * tp * cp / G`` when a TP x CP group spans
+    ``tp * cp / G`` EP groups (they share its samples; :func:`relibra.parallel.ep_group_ranks`)."""
+    conf = row["config"]
+    n = int(conf.get("tp") or 1) * int(conf.get("cp") or 1)
+    return int(conf["global_batch"]) // _replicas(row) * max(1, n // int(conf["ep"]))
+
+
 def _micro_batch(conf: dict[str, Any]) -> int:
     """Samples per TP x CP group per micro-batch: the published micro-batch (Megatron's ``MBS``), held by the
     ``tp * cp`` GPUs of a group, each routing ``1 / (tp * cp)`` of its tokens (:mod:`relibra.workload`); a
@@ -141,7 +150,8 @@ def _micro_batch(conf: dict[str, Any]) -> int:
 
 def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig:
     """The row's composed and validated config (its overrides, then ``constants``, then the run's own keys:
-    force-balanced, the whole step, ``GBS / dp`` samples of ``seq_len`` tokens in one batch, ``MBS`` samples
+    force-balanced, the whole step, the samples of ``seq_len`` tokens one EP group holds in one batch
+    (:func:`_samples`), ``MBS`` samples
     per TP x CP group per micro-batch), its layout checked against the row's ``config``."""
     conf = row["config"]
     overrides = [
@@ -150,7 +160,7 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig
         "planner=force_balanced",
         "simulator.step=whole",
         f"workload.samples_per_microbatch={_micro_batch(conf)}",
-        f"trace.samples_per_batch={int(conf['global_batch']) // _replicas(row)}",
+        f"trace.samples_per_batch={_samples(row)}",
         f"trace.max_tokens={int(conf['seq_len'])}",
         "trace.num_batches=1",
         "control_plane.enabled=false",
@@ -173,17 +183,14 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig
 def row_workload(cfg: DictConfig, counts: SampleCounts) -> tuple[SampleCounts, Workload]:
     """The row's samples ``counts`` [S, L, E] as its TP x CP groups' ranks and their workload (what
     :func:`simulate_row` simulates; ``cfg`` from :func:`row_config`)."""
-    layout = build_layout(cfg)
-    counts = split_samples(counts, layout.tp, layout.cp)
-    workload = build_workload(
+    return parallel_workload(
         counts,
+        build_layout(cfg),
         int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node),
         samples_per_microbatch=int(cfg.workload.samples_per_microbatch),
         layout=str(cfg.workload.layout),
         span=build_model(cfg).attention_span,
-        group=layout.group,
     )
-    return counts, workload
 
 
 def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str, float]:

@@ -2,7 +2,8 @@
 (:func:`experiments.config_checks.validate`).
 
 :func:`layout_problems` checks ``parallel.*`` against the cluster and the model (each size an integer >= 1,
-``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, ``tp * cp`` dividing the EP group ``G``,
+``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, ``tp * cp`` dividing the EP group ``G`` or
+``G`` dividing it (a TP x CP group over ``tp * cp / G`` EP groups, :func:`relibra.parallel.ep_group_ranks`),
 ``trace.max_tokens`` a multiple of ``2 * cp * tp`` (of ``tp`` without CP) as Megatron's sequence split needs
 (Megatron-core ``get_batch_on_this_cp_rank``; sequence parallelism), the layers cut into ``pp * vpp``
 chunks, ``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the
@@ -64,12 +65,18 @@ def layout_problems(cfg: DictConfig) -> list[str]:
         heads = cfg.model.get(key)
         if isinstance(heads, int) and heads % layout.tp:
             problems.append(f"parallel.tp={layout.tp} does not divide model.{key}={heads}")
-    if g % layout.group:
+    n = layout.group
+    if g % n and n % g:
         problems.append(
-            f"parallel.tp * parallel.cp = {layout.tp} * {layout.cp} = {layout.group} does not divide the EP "
-            f"group cluster.nodes * cluster.gpus_per_node = {nodes} * {gpn} = {g}: Megatron's data parallel "
-            "size (world / (tp * cp * pp)) would not be whole per EP group, and a TP x CP group split over "
-            "EP groups is not modelled"
+            f"parallel.tp * parallel.cp = {layout.tp} * {layout.cp} = {n} and the EP group cluster.nodes * "
+            f"cluster.gpus_per_node = {nodes} * {gpn} = {g}: neither divides the other, so Megatron's rank "
+            "mesh would cut the TP x CP groups unevenly over the EP groups"
+        )
+    elif n > g and (layout.dp * g) % n:
+        problems.append(
+            f"parallel.tp * parallel.cp = {n} GPUs span {n // g} EP groups of {g}, but parallel.dp * {g} = "
+            f"{layout.dp * g} GPUs per stage is not a whole number of TP x CP groups: Megatron's data "
+            "parallel size (world / (tp * cp * pp)) would not be whole"
         )
     unit = 2 * layout.cp * layout.tp if layout.cp > 1 else layout.tp
     trace = cfg.get("trace") or {}

@@ -31,8 +31,14 @@ data parallel ``world / (tp * cp * pp) = dp * G / (tp * cp)`` (:func:`dense_data
 x CP group, the size Megatron divides the global batch by), the dense gradients' reduction group
 ``world / (tp * pp)`` (data parallel with CP, since CP ranks hold the same weights), expert data parallel
 ``world / (etp * ep * pp) = dp``. The EP group of a stage is its ``G`` consecutive ranks (``etp = 1``): it
-holds ``G / (tp * cp)`` whole TP x CP groups, which ``tp * cp`` must divide (a TP x CP group split over
-two EP groups is not modelled, and refused by ``experiments/layout_check.py``). Megatron's micro-batch is
+holds ``G / (tp * cp)`` whole TP x CP groups when ``tp * cp`` divides ``G``; when a TP x CP group is larger
+(Megatron-MoE-ModelZoo's Qwen3-235B-A22B at 64K: TP 4 x CP 4 = 16 GPUs over EP 8), ``G`` must divide it and
+each EP group holds ``G`` consecutive ranks of one TP x CP group: ``G / tp`` of its CP ranks, every sample of
+the micro-batch in part (:func:`ep_group_ranks`). The EP groups of one TP x CP group then route disjoint
+chunks of the same sequences; the simulator prices the first (CP ranks ``0 .. G / tp - 1``), and the others
+hold the same number of tokens (Megatron's chunks differ by at most one token) and the same causal attention
+work (the load-balanced split), so it stands for all of them (choice left open: their routing differs only
+by which positions they hold, which per-sample counts do not record). Megatron's micro-batch is
 ``MBS`` samples per TP x CP group, and a step runs ``GBS / (MBS * data parallel)`` of them
 (:func:`megatron_microbatches`, ``megatron/core/num_microbatches_calculator.py``). The defaults (every
 size 1) are the EP-only layout of earlier releases.
@@ -50,6 +56,7 @@ __all__ = [
     "LAYOUT_KEYS",
     "ParallelLayout",
     "dense_data_parallel",
+    "ep_group_ranks",
     "expert_data_parallel",
     "layer_chunks",
     "layer_split_problem",
@@ -134,12 +141,17 @@ class ParallelLayout:
         span = (
             f"; a TP x CP group spans {n // gpus_per_node} nodes (CP ranks {self.tp} GPUs apart), and each "
             f"EP group is {g // gpus_per_node} consecutive nodes holding {g // n} such groups"
-            if gpus_per_node and n > gpus_per_node
+            if gpus_per_node and n > gpus_per_node and n <= g
             else ""
         )
+        inside = (
+            f"tp={self.tp} x cp={self.cp} inside it: {g // n} TP x CP groups of {n} consecutive GPUs{span}"
+            if n <= g
+            else f"tp={self.tp} x cp={self.cp} over it: each TP x CP group of {n} consecutive GPUs spans "
+            f"{n // g} EP groups, each holding {g // self.tp} of its CP ranks"
+        )
         return (
-            f"parallel layout: EP group G={g} GPUs per stage (ep={g // self.etp}, tp={self.tp} x "
-            f"cp={self.cp} inside it: {g // n} TP x CP groups of {n} consecutive GPUs{span}), pp={self.pp} "
+            f"parallel layout: EP group G={g} GPUs per stage (ep={g // self.etp}, {inside}), pp={self.pp} "
             f"stages x vpp={self.vpp} chunks, dp={self.dp} replicas: {self.dp} x {self.pp} x {g} = "
             f"{self.world_size(g)} GPUs; data parallel {dense_data_parallel(self, g)}, expert data parallel "
             f"{expert_data_parallel(self, g)}"
@@ -148,6 +160,22 @@ class ParallelLayout:
 
 LAYOUT_KEYS = tuple(f.name for f in fields(ParallelLayout))
 """The keys of ``parallel.*``."""
+
+
+def ep_group_ranks(layout: ParallelLayout, g: int) -> int:
+    """Ranks of one TP x CP group that one EP group of ``g`` GPUs holds (module doc): ``tp * cp`` when it
+    divides ``g`` (whole groups), ``g`` when ``g`` divides ``tp * cp`` (part of one group, its first ``g``
+    ranks); :class:`ValueError` when neither divides the other."""
+    n = layout.group
+    if g % n == 0:
+        return n
+    if n % g == 0:
+        return g
+    raise ValueError(
+        f"a TP x CP group of parallel.tp * parallel.cp = {layout.tp} * {layout.cp} = {n} GPUs and the EP "
+        f"group of {g} GPUs: neither divides the other, so Megatron's rank mesh would cut TP x CP groups "
+        "unevenly over EP groups"
+    )
 
 
 def expert_data_parallel(layout: ParallelLayout, ep: int) -> int:

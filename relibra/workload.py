@@ -29,6 +29,14 @@ so no rank gets them all). Choice left open: the per-sample counts keep no posit
 routing (which per-token routes would give) is replaced by its even share; the pad to a multiple of
 ``2 cp tp`` tokens that packed-sequence trainers add is not modelled (under ``2 cp tp`` tokens a sample).
 With ``tp = cp = 1`` nothing is split and every array is what it was.
+
+**A TP x CP group larger than the EP group** (``G`` dividing ``n``; :func:`relibra.parallel.ep_group_ranks`):
+the EP group holds the first ``G`` ranks of every sample of the micro-batch (CP ranks ``0 .. G / tp - 1``)
+and the other EP groups the rest. :func:`parallel_workload` keeps those ranks only (``held = G``): every
+micro-batch is ``MBS`` samples on the one group the EP group holds part of, rank ``r`` on GPU ``r``, each GPU
+still routing ``1 / n`` of its samples' tokens, and the attention span is a rank's of ``n``
+(:func:`relibra.parallel.rank_span`). Tokens are conserved over the EP groups together (the ``n / G`` of
+them hold the ranks ``k G .. (k + 1) G - 1``), not on one.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from relibra.layout import (
     SampleLayout,
     layout_samples,
 )
+from relibra.parallel import ParallelLayout, ep_group_ranks, rank_span
 from relibra.planners.protocols import BatchContext
 from relibra.types import SampleCounts, Workload
 
@@ -51,6 +60,7 @@ __all__ = [
     "build_workload",
     "gpu_token_stats",
     "microbatch_loads",
+    "parallel_workload",
     "rank_tokens",
     "split_counts",
     "split_samples",
@@ -191,24 +201,38 @@ def rank_tokens(sample_tokens: np.ndarray, tp: int, cp: int) -> np.ndarray:
     return np.diff(cut, axis=2).reshape(t.shape[0], cp * tp)
 
 
-def split_counts(counts: np.ndarray, tokens: np.ndarray, parts: np.ndarray, top_k: int) -> np.ndarray:
+def split_counts(
+    counts: np.ndarray, tokens: np.ndarray, parts: np.ndarray, top_k: int, held: int | None = None
+) -> np.ndarray:
     """Each sample's counts split over its ranks (module doc): exact sums both ways.
 
     Args:
         counts: int [S, L, E]; tokens: int [S] (``counts[s].sum(-1) == tokens[s] * top_k``);
-        parts: int [S, n] tokens of each rank (rows summing to ``tokens``).
+        parts: int [S, n] tokens of each rank (rows summing to ``tokens``); held: keep the first ``held``
+            ranks of each sample only (None: all ``n``; the EP group's share of a larger TP x CP group).
     Returns:
-        int32 [S * n, L, E]: rank ``r`` of sample ``s`` at row ``s * n + r``;
-        ``out[s*n + r].sum(-1) == parts[s, r] * top_k`` and ``out[s*n:(s+1)*n].sum(0) == counts[s]``.
+        int32 [S * h, L, E] (``h = held or n``): rank ``r < h`` of sample ``s`` at row ``s * h + r``;
+        ``out[s*h + r].sum(-1) == parts[s, r] * top_k``, and with ``h = n``
+        ``out[s*n:(s+1)*n].sum(0) == counts[s]``. A rank's rows are the same whatever ``held``.
     """
     num_s, num_l, num_e = np.shape(counts)
     n = parts.shape[1]
-    out = np.empty((num_s * n, num_l, num_e), dtype=np.int32)
+    h = n if held is None else held
+    if not 1 <= h <= n:
+        raise ValueError(f"held={held}: expected 1 .. {n} ranks of a sample")
+    out = np.empty((num_s * h, num_l, num_e), dtype=np.int32)
     # NOTE: blocks of samples bound the int64 temporaries to about SPLIT_BLOCK_VALUES values each.
-    block = max(1, SPLIT_BLOCK_VALUES // max(num_l * num_e, 1))
+    block = (
+        max(1, SPLIT_BLOCK_VALUES // max(num_l * num_e * n, 1))
+        if h < n
+        else max(1, SPLIT_BLOCK_VALUES // max(num_l * num_e, 1))
+    )
     for lo in range(0, num_s, block):
         hi = min(lo + block, num_s)
-        out[lo * n : hi * n] = _split_block(counts[lo:hi], tokens[lo:hi], parts[lo:hi], top_k, lo)
+        rows = _split_block(counts[lo:hi], tokens[lo:hi], parts[lo:hi], top_k, lo)
+        if h < n:
+            rows = rows.reshape(hi - lo, n, num_l, num_e)[:, :h].reshape(-1, num_l, num_e)
+        out[lo * h : hi * h] = rows
     return out
 
 
@@ -245,22 +269,28 @@ def _split_block(
     return out.reshape(num_s * n, num_l, num_e)
 
 
-def split_samples(counts: SampleCounts, tp: int = 1, cp: int = 1) -> SampleCounts:
-    """Every sample as its ``tp * cp`` ranks (module doc): counts int32 [S * n, L, E], tokens int64
-    [S * n], batch offsets times ``n``; ``counts`` itself when ``tp = cp = 1``."""
+def split_samples(counts: SampleCounts, tp: int = 1, cp: int = 1, held: int | None = None) -> SampleCounts:
+    """Every sample as its ``tp * cp`` ranks (module doc): counts int32 [S * h, L, E], tokens int64
+    [S * h], batch offsets times ``h``, for the first ``h = held`` ranks (None: all ``n = tp * cp``; fewer
+    where the EP group holds part of a TP x CP group, :func:`relibra.parallel.ep_group_ranks`); ``counts``
+    itself when ``tp = cp = 1``."""
     n = tp * cp
     if n == 1:
         return counts
+    h = n if held is None else held
     parts = rank_tokens(counts.tokens, tp, cp)
-    domain = None if counts.sample_domain is None else np.repeat(counts.sample_domain, n)
+    domain = None if counts.sample_domain is None else np.repeat(counts.sample_domain, h)
+    meta = {**counts.meta, "ranks_per_sample": h}
+    if h < n:
+        meta["ranks_per_group"] = n
     return SampleCounts(
-        counts=split_counts(counts.counts, counts.tokens, parts, counts.top_k),
-        tokens=parts.reshape(-1),
-        batch_offsets=np.asarray(counts.batch_offsets, dtype=np.int64) * n,
+        counts=split_counts(counts.counts, counts.tokens, parts, counts.top_k, held),
+        tokens=parts[:, :h].reshape(-1),
+        batch_offsets=np.asarray(counts.batch_offsets, dtype=np.int64) * h,
         top_k=counts.top_k,
         sample_domain=domain,
         domain_names=counts.domain_names,
-        meta={**counts.meta, "ranks_per_sample": n},
+        meta=meta,
     )
 
 
@@ -328,6 +358,32 @@ def build_workload(
         span,
     )
     return assemble(counts, placed, num_gpus, span)
+
+
+def parallel_workload(
+    counts: SampleCounts,
+    parallel: ParallelLayout,
+    num_gpus: int,
+    samples_per_microbatch: int | None = None,
+    tokens_per_microbatch: int | None = None,
+    layout: str = LAYOUTS[0],
+    span: AttentionSpan = FULL_CAUSAL,
+) -> tuple[SampleCounts, Workload]:
+    """Whole samples ``counts`` [S, L, E] under the parallel layout: the ranks the EP group of ``num_gpus``
+    holds (:func:`split_samples` with :func:`relibra.parallel.ep_group_ranks`) and their workload (module
+    doc). Returns (rank counts [S * h, L, E], workload with load [M, L, G, E]); ``counts`` and
+    :func:`build_workload` unchanged when ``tp = cp = 1``."""
+    held = ep_group_ranks(parallel, num_gpus)
+    ranks = split_samples(counts, parallel.tp, parallel.cp, held)
+    if held == parallel.group:
+        return ranks, build_workload(
+            ranks, num_gpus, samples_per_microbatch, tokens_per_microbatch, layout, span, parallel.group
+        )
+    placed = _group_layout(
+        ranks.tokens, ranks.batch_offsets, num_gpus, held, samples_per_microbatch,
+        tokens_per_microbatch, layout, span,
+    )  # fmt: skip
+    return ranks, assemble(ranks, placed, num_gpus, rank_span(span, parallel))
 
 
 def sample_context(

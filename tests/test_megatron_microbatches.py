@@ -18,9 +18,9 @@ from experiments.end_to_end import load_rows, row_config, row_workload
 from experiments.grid import CONF_DIR
 from experiments.layout_check import build_layout
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
-from relibra.parallel import ParallelLayout, dense_data_parallel, megatron_microbatches
+from relibra.parallel import ParallelLayout, dense_data_parallel, ep_group_ranks, megatron_microbatches
 from relibra.types import SampleCounts
-from relibra.workload import build_workload, rank_tokens, split_counts, split_samples
+from relibra.workload import build_workload, parallel_workload, rank_tokens, split_counts, split_samples
 
 PUBLISHED = [r for r in load_rows()["rows"] if not r.get("needs")]
 
@@ -54,7 +54,8 @@ def _modelzoo(seq_len: int, cp: int) -> dict[str, Any]:
     }
 
 
-MODELZOO = [_modelzoo(16384, 1), _modelzoo(32768, 2)]
+MODELZOO = [_modelzoo(16384, 1), _modelzoo(32768, 2), _modelzoo(65536, 4), _modelzoo(131072, 8)]
+"""The ModelZoo's 16K, 32K (CP 2), 64K (CP 4: TP x CP 16 GPUs over EP 8) and 128K (CP 8: 32 GPUs) layouts."""
 
 
 def _light_counts(samples: int, seq_len: int) -> SampleCounts:
@@ -84,7 +85,13 @@ def test_micro_batches_and_routed_tokens_follow_megatron(row: dict[str, Any]) ->
     assert dense_data_parallel(layout, g) * layout.dp == data_parallel * layout.dp  # per pipeline replica
     assert workload.num_microbatches == want_mb
     assert (workload.tokens == want_tokens).all()
-    assert workload.tokens.sum() == counts.tokens.sum() == int(cfg.trace.samples_per_batch) * seq
+    # the EP group holds all of its TP x CP groups' ranks, or g of a wider group's tp * cp
+    held = min(tp * cp, g)
+    assert (
+        workload.tokens.sum()
+        == counts.tokens.sum()
+        == int(cfg.trace.samples_per_batch) * seq * held // (tp * cp)
+    )
 
 
 def test_the_issue_counts_on_modelzoo() -> None:
@@ -174,24 +181,29 @@ def _cfg(*overrides: str):
         return compose("config", overrides=[*small, "model=qwen3-30b-a3b", "cluster.nodes=1", *overrides])
 
 
-def _tokens_at_cp1() -> float:
+def _tokens_held(cp: int, g: int = 8) -> float:
+    """Tokens the EP group of ``g`` GPUs holds at CP ``cp``: every token when the CP group nests in it, the
+    first ``g`` CP ranks' chunks of every sample when it spans several EP groups."""
     from experiments.config import load_counts
 
-    return float(load_counts(_cfg()).tokens.sum())
+    lens = load_counts(_cfg()).tokens
+    return float(rank_tokens(lens, 1, cp)[:, : min(cp, g)].sum())
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+@pytest.mark.parametrize("cp", [1, 2, 4, 8, 16])
 def test_force_balanced_stays_balanced_on_every_gpu_at_any_cp(cp: int) -> None:
     from experiments.run import compute
 
     # NOTE: cp samples per TP x CP group keep each GPU's tokens per micro-batch those of CP 1 (the routing's
-    # multinomial noise grows as the micro-batch shrinks, whatever the layout)
+    # multinomial noise grows as the micro-batch shrinks, whatever the layout); CP 16 spans 2 EP groups of 8
+    # (dp 2), each holding 8 of the 16 CP ranks: half the tokens
+    wide = ["parallel.dp=2"] if cp > 8 else []
     rows, _, _ = compute(
-        _cfg("planner=force_balanced", f"parallel.cp={cp}", f"workload.samples_per_microbatch={cp}")
+        _cfg("planner=force_balanced", f"parallel.cp={cp}", f"workload.samples_per_microbatch={cp}", *wide)
     )
     row = rows.iloc[0]
     assert row["skew_max"] < 1.1 and row["skew_mean"] < 1.05, (row["skew_max"], row["skew_mean"])
-    assert row["tokens"] == pytest.approx(_tokens_at_cp1())  # tokens conserved over the split
+    assert row["tokens"] == _tokens_held(cp)  # tokens conserved over the split
 
 
 @pytest.mark.parametrize(
@@ -202,7 +214,11 @@ def test_force_balanced_stays_balanced_on_every_gpu_at_any_cp(cp: int) -> None:
             ["parallel.cp=3"],
             ["parallel.tp * parallel.cp = 1 * 3 = 3", "cluster.nodes * cluster.gpus_per_node"],
         ),
-        (["parallel.tp=4", "parallel.cp=4"], ["parallel.tp * parallel.cp = 4 * 4 = 16", "= 8"]),
+        (
+            ["parallel.tp=4", "parallel.cp=4"],
+            ["parallel.tp * parallel.cp = 16 GPUs span 2 EP groups of 8", "parallel.dp * 8 = 8"],
+        ),
+        (["parallel.tp=4", "parallel.cp=3"], ["parallel.tp * parallel.cp = 4 * 3 = 12", "neither divides"]),
         (
             ["parallel.cp=2", "trace.max_tokens=250"],
             ["trace.max_tokens=250", "2 * parallel.cp * parallel.tp"],
@@ -221,6 +237,50 @@ def test_describe_names_the_nodes_of_a_group_wider_than_a_node() -> None:
     text = ParallelLayout(tp=4, cp=4).describe(16, 8)
     assert "spans 2 nodes" in text and "CP ranks 4 GPUs apart" in text and "2 consecutive nodes" in text
     assert "spans" not in ParallelLayout(tp=4, cp=2).describe(8, 8)
+
+
+def test_describe_a_group_wider_than_the_ep_group() -> None:
+    text = ParallelLayout(tp=4, cp=4, dp=2).describe(8, 8)
+    assert "spans 2 EP groups" in text and "each holding 2 of its CP ranks" in text
+
+
+@pytest.mark.parametrize(("tp", "cp", "g"), [(4, 4, 8), (4, 8, 8), (2, 4, 4), (8, 1, 4), (1, 8, 2)])
+def test_a_group_wider_than_the_ep_group_holds_its_first_ranks(tp: int, cp: int, g: int) -> None:
+    """The EP group holds ranks 0 .. g - 1 of every sample (CP ranks 0 .. g / tp - 1), exactly the rows of
+    the whole split; the n / g EP groups together hold every token and every routed slot once."""
+    rng = np.random.default_rng(11)
+    lens = rng.integers(0, 600, size=10)
+    k, num_l, num_e = 2, 2, 8
+    counts = SampleCounts(
+        counts=np.stack(
+            [[rng.multinomial(t * k, np.ones(num_e) / num_e) for _ in range(num_l)] for t in lens]
+        ).astype(np.int32),
+        tokens=lens.astype(np.int64),
+        batch_offsets=np.array([0, 4, 10]),
+        top_k=k,
+    )
+    n = tp * cp
+    assert ep_group_ranks(ParallelLayout(tp=tp, cp=cp), g) == g
+    whole = split_samples(counts, tp, cp)
+    mine = split_samples(counts, tp, cp, held=g)
+    rows = whole.counts.reshape(10, n, num_l, num_e)
+    assert np.array_equal(mine.counts.reshape(10, g, num_l, num_e), rows[:, :g])
+    assert np.array_equal(mine.tokens.reshape(10, g), whole.tokens.reshape(10, n)[:, :g])
+    assert (rows.sum(axis=1) == counts.counts).all() and whole.tokens.sum() == lens.sum()
+    assert mine.batch_offsets.tolist() == [0, 4 * g, 10 * g]
+    # the workload: each micro-batch is one sample (MBS 1) over the whole EP group, rank r on GPU r
+    _, wl = parallel_workload(counts, ParallelLayout(tp=tp, cp=cp), g, samples_per_microbatch=1)
+    assert wl.num_microbatches == 10
+    assert (wl.sample_gpu.reshape(10, g) == np.arange(g)).all()
+    mb = wl.sample_mb.reshape(10, g)
+    assert (mb == mb[:, :1]).all() and sorted(mb[:, 0].tolist()) == list(range(10))
+    assert np.array_equal(wl.tokens[mb[:, 0]], mine.tokens.reshape(10, g))
+    assert wl.load.sum() == mine.counts.sum()
+
+
+def test_tp_cp_and_ep_groups_that_do_not_nest_are_refused_by_the_workload() -> None:
+    with pytest.raises(ValueError, match="neither divides"):
+        ep_group_ranks(ParallelLayout(tp=4, cp=3), 8)
 
 
 def test_end_to_end_rows_are_refused_when_cp_disagrees() -> None:
