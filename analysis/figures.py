@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from analysis import paper
 from analysis.peer import plot_peer
 from analysis.tables import BREAKDOWN, ONLINE_BASELINES, REPLAY_PLANNERS, ep_size
+from relibra.planners import registry
 
 __all__ = [
     "FIGURES",
@@ -40,51 +41,12 @@ __all__ = [
 PER_LAYER_SKEW = "skew"
 """Column of the per-layer table holding skewness of one (planner, microbatch, layer)."""
 
-PLANNER_ORDER = [
-    "megatron",
-    "popfetcher",
-    "eplb",
-    "lplb",
-    "llep",
-    "ultraep",
-    "moonep",
-    "echo",
-    "relibra_reorder_no_locality",
-    "relibra_reorder_only",
-    "relibra_replicate_only",
-    "relibra",
-    "relibra_balance",
-    "relibra_portfolio",
-    "foremoe",
-    "relibra_no_locality",
-    "force_balanced",
-    "balanced",
-]
+PLANNER_ORDER = registry.figure_order()
+"""The order planners are drawn in (:func:`relibra.planners.registry.figure_order`)."""
 
-
-PLANNER_COLOURS: dict[str, tuple[str, int]] = {
-    "megatron": ("colorblind", 7),
-    "popfetcher": ("colorblind", 5),
-    "eplb": ("colorblind", 8),
-    "lplb": ("dark", 8),
-    "llep": ("colorblind", 2),
-    "ultraep": ("colorblind", 9),
-    "moonep": ("dark", 2),
-    "echo": ("pastel", 2),
-    "relibra_reorder_no_locality": ("pastel", 4),
-    "relibra_reorder_only": ("colorblind", 4),
-    "relibra_replicate_only": ("pastel", 0),
-    "relibra": ("colorblind", 0),
-    "relibra_balance": ("colorblind", 6),
-    "relibra_portfolio": ("dark", 0),
-    "foremoe": ("colorblind", 3),
-    "relibra_no_locality": ("dark", 4),
-    "force_balanced": ("dark", 7),
-    "balanced": ("colorblind", 1),
-}
-"""Each planner's colour in every figure, as (seaborn palette, index): one colour per planner wherever it is
-drawn; ReLibra's variants in blues and purples (the recommended configuration darkest), the online 2026
-balancers in greens and cyan, the paper's baselines in grey, brown and olive, ForeMoE in red."""
+PLANNER_COLOURS: dict[str, tuple[str, int]] = registry.colours()
+"""Each planner's colour in every figure, as (seaborn palette, index), from its planner card
+(:mod:`relibra.planners.registry`): one colour per planner wherever it is drawn."""
 
 
 def planner_colours(planners: list[str]) -> dict[str, tuple[float, float, float]]:

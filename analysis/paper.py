@@ -8,27 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-BASELINE_LABELS: Final[dict[str, str]] = {
-    "megatron": "Megatron-LM",
-    "popfetcher": "PopFetcher",
-    "eplb": "EPLB+",
-    "lplb": "LPLB+",
-    "balanced": "Balanced",
-    "force_balanced": "force-balanced",
-    "relibra": "ReLibra (paper)",
-    "relibra_balance": "ReLibra (balance-first)",
-    "relibra_portfolio": "ReLibra (recommended)",
-    "relibra_no_locality": "ReLibra without its locality round",
-    "relibra_reorder_no_locality": "+ inter-batch reordering (placement only)",
-    "relibra_reorder_only": "+ locality round (the paper's + inter-batch reordering)",
-    "relibra_replicate_only": "+ intra-batch replication only",
-    "ultraep": "UltraEP",
-    "llep": "LLEP",
-    "moonep": "MoonEP",
-    "echo": "ECHO",
-    "foremoe": "ForeMoE",
-}
-"""Display names of the planners, as the paper writes them."""
+from relibra.planners import registry
 
 OVERALL_SPEEDUP: Final[dict[str, tuple[float, float]]] = {
     "megatron": (1.21, 1.58),
@@ -79,5 +59,6 @@ TESTBED: Final[str] = (
 
 
 def label(planner: str) -> str:
-    """The paper's name for ``planner`` (the name itself when the paper has none)."""
-    return BASELINE_LABELS.get(planner, planner)
+    """The display name of ``planner``: its planner card's label (the paper's name where it has one;
+    :mod:`relibra.planners.registry`), the name itself for a planner no card holds."""
+    return registry.label(planner)

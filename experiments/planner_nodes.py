@@ -13,9 +13,10 @@ dataclass alone and every one of its keys can still be overridden on the command
 * ``planner/majorize/mm``: the replication MILP's :class:`~relibra.planners.replicate.milp.MajorizeConfig`,
   the majorize-minimize loop under ``cluster.dispatcher=deepep`` (``planner=relibra_milp``, as
   ``planner.majorize``);
-* ``planner/base/<baseline>``: a baseline planner's dataclass (``baselines.eplb.EplbPlanner``, ...), every
-  field with its default; ``planner=eplb`` and its variants compose it into ``planner``
-  (``defaults: [base/eplb@_here_]``), so ``planner.KEY=V`` reaches the dataclass.
+* ``planner/base/<name>``: the settings dataclass of every planner card with ``node=True``
+  (:data:`relibra.planners.registry.CARDS`: ``baselines.eplb.EplbPlanner``, ...), every field with its
+  default; ``planner=eplb`` and its variants compose it into ``planner`` (``defaults: [base/eplb@_here_]``),
+  so ``planner.KEY=V`` reaches the dataclass.
 
 Each node carries ``_target_``, so ``hydra.utils.instantiate`` builds the dataclass. The stage settings hold
 no replica slots: a ReLibra planner declares ``replica_slots`` once, beside its stage nodes; a baseline's
@@ -25,43 +26,40 @@ slot keys are fields of its dataclass, so they come with its node. Registered wh
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict
 
 from hydra.core.config_store import ConfigStore
 
-from baselines.balanced import BalancedBound
-from baselines.echo import EchoPlanner
-from baselines.eplb import EplbPlanner
-from baselines.eplb_periodic import EplbPeriodicPlanner
-from baselines.foremoe import ForeMoEPlanner
-from baselines.llep import LlepPlanner
-from baselines.lplb import LplbPlanner
-from baselines.megatron import MegatronPlanner
-from baselines.moonep import MoonEPPlanner
-from baselines.popfetcher import PopFetcherPlanner
-from baselines.ultraep import UltraEPPlanner
+from relibra.planners.registry import CARDS
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.planners.replicate.milp import MajorizeConfig, MilpConfig
 
-__all__ = ["NODES", "register"]
+__all__ = ["NODES", "STAGES", "register"]
 
-NODES: dict[tuple[str, str], type] = {
+
+def _settings(path: str) -> type:
+    """The settings dataclass a planner card names by import path (``module.Class``)."""
+    module, _, name = path.rpartition(".")
+    target = getattr(importlib.import_module(module), name)
+    if not isinstance(target, type):
+        raise TypeError(
+            f"planner card settings {path}: {target!r} is not a class; a card with node=True names one"
+        )
+    return target
+
+
+STAGES: dict[tuple[str, str], type] = {
     ("planner/reorder", "anneal"): AnnealConfig,
     ("planner/replicate", "greedy"): GreedyConfig,
     ("planner/replicate", "milp"): MilpConfig,
     ("planner/majorize", "mm"): MajorizeConfig,
-    ("planner/base", "balanced"): BalancedBound,
-    ("planner/base", "echo"): EchoPlanner,
-    ("planner/base", "eplb"): EplbPlanner,
-    ("planner/base", "eplb_periodic"): EplbPeriodicPlanner,
-    ("planner/base", "foremoe"): ForeMoEPlanner,
-    ("planner/base", "llep"): LlepPlanner,
-    ("planner/base", "lplb"): LplbPlanner,
-    ("planner/base", "megatron"): MegatronPlanner,
-    ("planner/base", "moonep"): MoonEPPlanner,
-    ("planner/base", "popfetcher"): PopFetcherPlanner,
-    ("planner/base", "ultraep"): UltraEPPlanner,
+}
+"""ReLibra's stage nodes (not planners: the compositions' yamls compose them)."""
+
+NODES: dict[tuple[str, str], type] = STAGES | {
+    ("planner/base", c.name): _settings(c.settings) for c in CARDS if c.node
 }
 """(group, name) -> the settings dataclass its node is generated from (with that class's defaults)."""
 
