@@ -1,6 +1,7 @@
-"""Planning time per (micro-batch, layer) of the online planners (UltraEP, LLEP, ECHO), as docs/baselines.md
-quotes it: the time this implementation takes, beside the constant the simulator charges by default; and
-UltraEP's communication under the suite's proportional split rule against its own locality-aware split.
+"""Planning time per (micro-batch, layer) of the online planners (UltraEP, LLEP, ECHO), as
+docs/online_baselines.md quotes it: the time this implementation takes, beside the constant the simulator
+charges by default; and UltraEP's communication under the suite's proportional split rule against its own
+locality-aware split.
 
 Usage (from the repository root): ``PYTHONPATH=. python benchmarks/bench_online.py [--model M] [--nodes N]``.
 Default: Qwen3-235B-A22B at EP 64 (8 nodes of 8), one quick-scale batch (128 rollouts up to 8k tokens) of

@@ -1,7 +1,8 @@
-"""ECHO (NVIDIA/Megatron-LM pull request #2368, docs/baselines.md "ECHO"): its spill and spare capacities, the
-approximate bin packing and the one-shot greedy on hand-derived cases, a case where it must clone and two
-where it must not, the plan invariants (tokens conserved, every assignment on a GPU holding the expert, the
-slot bound, clones across nodes) on fixed and random loads, its pricing terms, and the refusals."""
+"""ECHO (NVIDIA/Megatron-LM pull request #2368, docs/online_baselines.md "ECHO"): its spill and spare
+capacities, the approximate bin packing and the one-shot greedy on hand-derived cases, a case where it must
+clone and two where it must not, the plan invariants (tokens conserved, every assignment on a GPU holding the
+expert, the slot bound, clones across nodes) on fixed and random loads, its pricing terms, and the
+refusals."""
 
 from __future__ import annotations
 
