@@ -25,6 +25,7 @@ from analysis.docs_blocks import check_docs, doc_files, write_docs
 from analysis.figures import all_figures
 from analysis.headline import HEADLINE_PRESETS, write_headline
 from analysis.load import grid_problems, read_per_layer_results, read_results
+from analysis.planner_table import PLANNER_TABLE, planner_table_problem, write_planner_table
 from analysis.provenance import (
     IdenticalVersionsError,
     load_identical_groups,
@@ -177,15 +178,18 @@ def _docs(tables_dir: Path, write: bool) -> int:
     """``--check-docs`` / ``--write-docs``: 1 naming each stale or broken block, else 0."""
     docs = doc_files(REPO)
     if write:
+        if write_planner_table(tables_dir):
+            print(f"rewrote the planner table {tables_dir / PLANNER_TABLE}.md from the planner registry")
         changed, broken = write_docs(docs, tables_dir)
         for path in changed:
             print(f"rewrote the generated blocks of {path}")
         for block in broken:
             print(block, file=sys.stderr)
         return 1 if broken else 0
-    stale = check_docs(docs, tables_dir)
-    for block in stale:
-        print(block, file=sys.stderr)
+    stale = [str(b) for b in check_docs(docs, tables_dir)]
+    stale += [why] if (why := planner_table_problem(tables_dir)) else []
+    for line in stale:
+        print(line, file=sys.stderr)
     if stale:
         print(f"{len(stale)} generated block(s) stale or broken; `python -m analysis --write-docs` "
               "rewrites the stale ones", file=sys.stderr)  # fmt: skip
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"tables: {out.out_dir} ({len(out.tables)} files)", markup=False)
     console.print(f"figures: {out.out_dir / 'figures'} ({len(out.figures)} files)", markup=False)
     if out.out_dir.resolve() == DOCS_RESULTS.resolve():
+        write_planner_table(DOCS_RESULTS)
         changed, broken = write_docs(doc_files(REPO), DOCS_RESULTS)
         console.print(f"generated blocks rewritten in {len(changed)} doc(s)")
         for block in broken:

@@ -35,8 +35,9 @@ __all__ = [
 
 Family = Literal["static", "online", "replay", "bound"]
 FAMILIES: Final[dict[str, str]] = {
-    "static": "plans before the batch from what it declares (nothing, this batch's loads or history); its "
-    "placement and permanent copies hold for every micro-batch (the paper's baselines)",
+    "static": "the paper's baselines and their variants: a placement (with permanent copies or a prefetch) "
+    "planned per batch or less often, from no loads, the batch's loads (the paper's '+': oracle loads) or "
+    "history",
     "online": "plans every (micro-batch, layer) after the router runs, on the critical path",
     "replay": "plans every micro-batch before the step from the routing recorded at rollout (routing replay)",
     "bound": "a reference, not a method: an ideal bound or a ceiling of what a static placement reaches",
