@@ -253,7 +253,7 @@ def test_an_input_that_cannot_fit_in_memory_is_refused_before_it_is_built(monkey
     assert "need 381.5 GiB, more than the 8.0 GiB this host has available" in text
     validate(cfg(*R))  # the small run fits
     monkeypatch.setattr(budget, "available_host_bytes", lambda *a: None)
-    validate(huge)  # a host that does not publish MemAvailable: not checked (docs/experiments.md)
+    validate(huge)  # a host that does not publish MemAvailable: not checked (docs/results_store.md)
 
 
 def test_a_trace_file_that_cannot_fit_in_memory_is_refused_naming_its_arrays(trace_file, monkeypatch) -> None:
