@@ -120,6 +120,15 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         node=True,
     ),
     PlannerCard(
+        name="round_robin",
+        label="round-robin",
+        family="static",
+        settings="baselines.round_robin.RoundRobinPlanner",
+        information=("none",),
+        colour=("dark", 5),
+        node=True,
+    ),
+    PlannerCard(
         name="popfetcher",
         label="PopFetcher",
         family="static",
