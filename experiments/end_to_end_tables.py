@@ -1,7 +1,7 @@
 """The end-to-end validation as generated tables (``python -m experiments.validate --end-to-end
 --write-tables docs/results``): ``end_to_end`` (one row per published measurement) and ``end_to_end_errors``
 (the check rows' median and worst error) and ``end_to_end_fit`` (the fitted constants), which
-docs/validation.md embeds as generated blocks
+docs/records/validation.md embeds as generated blocks
 (:mod:`analysis.docs_blocks`), so its numbers are never copied by hand."""
 
 from __future__ import annotations

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "--write-tables",
         metavar="DIR",
         help="with --end-to-end: also write end_to_end.md / end_to_end_errors.md (and .tex) into DIR "
-        "(docs/results: the tables docs/validation.md embeds; then python -m analysis --write-docs)",
+        "(docs/results: the tables docs/records/validation.md embeds; then python -m analysis --write-docs)",
     )
     ap.add_argument(
         "--moe-layer",

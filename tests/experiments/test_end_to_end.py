@@ -126,7 +126,7 @@ def test_an_unreadable_data_file_is_refused(
 
 def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     """``--write-tables``: one table row per data row, the errors table equal to :func:`errors`, and a
-    generated block of docs/validation.md reads its numbers back (analysis.docs_blocks)."""
+    generated block of docs/records/validation.md reads its numbers back (analysis.docs_blocks)."""
     from analysis.docs_blocks import render_block
     from experiments.end_to_end_tables import write_end_to_end_tables
 
