@@ -141,8 +141,8 @@ def test_deepseek_v3_flop_count_is_what_the_published_model_tflops_imply() -> No
     """The published model TFLOP/s of the DeepSeek-V3 rows (experiments/data/end_to_end.json) over their
     tokens/s are Megatron-Bridge's FLOPs per token, MTP layer included. The suite's MLA count
     (docs/records/validation.md: 250.5 GFLOP) plus one MTP layer (a MoE layer, its 2h -> h projection and a
-    second LM head) matches them within 1 %; the grouped-query formula missed by a third. Not a fit: no constant
-    is set from these rows."""
+    second LM head) matches them within 1 %; the grouped-query formula missed by a third. Not a fit: no
+    constant is set from these rows."""
     import json
     from pathlib import Path
 
