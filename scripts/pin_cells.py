@@ -1,12 +1,13 @@
 """Record (``--write``) or check the pinned cells: one small cell per planner config, to full precision.
 
-Usage: ``python scripts/pin_cells.py [--write] [--slow]``.
+Usage: ``python scripts/pin_cells.py [--write] [--slow] [--add NAME ...]``.
 
 A behaviour-preserving change (a refactor, a move, a faster kernel) must leave every planner's step time,
 skewness, moved experts and communication time bit-identical. ``tests/test_pinned_cells.py`` runs the
 same cells and compares them with ``tests/data/pinned_cells.json``; after a change that is *meant* to
 alter results (the cost model, the layout, a planner), re-record with ``--write`` and say why in the
 commit. ``--slow`` also records the quick-scale EP-32 portfolio cell (``tests/data/pinned_slow.json``).
+``--add NAME ...`` records the cells of new planner configs only, leaving every pinned cell as it is.
 """
 
 from __future__ import annotations
@@ -74,11 +75,45 @@ def measure(overrides: list[str]) -> dict[str, float]:
     return {m: float(row[m]) for m in METRICS if m in row}
 
 
+def add(names: list[str]) -> int:
+    """Pin the small cells of new planner configs ``names`` beside the pinned ones (not re-measured);
+    exit status 2 naming a config that does not exist or is pinned already."""
+    path = DATA / "pinned_cells.json"
+    data = json.loads(path.read_text())
+    cells = small_cells()
+    for name in names:
+        if name not in cells:
+            print(
+                f"--add {name}: no planner config of that name (conf/planner/*.yaml, not unpinned)",
+                file=sys.stderr,
+            )
+            return 2
+        if name in data["metrics"]:
+            print(f"--add {name}: pinned already; --write re-records every cell", file=sys.stderr)
+            return 2
+    for name in names:
+        data["metrics"][name] = measure(cells[name])
+        data["overrides"][name] = cells[name]
+    order = sorted(data["metrics"])
+    data = {
+        "overrides": {n: data["overrides"][n] for n in order},
+        "metrics": {n: data["metrics"][n] for n in order},
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"added {len(names)} cell(s) to {path}")
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="record the cells instead of checking them")
     parser.add_argument("--slow", action="store_true", help="also the quick-scale cells")
+    parser.add_argument(
+        "--add", nargs="+", metavar="NAME", help="record the cells of these new planner configs only"
+    )
     args = parser.parse_args()
+    if args.add:
+        raise SystemExit(add(args.add))
     sets = [("pinned_cells.json", small_cells())] + ([("pinned_slow.json", SLOW)] if args.slow else [])
     failed = 0
     for file, cells in sets:
