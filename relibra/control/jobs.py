@@ -51,6 +51,11 @@ class Assembled:
     load: np.ndarray
     """int32 [Mb, L, G, E]."""
     seconds: float
+    counts: np.ndarray | None = None
+    """int32 [Sb * h, L, E]: the counts the planners see when they are not the batch's own, the ranks of
+    each sample under ``tp * cp > 1`` (:mod:`relibra.control.assembly`); None: the job's ``counts``."""
+    sample_tokens: np.ndarray | None = None
+    """int64 [Sb * h]: the tokens of those rows (None with ``counts``)."""
 
 
 @dataclass
@@ -60,7 +65,8 @@ class Job:
     batch: int
     """The control plane's batch index (the key of :meth:`ControlPlane.plans`)."""
     counts: np.ndarray
-    """int32 [Sb, L, E] in planning (sample id) order."""
+    """int32 [Sb, L, E] in planning (sample id) order (the planners see :attr:`Assembled.counts` instead
+    where assembly split the samples into ranks: :meth:`part`)."""
     sample_tokens: np.ndarray
     """int64 [Sb]."""
     prev_home: np.ndarray
@@ -81,7 +87,8 @@ class Job:
     load: np.ndarray | None = None
     """int32 [Mb, L, G, E]: the loads replication runs on (regrouped once the locality round is done)."""
     sample_gpu: np.ndarray | None = None
-    """int32 [Sb]: the sample assignment of ``load``."""
+    """int32 [Sb] (or [Sb * h], a rank of a sample each, :attr:`Assembled.counts`): the sample assignment
+    of ``load``."""
     home: np.ndarray | None = None
     """int32 [L, E]: reordered layers' placement (the previous one elsewhere)."""
     assign: np.ndarray | None = None
@@ -145,10 +152,12 @@ class Job:
             # NOTE: a plain reorderer sees a one-layer context without its index: one seed per (batch, layer)
             # keeps layers apart, and a plan independent of how layers meet workers.
             seed = int(np.random.SeedSequence([self.seed, self.ctx_batch, first]).generate_state(1)[0])
+        counts = self.counts if asm.counts is None else asm.counts
+        tokens = self.sample_tokens if asm.sample_tokens is None else asm.sample_tokens
         return TaskSlice(
             batch=self.ctx_batch,
-            counts=np.ascontiguousarray(self.counts[:, layers]),
-            sample_tokens=self.sample_tokens,
+            counts=np.ascontiguousarray(counts[:, layers]),
+            sample_tokens=tokens,
             sample_gpu=sample_gpu,
             sample_mb=asm.local_mb,
             load=np.ascontiguousarray(load[:, layers]),

@@ -26,7 +26,9 @@ Stages of one batch, after :meth:`ControlPlane.seal`:
 
 1. **Workload assembly** (coordinator thread): samples sorted by their id (so arrival order never changes a
    plan), laid out over GPUs and micro-batches (:func:`relibra.layout.layout_samples`), loads
-   ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`).
+   ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`); under the cost model's parallel layout
+   (``cost.layout``, tensor and context parallelism) whole samples over TP x CP groups, each sample as its
+   ranks (:mod:`relibra.control.assembly`), as the simulator lays them out.
 2. **Placement per layer**: one task per MoE layer runs the planner's reorderer on a one-layer
    :class:`~relibra.planners.protocols.BatchContext` (layers are independent in this round). A
    :class:`StagedReorderer` (ReLibra's :class:`~relibra.planners.reorder.anneal.AnnealingReorderer`) runs only
@@ -231,7 +233,9 @@ class ControlPlane:
 
         ``layout``: where each sample runs, in sample-id order (one batch: ``mb_batch`` all 0), instead of
         ``config.layout``; for a trainer whose micro-batching fixes it (verl's static micro-batches hold a
-        fixed number of samples per GPU, :mod:`relibra.integrations.verl`).
+        fixed number of samples per GPU, :mod:`relibra.integrations.verl`). Under the cost model's
+        ``tp * cp > 1`` its ``sample_gpu`` names each sample's TP x CP group
+        (:func:`relibra.control.assembly.given_layout`).
         """
         with self._lock:
             if not self._open:
@@ -243,7 +247,18 @@ class ControlPlane:
                 raise ValueError("sample_ids repeat within the batch; every sample needs its own id")
             t_arrival = max(t for _, _, _, t in self._open)
             perm = np.argsort(ids, kind="stable")
-            given = None if layout is None else given_layout(layout, counts[perm], self.cluster.num_gpus)
+            given = (
+                None
+                if layout is None
+                else given_layout(
+                    layout,
+                    counts[perm],
+                    self.cluster.num_gpus,
+                    self.cost.layout,
+                    tokens[perm],
+                    self.model.top_k,
+                )
+            )
             self._open, self._next_id = [], 0
             job = Job(
                 batch=self._next_batch,
@@ -421,7 +436,9 @@ class ControlPlane:
         """Stage 1: layout and loads of ``job`` (or the ones it was given)."""
         if job.given is not None:
             return job.given
-        return assemble_batch(job.counts, job.sample_tokens, self.cluster.num_gpus, self.config, self.model)
+        return assemble_batch(
+            job.counts, job.sample_tokens, self.cluster.num_gpus, self.config, self.model, self.cost.layout
+        )
 
     def _push(self, task: Task) -> None:
         heapq.heappush(self._ready, (task.key(), next(self._tiebreak), task))

@@ -38,8 +38,9 @@ named below):
 What the hook cannot honour is refused before any work, naming the verl key (:func:`check_verl_config`):
 dynamic batch size, shuffled mini-batches, R2 or disabled replay, tensor / pipeline / context
 parallelism, an EP group other than all GPUs, padded (BSHD) micro-batches, FP8 padding, activation
-recomputation, and a planner whose locality round moves samples between GPUs (verl's micro-batches hold a
-fixed number of samples per GPU).
+recomputation, a planner whose locality round moves samples between GPUs (verl's micro-batches hold a
+fixed number of samples per GPU), and a cost model priced with ``parallel.tp * parallel.cp > 1`` (the hook
+lays whole samples on GPUs).
 """
 
 from __future__ import annotations
@@ -336,6 +337,12 @@ class VerlReLibraHook:
                     "on every GPU: plan without it (reorder=AnnealConfig(locality=False), "
                     "planner=relibra_no_locality)"
                 )
+        if cost is not None and cost.layout.group > 1:
+            raise VerlConfigError(
+                f"the cost model prices parallel.tp={cost.layout.tp} x parallel.cp={cost.layout.cp}, but the "
+                f"hook lays whole samples on GPUs ({MEGATRON}.tensor_model_parallel_size and "
+                "context_parallel_size > 1 are not supported yet): price the plans with tp = cp = 1"
+            )
         if cluster.num_gpus != settings.num_gpus:
             raise VerlConfigError(
                 f"trainer.nnodes * trainer.n_gpus_per_node = {settings.num_gpus} GPUs, but the cluster the "
