@@ -77,8 +77,9 @@ class LayerTimes:
     forward_s: float
     backward_s: float
     terms: dict[str, float]
-    """fwd + bwd seconds of each term: ``experts``, ``shared``, ``router``, ``permute``, ``fp8_cast``,
-    ``comm``, ``host``."""
+    """fwd + bwd seconds of each term: ``experts``, ``expert_launch``, ``shared``, ``router``, ``permute``,
+    ``routing_map``, ``fp8_cast``, ``comm``, ``host`` (``expert_launch`` and ``routing_map``: 0 unless
+    ``cluster.hardware.per_expert_costs``, :mod:`relibra.cost.grouped_gemm`)."""
 
 
 def load_layer_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
@@ -145,17 +146,22 @@ def price_layer(row: dict[str, Any], constants: dict[str, float] | None = None) 
     assign[np.arange(m.num_experts), home] = load.sum(axis=0)
     received = np.array([assign.sum(axis=0).max()])
     tokens = np.array([t])
+    compute = cost.gpu_compute_time(assign)  # [G]: grouped GEMMs, and the per-expert launches when priced
+    launch = float(cost.expert_launch_time(assign)[int(np.argmax(compute))])
     terms = {
-        "experts": float(cost.moe(load, assign).t_compute),
+        "experts": float(compute.max()) - launch,
+        "expert_launch": launch,
         "shared": float(cost.shared_expert_time(tokens)[0]),
         "router": float(cost.router_time(tokens)[0]),
         "permute": float(cost.permute_time(received)[0]),
+        "routing_map": float(cost.routing_map_time(assign).max()),
         "fp8_cast": float(cost.expert_cast_time(received)[0] + cost.shared_cast_time(tokens)[0]),
         "comm": float(cost.moe_comm_time(load, assign).max()),
         "host": cost.launch_time(1, 2.0),
     }
-    flops = terms["experts"] + terms["shared"]
-    nbytes = terms["router"] + terms["permute"] + terms["fp8_cast"]
+    # NOTE: the per-expert launches follow the GEMMs (two of their six forward), the routing map the bytes.
+    flops = terms["experts"] + terms["expert_launch"] + terms["shared"]
+    nbytes = terms["router"] + terms["permute"] + terms["routing_map"] + terms["fp8_cast"]
     forward = (
         FORWARD_FLOPS_SHARE * flops + FORWARD_BYTES_SHARE * nbytes + 0.5 * terms["comm"] + 0.5 * terms["host"]
     )

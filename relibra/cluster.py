@@ -8,6 +8,7 @@ import numpy as np
 
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.cost.fabric import DISPATCHER_COMM_SMS, DISPATCHERS
+from relibra.cost.grouped_gemm import GEMM_MODELS
 
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
 """:class:`ModelSpec`'s multi-head latent attention keys: optional in a model config (0: grouped-query)."""
@@ -20,10 +21,11 @@ class HardwareSpec:
     """Per-GPU hardware constants. Values and their sources are in ``experiments/conf/cluster/*.yaml``.
 
     No field but ``fp8_flops``, ``fp8_gemm_efficiency``, ``hbm_efficiency``, ``host_to_device_bytes_per_s``,
-    ``hbm_bytes`` and ``sms`` has a default (0: unknown, refused where a run needs it): the rates
-    and efficiencies are measured or derived per machine (the link efficiencies from DeepEP's published
-    bandwidth tables, :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written
-    and a hand-built spec states every one of them.
+    ``hbm_bytes``, ``sms`` and the opt-in grouped-GEMM settings (``gemm_model`` onwards: smooth, off) has a
+    default (0: unknown, refused where a run needs it): the rates and efficiencies are measured or derived
+    per machine (the link efficiencies from DeepEP's published bandwidth tables,
+    :mod:`relibra.cost.linkrates`), so the cluster yaml is the one place they are written and a hand-built
+    spec states every one of them.
     """
 
     name: str
@@ -68,7 +70,40 @@ class HardwareSpec:
     (:meth:`relibra.cost.step.WholeStepTerms.host_overhead`)."""
     sms: int = 0
     """Streaming multiprocessors per GPU (0: unknown; an overlapped all-to-all that holds SMs,
-    ``cluster.comm_sms > 0`` under ``cluster.ep_overlap``, is then refused)."""
+    ``cluster.comm_sms > 0`` under ``cluster.ep_overlap``, and ``gemm_model=tiled`` are then refused)."""
+    gemm_model: str = "smooth"
+    """How the expert grouped GEMMs are priced (:data:`relibra.cost.grouped_gemm.GEMM_MODELS`): ``smooth``
+    (``gemm_half_tokens``'s curve per expert) or ``tiled`` (padded tiles and whole waves per GPU)."""
+    gemm_tile_m: int = 0
+    """The grouped GEMM's M tile (rows of tokens) and per-expert alignment under ``gemm_model=tiled`` (0:
+    unknown; ``tiled`` is then refused)."""
+    gemm_tile_n: int = 0
+    """The grouped GEMM's N tile (output columns) under ``gemm_model=tiled`` (0: unknown, as
+    ``gemm_tile_m``)."""
+    per_expert_costs: bool = False
+    """Price what grows with the experts a GPU hosts: per-expert GEMM launches and the flex dispatcher's
+    receive-side routing map (:mod:`relibra.cost.grouped_gemm`)."""
+    expert_launch_s: float = 0.0
+    """Host seconds of one per-expert GEMM launch, read under ``per_expert_costs``."""
+
+    def __post_init__(self) -> None:
+        if self.gemm_model not in GEMM_MODELS:
+            raise ValueError(
+                f"cluster.hardware.gemm_model={self.gemm_model!r}: choose one of {', '.join(GEMM_MODELS)}"
+            )
+        if not isinstance(self.per_expert_costs, bool):
+            raise ValueError(
+                f"cluster.hardware.per_expert_costs={self.per_expert_costs!r}: must be true or false"
+            )
+        if self.gemm_model == "tiled":
+            for key in ("gemm_tile_m", "gemm_tile_n", "sms"):
+                value = getattr(self, key)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"cluster.hardware.{key}={value!r}: gemm_model=tiled needs an integer >= 1"
+                    )
+        if self.per_expert_costs and not self.expert_launch_s >= 0:
+            raise ValueError(f"cluster.hardware.expert_launch_s={self.expert_launch_s!r}: must be >= 0")
 
 
 @dataclass(frozen=True)

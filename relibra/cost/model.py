@@ -5,6 +5,9 @@ Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
 * Compute: every GPU runs one grouped GEMM over the experts it computes. An expert with ``n`` tokens costs
   ``max(flops(n) / (peak * eff(n)), bytes_read / hbm)`` with ``eff(n) = gemm_efficiency * n / (n + n_half)``
   (small per-expert token counts are inefficient), forward plus backward (backward = 2x forward FLOPs).
+  ``cluster.hardware.gemm_model=tiled`` prices each GPU's kernels in padded tiles and whole waves over its
+  SMs instead (:mod:`relibra.cost.grouped_gemm`), and ``per_expert_costs`` adds what grows with the experts a
+  GPU hosts; both are off by default.
 * Communication: dispatch (source ``j`` -> computing GPU ``g``) and combine (``g`` -> ``j``), forward and
   backward, on a rail-optimized fabric. Each source splits its tokens for expert ``e`` over ``e``'s copies in
   proportion to ``assign[e, :]`` (the proportional split rule). Same GPU: free. Same node: NVLink.
@@ -42,6 +45,7 @@ from relibra.cost.fabric import (
     mirrored,
     rail_link_bytes,
 )
+from relibra.cost.grouped_gemm import ROUTING_MAP_BYTES_PER_ENTRY, per_expert_seconds, tiled_gpu_seconds
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import TrainingSpec, WholeStepTerms
 from relibra.parallel import ParallelLayout
@@ -147,6 +151,11 @@ class CostModel(WholeStepTerms):
                 "a tensor-parallel group rides one node's NVLink"
             )
         hw = cluster.hardware
+        if calibration is not None and hw.gemm_model == "tiled":
+            raise ValueError(
+                "cluster.calibration with cluster.hardware.gemm_model=tiled: both replace the expert GEMM "
+                "curve; give one (gemm_model=smooth reads the calibration table)"
+            )
         fp8 = cluster.precision == "fp8"
         if dispatch_value_bytes is None:
             dispatch_value_bytes = FP8_DISPATCH_VALUE_BYTES if fp8 else BF16_BYTES
@@ -186,8 +195,54 @@ class CostModel(WholeStepTerms):
         return t
 
     def gpu_compute_time(self, assign: np.ndarray) -> np.ndarray:
-        """``assign`` [..., E, G] tokens of expert e computed on GPU g -> seconds [..., G]: bit for bit
-        ``expert_time(assign).sum(axis=-2)`` (tests/cost/test_cost.py).
+        """``assign`` [..., E, G] tokens of expert e computed on GPU g -> seconds [..., G].
+
+        ``cluster.hardware.gemm_model``: ``smooth`` (the default) is bit for bit
+        ``expert_time(assign).sum(axis=-2)`` (tests/cost/test_cost.py); ``tiled`` prices each GPU's grouped
+        GEMMs in tiles and waves over all its experts at once
+        (:func:`relibra.cost.grouped_gemm.tiled_gpu_seconds`).
+        ``cluster.hardware.per_expert_costs`` adds the per-expert GEMM launches (:meth:`expert_launch_time`).
+        """
+        hw = self.cluster.hardware
+        if hw.gemm_model == "tiled":
+            m = self.model
+            t = tiled_gpu_seconds(
+                assign,
+                m.hidden,
+                m.moe_ffn,
+                hw.gemm_tile_m,
+                hw.gemm_tile_n,
+                hw.sms,
+                self._peak,
+                hw.hbm_bytes_per_s / self._weight_bytes,
+            )
+        else:
+            t = self._smooth_gpu_time(assign)
+        if hw.per_expert_costs:
+            t = t + self.expert_launch_time(assign)
+        return t
+
+    def expert_launch_time(self, assign: np.ndarray) -> np.ndarray:
+        """Host seconds [..., G] of each GPU's per-expert GEMM launches, fwd + bwd, for assign [..., E, G]
+        (:func:`relibra.cost.grouped_gemm.per_expert_seconds`; 0 unless ``per_expert_costs``)."""
+        hw = self.cluster.hardware
+        if not hw.per_expert_costs:
+            return np.zeros(np.shape(assign)[:-2] + np.shape(assign)[-1:])
+        return per_expert_seconds(assign, hw.expert_launch_s, 0.0)[0]
+
+    def routing_map_time(self, assign: np.ndarray) -> np.ndarray:
+        """Seconds [..., G] of the flex (DeepEP) dispatcher's receive-side routing map over each GPU's hosted
+        experts, fwd + bwd, for assign [..., E, G]
+        (:data:`relibra.cost.grouped_gemm.ROUTING_MAP_BYTES_PER_ENTRY` per received slot and hosted expert,
+        HBM-bound; 0 unless ``per_expert_costs`` with ``deepep``)."""
+        hw = self.cluster.hardware
+        if not hw.per_expert_costs or self.dispatcher != "deepep":
+            return np.zeros(np.shape(assign)[:-2] + np.shape(assign)[-1:])
+        per_entry = ROUTING_MAP_BYTES_PER_ENTRY / self.hbm_rate()
+        return per_expert_seconds(assign, 0.0, per_entry)[1]
+
+    def _smooth_gpu_time(self, assign: np.ndarray) -> np.ndarray:
+        """The smooth curve summed per GPU, bit for bit ``expert_time(assign).sum(axis=-2)``.
 
         A plan's ``assign`` is mostly zeros (an expert computes on its home GPU and a few replicas), so only
         the busy entries are priced and summed, each GPU's in the order of ``e`` as numpy's reduction over

@@ -139,12 +139,18 @@ class Priced:
         return LayerWork(compute=self.br.t_compute, comm=self.br.t_comm, permute=permute, cast=self.cast)
 
 
-def permute_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
+def permute_seconds(
+    cost: CostModel, received: np.ndarray, assign: np.ndarray | None = None
+) -> np.ndarray | None:
     """float64 [Mb, L]: the busiest GPU's permutation seconds for received slots [Mb, L, G]; None for the
-    MoE-only step."""
+    MoE-only step. With the plan's ``assign`` [Mb, L, E, G] and ``cluster.hardware.per_expert_costs``, each
+    GPU's receive-side routing map over its hosted experts joins it (:meth:`CostModel.routing_map_time`)."""
     if cost.training is None or not cost.training.whole:
         return None
-    return np.asarray(cost.permute_time(received).max(axis=-1))
+    t = cost.permute_time(received)
+    if assign is not None and cost.cluster.hardware.per_expert_costs:
+        t = t + cost.routing_map_time(assign)
+    return np.asarray(t.max(axis=-1))
 
 
 def cast_seconds(cost: CostModel, received: np.ndarray) -> np.ndarray | None:
@@ -164,7 +170,7 @@ def reference_work(cost: CostModel, load: np.ndarray) -> LayerWork | None:
     assign = home_assign(np.asarray(load), static_placement(num_layers, num_experts, g), g)
     br = cost.moe(load, assign)
     received = assign.sum(axis=-2)
-    permute = permute_seconds(cost, received)
+    permute = permute_seconds(cost, received, assign)
     return LayerWork(
         br.t_compute,
         br.t_comm,
@@ -209,7 +215,7 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         t_migration_hidden=moves.seconds - moves.exposed_s,
         t_redundant=redundant_sync_time(plan, cost),
         online=plan.online,
-        permute=permute_seconds(cost, received),
+        permute=permute_seconds(cost, received, plan.assign),
         cast=cast_seconds(cost, received),
         reference=reference_work(cost, plan.load),
     )
