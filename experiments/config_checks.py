@@ -57,13 +57,20 @@ EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def _run_problems(cfg: DictConfig) -> list[str]:
-    """The run-wide keys: ``seed``, ``control_plane.*``, ``simulator.history_window``, the logger's wait."""
+    """The run-wide keys: ``seed``, ``control_plane.*``, ``simulator.history_window``, ``replay.mismatch``,
+    the logger's wait."""
     problems: list[str] = []
     _int_key(cfg, "seed", problems, least=0, required=True, most=SEED_MAX)
     _int_key(cfg, "control_plane.workers", problems, least=0)
     for key in ("control_plane.deadline_s", "control_plane.locality_deadline_s"):
         _number_key(cfg, key, problems)
     _int_key(cfg, "simulator.history_window", problems, least=0)
+    mismatch = OmegaConf.select(cfg, "replay.mismatch", default=None)
+    if isinstance(mismatch, bool) or not isinstance(mismatch, int | float) or not 0 <= mismatch <= 1:
+        problems.append(
+            f"replay.mismatch={mismatch!r}: must be a number in [0, 1], the fraction of routed slots the "
+            "training step re-draws (0: exact routing replay)"
+        )
     if str(OmegaConf.select(cfg, "logger.name", default="none")) == "wandb":
         if OmegaConf.select(cfg, "logger.init_timeout_s", default=None) is None:
             problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")

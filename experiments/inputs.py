@@ -11,6 +11,10 @@ A cached array is shared by every later cell of the process, so each one is made
 (``writeable=False``) before it is handed out: a planner, bound or simulator stage that wrote into its
 input would raise instead of changing the next cell's numbers. ``SampleCounts.meta`` (a dict) is copied
 for every caller. :func:`cell_inputs` with ``cache=False`` computes without the caches (same values).
+
+:func:`trained_inputs` gives the routes the training step takes where ``replay.mismatch`` > 0 (routing replay
+off or partial, :mod:`relibra.trace.mismatch`): the trace's counts with that share of slots re-drawn from the
+run's seed, laid out as the replayed workload (the layout depends on the tokens only), cached beside them.
 """
 
 from __future__ import annotations
@@ -27,9 +31,20 @@ from omegaconf import DictConfig
 
 from experiments.config import build_model, build_workload_for, load_counts, routing
 from experiments.layout_check import build_layout
+from relibra.trace.mismatch import trained_counts
+from relibra.trained_routes import TrainedRoutes
 from relibra.types import SampleCounts, Workload
 
-__all__ = ["CACHE_SIZE", "CacheStats", "cache_stats", "cell_inputs", "clear_cache", "trace_key"]
+__all__ = [
+    "CACHE_SIZE",
+    "CacheStats",
+    "cache_stats",
+    "cell_inputs",
+    "clear_cache",
+    "replay_mismatch",
+    "trace_key",
+    "trained_inputs",
+]
 
 CACHE_SIZE = 2
 """Counts (and, separately, workloads) kept per process. A paper-scale entry is up to ~100 MB (Qwen3-235B:
@@ -135,6 +150,7 @@ class _LRU:
 
 _COUNTS = _LRU(CACHE_SIZE)
 _WORKLOADS = _LRU(CACHE_SIZE)
+_TRAINED = _LRU(CACHE_SIZE)
 
 
 def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[SampleCounts, Workload]:
@@ -160,6 +176,43 @@ def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[Sam
     return replace(shared, meta=copy.deepcopy(shared.meta)), workload
 
 
+def replay_mismatch(cfg: DictConfig) -> float:
+    """The run's ``replay.mismatch`` (validated: a number in [0, 1]); 0 for force-balanced, whose uniform
+    routing is its definition, not a replay of the trace."""
+    if routing(cfg) == "uniform":
+        return 0.0
+    return float(cfg.replay.mismatch)
+
+
+def trained_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> TrainedRoutes | None:
+    """The routes the training step takes (:class:`~relibra.trained_routes.TrainedRoutes`) when
+    :func:`replay_mismatch` is above 0, else None (exact replay: the trained routes are the replayed ones).
+
+    ``cache``: as :func:`cell_inputs`. Call it on a validated config.
+    """
+    mismatch = replay_mismatch(cfg)
+    if mismatch == 0.0:
+        return None
+
+    def build(replayed: SampleCounts) -> TrainedRoutes:
+        whole = trained_counts(replayed, mismatch, int(cfg.seed))
+        counts, workload = build_workload_for(cfg, whole, num_gpus)
+        return TrainedRoutes(_freeze_counts(counts), _freeze_workload(workload))
+
+    if not cache:
+        return build(load_counts(cfg))
+    key = trace_key(cfg)
+    tkey = (*key, *_file_version(key))
+
+    def cached() -> TrainedRoutes:
+        return build(_COUNTS.get(tkey, lambda: _freeze_counts(load_counts(cfg))))
+
+    trained: TrainedRoutes = _TRAINED.get(
+        (*tkey, *_workload_key(cfg, num_gpus), mismatch, int(cfg.seed)), cached
+    )
+    return trained
+
+
 class CacheStats(NamedTuple):
     """Lookups of this process's caches since it started (or since :func:`clear_cache`)."""
 
@@ -178,3 +231,4 @@ def clear_cache() -> None:
     """Empty both caches (and their statistics)."""
     _COUNTS.clear()
     _WORKLOADS.clear()
+    _TRAINED.clear()

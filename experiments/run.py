@@ -47,7 +47,7 @@ from experiments.config import (
 )
 from experiments.config_checks import validate, writable_dir
 from experiments.executor_check import executor_time_problem
-from experiments.inputs import cell_inputs
+from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.layout_check import workload_memory_problems
 from experiments.run_dir import commit_run, remove_new_dirs
 from experiments.store import (
@@ -142,8 +142,11 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
                 "workload.samples_per_microbatch / workload.tokens_per_microbatch)"
             )
     keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
+    trained = trained_inputs(cfg, cluster.num_gpus)  # NOTE: None under exact replay (replay.mismatch=0)
     with planning(cfg, planner, cluster, model, cost) as planned:
-        result: SimResult = simulate(planned, counts, workload, cluster, model, cost, sim_options(cfg, keep))
+        result: SimResult = simulate(
+            planned, counts, workload, cluster, model, cost, sim_options(cfg, keep), trained
+        )
     row: dict[str, Any] = {
         "model": model.name,
         "dataset": dataset_name(cfg, counts),
@@ -158,6 +161,7 @@ def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.n
         "num_batches": counts.num_batches,
         "layout": str(cfg.workload.layout),
         "routing": routing(cfg),
+        "replay_mismatch": replay_mismatch(cfg),
         "unbalanceable_batches": short,
         "seed": int(cfg.seed),
         "code_version": code_version(),

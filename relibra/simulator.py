@@ -18,6 +18,13 @@ priced, with the :class:`~relibra.cost.model.CostModel`):
 A batch is one RL training step: ``step_time_s`` is the mean batch time and throughput is all tokens over
 all batch time. An ideal :class:`Bound` (Balanced) has no plan: it prices each (micro-batch, layer)
 directly and its skewness is 1 by definition.
+
+With ``trained`` routes (:class:`~relibra.trained_routes.TrainedRoutes`: routing replay off or partial,
+:mod:`relibra.trace.mismatch`) a planner plans on the replayed routes and its plan is priced as the training
+step runs it on the trained ones (:func:`~relibra.trained_routes.run_on_trained`) when it plans from routing
+replay (its registry card says so); every other planner, the bound and every history get the trained routes
+(:mod:`relibra.trained_routes` says which planner receives what). Without them the two are one and the same:
+the loads a planner sees are the loads it is priced on.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -37,6 +45,7 @@ from relibra.cost.work import LayerWork
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
 from relibra.planners.protocols import BatchContext, Planner, SlotBudget, history_need, static_placement
+from relibra.trained_routes import TrainedRoutes, plans_on_replay, run_on_trained
 from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import batch_context
 
@@ -221,6 +230,7 @@ def simulate(
     model: ModelSpec,
     cost: CostModel,
     options: SimOptions | None = None,
+    trained: TrainedRoutes | None = None,
 ) -> SimResult:
     """Run ``planner`` over every batch of ``workload`` and price it.
 
@@ -228,6 +238,8 @@ def simulate(
         planner: a :class:`~relibra.planners.protocols.Planner` (returns plans) or a :class:`Bound`
         (Balanced). counts: per-sample counts [S, L, E] behind ``workload``; workload: loads [M, L, G, E] and
         layout. cluster, model, cost: the EP group, the model shape and the cost model that prices plans.
+        trained: the routes the training step takes where they differ from ``counts`` (module doc); None:
+        exact replay.
     Returns:
         :class:`SimResult` with the DESIGN.md metrics and per-(micro-batch, layer) arrays [M, L].
     """
@@ -251,29 +263,35 @@ def simulate(
     prev_redundant: np.ndarray | None = None
     dense_layers = model.num_layers - model.num_moe_layers
     need = history_need(planner, opt.history_window)
+    if trained is not None:
+        trained.check(counts, workload)
+    replayed = trained is not None and isinstance(planner, Planner) and plans_on_replay(str(planner.name))
 
     for b in range(counts.num_batches):
         window = tuple(history[-need:]) if need else ()
-        ctx = batch_context(
-            counts,
-            workload,
-            b,
-            cluster,
-            model,
-            cost,
+
+        context = partial(
+            batch_context,
+            batch=b,
+            cluster=cluster,
+            model=model,
+            cost=cost,
             prev_home=planner_prev,
             history=window,
             seed=opt.seed,
             prev_redundant=prev_redundant,
         )
-        ctx = replace(ctx, batches_left=counts.num_batches - b)
+        truth = ctx = replace(context(counts, workload), batches_left=counts.num_batches - b)
+        if trained is not None:  # the replayed routes for the planner, the trained ones for the step
+            truth = replace(context(trained.counts, trained.workload), batches_left=ctx.batches_left)
+            ctx = ctx if replayed else truth
         mbs = workload.batch_microbatches(b)
         rows = slice(int(mbs[0]), int(mbs[-1]) + 1)
         t0 = time.perf_counter()
         if isinstance(planner, Bound) and not isinstance(planner, Planner):
-            priced = _price_bound(planner, ctx, workload, rows, cost)
+            priced = _price_bound(planner, truth, workload, rows, cost)
             totals["plan"] += time.perf_counter() - t0
-            history.append(ctx.load)
+            history.append(truth.load)
         else:
             plan = planner.plan(ctx)  # type: ignore[union-attr]
             elapsed = time.perf_counter() - t0
@@ -286,7 +304,15 @@ def simulate(
                     redundant_slots=budget.redundant_slots,
                     replicas_in_home_node=budget.replicas_in_home_node,
                 )
-            priced = price_plan(plan, ctx, cost, prev_home)
+            run = plan
+            if truth is not ctx:
+                if plan.online is not None:
+                    raise ValueError(
+                        f"planner {planner.name!r} made an online plan (after the step's routing) but its "
+                        "registry card says it plans from routing replay, so it saw the replayed routes"
+                    )
+                run = run_on_trained(plan, truth)
+            priced = price_plan(run, truth, cost, prev_home)
             kept[b] = (np.asarray(plan.home) == prev_home).all(axis=1)
             prev_home = planner_prev = plan.home
             prev_redundant = plan.redundant
@@ -296,7 +322,7 @@ def simulate(
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
             if opt.keep_plans:
                 kept_plans.append(plan)
-            history.append(plan.load)
+            history.append(run.load)
         history = history[-max(need, 1) :]
 
         times = batch_times(priced, cost, dense_layers)
