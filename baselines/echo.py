@@ -5,7 +5,7 @@ redirected there; the clones' weight gradients are reduced home in the backward 
 Source: NVIDIA/Megatron-LM pull request #2368 ("MoE ECHO", ``moe_enable_echo``; BSD-3-Clause), read at its
 head a2b16b8 (2026-01-15) and re-implemented here, not copied. The stored Megatron-LM main (2026-08-22)
 holds no ECHO code; the paper arXiv 2603.07685 (Megatron Core's MoE report) could be read only as far as
-its abstract. docs/baselines.md, "ECHO", maps every function to its source:
+its abstract. docs/online_baselines.md, "ECHO", maps every function to its source:
 
 * ``gen_intermediate`` (``megatron/core/transformer/moe/offloading_planner.py``) -> :func:`spill_and_spare`:
   the average ``avg = total // G`` is each rank's capacity; a rank below it offers ``avg - load`` spare
@@ -34,7 +34,7 @@ backward combine sit on the compute stream; ``moe_echo_expert_dispatch_overlap``
 third pass when ``recompute_expert_dispatch`` re-dispatches the weights in the backward
 (``moe_echo_recompute_expert_dispatch``).
 
-Choices the source leaves open, and the ones made here (docs/baselines.md, "ECHO", gives the reasons):
+Choices the source leaves open, and the ones made here (docs/online_baselines.md, "ECHO", gives the reasons):
 
 * echo slots per GPU: ``replica_slots`` 2, the suite's slot count for UltraEP, ForeMoE and ReLibra
   (upstream's config requires ``moe_num_echo_experts`` and sets no default);
@@ -69,9 +69,9 @@ MEASURED_CRITICAL_PATH_S = 65e-6
 """Planning seconds charged per (micro-batch, layer): LLEP's charged median (50 us, :mod:`baselines.llep`)
 times the median ratio of this implementation's median to LLEP's, both measured in the same three runs of
 ``benchmarks/bench_online.py`` (EP 64, Qwen3-235B-A22B shapes, one quick-scale mixed batch; compiled, one
-core of a shared 2-core machine under load): 130/99, 139/114, 188/101 us, ratio 1.31 (docs/baselines.md,
-"ECHO"). Upstream plans on the GPU (``torch.compile`` and one Triton block) after an all-gather of the
-per-rank counts and publishes no time."""
+core of a shared 2-core machine under load): 130/99, 139/114, 188/101 us, ratio 1.31
+(docs/online_baselines.md, "ECHO"). Upstream plans on the GPU (``torch.compile`` and one Triton block)
+after an all-gather of the per-rank counts and publishes no time."""
 
 NUM_BUCKETS = 8
 """Buckets of the approximate bin packing (``gen_assignment_for_approx_bp``'s default ``num_buckets``)."""

@@ -23,7 +23,7 @@ copied:
 
 Pricing (the simulator, :class:`~relibra.types.OnlineCopies`): the plan on the critical path of every
 (micro-batch, layer) (upstream computes it on the host after an all-reduce of the counts); the weight
-copies and the gradient return each in full. Choices the source leaves open: docs/baselines.md, "LLEP".
+copies and the gradient return each in full. Choices the source leaves open: docs/online_baselines.md, "LLEP".
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ __all__ = ["LlepPlanner", "LptPlan", "imbalance_ratio", "lpt_plan"]
 
 MEASURED_CRITICAL_PATH_S = 50e-6
 """This implementation's median planning time per (micro-batch, layer) at EP 64 (Qwen3-235B-A22B shapes,
-compiled, one CPU core of a shared machine; docs/baselines.md). Upstream plans on the host in Python after an
-all-reduce of the counts and publishes no figure: its time is at least this."""
+compiled, one CPU core of a shared machine; docs/online_baselines.md). Upstream plans on the host in Python
+after an all-reduce of the counts and publishes no figure: its time is at least this."""
 
 
 @njit(cache=True, inline="always")

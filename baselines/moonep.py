@@ -10,7 +10,7 @@ copies' gradients reduced home in the backward). Megatron-core main's virtual-ex
 (NVIDIA/Megatron-LM ``megatron/core/transformer/moe/virtual_expert_load_balancer.py`` and
 ``virtual_expert_triton.py: _plan_virtual_expert_placement_kernel``, BSD-3-Clause, "taken from MoonEP")
 decides the same: the same two greedy passes with the same tie rules, so it is no planner of its own
-(docs/baselines.md, "MoonEP and Megatron-core's virtual-expert balancer").
+(docs/online_baselines.md, "MoonEP and Megatron-core's virtual-expert balancer").
 
 Vocabulary (upstream's): a *home group* is the ``epn`` experts a rank owns (master ``e // epn``);
 ``balance[r]`` the tokens of ``r``'s home group over its receive cap; ``z[h, u]`` the quota home group ``h``

@@ -25,7 +25,7 @@ one try there with the fixed ``min_tokens_per_replica``, then a 4-probe search a
 do it. Pricing (the simulator, :class:`~relibra.types.OnlineCopies`): planning on the critical path of
 every (micro-batch, layer); the copies over NVLink twice on the critical path (forward ``weight_sync`` and
 the backward restore before expert Dgrad); the replica gradients reduced home overlapping the backward
-attention (``grad_reduce``). Choices the source leaves open: docs/baselines.md, "UltraEP".
+attention (``grad_reduce``). Choices the source leaves open: docs/online_baselines.md, "UltraEP".
 """
 
 from __future__ import annotations
