@@ -158,7 +158,7 @@ def plan_grid(
     store = ResultsStore(store_dir)
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
-    _validate_grid(preset, configs)
+    refusals = _validate_grid(preset, configs)
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
     keys = {cell_key(cfg) for cfg in configs}
     try:
@@ -172,7 +172,7 @@ def plan_grid(
         report.left_out = len(gone) - report.rekeyed
     report.total = len(grid)
     jobs: list[CellJob] = []
-    for cell, cfg in zip(grid, configs):
+    for cell, cfg, refusal in zip(grid, configs, refusals, strict=True):
         key = cell_key(cfg)
         try:  # NOTE: one cell that cannot be looked at must not cost the rest of the grid
             stored = _stored_version(store, key, report)
@@ -188,7 +188,8 @@ def plan_grid(
             continue
         dataset = cfg.trace.get("dataset") or cfg.trace.preset
         label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
-        jobs.append(CellJob(preset, cell, label, cfg, store_dir / "runs" / key, stored is not None, key))
+        run_dir = store_dir / "runs" / key
+        jobs.append(CellJob(preset, cell, label, cfg, run_dir, stored is not None, key, refusal))
     return report, jobs
 
 
@@ -228,8 +229,11 @@ def plan_grids(
     return [item for item in planned if item is not None]
 
 
-def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
-    """Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
+def _validate_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
+    """Check every cell's config once (:func:`~experiments.config_checks.validate`), here, so that no
+    worker checks it again: each cell's refusal as :func:`_why` words it (None: accepted).
+
+    Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
     problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
     cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
     with its reason, when the grid ends (one bad cell must not cost the rest)."""
@@ -237,15 +241,20 @@ def _validate_grid(preset: str, configs: list[DictConfig]) -> None:
     from experiments.config_checks import validate
 
     problems: dict[str, int] = {}
+    refusals: list[str | None] = []
     for cfg in configs:
         try:
             validate(cfg)
         except ConfigError as exc:
             text = str(exc).removeprefix("bad configuration: ")
             problems[text] = problems.get(text, 0) + 1
+            refusals.append(_why(exc))
+        else:
+            refusals.append(None)
     if problems and sum(problems.values()) == len(configs):
         listed = "; ".join(f"{text} ({n} of {len(configs)} cells)" for text, n in problems.items())
         raise ConfigError(f"preset {preset}: bad configuration: {listed}")
+    return refusals
 
 
 def _path_keyed(store: ResultsStore, key: str) -> bool:
@@ -269,14 +278,19 @@ def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | 
 
 
 def run_cell_job(job: CellJob) -> CellOutcome:
-    """Compute one cell into its store (in this process or a worker); a failure is returned, not raised."""
+    """Compute one cell into its store (in this process or a worker); a failure is returned, not raised.
+
+    The cell's config was checked when its grid was planned (:func:`_validate_grid`): a refused cell fails
+    with that refusal and an accepted one runs without being checked again."""
     from experiments.inputs import cache_stats
     from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
+    if job.refusal is not None:
+        return CellOutcome(0.0, job.refusal)
     start = time.perf_counter()
     before = cache_stats()
     try:
-        run(job.cfg, run_dir=job.run_dir, recompute=job.recompute)
+        run(job.cfg, run_dir=job.run_dir, recompute=job.recompute, checked=True)
     except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
         return CellOutcome(time.perf_counter() - start, _why(exc))
     after = cache_stats()

@@ -108,9 +108,15 @@ def _foreign_experts(plan: BatchPlan) -> int:
     return int(non_home.sum(axis=2).max(initial=0))
 
 
-def compute(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
-    """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing."""
-    validate(cfg)
+def compute(
+    cfg: DictConfig, checked: bool = False
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
+    """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing.
+
+    ``checked``: ``cfg`` passed :func:`~experiments.config_checks.validate` already (in :func:`run`, or
+    when a grid was planned), so it is not checked again."""
+    if not checked:
+        validate(cfg)
     cluster, model = build_cluster(cfg), build_model(cfg)
     model.check_ep(cluster)
     cost = build_cost(cfg, cluster, model)
@@ -317,7 +323,9 @@ def adopt(cfg: DictConfig, run_dir: str | Path, source: str | Path) -> pd.DataFr
     return results
 
 
-def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False) -> pd.DataFrame:
+def run(
+    cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False, checked: bool = False
+) -> pd.DataFrame:
     """Run one config end to end and return its results (one row per planner run).
 
     ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
@@ -325,14 +333,17 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
     :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
     computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
     :class:`~experiments.config.ConfigError` before any work on a bad config, an unreadable trace or a
-    results directory that cannot be written.
+    results directory that cannot be written. ``checked``: ``cfg`` passed
+    :func:`~experiments.config_checks.validate` already (a grid cell checked when its grid was planned,
+    :func:`experiments.reproduce.plan_grid`), so it is checked nowhere here; otherwise it is checked once.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
             HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "."
         )
     out = Path(str(run_dir))
-    validate(cfg)
+    if not checked:
+        validate(cfg)
     store = ResultsStore(Path(str(cfg.results_dir))) if cfg.get("results_dir") else None
     if store is not None:
         try:
@@ -345,7 +356,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = Fa
 
     def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
         nonlocal per_layer
-        results, per_layer, dump = compute(cfg)
+        results, per_layer, dump = compute(cfg, checked=True)
         write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True), None, _hydra_files(cfg))
         return results, per_layer
 
