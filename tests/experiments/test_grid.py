@@ -1,30 +1,91 @@
-"""experiments.grid.compose_cells: cells that differ only in their trace seed share one Hydra composition,
-and get exactly the config that Hydra composes for each."""
+"""experiments.grid.compose_cells: one Hydra composition per preset (and per group option its cells choose),
+each cell a copy with its overrides set, gives every cell exactly the config Hydra composes for it."""
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
 
+from experiments import grid as grid_module
 from experiments.grid import cells, compose_cell, compose_cells
+from experiments.reproduce import QUICK_PRESETS
 from experiments.store import cell_key
 
 
-def test_seed_copies_equal_hydras_own_composition() -> None:
+def _same(fast: DictConfig, hydra: DictConfig) -> None:
+    assert OmegaConf.to_yaml(fast) == OmegaConf.to_yaml(hydra)  # NOTE: key order and interpolations too
+    assert OmegaConf.to_container(fast) == OmegaConf.to_container(hydra)
+    assert OmegaConf.to_yaml(fast, resolve=True) == OmegaConf.to_yaml(hydra, resolve=True)
+    assert OmegaConf.is_struct(fast) == OmegaConf.is_struct(hydra)
+    assert cell_key(fast) == cell_key(hydra)
+
+
+def _covering(grid: list[list[str]]) -> list[list[str]]:
+    """The first and last cell, and for every override value of the grid a cell that has it."""
+    chosen = [grid[0], grid[-1]]
+    seen = {o for cell in chosen for o in cell}
+    for cell in grid:
+        if any(o not in seen for o in cell):
+            chosen.append(cell)
+            seen.update(cell)
+    return chosen
+
+
+def _both_ways(preset: str, grid: list[list[str]]) -> None:
+    grid = [[*cell, f"results_dir=/nonexistent/{preset}"] for cell in grid]  # NOTE: as plan_grid adds it
+    for cell, cfg in zip(grid, compose_cells(preset, grid), strict=True):
+        _same(cfg, compose_cell(preset, cell))
+
+
+@pytest.mark.parametrize("preset", QUICK_PRESETS)
+def test_every_option_of_each_quick_preset_composes_as_hydra_does(preset: str) -> None:
+    _both_ways(preset, _covering(cells(preset)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", QUICK_PRESETS)
+def test_every_cell_of_each_quick_preset_composes_as_hydra_does(preset: str) -> None:
+    _both_ways(preset, cells(preset))
+
+
+def test_a_preset_is_composed_once_and_once_per_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quick_comm_sensitivity: 80 cells, 5 planners (megatron the preset's own) -> 1 + 5 compositions."""
+    composed: list[list[str]] = []
+    real = grid_module._Composer._compose
+
+    def counting(self: grid_module._Composer, overrides: list[str]) -> DictConfig:
+        composed.append(list(overrides))
+        return real(self, overrides)
+
+    monkeypatch.setattr(grid_module._Composer, "_compose", counting)
+    grid = cells("quick_comm_sensitivity")
+    assert len(compose_cells("quick_comm_sensitivity", grid)) == len(grid) == 80
+    assert len(composed) == 6 and all(len(o) <= 1 for o in composed)
+
+
+def test_seeds_and_sweeps_beside_the_preset_compose_as_hydra_does() -> None:
     grid = cells("overall", ["model=qwen3-30b-a3b", "trace.preset=mixed", "planner=megatron,relibra"])
     assert {dict(o.split("=", 1) for o in cell)["seed"] for cell in grid} == {"0", "1", "2"}
     shared = compose_cells("overall", grid)
     for cell, cfg in zip(grid, shared, strict=True):
-        own = compose_cell("overall", cell)
-        assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(own)
-        assert OmegaConf.to_yaml(cfg, resolve=True) == OmegaConf.to_yaml(own, resolve=True)
-        assert OmegaConf.is_struct(cfg) == OmegaConf.is_struct(own)
-        assert cell_key(cfg) == cell_key(own)
+        _same(cfg, compose_cell("overall", cell))
     # NOTE: copies, never one object: a cell's config changed later must not change another's
     assert len({id(cfg) for cfg in shared}) == len(shared)
+    assert len({id(cfg.planner) for cfg in shared}) == len(shared)
     assert [cfg.seed for cfg in shared] == [int(dict(o.split("=", 1) for o in c)["seed"]) for c in grid]
 
 
-def test_cells_without_one_seed_override_are_composed_each() -> None:
-    grid = [["model=qwen3-30b-a3b"], ["model=qwen3-30b-a3b", "seed=4"], ["model=qwen3-30b-a3b", "seed=5"]]
+def test_what_a_copy_does_not_reproduce_is_composed_by_hydra() -> None:
+    """``++key``, ``~key``, a nested group and a key Hydra refuses: Hydra's own composition and errors."""
+    grid = [
+        ["model=qwen3-30b-a3b"],
+        ["model=qwen3-30b-a3b", "++seed=4"],
+        ["planner=relibra", "~dump_plans"],
+        ["planner=relibra", "planner/reorder=anneal"],
+        ["seed=5", "planner=relibra", "model=glm4.5-106b-a12b"],
+    ]
     for cell, cfg in zip(grid, compose_cells("overall", grid), strict=True):
-        assert OmegaConf.to_yaml(cfg) == OmegaConf.to_yaml(compose_cell("overall", cell))
+        _same(cfg, compose_cell("overall", cell))
+    with pytest.raises(ConfigCompositionException, match=r"cluster\.nodez"):
+        compose_cells("overall", [["cluster.nodez=1"]])
