@@ -296,14 +296,6 @@ def simulate(
             plan = planner.plan(ctx)  # type: ignore[union-attr]
             elapsed = time.perf_counter() - t0
             totals["plan"] += plan.plan_time_s if plan.plan_time_s > 0 else elapsed
-            if opt.check_plans:
-                check_plan(
-                    plan,
-                    ctx,
-                    replica_slots=budget.replica_slots,
-                    redundant_slots=budget.redundant_slots,
-                    replicas_in_home_node=budget.replicas_in_home_node,
-                )
             run = plan
             if truth is not ctx:
                 if plan.online is not None:
@@ -312,6 +304,15 @@ def simulate(
                         "registry card says it plans from routing replay, so it saw the replayed routes"
                     )
                 run = run_on_trained(plan, truth)
+            if opt.check_plans:  # the plan as made, and as the step runs it on the trained routes
+                for checked, on in [(plan, ctx)] + ([] if run is plan else [(run, truth)]):
+                    check_plan(
+                        checked,
+                        on,
+                        replica_slots=budget.replica_slots,
+                        redundant_slots=budget.redundant_slots,
+                        replicas_in_home_node=budget.replicas_in_home_node,
+                    )
             priced = price_plan(run, truth, cost, prev_home)
             kept[b] = (np.asarray(plan.home) == prev_home).all(axis=1)
             prev_home = planner_prev = plan.home

@@ -209,3 +209,13 @@ def test_balanced_bounds_every_planner_on_the_trained_routes() -> None:
     for planner in (MegatronPlanner(), build_planner(cfg("planner=relibra_replicate_only"))):
         run = simulate(planner, counts, workload, cluster, model, cost, trained=trained)
         assert bound.metrics["step_time_s"] <= run.metrics["step_time_s"]
+
+
+@pytest.mark.parametrize("name", ["eplb", "relibra", "relibra_portfolio"])
+def test_plans_run_on_the_trained_routes_keep_every_invariant(setup, name) -> None:
+    """Permanent copies (EPLB+), moved samples and replica slots (ReLibra): the plan as the step runs it on
+    the trained routes passes the shared checker too (SimOptions.check_plans checks both)."""
+    counts, workload, cluster, model, cost = setup
+    trained = _trained(counts, 0.5, cluster.num_gpus, 2)
+    planner = build_planner(cfg(f"planner={name}"))
+    simulate(planner, counts, workload, cluster, model, cost, SimOptions(check_plans=True), trained)
