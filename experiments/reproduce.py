@@ -387,27 +387,22 @@ def _reorderings(planner: DictConfig) -> int:
     return count(tree)
 
 
-def _warm_numba_cache() -> None:
-    """Compile every numba kernel once, here, so that worker processes only load the on-disk cache.
-
-    NOTE: two processes that find the cache cold would both compile (tens of seconds each) and race on
-    writing it; compiling once before the pool starts avoids both.
-    """
-    from baselines.warmup import compile_kernels as compile_baselines
-    from relibra.planners.warmup import compile_kernels
-
-    compile_kernels()
-    compile_baselines()
-
-
-def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, CellOutcome], None]) -> None:
+def run_jobs(
+    jobs: list[CellJob],
+    workers: int,
+    on_done: Callable[[CellJob, CellOutcome], None],
+    warmed: bool = False,
+) -> None:
     """Compute ``jobs``, ``workers`` at a time, calling ``on_done`` in this process as each one ends.
 
     Jobs that are the same cell (same key, several presets) are computed once and copied
     (:func:`schedule`). ``workers == 1`` computes them here, one after another. Otherwise independent
     cells run in a pool of spawned worker processes (``concurrent.futures``): each cell writes only its
-    own store files (atomically), so the store needs no coordination; the numba cache is warmed first.
+    own store files (atomically), so the store needs no coordination; the numba cache is warmed first
+    (:func:`experiments.warmup.warming`; ``warmed``: the caller warmed it already, beside its planning).
     """
+    from experiments.warmup import warming
+
     todo, copies = schedule(jobs)
 
     def done(job: CellJob, outcome: CellOutcome) -> None:
@@ -419,7 +414,9 @@ def run_jobs(jobs: list[CellJob], workers: int, on_done: Callable[[CellJob, Cell
         for job in todo:
             done(job, run_cell_job(job))
         return
-    _warm_numba_cache()
+    if not warmed:
+        with warming(workers):
+            pass
     # NOTE: one BLAS thread per worker, so that `workers` processes do not oversubscribe the cores; set
     # before the workers start (they inherit the environment), never in this process.
     threads = str(max(1, (os.cpu_count() or 1) // workers))
@@ -633,8 +630,11 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
         if is_peer_preset(preset):
             overrides.append(prepare_peer_traces(preset, root, overrides, console.print))
         plans.append((preset, overrides))
+    from experiments.warmup import warming
+
     try:
-        planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)
+        with warming(args.workers if len(plans) else 1):  # NOTE: the kernels compile beside the planning
+            planned = plan_grids(plans, root, args.recompute_stale, args.workers, args.extend_grid)
     except PermissionError as exc:  # NOTE: an unwritable results root: nothing was computed
         console.print(f"python -m experiments.reproduce: {exc}", style="red", markup=False)
         return 2
@@ -651,9 +651,9 @@ def _reproduce(args: argparse.Namespace, chosen: list[str], console: Console, tt
             tracker.add(report, sum(job.preset == report.preset for job in jobs))
     if progress is not None:
         with progress:
-            run_jobs(jobs, args.workers, tracker.done)
+            run_jobs(jobs, args.workers, tracker.done, warmed=True)
     else:
-        run_jobs(jobs, args.workers, tracker.done)
+        run_jobs(jobs, args.workers, tracker.done, warmed=True)
     summarise(console, reports, args.recompute_stale, code_version())
     if note := code_version_note():
         console.print(f"code version: {note}", style="yellow", markup=False, highlight=False)

@@ -41,9 +41,11 @@ _HARDWARE = HardwareSpec(
     alltoall_latency_s=10e-6,
     nvlink_efficiency=0.8,
     nic_efficiency=0.8,
+    host_to_device_bytes_per_s=50e9,
 )
 """Any hardware works: kernels are compiled per argument type, not per value (so these are round
-numbers, not the calibrated rates of ``experiments/conf/cluster/*.yaml``)."""
+numbers, not the calibrated rates of ``experiments/conf/cluster/*.yaml``); it has a host link because
+ForeMoE's transfer engine (``baselines.warmup``) refuses a cluster without one."""
 
 
 def tiny_context(seed: int = 0) -> BatchContext:
