@@ -490,8 +490,9 @@ def test_a_run_that_fails_while_writing_leaves_the_earlier_run_whole(tmp_path, m
     before = _snapshot(out)
     real = run_module.compute
 
-    def overflowing(c):  # a value parquet cannot hold, found only at the write (as seed=1e23 was)
-        results, per_layer, dump = real(c)
+    # a value parquet cannot hold, found only at the write (as seed=1e23 was)
+    def overflowing(c, checked=False):
+        results, per_layer, dump = real(c, checked)
         return results.assign(seed=[10**25]), per_layer, dump
 
     monkeypatch.setattr(run_module, "compute", overflowing)

@@ -205,7 +205,7 @@ def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
     # refused before it starts: test_faults.py::test_reproduce_refuses_a_bad_override_once_before_the_grid.)
     import experiments.run as run_module
 
-    def failing(cfg):
+    def failing(cfg, checked=False):
         raise RuntimeError("planner crashed")
 
     monkeypatch.setattr(run_module, "compute", failing)
