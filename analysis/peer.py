@@ -4,6 +4,11 @@ token-imbalance workloads W0-W7 (docs/workloads.md), per model and EP size.
 Force-balanced routes every micro-batch's tokens evenly over the GPUs at no cost: a ratio of 1.00 is a
 planner that removes all the imbalance a workload puts in; Megatron-LM's ratio is what the workload costs
 without balancing.
+
+A cell whose trained routes differ from the replayed ones (results column ``replay_mismatch`` > 0, routing
+replay off or partial: relibra/trace/mismatch.py) is its own row, the workload named with its mismatch
+(``W6_rotating_hotspot, mismatch 0.1``), divided by force-balanced at the same mismatch (force-balanced
+itself routes uniformly whatever the replay). Results without the column are exact replay.
 """
 
 from __future__ import annotations
@@ -22,17 +27,42 @@ from analysis import paper
 from analysis.spread import add_spread, per_seed, seed_note, summarise
 from analysis.table import Table
 
-__all__ = ["BOUND", "KEYS", "peer_ratios", "peer_table", "plot_peer"]
+__all__ = [
+    "BOUND",
+    "KEYS",
+    "MISMATCH",
+    "peer_ratios",
+    "peer_table",
+    "plot_peer",
+    "short_name",
+    "workload_name",
+]
 
 BOUND = "force_balanced"
 """The planner every step time is divided by."""
 KEYS = ["model", "EP", "workload"]
-"""A row of the table: the workload (the cells' ``dataset``) at one model and EP size."""
+"""A row of the table: the workload (the cells' ``dataset``, with its replay mismatch when above 0) at one
+model and EP size."""
+MISMATCH = "replay_mismatch"
+"""The results column of the trained routes' re-drawn share (absent in results of exact replay)."""
+
+
+def workload_name(dataset: str, mismatch: float) -> str:
+    """The table's workload: ``dataset``, or ``"<dataset>, mismatch <m>"`` when ``mismatch`` > 0."""
+    return str(dataset) if not mismatch else f"{dataset}, mismatch {mismatch:g}"
+
+
+def short_name(workload: str) -> str:
+    """A figure column: the workload id before its first ``_`` (``W6``), with ``r<m>`` for a mismatch."""
+    name, _, mismatch = str(workload).partition(", mismatch ")
+    return name.split("_")[0] + (f" r{mismatch}" if mismatch else "")
 
 
 def _per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """Step time per (model, EP, workload, seed), one column per planner."""
-    data = frame.assign(EP=(frame["nodes"] * frame["gpus_per_node"]).astype(int), workload=frame["dataset"])
+    mismatch = frame[MISMATCH].fillna(0.0) if MISMATCH in frame.columns else pd.Series(0.0, index=frame.index)
+    names = [workload_name(d, float(m)) for d, m in zip(frame["dataset"], mismatch, strict=True)]
+    data = frame.assign(EP=(frame["nodes"] * frame["gpus_per_node"]).astype(int), workload=names)
     wide = per_seed(data, KEYS, "step_time_s").sort_index()
     if BOUND not in wide.columns:
         raise ValueError(f"no {BOUND} rows: the peer table is relative to force-balanced")
@@ -82,7 +112,7 @@ def plot_peer(frame: pd.DataFrame) -> Figure:
     top = float(np.nanmax(ratios.to_numpy()))
     for ax, (model, ep) in zip(axes[0], panels, strict=True):
         grid = ratios.xs((model, ep), level=["model", "EP"])[order].T
-        grid.columns = [str(w).split("_")[0] for w in grid.columns]
+        grid.columns = [short_name(w) for w in grid.columns]
         grid.index = [paper.label(p) for p in grid.index]
         sns.heatmap(
             grid,

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from analysis.figures import FIGURES, save
-from analysis.peer import peer_ratios, peer_table, plot_peer
+from analysis.peer import peer_ratios, peer_table, plot_peer, short_name
 from analysis.tables import all_tables
 
 STEP = {"megatron": 3.0, "eplb": 2.0, "relibra_portfolio": 1.5, "force_balanced": 1.0}
@@ -66,3 +66,21 @@ def test_the_peer_presets_get_their_table_and_figure(tmp_path: Path) -> None:
     assert [name for name, _ in FIGURES["peer"]] == ["peer"]
     paths = save(plot_peer(frame()), tmp_path, "quick_peer.peer")
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_a_replay_mismatch_is_a_row_of_its_own() -> None:
+    """Cells of one workload at two replay mismatches are never averaged together: each is divided by
+    force-balanced at its own mismatch and named with it."""
+    exact = frame().assign(replay_mismatch=0.0)
+    off = frame().assign(replay_mismatch=0.1)
+    off.loc[off["planner"] == "relibra_portfolio", "step_time_s"] *= 2.0
+    ratios = peer_ratios(pd.concat([exact, off], ignore_index=True))
+    at = ("qwen3-30b-a3b", 8, "W1_hot_expert_set")
+    assert ratios.loc[at, "relibra_portfolio"] == pytest.approx(1.5)
+    assert ratios.loc[(*at[:2], "W1_hot_expert_set, mismatch 0.1"), "relibra_portfolio"] == pytest.approx(3.0)
+    assert (
+        short_name("W1_hot_expert_set, mismatch 0.1") == "W1 r0.1" and short_name("W1_hot_expert_set") == "W1"
+    )
+    # results written before the column existed are exact replay
+    np_ratios = peer_ratios(frame())
+    assert np_ratios.loc[at, "relibra_portfolio"] == pytest.approx(1.5)
