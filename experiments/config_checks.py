@@ -35,7 +35,15 @@ from experiments.config_keys import _int_key, _number_key
 from experiments.executor_check import _executor_problems
 from experiments.input_memory import input_memory_problems
 from experiments.layout_check import layout_problems, memory_problems
-from relibra.cluster import MLA_KEYS, PRECISIONS, comm_sms_problem, mla_problem, nvl_domain_problem
+from relibra.cluster import (
+    MLA_KEYS,
+    PRECISIONS,
+    HardwareSpec,
+    comm_sms_problem,
+    grouped_gemm_problems,
+    mla_problem,
+    nvl_domain_problem,
+)
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
 from relibra.cost.model import load_calibration
@@ -285,6 +293,15 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
                 )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             problems.append(f"cluster.calibration={path}: {exc}")
+    hw = cfg.cluster.get("hardware") or {}
+    default = {f.name: f.default for f in fields(HardwareSpec)}  # NOTE: for a yaml without the keys
+    keys = ("gemm_model", "gemm_tile_m", "gemm_tile_n", "sms", "per_expert_costs")
+    problems += grouped_gemm_problems(*(hw.get(k, default[k]) for k in keys))
+    if path and hw.get("gemm_model") == "tiled":
+        problems.append(
+            f"cluster.calibration={path} with cluster.hardware.gemm_model=tiled: both replace the expert "
+            "GEMM curve; give one"
+        )
     return problems
 
 

@@ -87,23 +87,33 @@ class HardwareSpec:
     """Host seconds of one per-expert GEMM launch, read under ``per_expert_costs``."""
 
     def __post_init__(self) -> None:
-        if self.gemm_model not in GEMM_MODELS:
-            raise ValueError(
-                f"cluster.hardware.gemm_model={self.gemm_model!r}: choose one of {', '.join(GEMM_MODELS)}"
-            )
-        if not isinstance(self.per_expert_costs, bool):
-            raise ValueError(
-                f"cluster.hardware.per_expert_costs={self.per_expert_costs!r}: must be true or false"
-            )
-        if self.gemm_model == "tiled":
-            for key in ("gemm_tile_m", "gemm_tile_n", "sms"):
-                value = getattr(self, key)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(
-                        f"cluster.hardware.{key}={value!r}: gemm_model=tiled needs an integer >= 1"
-                    )
-        if self.per_expert_costs and not self.expert_launch_s >= 0:
-            raise ValueError(f"cluster.hardware.expert_launch_s={self.expert_launch_s!r}: must be >= 0")
+        problems = grouped_gemm_problems(
+            self.gemm_model, self.gemm_tile_m, self.gemm_tile_n, self.sms, self.per_expert_costs
+        )
+        launch = self.expert_launch_s
+        if isinstance(launch, bool) or not isinstance(launch, int | float) or not launch >= 0:
+            problems.append(f"cluster.hardware.expert_launch_s={launch!r}: must be a number >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def grouped_gemm_problems(
+    gemm_model: object, tile_m: object, tile_n: object, sms: object, per_expert_costs: object
+) -> list[str]:
+    """Why ``cluster.hardware``'s grouped-GEMM settings (:class:`HardwareSpec`, ``gemm_model`` onwards)
+    cannot price a run, one line each: ``gemm_model`` one of :data:`~relibra.cost.grouped_gemm.GEMM_MODELS`,
+    ``tiled`` with integer tiles and SM count >= 1, ``per_expert_costs`` a boolean (``expert_launch_s``, a
+    number, is checked with the other numeric keys)."""
+    problems: list[str] = []
+    if gemm_model not in GEMM_MODELS:
+        problems.append(f"cluster.hardware.gemm_model={gemm_model!r}: choose one of {', '.join(GEMM_MODELS)}")
+    if not isinstance(per_expert_costs, bool):
+        problems.append(f"cluster.hardware.per_expert_costs={per_expert_costs!r}: must be true or false")
+    if gemm_model == "tiled":
+        for key, value in (("gemm_tile_m", tile_m), ("gemm_tile_n", tile_n), ("sms", sms)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"cluster.hardware.{key}={value!r}: gemm_model=tiled needs an integer >= 1")
+    return problems
 
 
 @dataclass(frozen=True)

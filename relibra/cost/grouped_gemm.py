@@ -30,7 +30,14 @@ M-grouped layout fixes 128; Transformer Engine's default cuBLAS path lets cuBLAS
 ``gemm_tile_n``; tiles of one kernel are priced as one pool over the GPU's SMs (DeepGEMM, CUTLASS
 grouped GEMM, Transformer Engine with ``NVTE_USE_CUTLASS_GROUPED_GEMM``), not as Transformer Engine's
 default of one cuBLAS GEMM per expert on four streams; SMs an overlapped all-to-all holds are not taken
-from the pool; the reduction chunk of the weight gradients is ``BM``.
+from the pool; the reduction chunk of the weight gradients is ``BM``. Only the executed price
+(:meth:`relibra.cost.model.CostModel.gpu_compute_time`) is tiled:
+:meth:`~relibra.cost.model.CostModel.expert_time` and :meth:`~relibra.cost.model.CostModel.linear`,
+which the planners' objectives and the ``balanced`` bound (``baselines/balanced.py``) read, keep the smooth
+curve, so under ``tiled`` that bound is not a strict lower bound of a plan's compute.
+
+Sources read at deepseek-ai/DeepGEMM ``54e2261``, NVIDIA/Megatron-LM ``d98e8a6`` and
+NVIDIA/TransformerEngine ``d0067d0``.
 
 **Per-expert costs** (``per_expert_costs: true``; :func:`per_expert_seconds`). What Megatron-core's MoE
 layer does once per local expert or per (token, local expert) entry (NVIDIA/Megatron-LM

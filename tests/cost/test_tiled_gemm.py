@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, grouped_gemm_problems
 from relibra.cost.grouped_gemm import tiled_gpu_seconds
 from relibra.cost.model import CostModel
-from tests.builders import HOPPER
+from tests.builders import HOPPER, REPO
 
 FAST_HBM = 1e30
 """HBM bytes/s so fast that no kernel hits its memory floor (the hand cases count FLOPs only)."""
@@ -141,7 +143,7 @@ def test_default_is_smooth_and_keeps_its_bits():
         ({"gemm_model": "tiled", "gemm_tile_m": 128, "gemm_tile_n": 128, "sms": 0}, "sms"),
         ({"gemm_model": "tiled", "gemm_tile_n": 128}, "gemm_tile_m"),
         ({"per_expert_costs": "yes"}, "per_expert_costs"),
-        ({"per_expert_costs": True, "expert_launch_s": -1.0}, "expert_launch_s"),
+        ({"expert_launch_s": -1.0}, "expert_launch_s"),
     ],
 )
 def test_bad_settings_refused(change, key):
@@ -154,3 +156,22 @@ def test_tiled_with_a_calibration_table_refused():
     table = (np.array([1.0, 1000.0]), np.array([1e-5, 1e-3]))
     with pytest.raises(ValueError, match="gemm_model=tiled"):
         CostModel(cluster, _model(2048, 768), calibration=table)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "experiments/conf/cluster").glob("*.yaml")))
+def test_every_cluster_yaml_can_tile(name):
+    # Every cluster yaml holds the settings, off by default, with tiles and an SM count a tiled run needs.
+    conf: Any = OmegaConf.to_container(OmegaConf.load(REPO / f"experiments/conf/cluster/{name}.yaml"))
+    hw = HardwareSpec(**conf["hardware"])
+    assert hw.gemm_model == "smooth" and hw.per_expert_costs is False
+    tiled = replace(hw, gemm_model="tiled")
+    assert tiled.gemm_tile_m >= 1 and tiled.gemm_tile_n >= 1 and tiled.sms >= 1
+
+
+def test_config_check_names_the_keys():
+    assert grouped_gemm_problems("smooth", 0, 0, 0, False) == []
+    problems = grouped_gemm_problems("tiled", 128, 0, 132, "yes")
+    assert problems == [
+        "cluster.hardware.per_expert_costs='yes': must be true or false",
+        "cluster.hardware.gemm_tile_n=0: gemm_model=tiled needs an integer >= 1",
+    ]
