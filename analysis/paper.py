@@ -1,4 +1,4 @@
-"""The paper's reported numbers (ReLibra, arXiv 2605.08639; summarised in DESIGN.md), as data.
+"""The paper's reported numbers (ReLibra, arXiv 2605.08639), as data.
 
 Ranges are ``(low, high)`` over the paper's models and datasets. Planner names follow the run config's
 ``planner`` group; model and dataset names follow ``conf/model`` and the workload's dataset names.

@@ -1,8 +1,8 @@
 """The paper's tables from a results frame, each with the paper's numbers beside ours and their ratio.
 
-Input: the frame ``analysis.load.load_results`` returns (DESIGN.md result columns, one row per planner run,
-plus ``experiment``). Rows that repeat a (model, dataset, planner, cluster) cell, e.g. several seeds or
-batches, are averaged first.
+Input: the frame ``analysis.load.load_results`` returns (the result columns of docs/spine.md, one row
+per planner run, plus ``experiment``). Rows that repeat a (model, dataset, planner, cluster) cell, e.g.
+several seeds or batches, are averaged first.
 
 Ratios ("ours / paper"):
 - against a single paper number: ``ours / paper``;

@@ -1,4 +1,4 @@
-"""Balanced: the ideal bound every planner is held against (DESIGN.md; the paper's "Balanced").
+"""Balanced: the ideal bound every planner is held against (docs/glossary.md; the paper's "Balanced").
 
 Not a plan: a lower bound that no plan of the suite can beat in any term of the step time. Per
 (micro-batch, layer):

@@ -1,4 +1,4 @@
-"""Force-balanced: Megatron-LM with ``--moe-router-force-load-balancing`` (DESIGN.md glossary).
+"""Force-balanced: Megatron-LM with ``--moe-router-force-load-balancing`` (docs/glossary.md).
 
 Megatron-core's ``TopKRouter`` (``megatron/core/transformer/moe/router.py``), with
 ``moe_router_force_load_balancing`` set, replaces the router's logits by random ones

@@ -1,8 +1,8 @@
 """A run's per-sample counts and workload, memoised per process (read-only arrays).
 
 Every planner's cell of one (model, dataset, seed, steps, rollouts) computes the same counts, and every
-planner of one EP size and routing the same workload (the layout depends on the tokens only; DESIGN.md
-"Pipeline"), yet generating them is a tenth to a third of a cell's time at the paper's scale. A worker
+planner of one EP size and routing the same workload (the layout depends on the tokens only; docs/spine.md,
+"Sample layout"), yet generating them is a tenth to a third of a cell's time at the paper's scale. A worker
 process that computes several such cells (``experiments.reproduce`` hands them out grouped by
 :func:`trace_key`) builds them once: :func:`cell_inputs` keeps the last :data:`CACHE_SIZE` counts and
 workloads in small LRU caches, keyed by exactly the config values they are a function of.

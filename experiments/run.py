@@ -7,7 +7,7 @@
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
 4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
-   ``dump_plans=true``, ``plans.npz`` (DESIGN.md "Plan dump"), each atomically (temp file + ``os.replace``),
+   ``dump_plans=true``, ``plans.npz`` (README.md, "Plan dump"), each atomically (temp file + ``os.replace``),
    and removes an earlier run's files this run does not write; ``summary.json`` says why any is absent;
 5. the logger (``logger=wandb``) sees only what is already on disk.
 
@@ -76,7 +76,7 @@ EXIT_INTERRUPTED = 130
 def plan_dump_arrays(
     plans: Sequence[BatchPlan], counts: SampleCounts, workload: Workload, meta: dict[str, Any]
 ) -> dict[str, np.ndarray]:
-    """The DESIGN.md ``plans.npz`` arrays of a run's plans (one per batch, in order)."""
+    """The ``plans.npz`` arrays (README.md, "Plan dump") of a run's plans (one per batch, in order)."""
     sample_gpu = np.concatenate([p.sample_gpu for p in plans]).astype(np.int32)
     return {
         "home": np.stack([p.home for p in plans]).astype(np.int32),

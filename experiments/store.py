@@ -3,7 +3,7 @@
 An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_overall``) looks like::
 
     <results_dir>/
-        cells/<key>.parquet        the cell's result rows (DESIGN.md result columns); its key, resolved
+        cells/<key>.parquet        the cell's result rows (docs/spine.md, "Result columns"); its key, resolved
                                    config (JSON) and content checksum in the parquet schema metadata
         per_layer/<key>.parquet    optional per-(planner, micro-batch, layer) table (skew heatmaps), with
                                    its key and checksum likewise

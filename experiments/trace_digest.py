@@ -2,7 +2,7 @@
 
 A cell that reads a routing trace (``trace.path``) is keyed by the trace's content, never by its path
 (:func:`experiments.store.cell_key`): a trace replaced at the same path gets new cells, and a store moved
-or copied with its trace reuses its cells. The digest covers every array of the ``.npz`` file (DESIGN.md
+or copied with its trace reuses its cells. The digest covers every array of the ``.npz`` file (docs/traces.md,
 "Routing trace file"): SHA-256 over, in name order, the SHA-256 of each member's name and of its
 uncompressed ``.npy`` bytes.
 A ``.npy`` member's bytes are its header (dtype, shape, memory order) and its data, so two files with the

@@ -1,4 +1,4 @@
-"""The shared plan invariant checker (DESIGN.md, "Plan dump").
+"""The shared plan invariant checker (docs/spine.md, "Plan invariants").
 
 Every planner's :class:`~relibra.types.BatchPlan` and every ``plans.npz`` must satisfy:
 
@@ -54,7 +54,7 @@ __all__ = [
 
 
 class PlanInvariantError(ValueError):
-    """A plan breaks one of the invariants of DESIGN.md "Plan dump".
+    """A plan breaks one of the invariants of docs/spine.md, "Plan invariants".
 
     ``invariant`` is the violated invariant's name (the bracketed prefix of the message), ``detail`` the rest:
     the first offending index and what would be right.

@@ -1,4 +1,4 @@
-"""Checks of a plan dump (``plans.npz``, written with ``dump_plans=true``; DESIGN.md's public format): the
+"""Checks of a plan dump (``plans.npz``, written with ``dump_plans=true``; README.md, "Plan dump"): the
 arrays and metadata it must hold, then every plan invariant of :mod:`relibra.invariants` on every batch."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def check_plan_dump(
     counts: np.ndarray | None = None,
     replicas_in_home_node: bool | None = None,
 ) -> dict[str, Any]:
-    """Check a ``plans.npz`` (a path or a mapping of its arrays) against DESIGN.md "Plan dump".
+    """Check a ``plans.npz`` (a path or a mapping of its arrays) against README.md, "Plan dump".
 
     ``counts`` int [S, L, E] (optional): the trace's per-sample counts, to check that ``load`` is their
     bincount. ``replicas_in_home_node``: None reads ``meta["replicas_in_home_node"]`` (default True).

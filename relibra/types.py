@@ -1,6 +1,6 @@
 """Core data types shared by every stage of the pipeline.
 
-Glossary (DESIGN.md): ``E`` experts per MoE layer, ``L`` MoE layers, ``k`` top-k, ``G`` GPUs of the EP
+Glossary (docs/glossary.md): ``E`` experts per MoE layer, ``L`` MoE layers, ``k`` top-k, ``G`` GPUs of the EP
 group, ``S`` samples, ``B`` batches, ``M`` micro-batches (global index over all batches).
 Every array is a plain numpy array; every dataclass is frozen. Shapes are written under each field.
 """
@@ -15,7 +15,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SampleCounts:
-    """Per-sample expert counts, the sufficient statistic of a routing trace (DESIGN.md, "Pipeline").
+    """Per-sample expert counts, the sufficient statistic of a routing trace (docs/architecture.md,
+    "The pipeline").
 
     ``counts[s].sum(axis=-1) == tokens[s] * top_k`` for every sample and layer.
     """

@@ -1,6 +1,6 @@
 """Workload assembly: samples -> GPUs -> micro-batches -> loads ``x[m, l, j, e]``.
 
-Glossary (DESIGN.md): ``S`` samples, ``B`` batches, ``G`` GPUs of the EP group, ``M`` micro-batches
+Glossary (docs/glossary.md): ``S`` samples, ``B`` batches, ``G`` GPUs of the EP group, ``M`` micro-batches
 (global index over all batches), ``Mb`` micro-batches of one batch, ``L`` MoE layers, ``E`` experts.
 
 The sample layout (where every sample runs) is :mod:`relibra.layout`; this module reduces a layout's

@@ -8,7 +8,7 @@ delivered plan with its fallbacks in :mod:`relibra.control.delivery`, the worker
 :mod:`relibra.control.tasks`, a batch's bookkeeping in :mod:`relibra.control.jobs`, the settings in
 :mod:`relibra.control.config`, the report in :mod:`relibra.control.report`.
 
-The trainer's calls (DESIGN.md, "Pipeline")::
+The trainer's calls (docs/control_plane.md, "Control plane (trainer side)")::
 
     cp = ControlPlane.from_planner(relibra(replica_slots=2), cluster, model, cost,
                                    ControlPlaneConfig(workers=8, samples_per_microbatch=1))

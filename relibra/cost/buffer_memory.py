@@ -30,7 +30,7 @@ MIB = 1 << 20
 PAPER_BUFFER_MIB = MappingProxyType(
     {"qwen3-30b-a3b": 18.0, "glm4.5-106b-a12b": 22.0, "qwen3-235b-a22b": 72.0}
 )
-"""Replica buffer per GPU reported by the paper (DESIGN.md, "The paper's numbers")."""
+"""Replica buffer per GPU reported by the paper (arXiv 2605.08639; :data:`analysis.paper.REPLICA_BUFFER`)."""
 PAPER_PARAM_FRACTION = MappingProxyType(
     {"qwen3-30b-a3b": 0.0028, "glm4.5-106b-a12b": 0.0013, "qwen3-235b-a22b": 0.0162}
 )

@@ -1,4 +1,4 @@
-"""The rail-optimized fabric: which bytes cross which link for each dispatcher (DESIGN.md, "Cost model").
+"""The rail-optimized fabric: which bytes cross which link for each dispatcher (docs/spine.md, "Cost model").
 
 GPU ``g`` sits on node ``g // gpus_per_node`` and rail ``g % gpus_per_node``; each GPU has one NIC on its
 rail and NVLink to every GPU of its node. Here a "node" is an NVLink domain: callers pass

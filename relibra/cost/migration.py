@@ -1,5 +1,5 @@
 """What a re-homed expert carries when reordering moves it, how it arrives, and what that costs
-(DESIGN.md, "Cost model"; docs/spine.md, "Migration").
+(docs/spine.md, "Cost model" and "Migration").
 
 **Payload.** Reordering happens between two optimizer steps (one RL training step per batch), so a moved
 expert carries its weights and its optimizer state and no gradient (gradients are zero between steps).

@@ -1,4 +1,4 @@
-"""The rest of the whole training step (DESIGN.md glossary "whole step"): every term beyond the MoE layers'
+"""The rest of the whole training step (docs/glossary.md, "whole step"): every term beyond the MoE layers'
 expert GEMMs and all-to-all, attention and dense layers, as methods of :class:`relibra.cost.model.CostModel`
 (through :class:`WholeStepTerms`), each with its own result column.
 

@@ -79,7 +79,7 @@ def slot_table(home: np.ndarray, assign: np.ndarray, width: int) -> np.ndarray:
 def plans_from_dump(
     source: str | os.PathLike[str] | Mapping[str, Any],
 ) -> tuple[list[BatchPlan], dict[str, Any]]:
-    """Read and check a ``plans.npz`` (DESIGN.md "Plan dump"); one executor plan per batch, and the meta.
+    """Read and check a ``plans.npz`` (README.md, "Plan dump"); one executor plan per batch, and the meta.
 
     Without redundant slots each micro-batch's replicas are :func:`slot_table`; with redundant slots
     (EPLB+, LPLB+) the batch's redundant table lists every non-home expert a GPU computes in any of its
@@ -136,7 +136,7 @@ class DistEnv:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m relibra.executors.launch", description=__doc__.split("\n")[0])
-    p.add_argument("--plans", required=True, type=Path, help="plans.npz (DESIGN.md 'Plan dump')")
+    p.add_argument("--plans", required=True, type=Path, help="plans.npz (README.md, 'Plan dump')")
     p.add_argument("--out", required=True, type=Path, help="directory rank 0 writes executor.{json,npz} into")
     p.add_argument("--hidden", type=int, default=64, help="expert hidden size actually run [64]")
     p.add_argument("--ffn", type=int, default=32, help="expert FFN size actually run [32]")

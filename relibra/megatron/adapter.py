@@ -1,6 +1,6 @@
 """Run ReLibra plans inside megatron-core's ``MoELayer``: placement, replication, replica gradients.
 
-Glossary (DESIGN.md, plus EPLB's words for the physical side):
+Glossary (docs/glossary.md, plus EPLB's words for the physical side):
 
 * **logical expert** ``e`` in ``[0, E)``: the id the router picks and the trace stores;
 * **physical expert**: a slot of Megatron's dispatcher. Every rank ``g`` of the EP group owns

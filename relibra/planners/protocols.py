@@ -88,8 +88,9 @@ class Replication:
 
 @dataclass(frozen=True)
 class SlotBudget:
-    """The expert slots a planner's plans may use beside each GPU's ``E / G`` home experts (DESIGN.md,
-    plan dump): what the plan checker bounds, the plan dump records and the simulator reports."""
+    """The expert slots a planner's plans may use beside each GPU's ``E / G`` home experts
+    (docs/glossary.md, "replica slot", "redundant slot"): what the plan checker bounds, the plan dump
+    records and the simulator reports."""
 
     replica_slots: int = 0
     """Temporary per-layer slots per GPU (ReLibra's layer-shared buffer, PopFetcher's prefetch buffer)."""

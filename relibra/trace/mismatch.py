@@ -1,6 +1,6 @@
 """Trained routes that differ from the replayed ones: routing replay off or partial.
 
-With routing replay (DESIGN.md glossary, "oracle loads") the training step routes every token exactly as the
+With routing replay (docs/glossary.md, "oracle loads") the training step routes every token exactly as the
 rollout did, so a replay-based planner plans on the very loads it is priced on. Without it, the training
 engine's router recomputes each token's top-k from its own logits, and numerical differences between the
 inference and the training kernels flip a share of them: in Qwen3-30B-A3B about 10 % of the (token, layer)
