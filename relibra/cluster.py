@@ -253,7 +253,7 @@ def nvl_domain_problem(nodes: int, gpus_per_node: int, nvl_domain: int | None) -
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """MoE model shape (DESIGN.md, "Models")."""
+    """MoE model shape (one file per model in ``experiments/conf/model/``, each naming its source)."""
 
     name: str
     num_layers: int

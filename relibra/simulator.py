@@ -138,7 +138,7 @@ class SimResult:
 
     planner: str
     metrics: dict[str, float]
-    """The DESIGN.md result columns (:data:`METRIC_COLUMNS`) plus planner stats (means over batches)."""
+    """The result columns (:data:`METRIC_COLUMNS`, docs/spine.md) plus planner stats (means over batches)."""
     skew: np.ndarray
     """float64 [M, L]: skewness of each (micro-batch, layer)."""
     t_compute: np.ndarray
@@ -241,7 +241,7 @@ def simulate(
         trained: the routes the training step takes where they differ from ``counts`` (module doc); None:
         exact replay.
     Returns:
-        :class:`SimResult` with the DESIGN.md metrics and per-(micro-batch, layer) arrays [M, L].
+        :class:`SimResult` with the result columns and per-(micro-batch, layer) arrays [M, L].
     """
     opt = options or SimOptions()
     shape = (workload.num_microbatches, counts.num_layers)

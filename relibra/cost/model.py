@@ -1,4 +1,4 @@
-"""The analytical cost model of the simulated executor (DESIGN.md, "Cost model").
+"""The analytical cost model of the simulated executor (docs/spine.md, "Cost model").
 
 Per (micro-batch, layer): ``T_MoE = max_g T_comp(g) + max_g T_comm(g)``.
 
