@@ -48,8 +48,8 @@ def test_rows_are_checks_with_the_published_penalty() -> None:
     assert [r["role"] for r in rows] == ["check"] * 4
     assert measured_penalty(rows[0]) == pytest.approx(295 / 237 - 1)
     assert measured_penalty(rows[1]) == pytest.approx(335 / 277 - 1)
-    # the rows whose TP x CP group spans EP groups say what the simulator lacks
-    assert [bool(r.get("needs")) for r in rows] == [False, False, True, True]
+    # every row is simulated, the 64K / 128K ones with a TP x CP group over 2 / 4 EP groups
+    assert [bool(r.get("needs")) for r in rows] == [False] * 4
 
 
 def test_forced_is_balanced_and_the_penalty_grows_with_the_bias() -> None:
