@@ -53,7 +53,7 @@ def test_every_cell_of_each_quick_preset_composes_as_hydra_does(preset: str) -> 
 
 
 def test_a_preset_is_composed_once_and_once_per_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    """quick_comm_sensitivity: 80 cells, 5 planners (megatron the preset's own) -> 1 + 5 compositions."""
+    """quick_comm_sensitivity: 40 cells, 5 planners (megatron the preset's own) -> 1 + 5 compositions."""
     composed: list[list[str]] = []
     real = grid_module._Composer._compose
 
@@ -63,7 +63,7 @@ def test_a_preset_is_composed_once_and_once_per_option(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(grid_module._Composer, "_compose", counting)
     grid = cells("quick_comm_sensitivity")
-    assert len(compose_cells("quick_comm_sensitivity", grid)) == len(grid) == 80
+    assert len(compose_cells("quick_comm_sensitivity", grid)) == len(grid) == 40
     assert len(composed) == 6 and all(len(o) <= 1 for o in composed)
 
 
