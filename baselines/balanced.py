@@ -4,7 +4,9 @@ Not a plan: a lower bound that no plan of the suite can beat in any term of the 
 (micro-batch, layer):
 
 * **compute** at its mean over GPUs: the layer's whole grouped-GEMM work (each expert's tokens in one GEMM,
-  the cheapest way to compute them, since splitting an expert over copies never costs less) split evenly;
+  the cheapest way to compute them, since splitting an expert over copies never costs less) split evenly
+  (:meth:`~relibra.cost.model.CostModel.compute_floor`, which also holds under the tiled GEMM model and the
+  per-expert launches, ``cluster.hardware.gemm_model`` / ``per_expert_costs``);
 * **communication** at its mean over GPUs of the traffic no plan can avoid, spread evenly: a GPU computes
   at most ``E / G + slots`` distinct experts of a layer (its home experts and ``slots`` replica or
   redundant copies), so at least the routed slots of a sample outside its ``E / G + slots`` most-used
@@ -93,7 +95,7 @@ class BalancedBound:
         cost = ctx.cost
         per_expert = ctx.load.sum(axis=-2)  # [Mb, L, E]
         # Step 1: the layer's whole grouped-GEMM work (with each expert's real token count), split evenly.
-        work = cost.expert_time(per_expert).sum(axis=-1) / g  # [Mb, L]
+        work = cost.compute_floor(per_expert, g)  # [Mb, L]
         t_compute_gpu = np.repeat(work[..., None], g, axis=-1)  # [Mb, L, G]
         # Step 2: the unavoidable traffic, split over NVLink and NIC so both finish together.
         off_gpu, off_node = unavoidable_traffic(ctx, self.slots)  # [Mb, L]

@@ -157,6 +157,67 @@ def test_main_planners_do_not_beat_balanced(name: str, dispatcher: str, step: st
     check_bounded(name, res, bal)
 
 
+_TILES = {"gemm_tile_m": 128, "gemm_tile_n": 128, "sms": 132, "expert_launch_s": 5e-6}
+"""hopper.yaml's tile, SM and launch settings (relibra/cost/grouped_gemm.py names their sources)."""
+
+
+@pytest.mark.parametrize(("gemm_model", "per_expert"), [("tiled", False), ("smooth", True), ("tiled", True)])
+@pytest.mark.parametrize("name", [*MAIN, "relibra_portfolio", "eplb_periodic", "echo"])
+def test_balanced_stays_a_bound_under_tiles_and_per_expert_costs(
+    name: str, gemm_model: str, per_expert: bool
+) -> None:
+    """The opt-in grouped-GEMM terms (``cluster.hardware.gemm_model=tiled``, ``per_expert_costs``): tiles
+    and launches reward keeping an expert's tokens together, and Balanced's compute floor
+    (:meth:`CostModel.compute_floor`) must stay below every plan's. A tiny model (tiles dominate its
+    GEMMs) on a skewed workload, DeepEP and the whole step."""
+    from dataclasses import replace
+
+    from hydra.utils import instantiate
+
+    hardware = replace(HOPPER, gemm_model=gemm_model, per_expert_costs=per_expert, **_TILES)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=hardware, dispatcher="deepep")
+    model = tiny_model(num_experts=8)
+    training = training_spec(step="whole", recompute="full", rl_passes=PASSES[-1])
+    cost = CostModel(cluster, model, training=training)
+    counts = random_counts(num_samples=16, num_experts=8, seed=11, skew=2.0)
+    cfg = planner_config(name)
+    if cfg.get("routing") == "uniform":
+        counts = uniform_routing(counts, 0)
+    work = build_workload(counts, 4, samples_per_microbatch=2)
+    bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
+    res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
+    check_bounded(name, res, bal)
+
+
+def test_the_tiled_floor_is_below_every_split() -> None:
+    """:func:`relibra.cost.grouped_gemm.tiled_floor_seconds` against the busiest GPU of random splits of the
+    same expert tokens."""
+    from dataclasses import replace
+
+    hardware = replace(HOPPER, gemm_model="tiled", **_TILES)
+    cost = CostModel(ClusterSpec(nodes=1, gpus_per_node=4, hardware=hardware), tiny_model(num_experts=8))
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = rng.integers(0, 700, size=8)
+        share = rng.dirichlet(np.full(4, rng.uniform(0.05, 3.0)), size=8)  # [E, G]
+        assign = np.floor(n[:, None] * share)
+        assign[:, 0] += n - assign.sum(axis=1)
+        floor = cost.compute_floor(n, 4)
+        assert floor <= cost.gpu_compute_time(assign).max() * (1 + 1e-12)
+    # Where the smooth curve cannot serve as the floor: whole tiles in whole waves (Qwen3-30B-A3B's expert
+    # shape, 33 row tiles per expert, two experts per GPU: every kernel's tiles a multiple of 132 SMs) cost
+    # exactly the FLOPs under tiles, 128 / 4224 less than the smooth curve charges.
+    real = replace(tiny_model(num_experts=8), hidden=2048, moe_ffn=768)
+    cost = CostModel(ClusterSpec(nodes=1, gpus_per_node=4, hardware=hardware), real)
+    n = np.full(8, 128 * 33)
+    assign = np.zeros((8, 4))
+    assign[np.arange(8), np.arange(8) // 2] = n
+    executed = cost.gpu_compute_time(assign).max()
+    assert cost.expert_time(n).sum() / 4 > executed * 1.02  # the smooth floor would not be a bound
+    floor = cost.compute_floor(n, 4)
+    assert executed * (1 - 1e-9) <= floor <= executed * (1 + 1e-12)  # tight where the waves are full
+
+
 @pytest.mark.parametrize(
     "layout", [ParallelLayout(pp=2, vpp=2), ParallelLayout(tp=2), ParallelLayout(tp=2, pp=2)], ids=str
 )

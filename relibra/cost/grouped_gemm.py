@@ -33,8 +33,9 @@ default of one cuBLAS GEMM per expert on four streams; SMs an overlapped all-to-
 from the pool; the reduction chunk of the weight gradients is ``BM``. Only the executed price
 (:meth:`relibra.cost.model.CostModel.gpu_compute_time`) is tiled:
 :meth:`~relibra.cost.model.CostModel.expert_time` and :meth:`~relibra.cost.model.CostModel.linear`,
-which the planners' objectives and the ``balanced`` bound (``baselines/balanced.py``) read, keep the smooth
-curve, so under ``tiled`` that bound is not a strict lower bound of a plan's compute.
+which the planners' objectives read, keep the smooth curve; the ``balanced`` bound (``baselines/balanced.py``)
+reads :meth:`~relibra.cost.model.CostModel.compute_floor`, under ``tiled`` :func:`tiled_floor_seconds`: a
+mean over GPUs no placement can go below, so the bound stays a bound under either model.
 
 Sources read at deepseek-ai/DeepGEMM ``54e2261``, NVIDIA/Megatron-LM ``d98e8a6`` and
 NVIDIA/TransformerEngine ``d0067d0``.
@@ -74,6 +75,7 @@ __all__ = [
     "ROUTING_MAP_BYTES_PER_ENTRY",
     "hosted_experts",
     "per_expert_seconds",
+    "tiled_floor_seconds",
     "tiled_gpu_seconds",
 ]
 
@@ -143,6 +145,47 @@ def tiled_gpu_seconds(
         + k_grouped(h, 2 * f)  # fc1 weight gradient
         + k_grouped(f, h)  # fc2 weight gradient
     )
+
+
+def tiled_floor_seconds(
+    per_expert: np.ndarray,
+    num_gpus: int,
+    hidden: int,
+    ffn: int,
+    tile_m: int,
+    tile_n: int,
+    sms: int,
+    flops_per_s: float,
+    weight_bytes_per_s: float,
+) -> np.ndarray:
+    """Seconds [...]: a lower bound of the busiest GPU's :func:`tiled_gpu_seconds` under any split of the
+    experts' tokens ``per_expert`` [..., E] over ``num_gpus`` GPUs.
+
+    Splitting an expert over copies never reduces its padded row tiles (``sum_g ceil(a_g / BM) >= ceil(n /
+    BM)``) nor its weight reads (each copy reads them), waves are at least ``tiles / SMs``, the busiest GPU
+    at least the mean, and a mean of maxima at least the maximum of the means: each kernel is priced at
+    ``max(sum_e tiles_e / (SMs G) * wave seconds, busy experts * weight bytes / (G * rate))``.
+    """
+    n = np.asarray(per_expert, dtype=np.float64)
+    rows = np.ceil(n / tile_m).sum(axis=-1)  # [...]: the fewest padded row tiles of the layer
+    busy = (n > 0).sum(axis=-1).astype(np.float64)
+    per_sm = flops_per_s / sms
+    h, f, g = int(hidden), int(ffn), float(num_gpus)
+
+    def kernel(row_tiles_per_row: int, tile_k: int, n_out: int, k: int) -> np.ndarray:
+        waves = rows * row_tiles_per_row / (sms * g)
+        compute = waves * (2.0 * tile_m * tile_n * tile_k / per_sm)
+        return np.maximum(compute, busy * (n_out * k) / (weight_bytes_per_s * g))
+
+    out = (
+        kernel(_ceil_div(2 * f, tile_n), h, 2 * f, h)  # fc1 forward
+        + kernel(_ceil_div(h, tile_n), f, h, f)  # fc2 forward
+        + kernel(_ceil_div(f, tile_n), h, f, h)  # fc2 input gradient
+        + kernel(_ceil_div(h, tile_n), 2 * f, h, 2 * f)  # fc1 input gradient
+        + kernel(_ceil_div(h, tile_m) * _ceil_div(2 * f, tile_n), tile_m, h, 2 * f)  # fc1 weight gradient
+        + kernel(_ceil_div(f, tile_m) * _ceil_div(h, tile_n), tile_m, f, h)  # fc2 weight gradient
+    )
+    return np.asarray(out)
 
 
 def per_expert_seconds(

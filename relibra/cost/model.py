@@ -45,7 +45,13 @@ from relibra.cost.fabric import (
     mirrored,
     rail_link_bytes,
 )
-from relibra.cost.grouped_gemm import ROUTING_MAP_BYTES_PER_ENTRY, per_expert_seconds, tiled_gpu_seconds
+from relibra.cost.grouped_gemm import (
+    GEMM_CALLS_PER_EXPERT,
+    ROUTING_MAP_BYTES_PER_ENTRY,
+    per_expert_seconds,
+    tiled_floor_seconds,
+    tiled_gpu_seconds,
+)
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import TrainingSpec, WholeStepTerms
 from relibra.parallel import ParallelLayout
@@ -221,6 +227,29 @@ class CostModel(WholeStepTerms):
         if hw.per_expert_costs:
             t = t + self.expert_launch_time(assign)
         return t
+
+    def compute_floor(self, per_expert: np.ndarray, num_gpus: int) -> np.ndarray:
+        """Seconds [...]: no plan's busiest GPU computes the experts' tokens ``per_expert`` [..., E] over
+        ``num_gpus`` GPUs in less (the ``balanced`` bound's compute). ``smooth``: each expert's tokens in one
+        GEMM, split evenly, ``expert_time(per_expert).sum(-1) / G`` (splitting an expert never costs less on
+        the smooth curve); ``tiled``: :func:`relibra.cost.grouped_gemm.tiled_floor_seconds`; with
+        ``per_expert_costs`` every expert with tokens launches its GEMMs at least once, ``1 / G`` of them
+        each.
+        """
+        hw = self.cluster.hardware
+        n = np.asarray(per_expert)
+        if hw.gemm_model == "tiled":
+            m = self.model
+            t = tiled_floor_seconds(
+                n, num_gpus, m.hidden, m.moe_ffn, hw.gemm_tile_m, hw.gemm_tile_n, hw.sms, self._peak,
+                hw.hbm_bytes_per_s / self._weight_bytes,
+            )  # fmt: skip
+        else:
+            t = self.expert_time(n).sum(axis=-1) / num_gpus
+        if hw.per_expert_costs:
+            busy = (n > 0).sum(axis=-1)
+            t = t + busy * (GEMM_CALLS_PER_EXPERT * hw.expert_launch_s) / num_gpus
+        return np.asarray(t)
 
     def expert_launch_time(self, assign: np.ndarray) -> np.ndarray:
         """Host seconds [..., G] of each GPU's per-expert GEMM launches, fwd + bwd, for assign [..., E, G]
