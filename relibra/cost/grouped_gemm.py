@@ -100,6 +100,27 @@ def hosted_experts(assign: np.ndarray) -> np.ndarray:
     return np.asarray((np.asarray(assign) > 0).sum(axis=-2), dtype=np.float64)
 
 
+def _kernels(hidden: int, ffn: int, tile_m: int, tile_n: int) -> tuple[tuple[bool, int, int, int], ...]:
+    """The six kernels of a SwiGLU expert layer (module doc), in the order they are summed: (K-grouped?,
+    output tiles per padded row tile, reduction per tile, weight elements read per expert)."""
+    h, f = int(hidden), int(ffn)
+
+    def m(n_out: int, k: int) -> tuple[bool, int, int, int]:
+        return False, _ceil_div(n_out, tile_n), k, n_out * k
+
+    def kg(out_rows: int, out_cols: int) -> tuple[bool, int, int, int]:
+        return True, _ceil_div(out_rows, tile_m) * _ceil_div(out_cols, tile_n), tile_m, out_rows * out_cols
+
+    return (
+        m(2 * f, h),  # fc1 forward
+        m(h, f),  # fc2 forward
+        m(f, h),  # fc2 input gradient
+        m(h, 2 * f),  # fc1 input gradient
+        kg(h, 2 * f),  # fc1 weight gradient
+        kg(f, h),  # fc2 weight gradient
+    )
+
+
 def tiled_gpu_seconds(
     assign: np.ndarray,
     hidden: int,
@@ -114,7 +135,9 @@ def tiled_gpu_seconds(
 
     ``flops_per_s``: the GPU's achievable GEMM rate (peak times ``gemm_efficiency``), shared by its ``sms``
     SMs; ``weight_bytes_per_s``: HBM bytes per second over one expert weight element's bytes (the kernels'
-    memory floor reads ``params / weight_bytes_per_s`` seconds per expert weight matrix).
+    memory floor reads ``params / weight_bytes_per_s`` seconds per expert weight matrix). An M-grouped
+    kernel runs ``ceil(row tiles * output tiles / SMs)`` waves; a K-grouped one at least its longest tile's
+    reduction, ``max_e ceil(n_e / BM)`` chunk-waves.
     """
     a = np.asarray(assign, dtype=np.float64)
     row_tiles = np.ceil(a / tile_m)  # [..., E, G]: padded row tiles of each expert (0 without tokens)
@@ -122,29 +145,14 @@ def tiled_gpu_seconds(
     longest = row_tiles.max(axis=-2)  # [..., G]
     busy = (a > 0).sum(axis=-2).astype(np.float64)  # [..., G]
     per_sm = flops_per_s / sms
-    h, f = int(hidden), int(ffn)
-
-    def m_grouped(n_out: int, k: int) -> np.ndarray:
-        """Seconds [..., G] of one M-grouped kernel: output width ``n_out``, reduction ``k``."""
-        waves = np.ceil(rows * _ceil_div(n_out, tile_n) / sms)
-        compute = waves * (2.0 * tile_m * tile_n * k / per_sm)
-        return np.maximum(compute, busy * (n_out * k) / weight_bytes_per_s)
-
-    def k_grouped(out_rows: int, out_cols: int) -> np.ndarray:
-        """Seconds [..., G] of one K-grouped (weight-gradient) kernel with output ``out_rows x out_cols``."""
-        tiles = _ceil_div(out_rows, tile_m) * _ceil_div(out_cols, tile_n)
-        waves = np.maximum(np.ceil(rows * tiles / sms), longest)
-        compute = waves * (2.0 * tile_m * tile_n * tile_m / per_sm)
-        return np.maximum(compute, busy * (out_rows * out_cols) / weight_bytes_per_s)
-
-    return np.asarray(
-        m_grouped(2 * f, h)  # fc1 forward
-        + m_grouped(h, f)  # fc2 forward
-        + m_grouped(f, h)  # fc2 input gradient
-        + m_grouped(h, 2 * f)  # fc1 input gradient
-        + k_grouped(h, 2 * f)  # fc1 weight gradient
-        + k_grouped(f, h)  # fc2 weight gradient
-    )
+    total = np.zeros(rows.shape)
+    for k_grouped, tiles, tile_k, weights in _kernels(hidden, ffn, tile_m, tile_n):
+        waves = np.ceil(rows * tiles / sms)
+        if k_grouped:
+            waves = np.maximum(waves, longest)
+        compute = waves * (2.0 * tile_m * tile_n * tile_k / per_sm)
+        total = total + np.maximum(compute, busy * weights / weight_bytes_per_s)
+    return np.asarray(total)
 
 
 def tiled_floor_seconds(
@@ -170,22 +178,12 @@ def tiled_floor_seconds(
     rows = np.ceil(n / tile_m).sum(axis=-1)  # [...]: the fewest padded row tiles of the layer
     busy = (n > 0).sum(axis=-1).astype(np.float64)
     per_sm = flops_per_s / sms
-    h, f, g = int(hidden), int(ffn), float(num_gpus)
-
-    def kernel(row_tiles_per_row: int, tile_k: int, n_out: int, k: int) -> np.ndarray:
-        waves = rows * row_tiles_per_row / (sms * g)
-        compute = waves * (2.0 * tile_m * tile_n * tile_k / per_sm)
-        return np.maximum(compute, busy * (n_out * k) / (weight_bytes_per_s * g))
-
-    out = (
-        kernel(_ceil_div(2 * f, tile_n), h, 2 * f, h)  # fc1 forward
-        + kernel(_ceil_div(h, tile_n), f, h, f)  # fc2 forward
-        + kernel(_ceil_div(f, tile_n), h, f, h)  # fc2 input gradient
-        + kernel(_ceil_div(h, tile_n), 2 * f, h, 2 * f)  # fc1 input gradient
-        + kernel(_ceil_div(h, tile_m) * _ceil_div(2 * f, tile_n), tile_m, h, 2 * f)  # fc1 weight gradient
-        + kernel(_ceil_div(f, tile_m) * _ceil_div(h, tile_n), tile_m, f, h)  # fc2 weight gradient
-    )
-    return np.asarray(out)
+    g = float(num_gpus)
+    total = np.zeros(rows.shape)
+    for _, tiles, tile_k, weights in _kernels(hidden, ffn, tile_m, tile_n):
+        compute = rows * tiles / (sms * g) * (2.0 * tile_m * tile_n * tile_k / per_sm)
+        total = total + np.maximum(compute, busy * weights / (weight_bytes_per_s * g))
+    return np.asarray(total)
 
 
 def per_expert_seconds(
