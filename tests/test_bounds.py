@@ -141,9 +141,15 @@ MAIN = [
 def test_main_planners_do_not_beat_balanced(name: str, dispatcher: str, step: str) -> None:
     """The fast companion of the property test: one skewed two-node workload, the main planners; the whole
     step with full recompute and every RL pass."""
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER, dispatcher=dispatcher)
+    _check_on_skewed_workload(name, cluster, step)
+
+
+def _check_on_skewed_workload(name: str, cluster: ClusterSpec, step: str) -> None:
+    """Planner ``name`` against Balanced on one skewed workload over ``cluster`` (8 experts, 16 samples, 2
+    per GPU and micro-batch), full recompute and every RL pass."""
     from hydra.utils import instantiate
 
-    cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER, dispatcher=dispatcher)
     model = tiny_model(num_experts=8)
     training = training_spec(step=step, recompute="full", rl_passes=PASSES[-1])
     cost = CostModel(cluster, model, training=training)
@@ -151,7 +157,7 @@ def test_main_planners_do_not_beat_balanced(name: str, dispatcher: str, step: st
     cfg = planner_config(name)
     if cfg.get("routing") == "uniform":
         counts = uniform_routing(counts, 0)
-    work = build_workload(counts, 4, samples_per_microbatch=2)
+    work = build_workload(counts, cluster.num_gpus, samples_per_microbatch=2)
     bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
     res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
     check_bounded(name, res, bal)
@@ -172,21 +178,9 @@ def test_balanced_stays_a_bound_under_tiles_and_per_expert_costs(
     GEMMs) on a skewed workload, DeepEP and the whole step."""
     from dataclasses import replace
 
-    from hydra.utils import instantiate
-
     hardware = replace(HOPPER, gemm_model=gemm_model, per_expert_costs=per_expert, **_TILES)
     cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=hardware, dispatcher="deepep")
-    model = tiny_model(num_experts=8)
-    training = training_spec(step="whole", recompute="full", rl_passes=PASSES[-1])
-    cost = CostModel(cluster, model, training=training)
-    counts = random_counts(num_samples=16, num_experts=8, seed=11, skew=2.0)
-    cfg = planner_config(name)
-    if cfg.get("routing") == "uniform":
-        counts = uniform_routing(counts, 0)
-    work = build_workload(counts, 4, samples_per_microbatch=2)
-    bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
-    res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
-    check_bounded(name, res, bal)
+    _check_on_skewed_workload(name, cluster, "whole")
 
 
 def test_the_tiled_floor_is_below_every_split() -> None:
