@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from baselines.force_balanced import ROUTINGS, uniform_routing
 from experiments.layout_check import build_layout
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cost.calibration import load_calibration
 from relibra.cost.migration import MigrationPayload, migration_payload
-from relibra.cost.model import CostModel, load_calibration
+from relibra.cost.model import CostModel
 from relibra.cost.step import TrainingSpec
 from relibra.parallel import expert_data_parallel
 from relibra.planners.protocols import Planner, PlannerPortfolio

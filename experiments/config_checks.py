@@ -44,9 +44,9 @@ from relibra.cluster import (
     mla_problem,
     nvl_domain_problem,
 )
+from relibra.cost.calibration import load_calibration
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
-from relibra.cost.model import load_calibration
 from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
 from relibra.planners.protocols import ClusterRequirements

@@ -23,8 +23,8 @@ What it measures, each part failing soft (its ``status`` ``measured``, ``skipped
     ``alltoall`` dispatcher and the ``flex`` dispatcher over DeepEP where ``deep_ep`` imports (routes fed
     through ``RouterReplay``, :mod:`relibra.megatron.replay`).
 (b) ``models``: the expert GEMM curves of every model of ``experiments/conf/model``, by
-    ``scripts/calibrate_gpu.py`` itself (same format: ``relibra.cost.model.load_calibration`` reads this file
-    as ``cluster.calibration=FILE``), plus its device-to-device copy bandwidth.
+    ``scripts/calibrate_gpu.py`` itself (same format: ``relibra.cost.calibration.load_calibration`` reads
+    this file as ``cluster.calibration=FILE``), plus its device-to-device copy bandwidth.
 (c) ``all_to_all``: NCCL ``all_to_all_single`` over payload sizes (more than one GPU).
 (d) ``executor``: the torch executor (``relibra.executors``) over NCCL on a static plan and on a plan that
     moves one expert per GPU and replicates the hottest expert (more than one GPU).
@@ -989,7 +989,7 @@ def _soft(name: str, fn: Callable[[], dict[str, Any]], group: Group, budget_left
 
 def _hoist_calibration(doc: dict[str, Any]) -> None:
     """Move calibrate_gpu's curves and copy bandwidth to the top level, where
-    ``relibra.cost.model.load_calibration`` reads them (``models``, ``d2d_*``)."""
+    ``relibra.cost.calibration.load_calibration`` reads them (``models``, ``d2d_*``)."""
     cal = doc["calibration"]
     doc["models"] = cal.pop("models", doc.get("models", {}))
     for key in ("d2d_bytes_per_s", "d2d_kind"):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
-from relibra.cost.model import CostModel, load_calibration
+from relibra.cost.calibration import load_calibration
+from relibra.cost.model import CostModel
 
 HW = HardwareSpec(
     name="hand",

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import gpu_measurements as gm
-from relibra.cost.model import load_calibration
+from relibra.cost.calibration import load_calibration
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_moe_layer.py"
