@@ -22,43 +22,21 @@ The trainer's calls (docs/control_plane.md, "Control plane (trainer side)")::
         train(plan)
     cp.close()
 
-Stages of one batch, after :meth:`ControlPlane.seal`:
-
-1. **Workload assembly** (coordinator thread): samples sorted by their id (so arrival order never changes a
-   plan), laid out over GPUs and micro-batches (:func:`relibra.layout.layout_samples`), loads
-   ``x[m, l, j, e]`` (:func:`relibra.workload.microbatch_loads`); under the cost model's parallel layout
-   (``cost.layout``, tensor and context parallelism) whole samples over TP x CP groups, each sample as its
-   ranks (:mod:`relibra.control.assembly`), as the simulator lays them out.
-2. **Placement per layer**: one task per MoE layer runs the planner's reorderer on a one-layer
-   :class:`~relibra.planners.protocols.BatchContext` (layers are independent in this round). A
-   :class:`StagedReorderer` (ReLibra's :class:`~relibra.planners.reorder.anneal.AnnealingReorderer`) runs only
-   its per-layer round there (``place``), seeded by the batch and the layer's batch-wide index, so each
-   layer gets exactly the row that the serial planner computes.
-3. **Locality round** (only when the reorderer ``moves_samples``; ReLibra's second round): once every
-   layer's placement is in (or fell back), one whole-batch task re-assigns samples to GPUs under that
-   placement (``locality_step``) and returns the loads regrouped under the new ``sample_gpu``.
-4. **Replication per layer**: one task per layer runs the :class:`~relibra.planners.protocols.Replicator` on
-   every micro-batch of that layer, on the (regrouped) loads. Without a locality round a layer's replication
-   starts as soon as its placement is in.
-
-Tasks run in a pool of ``workers`` single-process executors (``concurrent.futures.ProcessPoolExecutor``),
-lower layers first, each layer's replication before the next layer's reordering, so plans become ready
-layer by layer. A planner that is not a reorderer/replicator composition (the baselines) runs as one
-whole-batch task. With the same seeds the delivered plan equals the serial planner's
+Stages of one batch, after :meth:`ControlPlane.seal` (each in full: docs/control_plane.md, "Control plane
+(trainer side)"): workload assembly on the coordinator thread (:mod:`relibra.control.assembly`: samples sorted
+by id, laid out as the simulator lays them out, under the cost model's parallel layout), placement per layer
+(a :class:`StagedReorderer`'s per-layer round, seeded by the batch and the layer's index), ReLibra's locality
+round once every placement is in, and replication per layer on the (regrouped) loads. Tasks run in a pool of
+``workers`` single-process executors, lower layers first; a planner that is not a reorderer/replicator
+composition runs as one whole-batch task. With the same seeds the delivered plan equals the serial planner's
 (:class:`~relibra.planners.compose.ComposedPlanner`) exactly, for any worker count.
 
-**Deadline and fallbacks.** :meth:`ControlPlane.plans` waits at most ``deadline_s``; then a layer whose
-reordering is not ready keeps the *previous placement* (the last delivered batch's, Megatron's static one
-at first), a layer whose replication is not ready gets *no replication* (every expert computed at home).
-Each fallback is recorded per layer in :class:`PlanReport`. The locality round has its own limit,
-``locality_deadline_s`` from its start (its worker is replaced when it runs over); a locality round that
-runs over, fails, or is not ready at the deadline leaves every sample on its input GPU
-(:attr:`PlanReport.locality`), and replication runs on the input loads. A task that raises falls back at
-once (it would raise again); a task whose worker process dies is re-run on a fresh worker up to
-``max_retries`` times, then falls back. Since every worker runs one task at a time, a crash is blamed on
-exactly one task; no layer is ever lost: every delivered plan covers every layer.
-
-Timing: see :mod:`relibra.control.report`.
+**Deadline and fallbacks** (the same section): :meth:`ControlPlane.plans` waits at most ``deadline_s``; a
+layer whose reordering is not ready keeps the previous placement, one whose replication is not ready gets
+none, each recorded in :class:`PlanReport`; the locality round has its own limit (``locality_deadline_s``) and
+falls back to the input layout. A task that raises falls back at once; one whose worker dies is re-run up to
+``max_retries`` times, then falls back; every delivered plan covers every layer.
+Timing: :mod:`relibra.control.report`.
 """
 
 from __future__ import annotations
