@@ -184,7 +184,7 @@ def test_balanced_stays_a_bound_under_tiles_and_per_expert_costs(
 
 
 def test_the_tiled_floor_is_below_every_split() -> None:
-    """:func:`relibra.cost.grouped_gemm.tiled_floor_seconds` against the busiest GPU of random splits of the
+    """:meth:`relibra.cost.grouped_gemm.TiledGemm.floor_seconds` against the busiest GPU of random splits of the
     same expert tokens."""
     from dataclasses import replace
 

@@ -1,7 +1,7 @@
 """The expert grouped GEMMs of each GPU as a tiled kernel runs them, and the costs that grow with the
 experts a GPU hosts (``cluster.hardware.gemm_model`` and ``cluster.hardware.per_expert_costs``; both opt-in).
 
-**Tile and wave quantisation** (``gemm_model: tiled``; :func:`tiled_gpu_seconds`). One grouped GEMM is one
+**Tile and wave quantisation** (``gemm_model: tiled``; :meth:`TiledGemm.gpu_seconds`). One grouped GEMM is one
 kernel over every expert a GPU computes, as DeepGEMM's M-grouped contiguous layout runs it
 (deepseek-ai/DeepGEMM ``csrc/jit_kernels/heuristics/sm90.hpp`` and ``sm100.hpp``, ``get_layout_info``):
 each expert's rows are padded to the M tile (``ceil(n / BM) * BM``; the contiguous layout aligns each
@@ -34,7 +34,7 @@ from the pool; the reduction chunk of the weight gradients is ``BM``. Only the e
 (:meth:`relibra.cost.model.CostModel.gpu_compute_time`) is tiled:
 :meth:`~relibra.cost.model.CostModel.expert_time` and :meth:`~relibra.cost.model.CostModel.linear`,
 which the planners' objectives read, keep the smooth curve; the ``balanced`` bound (``baselines/balanced.py``)
-reads :meth:`~relibra.cost.model.CostModel.compute_floor`, under ``tiled`` :func:`tiled_floor_seconds`: a
+reads :meth:`~relibra.cost.model.CostModel.compute_floor`, under ``tiled`` :meth:`TiledGemm.floor_seconds`: a
 mean over GPUs no placement can go below, so the bound stays a bound under either model.
 
 Sources read at deepseek-ai/DeepGEMM ``54e2261``, NVIDIA/Megatron-LM ``d98e8a6`` and
@@ -67,16 +67,17 @@ local experts is one row; slots are an upper bound); a hosted expert is one with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = [
     "GEMM_CALLS_PER_EXPERT",
     "GEMM_MODELS",
     "ROUTING_MAP_BYTES_PER_ENTRY",
+    "TiledGemm",
     "hosted_experts",
     "per_expert_seconds",
-    "tiled_floor_seconds",
-    "tiled_gpu_seconds",
 ]
 
 GEMM_MODELS = ("smooth", "tiled")
@@ -121,69 +122,66 @@ def _kernels(hidden: int, ffn: int, tile_m: int, tile_n: int) -> tuple[tuple[boo
     )
 
 
-def tiled_gpu_seconds(
-    assign: np.ndarray,
-    hidden: int,
-    ffn: int,
-    tile_m: int,
-    tile_n: int,
-    sms: int,
-    flops_per_s: float,
-    weight_bytes_per_s: float,
-) -> np.ndarray:
-    """Seconds [..., G] of each GPU's six grouped-GEMM kernels (module doc) for assign [..., E, G].
+@dataclass(frozen=True)
+class TiledGemm:
+    """One GPU's tiled grouped GEMMs for an expert shape (module doc): what :meth:`gpu_seconds` prices and
+    :meth:`floor_seconds` bounds."""
 
-    ``flops_per_s``: the GPU's achievable GEMM rate (peak times ``gemm_efficiency``), shared by its ``sms``
-    SMs; ``weight_bytes_per_s``: HBM bytes per second over one expert weight element's bytes (the kernels'
-    memory floor reads ``params / weight_bytes_per_s`` seconds per expert weight matrix). An M-grouped
-    kernel runs ``ceil(row tiles * output tiles / SMs)`` waves; a K-grouped one at least its longest tile's
-    reduction, ``max_e ceil(n_e / BM)`` chunk-waves.
-    """
-    a = np.asarray(assign, dtype=np.float64)
-    row_tiles = np.ceil(a / tile_m)  # [..., E, G]: padded row tiles of each expert (0 without tokens)
-    rows = row_tiles.sum(axis=-2)  # [..., G]
-    longest = row_tiles.max(axis=-2)  # [..., G]
-    busy = (a > 0).sum(axis=-2).astype(np.float64)  # [..., G]
-    per_sm = flops_per_s / sms
-    total = np.zeros(rows.shape)
-    for k_grouped, tiles, tile_k, weights in _kernels(hidden, ffn, tile_m, tile_n):
-        waves = np.ceil(rows * tiles / sms)
-        if k_grouped:
-            waves = np.maximum(waves, longest)
-        compute = waves * (2.0 * tile_m * tile_n * tile_k / per_sm)
-        total = total + np.maximum(compute, busy * weights / weight_bytes_per_s)
-    return np.asarray(total)
+    hidden: int
+    ffn: int
+    tile_m: int
+    """The M tile (rows of tokens), each expert's rows padded to it."""
+    tile_n: int
+    """The N tile (output columns)."""
+    sms: int
+    flops_per_s: float
+    """The GPU's achievable GEMM rate (peak times ``gemm_efficiency``), shared by its ``sms`` SMs."""
+    weight_bytes_per_s: float
+    """HBM bytes per second over one expert weight element's bytes (the kernels' memory floor reads
+    ``params / weight_bytes_per_s`` seconds per expert weight matrix)."""
 
+    def gpu_seconds(self, assign: np.ndarray) -> np.ndarray:
+        """Seconds [..., G] of each GPU's six grouped-GEMM kernels (module doc) for assign [..., E, G].
 
-def tiled_floor_seconds(
-    per_expert: np.ndarray,
-    num_gpus: int,
-    hidden: int,
-    ffn: int,
-    tile_m: int,
-    tile_n: int,
-    sms: int,
-    flops_per_s: float,
-    weight_bytes_per_s: float,
-) -> np.ndarray:
-    """Seconds [...]: a lower bound of the busiest GPU's :func:`tiled_gpu_seconds` under any split of the
-    experts' tokens ``per_expert`` [..., E] over ``num_gpus`` GPUs.
+        An M-grouped kernel runs ``ceil(row tiles * output tiles / SMs)`` waves; a K-grouped one at least its
+        longest tile's reduction, ``max_e ceil(n_e / BM)`` chunk-waves.
+        """
+        a = np.asarray(assign, dtype=np.float64)
+        row_tiles = np.ceil(
+            a / self.tile_m
+        )  # [..., E, G]: padded row tiles of each expert (0 without tokens)
+        rows = row_tiles.sum(axis=-2)  # [..., G]
+        longest = row_tiles.max(axis=-2)  # [..., G]
+        busy = (a > 0).sum(axis=-2).astype(np.float64)  # [..., G]
+        per_sm = self.flops_per_s / self.sms
+        total = np.zeros(rows.shape)
+        for k_grouped, tiles, tile_k, weights in _kernels(self.hidden, self.ffn, self.tile_m, self.tile_n):
+            waves = np.ceil(rows * tiles / self.sms)
+            if k_grouped:
+                waves = np.maximum(waves, longest)
+            compute = waves * (2.0 * self.tile_m * self.tile_n * tile_k / per_sm)
+            total = total + np.maximum(compute, busy * weights / self.weight_bytes_per_s)
+        return np.asarray(total)
 
-    Splitting an expert over copies never reduces its padded row tiles (``sum_g ceil(a_g / BM) >= ceil(n /
-    BM)``) nor its weight reads (each copy reads them), waves are at least ``tiles / SMs``, the busiest GPU
-    at least the mean, and a mean of maxima at least the maximum of the means: each kernel is priced at
-    ``max(sum_e tiles_e / (SMs G) * wave seconds, busy experts * weight bytes / (G * rate))``.
-    """
-    n = np.asarray(per_expert, dtype=np.float64)
-    rows = np.ceil(n / tile_m).sum(axis=-1)  # [...]: the fewest padded row tiles of the layer
-    busy = (n > 0).sum(axis=-1).astype(np.float64)
-    per_sm = flops_per_s / sms
-    g = float(num_gpus)
-    total = np.zeros(rows.shape)
-    for _, tiles, tile_k, weights in _kernels(hidden, ffn, tile_m, tile_n):
-        compute = rows * tiles / (sms * g) * (2.0 * tile_m * tile_n * tile_k / per_sm)
-        total = total + np.maximum(compute, busy * weights / (weight_bytes_per_s * g))
-    return np.asarray(total)
+    def floor_seconds(self, per_expert: np.ndarray, num_gpus: int) -> np.ndarray:
+        """Seconds [...]: a lower bound of the busiest GPU's :meth:`gpu_seconds` under any split of the
+        experts' tokens ``per_expert`` [..., E] over ``num_gpus`` GPUs.
+
+        Splitting an expert over copies never reduces its padded row tiles (``sum_g ceil(a_g / BM) >=
+        ceil(n / BM)``) nor its weight reads (each copy reads them), waves are at least ``tiles / SMs``, the
+        busiest GPU at least the mean, and a mean of maxima at least the maximum of the means: each kernel is
+        priced at ``max(sum_e tiles_e / (SMs G) * wave seconds, busy experts * weight bytes / (G * rate))``.
+        """
+        n = np.asarray(per_expert, dtype=np.float64)
+        rows = np.ceil(n / self.tile_m).sum(axis=-1)  # [...]: the fewest padded row tiles of the layer
+        busy = (n > 0).sum(axis=-1).astype(np.float64)
+        per_sm = self.flops_per_s / self.sms
+        g = float(num_gpus)
+        total = np.zeros(rows.shape)
+        for _, tiles, tile_k, weights in _kernels(self.hidden, self.ffn, self.tile_m, self.tile_n):
+            compute = rows * tiles / (self.sms * g) * (2.0 * self.tile_m * self.tile_n * tile_k / per_sm)
+            total = total + np.maximum(compute, busy * weights / (self.weight_bytes_per_s * g))
+        return np.asarray(total)
 
 
 def per_expert_seconds(

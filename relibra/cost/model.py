@@ -41,9 +41,8 @@ from relibra.cost.fabric import (
 from relibra.cost.grouped_gemm import (
     GEMM_CALLS_PER_EXPERT,
     ROUTING_MAP_BYTES_PER_ENTRY,
+    TiledGemm,
     per_expert_seconds,
-    tiled_floor_seconds,
-    tiled_gpu_seconds,
 )
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import TrainingSpec, WholeStepTerms
@@ -199,22 +198,12 @@ class CostModel(WholeStepTerms):
         ``cluster.hardware.gemm_model``: ``smooth`` (the default) is bit for bit
         ``expert_time(assign).sum(axis=-2)`` (tests/cost/test_cost.py); ``tiled`` prices each GPU's grouped
         GEMMs in tiles and waves over all its experts at once
-        (:func:`relibra.cost.grouped_gemm.tiled_gpu_seconds`).
+        (:meth:`relibra.cost.grouped_gemm.TiledGemm.gpu_seconds`).
         ``cluster.hardware.per_expert_costs`` adds the per-expert GEMM launches (:meth:`expert_launch_time`).
         """
         hw = self.cluster.hardware
         if hw.gemm_model == "tiled":
-            m = self.model
-            t = tiled_gpu_seconds(
-                assign,
-                m.hidden,
-                m.moe_ffn,
-                hw.gemm_tile_m,
-                hw.gemm_tile_n,
-                hw.sms,
-                self._peak,
-                hw.hbm_bytes_per_s / self._weight_bytes,
-            )
+            t = self._tiled().gpu_seconds(assign)
         else:
             t = self._smooth_gpu_time(assign)
         if hw.per_expert_costs:
@@ -225,24 +214,28 @@ class CostModel(WholeStepTerms):
         """Seconds [...]: no plan's busiest GPU computes the experts' tokens ``per_expert`` [..., E] over
         ``num_gpus`` GPUs in less (the ``balanced`` bound's compute). ``smooth``: each expert's tokens in one
         GEMM, split evenly, ``expert_time(per_expert).sum(-1) / G`` (splitting an expert never costs less on
-        the smooth curve); ``tiled``: :func:`relibra.cost.grouped_gemm.tiled_floor_seconds`; with
+        the smooth curve); ``tiled``: :meth:`relibra.cost.grouped_gemm.TiledGemm.floor_seconds`; with
         ``per_expert_costs`` every expert with tokens launches its GEMMs at least once, ``1 / G`` of them
         each.
         """
         hw = self.cluster.hardware
         n = np.asarray(per_expert)
         if hw.gemm_model == "tiled":
-            m = self.model
-            t = tiled_floor_seconds(
-                n, num_gpus, m.hidden, m.moe_ffn, hw.gemm_tile_m, hw.gemm_tile_n, hw.sms, self._peak,
-                hw.hbm_bytes_per_s / self._weight_bytes,
-            )  # fmt: skip
+            t = self._tiled().floor_seconds(n, num_gpus)
         else:
             t = self.expert_time(n).sum(axis=-1) / num_gpus
         if hw.per_expert_costs:
             busy = (n > 0).sum(axis=-1)
             t = t + busy * (GEMM_CALLS_PER_EXPERT * hw.expert_launch_s) / num_gpus
         return np.asarray(t)
+
+    def _tiled(self) -> TiledGemm:
+        """The tiled grouped GEMMs of this model's experts on this hardware (``gemm_model: tiled``)."""
+        hw, m = self.cluster.hardware, self.model
+        return TiledGemm(
+            m.hidden, m.moe_ffn, hw.gemm_tile_m, hw.gemm_tile_n, hw.sms, self._peak,
+            hw.hbm_bytes_per_s / self._weight_bytes,
+        )  # fmt: skip
 
     def expert_launch_time(self, assign: np.ndarray) -> np.ndarray:
         """Host seconds [..., G] of each GPU's per-expert GEMM launches, fwd + bwd, for assign [..., E, G]

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, grouped_gemm_problems
-from relibra.cost.grouped_gemm import tiled_gpu_seconds
+from relibra.cost.grouped_gemm import TiledGemm
 from relibra.cost.model import CostModel
 from tests.builders import HOPPER, REPO
 
@@ -44,7 +44,7 @@ def test_hand_computed_case():
     #   fc1 dgrad N 4 K 4: 6 tiles, 3 waves, 32 -> 96
     #   fc1 wgrad 4 x 4 out: 4 tiles, 12 units, max(6, 2) = 6 waves of 2*2*2*2 = 16 -> 96
     #   fc2 wgrad 2 x 4 out: 2 tiles, 6 units, max(3, 2) = 3 waves, 16 -> 48
-    t = tiled_gpu_seconds(np.array([[3.0], [1.0]]), 4, 2, 2, 2, 2, 5e11, FAST_HBM)
+    t = TiledGemm(4, 2, 2, 2, 2, 5e11, FAST_HBM).gpu_seconds(np.array([[3.0], [1.0]]))
     np.testing.assert_allclose(t, [448 / 2.5e11], rtol=1e-12)
 
 
@@ -52,7 +52,7 @@ def test_full_tiles_cost_exactly_the_flops():
     # Every count a multiple of BM and tiles that fill whole waves (4 SMs, BM = BN = 2, hidden 4, ffn 2,
     # 4 experts of 2 tokens): the six kernels cost the expert FLOPs at the achievable rate, nothing more.
     a = np.full((4, 1), 2.0)
-    t = tiled_gpu_seconds(a, 4, 2, 2, 2, 4, 5e11, FAST_HBM)
+    t = TiledGemm(4, 2, 2, 2, 4, 5e11, FAST_HBM).gpu_seconds(a)
     flops = 3 * 2 * (3 * 4 * 2) * a.sum()  # fwd + bwd, 2 FLOPs per weight per token, W = 3 h f
     np.testing.assert_allclose(t, [flops / 5e11], rtol=1e-12)
 
@@ -60,7 +60,7 @@ def test_full_tiles_cost_exactly_the_flops():
 def test_monotone_in_tokens():
     n = np.arange(0, 700, dtype=np.float64)
     a = n[:, None, None]  # [N, E=1, G=1]
-    t = tiled_gpu_seconds(a, 2048, 768, 128, 128, 132, 989e12 * 0.7, 3.35e12 / 2)[:, 0]
+    t = TiledGemm(2048, 768, 128, 128, 132, 989e12 * 0.7, 3.35e12 / 2).gpu_seconds(a)[:, 0]
     assert t[0] == 0.0
     assert np.all(np.diff(t) >= 0)
     assert t[129] > t[128]  # a second row tile
@@ -72,7 +72,7 @@ def test_wave_step_at_sms_plus_one_tiles():
     sms = 4
 
     def t(experts: int) -> float:
-        return float(tiled_gpu_seconds(np.ones((experts, 1)), 2, 1, 1, 2, sms, 1e12, FAST_HBM)[0])
+        return float(TiledGemm(2, 1, 1, 2, sms, 1e12, FAST_HBM).gpu_seconds(np.ones((experts, 1)))[0])
 
     assert t(sms) == t(sms - 1)
     assert t(sms + 1) > t(sms) * 1.4
@@ -81,7 +81,7 @@ def test_wave_step_at_sms_plus_one_tiles():
 def test_memory_floor_per_kernel():
     # hidden 4, ffn 2, one expert of 1 token, HBM so slow that every kernel is bound by its weight read:
     # the six kernels read 16 + 8 + 8 + 16 + 16 + 8 = 72 weight elements (each weight once per pass).
-    t = tiled_gpu_seconds(np.array([[1.0]]), 4, 2, 2, 2, 2, 5e11, 1.0)
+    t = TiledGemm(4, 2, 2, 2, 2, 5e11, 1.0).gpu_seconds(np.array([[1.0]]))
     np.testing.assert_allclose(t, [72.0])
 
 
