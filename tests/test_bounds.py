@@ -184,8 +184,8 @@ def test_balanced_stays_a_bound_under_tiles_and_per_expert_costs(
 
 
 def test_the_tiled_floor_is_below_every_split() -> None:
-    """:meth:`relibra.cost.grouped_gemm.TiledGemm.floor_seconds` against the busiest GPU of random splits of the
-    same expert tokens."""
+    """:meth:`relibra.cost.grouped_gemm.TiledGemm.floor_seconds` against the busiest GPU of random splits of
+    the same expert tokens."""
     from dataclasses import replace
 
     hardware = replace(HOPPER, gemm_model="tiled", **_TILES)
