@@ -15,6 +15,10 @@ priced, with the :class:`~relibra.cost.model.CostModel`):
   and optimizer state, :class:`~relibra.cost.migration.MigrationPayload`), and the gradient reduction plus
   weight broadcast of permanent redundant copies (EPLB+, LPLB+).
 
+Every weight transfer above is one entry of the plan's transfer schedule, priced by one function
+(:mod:`relibra.cost.transfers`); the result columns are the fields of
+:class:`~relibra.breakdown.StepBreakdown`.
+
 A batch is one RL training step: ``step_time_s`` is the mean batch time and throughput is all tokens over
 all batch time. An ideal :class:`Bound` (Balanced) has no plan: it prices each (micro-batch, layer)
 directly and its skewness is 1 by definition.
@@ -38,9 +42,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import pandas as pd
 
+from relibra.breakdown import METRIC_COLUMNS, WHOLE_STEP_COLUMNS, StepBreakdown
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.pricing import Priced, batch_times, cast_seconds, permute_seconds, price_plan
+from relibra.cost.transfers import TransferSchedule
 from relibra.cost.work import LayerWork
 from relibra.executors.protocol import ExecutionReport
 from relibra.invariants import check_plan
@@ -50,6 +56,8 @@ from relibra.types import BatchPlan, SampleCounts, Workload
 from relibra.workload import batch_context
 
 __all__ = [
+    "METRIC_COLUMNS",
+    "WHOLE_STEP_COLUMNS",
     "Bound",
     "CostModelExecutor",
     "SimOptions",
@@ -57,51 +65,6 @@ __all__ = [
     "batch_context",
     "simulate",
 ]
-
-METRIC_COLUMNS = (
-    "step_time_s",
-    "throughput_tokens_per_s",
-    "skew_mean",
-    "skew_p50",
-    "skew_p90",
-    "skew_max",
-    "plan_time_s",
-    "replica_buffer_bytes",
-    "reorder_moved_experts",
-    "migration_bytes",
-    "layers_kept_share",
-    "layers_kept_share_min",
-    "t_compute_s",
-    "t_comm_s",
-    "t_sync_exposed_s",
-    "t_reorder_s",
-    "t_reorder_hidden_s",
-    "t_attention_s",
-    "t_critical_path_s",
-    "t_head_s",
-    "t_router_s",
-    "t_permute_s",
-    "t_fp8_cast_s",
-    "t_norm_s",
-    "t_recompute_s",
-    "t_launch_s",
-    "t_optimizer_s",
-    "t_grad_reduce_s",
-    "t_param_gather_s",
-    "t_other_s",
-    "t_pass_update_s",
-    "t_pass_recompute_s",
-    "t_pass_reference_s",
-    "t_bubble_s",
-    "t_p2p_s",
-    "t_tp_comm_s",
-)
-"""The result columns of every run. The whole step's (``t_head_s`` .. ``t_pass_reference_s``, per batch,
-:mod:`relibra.cost.passes`) are 0 where ``simulator.step=moe`` or the pass is not run; ``t_other_s`` is the
-balance-independent part of the update (head, router, norms, host overhead, optimizer, exposed gradient
-reduce-scatter and parameter all-gather). The parallel layout's (``t_bubble_s``, ``t_p2p_s``, ``t_tp_comm_s``,
-:mod:`relibra.cost.pipeline`, :mod:`relibra.cost.tensor`) are 0 without pipeline or tensor parallelism."""
-WHOLE_STEP_COLUMNS = METRIC_COLUMNS[METRIC_COLUMNS.index("t_head_s") :]
 
 
 @runtime_checkable
@@ -139,14 +102,18 @@ class SimResult:
     planner: str
     metrics: dict[str, float]
     """The result columns (:data:`METRIC_COLUMNS`, docs/spine.md) plus planner stats (means over batches)."""
+    breakdown: StepBreakdown
+    """The result columns alone, typed (``metrics`` holds them first, then the planner stats)."""
     skew: np.ndarray
     """float64 [M, L]: skewness of each (micro-batch, layer)."""
     t_compute: np.ndarray
     """float64 [M, L]: ``max_g T_comp`` seconds."""
     t_comm: np.ndarray
     """float64 [M, L]: ``max_g T_comm`` seconds."""
-    t_attention: np.ndarray
-    """float64 [M, L]: ``max_g`` attention seconds of the MoE layer."""
+    t_layer_attention: np.ndarray
+    """float64 [M, L]: one MoE layer's attention seconds (fwd + bwd) on the busiest GPU of each micro-batch;
+    not the ``t_attention_s`` column, which sums these over every (micro-batch, layer) and adds the dense
+    layers, per step."""
     t_sync_exposed: np.ndarray
     """float64 [M, L]: exposed replica-refill seconds."""
     batch_time: np.ndarray
@@ -175,7 +142,7 @@ class SimResult:
                 "skew": self.skew.ravel(),
                 "t_compute_s": self.t_compute.ravel(),
                 "t_comm_s": self.t_comm.ravel(),
-                "t_attention_s": self.t_attention.ravel(),
+                "t_layer_attention_s": self.t_layer_attention.ravel(),
                 "t_sync_exposed_s": self.t_sync_exposed.ravel(),
             }
         )
@@ -215,7 +182,7 @@ def _price_bound(bound: Bound, ctx: BatchContext, workload: Workload, rows: slic
         skew=np.ones(br.t_compute.shape),
         tokens=tokens,
         pairs=pairs,
-        refill=np.zeros(br.t_compute.shape),
+        transfers=TransferSchedule(layer_shape=(int(br.t_compute.shape[0]), int(br.t_compute.shape[1]))),
         permute=permute,
         cast=cast,
         reference=reference,
@@ -330,13 +297,14 @@ def simulate(
         skew[rows], t_comp[rows], t_comm[rows] = priced.skew, priced.br.t_compute, priced.br.t_comm
         t_attn[rows], t_sync[rows], dense = times.attn, times.sync, times.dense
         batch_time[b] = times.total
-        slots["buffer"] = max(slots["buffer"], priced.buffer_slots)
-        totals["reorder"] += priced.t_migration
-        totals["hidden"] += priced.t_migration_hidden
-        totals["redundant"] += priced.t_redundant
+        charge = times.transfers
+        slots["buffer"] = max(slots["buffer"], priced.transfers.buffer_slots)
+        totals["reorder"] += charge.step_exposed("migration")
+        totals["hidden"] += charge.hidden.get("migration", 0.0)
+        totals["redundant"] += charge.step_exposed("redundant_sync")
         totals["dense"] += dense
         totals["exposed"] += times.comm_exposed
-        moved[b], moved_bytes[b] = priced.moved, priced.migration_bytes
+        moved[b], moved_bytes[b] = priced.transfers.moved, charge.network_bytes.get("migration", 0.0)
         totals["critical"] += times.critical
         for k in parts:
             parts[k] += times.parts[k]
@@ -344,40 +312,42 @@ def simulate(
     nb = max(counts.num_batches, 1)
     total_time = float(batch_time.sum())
     expert_bytes = cost.expert_weight_bytes()
-    metrics: dict[str, float] = {
-        "step_time_s": total_time / nb,
-        "throughput_tokens_per_s": float(counts.tokens.sum()) / total_time if total_time > 0 else 0.0,
-        "skew_mean": float(skew.mean()),
-        "skew_p50": float(np.percentile(skew, 50)),
-        "skew_p90": float(np.percentile(skew, 90)),
-        "skew_max": float(skew.max()),
-        "plan_time_s": totals["plan"] / nb,
-        "replica_buffer_bytes": float(slots["buffer"] * expert_bytes),
-        "reorder_moved_experts": float(moved.sum()) / nb,
-        "migration_bytes": float(moved_bytes.sum()) / nb,
-        "layers_kept_share": float(kept.mean()) if kept.size else 1.0,
-        "layers_kept_share_min": float(kept.mean(axis=0).min()) if kept.size else 1.0,
-        "t_compute_s": float(t_comp.sum()) / nb,
-        "t_comm_s": float(t_comm.sum()) / nb,
-        "t_comm_exposed_s": totals["exposed"] / nb,
-        "t_comm_hidden_s": (float(t_comm.sum()) - totals["exposed"]) / nb,
-        "t_sync_exposed_s": (float(t_sync.sum()) + totals["redundant"]) / nb,
-        "t_reorder_s": totals["reorder"] / nb,
-        "t_reorder_hidden_s": totals["hidden"] / nb,
-        "t_attention_s": (float(t_attn.sum()) + totals["dense"]) / nb,
-        "t_critical_path_s": totals["critical"] / nb,
-        "redundant_slot_bytes": float(slots["redundant"] * counts.num_layers * expert_bytes),
+    breakdown = StepBreakdown(
+        step_time_s=total_time / nb,
+        throughput_tokens_per_s=float(counts.tokens.sum()) / total_time if total_time > 0 else 0.0,
+        skew_mean=float(skew.mean()),
+        skew_p50=float(np.percentile(skew, 50)),
+        skew_p90=float(np.percentile(skew, 90)),
+        skew_max=float(skew.max()),
+        plan_time_s=totals["plan"] / nb,
+        replica_buffer_bytes=float(slots["buffer"] * expert_bytes),
+        reorder_moved_experts=float(moved.sum()) / nb,
+        migration_bytes=float(moved_bytes.sum()) / nb,
+        layers_kept_share=float(kept.mean()) if kept.size else 1.0,
+        layers_kept_share_min=float(kept.mean(axis=0).min()) if kept.size else 1.0,
+        t_compute_s=float(t_comp.sum()) / nb,
+        t_comm_s=float(t_comm.sum()) / nb,
+        t_comm_exposed_s=totals["exposed"] / nb,
+        t_comm_hidden_s=(float(t_comm.sum()) - totals["exposed"]) / nb,
+        t_sync_exposed_s=(float(t_sync.sum()) + totals["redundant"]) / nb,
+        t_reorder_s=totals["reorder"] / nb,
+        t_reorder_hidden_s=totals["hidden"] / nb,
+        t_attention_s=(float(t_attn.sum()) + totals["dense"]) / nb,
+        t_critical_path_s=totals["critical"] / nb,
+        redundant_slot_bytes=float(slots["redundant"] * counts.num_layers * expert_bytes),
         **{k: v / nb for k, v in parts.items()},
-    }
+    )
+    metrics = breakdown.columns()
     for k, v in stats_sum.items():
         metrics.setdefault(k, v / nb)
     return SimResult(
         planner=str(planner.name),
         metrics=metrics,
+        breakdown=breakdown,
         skew=skew,
         t_compute=t_comp,
         t_comm=t_comm,
-        t_attention=t_attn,
+        t_layer_attention=t_attn,
         t_sync_exposed=t_sync,
         batch_time=batch_time,
         mb_batch=workload.mb_batch,

@@ -52,7 +52,7 @@ def _at_least(ours: np.ndarray, bound: np.ndarray, what: str, name: str) -> None
 def check_bounded(name: str, res: SimResult, bal: SimResult) -> None:
     _at_least(res.t_compute, bal.t_compute, "compute", name)
     _at_least(res.t_comm, bal.t_comm, "communication", name)
-    _at_least(res.t_attention, bal.t_attention, "attention", name)
+    _at_least(res.t_layer_attention, bal.t_layer_attention, "attention", name)
     _at_least(res.batch_time, bal.batch_time, "batch time", name)
     for key in ("step_time_s", "t_compute_s", "t_comm_s", "t_attention_s", *BOUNDED_COLUMNS):
         _at_least(np.array(res.metrics[key]), np.array(bal.metrics[key]), key, name)
@@ -251,7 +251,7 @@ def test_balanced_attention_is_the_mean() -> None:
     bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
     mega = simulate(MegatronPlanner(), counts, work, cluster, model, cost)
     mean_attn = cost.attention_time(work.tokens.mean(axis=1), work.causal_pairs.mean(axis=1))
-    np.testing.assert_allclose(bal.t_attention[:, 0], mean_attn)
+    np.testing.assert_allclose(bal.t_layer_attention[:, 0], mean_attn)
     check_bounded("megatron", mega, bal)
 
 

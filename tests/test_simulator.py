@@ -195,7 +195,7 @@ def test_replica_refill_exposed(setup):
     refill = cost.expert_weight_bytes() / (
         cluster.hardware.nvlink_bytes_per_s * cluster.hardware.nvlink_efficiency
     )
-    attn = res.t_attention
+    attn = res.t_layer_attention
     want = np.maximum(refill - attn / 3, 0) + np.maximum(refill - 2 * attn / 3, 0)
     np.testing.assert_allclose(res.t_sync_exposed, want)
     mega = simulate(MegatronPlanner(), counts, workload, cluster, model, cost)

@@ -61,7 +61,9 @@ __all__ = [
     "MigrationCharge",
     "MigrationPayload",
     "migration_cost",
+    "migration_moves",
     "migration_payload",
+    "payload_seconds",
     "receive_seconds",
 ]
 
@@ -154,27 +156,45 @@ class MigrationCharge:
     """``max(0, seconds - window_s)``: the part charged to the batch."""
 
 
-def migration_cost(cost: CostModel, prev_home: np.ndarray, home: np.ndarray) -> MigrationCharge:
-    """The charge of moving from ``prev_home`` to ``home`` (int [L, E] each) with ``cost.migration``."""
-    pay = cost.migration
+def migration_moves(prev_home: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [N] each: the old and the new home of every (layer, expert) whose home changed from
+    ``prev_home`` to ``home`` (int [L, E] each), in row-major (layer, expert) order."""
     moved_l, moved_e = np.nonzero(np.asarray(home) != np.asarray(prev_home))
     src = np.asarray(prev_home)[moved_l, moved_e].astype(np.int64)
     dst = np.asarray(home)[moved_l, moved_e].astype(np.int64)
-    expert_bytes = cost.model.expert_params * pay.bytes_per_param
+    return src, dst
+
+
+def payload_seconds(
+    cost: CostModel, src: np.ndarray, dst: np.ndarray, bytes_each: float
+) -> tuple[float, int]:
+    """Seconds to move one payload of ``bytes_each`` from ``src[i]`` to ``dst[i]`` (int64 [N] each) for every
+    ``i`` at once along ``cost.migration.path``, and how many of the moves cross the network (``reload``:
+    those across nodes; ``network``: all)."""
+    pay = cost.migration
     if pay.path == "reload":
         gpn = cost.cluster.gpus_per_node
         cross = src // gpn != dst // gpn
         src, dst = src[cross], dst[cross]
-        received = np.bincount(dst, minlength=cost.cluster.num_gpus) * expert_bytes
+        received = np.bincount(dst, minlength=cost.cluster.num_gpus) * bytes_each
         pcie = float(received.max()) / pay.host_to_device_bytes_per_s if dst.size else 0.0
-        seconds = max(cost.transfer_time(src, dst, expert_bytes), pcie)
+        seconds = max(cost.transfer_time(src, dst, bytes_each), pcie)
     else:
-        seconds = cost.transfer_time(src, dst, expert_bytes)
+        seconds = cost.transfer_time(src, dst, bytes_each)
+    return float(seconds), int(src.size)
+
+
+def migration_cost(cost: CostModel, prev_home: np.ndarray, home: np.ndarray) -> MigrationCharge:
+    """The charge of moving from ``prev_home`` to ``home`` (int [L, E] each) with ``cost.migration``."""
+    pay = cost.migration
+    src, dst = migration_moves(prev_home, home)
+    expert_bytes = cost.model.expert_params * pay.bytes_per_param
+    seconds, network_moves = payload_seconds(cost, src, dst, expert_bytes)
     return MigrationCharge(
-        moved=int(moved_l.size),
-        network_bytes=float(src.size * expert_bytes),
-        seconds=float(seconds),
-        exposed_s=max(0.0, float(seconds) - pay.window_s),
+        moved=int(src.size),
+        network_bytes=float(network_moves * expert_bytes),
+        seconds=seconds,
+        exposed_s=max(0.0, seconds - pay.window_s),
     )
 
 

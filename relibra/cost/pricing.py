@@ -5,9 +5,10 @@ answers price them (the portfolio, the refill check, the overlap chain).
   replica-buffer refill and the part attention does not hide (:func:`attention_window`,
   :func:`layer_terms`, :func:`layer_price`);
 * per batch (:func:`price_plan`, then :func:`batch_times`): attention and dense layers from the tokens and
-  causal pairs each GPU holds, the MoE layers summed or overlapped (``cluster.ep_overlap``), the exposed
-  refill or an online planner's critical path and copies, the migration of every expert whose home changed
-  (:mod:`relibra.cost.migration`) and the gradient sync of permanent redundant copies; with
+  causal pairs each GPU holds, the MoE layers summed or overlapped (``cluster.ep_overlap``), an online
+  planner's critical path, and every weight transfer of the plan as one schedule priced by one function
+  (:mod:`relibra.cost.transfers`: replica fills and gradient returns, online copies, the migration of every
+  expert whose home changed, the sync of permanent redundant copies); with
   ``simulator.step=whole`` the rest of the step (:mod:`relibra.cost.step`: permutation on the received
   slots, router, norms, LM head, recompute, optimizer, gradient reduction) and the RL step's forward-only
   passes (:mod:`relibra.cost.passes`); :func:`predict_batch_time` is the batch's seconds, equal to
@@ -25,15 +26,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from relibra.cost.migration import migration_cost
 from relibra.cost.model import CostModel, MoEBreakdown
 from relibra.cost.overlap import OverlapNeighbours, microbatch_share
 from relibra.cost.passes import forward_pass, token_work, update_pass
 from relibra.cost.tensor import tp_group_mean
+from relibra.cost.transfers import (
+    TransferCharge,
+    TransferSchedule,
+    plan_transfers,
+    price_transfers,
+    redundant_transfer,
+    step_charge,
+)
 from relibra.cost.work import LayerWork
 from relibra.parallel import rank_span
 from relibra.planners.protocols import BatchContext, Replication, home_assign, static_placement
-from relibra.types import BatchPlan, OnlineCopies
+from relibra.types import BatchPlan
 from relibra.workload import gpu_token_stats
 
 __all__ = [
@@ -43,11 +51,9 @@ __all__ = [
     "batch_times",
     "layer_price",
     "layer_terms",
-    "online_sync",
     "predict_batch_time",
     "price_plan",
     "redundant_sync_time",
-    "replicas_per_slot",
     "skewness",
 ]
 
@@ -59,40 +65,11 @@ def skewness(compute_tokens: np.ndarray) -> np.ndarray:
     return np.divide(t.max(axis=-1), mean, out=np.ones_like(mean), where=mean > 0)
 
 
-def replicas_per_slot(plan: BatchPlan) -> np.ndarray:
-    """int32 [Mb, L, G, r]: the plan's replica slots, or the non-home experts it computes when unlisted."""
-    if plan.replicas is not None:
-        return np.asarray(plan.replicas)
-    g = plan.assign.shape[-1]
-    non_home = (plan.assign > 0) & (plan.home[None, :, :, None] != np.arange(g))  # [Mb, L, E, G]
-    if plan.redundant is not None:
-        # NOTE: copies in permanent redundant slots are not refilled per layer.
-        held = np.zeros(non_home.shape[1:], dtype=bool)  # [L, E, G]
-        l, gg, _ = np.nonzero(plan.redundant >= 0)
-        held[l, plan.redundant[plan.redundant >= 0], gg] = True
-        non_home &= ~held[None]
-    r = int(non_home.sum(axis=2).max()) if non_home.size else 0
-    out = np.full((*non_home.shape[:2], g, max(r, 0)), -1, dtype=np.int32)
-    if r:
-        m, l, e, gg = np.nonzero(non_home)
-        key = (m * non_home.shape[1] + l) * g + gg
-        order = np.argsort(key, kind="stable")
-        key, e = key[order], e[order]
-        start = np.r_[0, np.flatnonzero(np.diff(key)) + 1]
-        slot = np.arange(key.size) - np.repeat(start, np.diff(np.r_[start, key.size]))
-        out.reshape(-1, r)[key, slot] = e
-    return out
-
-
 def redundant_sync_time(plan: BatchPlan, cost: CostModel) -> float:
-    """Seconds per step to reduce redundant copies' gradients home and broadcast updated weights back."""
-    if plan.redundant is None or not (plan.redundant >= 0).any():
-        return 0.0
-    l, g, _ = np.nonzero(plan.redundant >= 0)
-    experts = plan.redundant[plan.redundant >= 0]
-    src = plan.home[l, experts]
-    grad_bytes = cost.expert_weight_bytes()  # bf16 gradients, like the weights
-    return 2.0 * cost.transfer_time(g, src, grad_bytes)
+    """Seconds per step to reduce redundant copies' gradients home and broadcast updated weights back (the
+    plan's ``redundant_sync`` transfer, :func:`relibra.cost.transfers.step_charge`)."""
+    transfer = redundant_transfer(plan, cost)
+    return 0.0 if transfer is None else step_charge(cost, transfer)[0]
 
 
 @dataclass(frozen=True)
@@ -107,22 +84,12 @@ class Priced:
     """int64 [Mb, G]: tokens each GPU holds (after any sample re-assignment; a bound: float64, the mean)."""
     pairs: np.ndarray
     """float64 [Mb, G]: causal attention pairs each GPU holds."""
-    refill: np.ndarray
-    """float64 [Mb, L]: one-direction replica-buffer refill seconds (the forward fill)."""
-    grad_return: np.ndarray | None = None
-    """float64 [Mb, L]: seconds to send the copies' gradients home in the backward pass; None: ``refill``'s
-    (the same links in reverse). Set when the fill also reads host memory (ForeMoE's transfer engine)."""
-    buffer_slots: int = 0
-    moved: int = 0
-    migration_bytes: float = 0.0
-    """Bytes the EP group sends between GPUs to re-home ``moved`` experts (:mod:`relibra.cost.migration`)."""
-    t_migration: float = 0.0
-    """Migration seconds charged to the batch (beyond the post-rollout window)."""
-    t_migration_hidden: float = 0.0
-    """Migration seconds hidden in the post-rollout window (``simulator.migration.window_s``)."""
-    t_redundant: float = 0.0
-    online: OnlineCopies | None = None
-    """An online planner's critical-path record (UltraEP, LLEP); None: copies refilled behind attention."""
+    transfers: TransferSchedule
+    """Every weight transfer of the batch (replica fills, gradient returns, online copies, migration,
+    redundant sync), priced by :func:`relibra.cost.transfers.price_transfers` in :func:`batch_times`."""
+    critical_path_s: float = 0.0
+    """An online planner's planning seconds on the critical path, summed over (micro-batch, layer)
+    (``OnlineCopies.critical_path_s``); 0 for a plan made before the batch."""
     permute: np.ndarray | None = None
     """float64 [Mb, L]: ``max_g`` permutation and SwiGLU seconds on the received slots (None: 0, the MoE-only
     step)."""
@@ -191,30 +158,13 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         ctx.num_gpus,
         rank_span(ctx.model.attention_span, ctx.cost.layout),
     )
-    reps = replicas_per_slot(plan)  # [Mb, L, G, r]
-    moves = migration_cost(cost, prev_home, plan.home)
-    # NOTE: an online planner's copies may leave the node (LLEP), so they are priced on the whole fabric.
-    fill = cost.fabric_copy_time if plan.online is not None else cost.replica_refill_time
-    grad_return = None
-    if plan.host_path:
-        fill = cost.engine_copy_time
-        # NOTE: the host path reads weights the host holds; gradients are made on the copies' GPUs and
-        # summed into their homes' accumulators, so they return over the fabric.
-        grad_return = cost.fabric_copy_time(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape)
     return Priced(
         br=br,
         skew=skewness(received),
         tokens=tokens,
         pairs=pairs,
-        refill=fill(reps, plan.home) if reps.size else np.zeros(br.t_compute.shape),
-        grad_return=grad_return,
-        buffer_slots=int((reps >= 0).sum(axis=-1).max()) if reps.size else 0,
-        moved=moves.moved,
-        migration_bytes=moves.network_bytes,
-        t_migration=moves.exposed_s,
-        t_migration_hidden=moves.seconds - moves.exposed_s,
-        t_redundant=redundant_sync_time(plan, cost),
-        online=plan.online,
+        transfers=plan_transfers(plan, cost, prev_home),
+        critical_path_s=0.0 if plan.online is None else float(np.sum(plan.online.critical_path_s)),
         permute=permute_seconds(cost, received, plan.assign),
         cast=cast_seconds(cost, received),
         reference=reference_work(cost, plan.load),
@@ -226,7 +176,8 @@ class BatchTimes:
     attn: np.ndarray
     """float64 [Mb, 1]: attention seconds per micro-batch and layer (the busiest GPU's)."""
     sync: np.ndarray
-    """float64 [Mb, L]: exposed replica-buffer refill and gradient reduction."""
+    """float64 [Mb, L]: exposed seconds of the per-layer transfers (replica fill and gradient return, or an
+    online planner's copies)."""
     dense: float
     """Seconds of the dense (non-MoE) layers."""
     critical: float
@@ -238,26 +189,30 @@ class BatchTimes:
     exposed sync, dense layers, migration, redundant, and the whole step's terms)."""
     parts: dict[str, float]
     """Seconds of the whole step's named terms and of each pass (result columns ``t_*_s``, this batch)."""
+    transfers: TransferCharge
+    """The priced transfer schedule (exposed and hidden seconds per kind, migration bytes)."""
 
 
 def batch_times(priced: Priced, cost: CostModel, dense_layers: int) -> BatchTimes:
     tw = token_work(cost, priced.tokens, priced.pairs)
     attn = tw.attn  # [Mb, 1]
-    back = priced.refill if priced.grad_return is None else priced.grad_return
-    if priced.online is None:
-        sync = cost.exposed_copies(priced.refill, back, attn)
-    else:
-        sync = online_sync(priced, attn)
-    critical = 0.0 if priced.online is None else float(np.sum(priced.online.critical_path_s))
+    charge = price_transfers(priced.transfers, cost, attn)
+    sync = charge.layer_exposed
+    critical = priced.critical_path_s
     work = priced.work()
-    fixed = (float(sync.sum()), priced.t_migration, priced.t_redundant, critical)
+    fixed = (
+        float(sync.sum()),
+        charge.step_exposed("migration"),
+        charge.step_exposed("redundant_sync"),
+        critical,
+    )
     update = update_pass(cost, work, tw, dense_layers, fixed)
     parts = dict(update.parts, t_pass_update_s=update.total, t_pass_recompute_s=0.0, t_pass_reference_s=0.0)
     passes = cost.training.rl_passes if cost.training is not None else ("update",)
     if "recompute" in passes:
         # NOTE: the forward fill of the replica slots (or an online planner's copies after routing) and its
         # critical path recur; the backward's gradient return does not.
-        fill = priced.refill if priced.online is not None else np.maximum(priced.refill - attn / 3, 0)
+        fill = charge.recompute_exposed
         parts["t_pass_recompute_s"] = forward_pass(cost, work, tw, dense_layers, float(fill.sum()) + critical)
     if "reference" in passes:
         assert priced.reference is not None
@@ -271,18 +226,8 @@ def batch_times(priced: Priced, cost: CostModel, dense_layers: int) -> BatchTime
         comm_exposed=update.comm_exposed,
         total=total,
         parts=parts,
+        transfers=charge,
     )
-
-
-def online_sync(priced: Priced, attn: np.ndarray) -> np.ndarray:
-    """Exposed copy seconds [Mb, L] of an online planner: ``exposed_copies`` full passes after routing, plus
-    the excess of a gradient reduction that overlaps the backward attention (two thirds of fwd + bwd)."""
-    online = priced.online
-    assert online is not None
-    sync = online.exposed_copies * priced.refill
-    if online.overlapped_gradient_reduce:
-        sync = sync + np.maximum(priced.refill - 2 * attn / 3, 0)
-    return np.asarray(sync)
 
 
 def predict_batch_time(plan: BatchPlan, ctx: BatchContext) -> float:

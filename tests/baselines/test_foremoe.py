@@ -126,7 +126,7 @@ def test_simulator_fills_by_the_engine_and_returns_gradients_over_the_fabric() -
     )
     fill = np.concatenate([cost.engine_copy_time(p.replicas, p.home) for p in res.plans])  # [M, L]
     back = np.concatenate([cost.fabric_copy_time(p.replicas, p.home) for p in res.plans])  # [M, L]
-    np.testing.assert_allclose(res.t_sync_exposed, cost.exposed_copies(fill, back, res.t_attention))
+    np.testing.assert_allclose(res.t_sync_exposed, cost.exposed_copies(fill, back, res.t_layer_attention))
     assert res.metrics["t_critical_path_s"] == 0.0
     if cluster.num_domains > 1 and any((p.replicas >= 0).any() for p in res.plans):
         assert (back >= fill).all() and (back > fill).any()  # the NIC is slower than the host link here

@@ -126,7 +126,7 @@ def test_pricing_charges_the_critical_path() -> None:
     res = simulate(UltraEPPlanner(min_tokens_per_replica=1), counts, workload, cluster, model, cost,
                    SimOptions(keep_plans=True))  # fmt: skip
     fill = np.concatenate([cost.fabric_copy_time(p.replicas, p.home) for p in res.plans])  # [M, L]
-    want = 2 * fill + np.maximum(fill - 2 * res.t_attention / 3, 0)
+    want = 2 * fill + np.maximum(fill - 2 * res.t_layer_attention / 3, 0)
     np.testing.assert_allclose(res.t_sync_exposed, want)
     megatron = simulate(MegatronPlanner(), counts, workload, cluster, model, cost).metrics
     assert megatron["t_critical_path_s"] == 0.0

@@ -123,7 +123,9 @@ def test_window_is_the_attention_the_simulator_charges(setup) -> None:
     ctx, _ = _context(setup)
     sim = simulate(MegatronPlanner(), counts, workload, cluster, model, cost)
     rows = sim.mb_batch == 0
-    np.testing.assert_allclose(attention_window(ctx, ctx.sample_gpu), sim.t_attention[rows, 0], rtol=1e-12)
+    np.testing.assert_allclose(
+        attention_window(ctx, ctx.sample_gpu), sim.t_layer_attention[rows, 0], rtol=1e-12
+    )
 
 
 def test_a_bad_window_is_refused(setup) -> None:
