@@ -120,6 +120,10 @@ class OnlineCopies:
 class BatchPlan:
     """What a planner decides for one batch: placement, per-micro-batch assignment, slot contents.
 
+    The weight transfers the plan implies (``replicas``, ``redundant``, ``online``, ``host_path``, the moved
+    homes) are read in one place, :func:`relibra.cost.transfers.plan_transfers`, into the batch's transfer
+    schedule.
+
     ``assign[m, l, e, :].sum() == load[m, l, :, e].sum()`` (token conservation). Each source GPU splits
     its tokens for expert ``e`` over ``e``'s copies in proportion to ``assign[m, l, e, :]`` (the
     *proportional split rule*, shared by the cost model and the executors).
