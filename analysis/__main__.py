@@ -35,7 +35,7 @@ from analysis.provenance import (
 from analysis.render import write_table
 from analysis.tables import all_tables
 from analysis.targets import recommended_targets
-from experiments.config_checks import writable_dir
+from experiments.config.checks import writable_dir
 from relibra.provenance import code_version
 
 __all__ = ["AnalysisOutput", "analyse", "main"]

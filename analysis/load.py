@@ -10,7 +10,9 @@ from typing import Any
 
 import pandas as pd
 
-from experiments.store import UNKNOWN_CODE, CorruptCellError, GridFileError, ResultsStore
+from experiments.store.access import UNKNOWN_CODE
+from experiments.store.cell_files import CorruptCellError, GridFileError
+from experiments.store.results_store import ResultsStore
 from relibra.cluster import ModelSpec
 
 __all__ = [
@@ -92,7 +94,8 @@ def experiment_dirs(root: str | Path) -> dict[str, Path]:
 
 
 def code_versions(frame: pd.DataFrame) -> dict[str, int]:
-    """``{code_version: rows}`` of a results frame (:data:`~experiments.store.UNKNOWN_CODE` where absent)."""
+    """``{code_version: rows}`` of a results frame (:data:`~experiments.store.access.UNKNOWN_CODE` where
+    absent)."""
     if "code_version" not in frame:
         return {UNKNOWN_CODE: len(frame)} if len(frame) else {}
     return {str(k): int(v) for k, v in frame["code_version"].fillna(UNKNOWN_CODE).value_counts().items()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import (
+from experiments.config.build import (
     build_cluster,
     build_cost,
     build_model,

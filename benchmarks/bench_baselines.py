@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from rich.table import Table
 
-from experiments.config import build_model
+from experiments.config.build import build_model
 from relibra.trace.importers import load_olmoe_prefill_counts
 from relibra.types import SampleCounts
 

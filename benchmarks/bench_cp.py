@@ -26,7 +26,7 @@ import numpy as np
 from _common import CONF
 from hydra import compose, initialize_config_dir
 
-from experiments.config import (
+from experiments.config.build import (
     build_cluster,
     build_cost,
     build_model,

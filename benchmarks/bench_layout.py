@@ -25,7 +25,7 @@ import numpy as np
 from _common import CONF, timed_simulation
 from hydra import compose, initialize_config_dir
 
-from experiments.config import load_counts
+from experiments.config.build import load_counts
 from relibra.layout import LAYOUTS, layout_samples, microbatch_balance
 from relibra.simulator import SimResult
 from relibra.trace.synthetic import PRESETS, generate_counts

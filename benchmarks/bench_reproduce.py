@@ -21,7 +21,7 @@ revision ``REF`` (``git archive`` into a temporary folder) and through this work
 cells each computed, and the ratios. Each tree's numba cache is warmed first (not timed).
 
 ``--planning``: only the grid planning (composing and checking every cell of the comma-separated presets,
-:func:`experiments.reproduce.plan_grids`), in this process and with ``--workers`` spawned planners, order
+:func:`experiments.grid.runner.plan_grids`), in this process and with ``--workers`` spawned planners, order
 one, many, many, one; prints wall seconds per run, the mean and the ratio, and checks that every run plans
 the same jobs (cells and keys). Nothing is computed.
 
@@ -47,8 +47,8 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from experiments import reproduce
-from experiments.store import ResultsStore
+from experiments.grid import cli, runner
+from experiments.store.results_store import ResultsStore
 from relibra.planners.warmup import compile_kernels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def _rows(root: Path, presets: list[str]) -> pd.DataFrame:
 def _timed(preset: str, workers: int, overrides: list[str], root: Path) -> tuple[float, pd.DataFrame]:
     start = time.perf_counter()
     argv = ["--results", str(root), "--presets", preset, "--workers", str(workers), "--no-analysis"]
-    if reproduce.main([*argv, *overrides]) != 0:
+    if cli.main([*argv, *overrides]) != 0:
         raise SystemExit(f"{preset} with {workers} workers had failing cells")
     return time.perf_counter() - start, _rows(root, [preset])
 
@@ -120,7 +120,7 @@ def _planning(args: argparse.Namespace) -> None:
         for i, workers in enumerate((1, args.workers, args.workers, 1)):
             plans = [(preset, list(args.overrides)) for preset in presets]
             start = time.perf_counter()
-            out = reproduce.plan_grids(plans, Path(tmp) / f"run{i}", workers=workers)
+            out = runner.plan_grids(plans, Path(tmp) / f"run{i}", workers=workers)
             walls[workers].append(time.perf_counter() - start)
             planned.append([(job.preset, job.key) for _, jobs in out for job in jobs])
     if any(run != planned[0] for run in planned[1:]):

@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments.store import ResultsStore, cell_key, load_experiment
+from experiments.store.access import load_experiment
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 from relibra.simulator import METRIC_COLUMNS
 
 

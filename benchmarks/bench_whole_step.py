@@ -43,7 +43,7 @@ def time_cell(conf_dir: str, overrides: list[str]) -> tuple[float, float]:
     """(wall seconds of ``simulate``, simulated step seconds) of the cell under ``overrides``."""
     from hydra import compose, initialize_config_dir
 
-    from experiments.config import (
+    from experiments.config.build import (
         build_cluster,
         build_cost,
         build_model,

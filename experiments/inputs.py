@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from omegaconf import DictConfig
 
-from experiments.config import build_model, build_workload_for, load_counts, routing
-from experiments.layout_check import build_layout
+from experiments.config.build import build_model, build_workload_for, load_counts, routing
+from experiments.config.layout_check import build_layout
 from relibra.trace.mismatch import trained_counts
 from relibra.trained_routes import TrainedRoutes
 from relibra.types import SampleCounts, Workload
@@ -56,7 +56,7 @@ TraceKey = tuple[Any, ...]
 def trace_key(cfg: DictConfig) -> TraceKey:
     """What the run's counts are a function of: the trace file's path, or the generator's arguments.
 
-    The same values :func:`experiments.config.load_counts` reads; cells with equal keys share counts.
+    The same values :func:`experiments.config.build.load_counts` reads; cells with equal keys share counts.
     """
     if cfg.trace.get("path"):
         return ("file", str(cfg.trace.path))
@@ -74,7 +74,7 @@ def trace_key(cfg: DictConfig) -> TraceKey:
 
 
 def _workload_key(cfg: DictConfig, num_gpus: int) -> tuple[Any, ...]:
-    """What :func:`experiments.config.build_workload_for` reads besides the counts."""
+    """What :func:`experiments.config.build.build_workload_for` reads besides the counts."""
     uniform = routing(cfg) == "uniform"
     return (
         routing(cfg),

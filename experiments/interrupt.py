@@ -1,6 +1,6 @@
 """Ctrl-C while ``python -m experiments.<module>`` is still importing: one line and exit status 130.
 
-The entry points (:func:`experiments.run.cli`, :func:`experiments.reproduce.main`) catch
+The entry points (:func:`experiments.run.cli`, :func:`experiments.grid.cli.main`) catch
 ``KeyboardInterrupt`` themselves once they run; before that, importing the suite (numpy, numba, Hydra, the
 planners) takes seconds, and a Ctrl-C there would end in Python's traceback. :func:`quiet_interrupt`
 installs a ``sys.excepthook`` that prints one line for an uncaught ``KeyboardInterrupt`` and exits with

@@ -2,7 +2,7 @@
 
 ``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
 
-1. :func:`~experiments.config_checks.validate` refuses a bad config before any work (nothing is written, not
+1. :func:`~experiments.config.checks.validate` refuses a bad config before any work (nothing is written, not
    even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
@@ -12,7 +12,7 @@
 5. the logger (``logger=wandb``) sees only what is already on disk.
 
 With ``results_dir`` set (experiment presets), steps 2-4 run only when the experiment's results store has
-no finished cell of the same config (:func:`experiments.store.run_cell`).
+no finished cell of the same config (:func:`experiments.store.access.run_cell`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import (
+from experiments.config.build import (
     ConfigError,
     build_cluster,
     build_cost,
@@ -45,18 +45,15 @@ from experiments.config import (
     routing,
     sim_options,
 )
-from experiments.config_checks import validate, writable_dir
-from experiments.executor_check import executor_time_problem
+from experiments.config.checks import validate, writable_dir
+from experiments.config.executor_check import executor_time_problem
+from experiments.config.layout_check import workload_memory_problems
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
-from experiments.layout_check import workload_memory_problems
-from experiments.run_dir import commit_run, remove_new_dirs
-from experiments.store import (
-    CorruptCellError,
-    ResultsStore,
-    cell_key,
-    run_cell,
-    stored_code_version,
-)
+from experiments.store.access import run_cell, stored_code_version
+from experiments.store.cell_files import CorruptCellError
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
+from experiments.store.run_dir import commit_run, remove_new_dirs
 from experiments.sweep_check import FAILED_FILE, CellFailure
 from relibra.atomic import atomic_write
 from relibra.layout import unbalanceable_batches
@@ -113,7 +110,7 @@ def compute(
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
     """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing.
 
-    ``checked``: ``cfg`` passed :func:`~experiments.config_checks.validate` already (in :func:`run`, or
+    ``checked``: ``cfg`` passed :func:`~experiments.config.checks.validate` already (in :func:`run`, or
     when a grid was planned), so it is not checked again."""
     if not checked:
         validate(cfg)
@@ -303,7 +300,7 @@ def _write_read_back(
 def adopt(cfg: DictConfig, run_dir: str | Path, source: str | Path) -> pd.DataFrame:
     """Store the cell of ``cfg`` from the results store ``source``, where the same cell is finished.
 
-    For a grid runner whose presets share cells: the same :func:`~experiments.store.cell_key` means the
+    For a grid runner whose presets share cells: the same :func:`~experiments.store.keys.cell_key` means the
     same resolved config apart from where results go (``IGNORED_KEYS``), hence the same computation, so
     the finished cell's rows and per-layer table are written into ``cfg.results_dir``'s store (with
     ``cfg`` as the stored config) instead of being computed again. The run directory gets the run files
@@ -330,12 +327,12 @@ def run(
 
     ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
     the current directory. With ``results_dir`` set, the run is one cell of an experiment's
-    :class:`~experiments.store.ResultsStore`: a finished cell (same config hash) is read back instead of
-    computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
-    :class:`~experiments.config.ConfigError` before any work on a bad config, an unreadable trace or a
+    :class:`~experiments.store.results_store.ResultsStore`: a finished cell (same config hash) is read back
+    instead of computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
+    :class:`~experiments.config.build.ConfigError` before any work on a bad config, an unreadable trace or a
     results directory that cannot be written. ``checked``: ``cfg`` passed
-    :func:`~experiments.config_checks.validate` already (a grid cell checked when its grid was planned,
-    :func:`experiments.reproduce.plan_grid`), so it is checked nowhere here; otherwise it is checked once.
+    :func:`~experiments.config.checks.validate` already (a grid cell checked when its grid was planned,
+    :func:`experiments.grid.runner.plan_grid`), so it is checked nowhere here; otherwise it is checked once.
     """
     if run_dir is None:
         run_dir = cfg.get("run_dir") or (
@@ -377,7 +374,7 @@ def run(
     else:
         results, _ = cell()
     if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran
-        from experiments.wandb_logger import log_run
+        from experiments.tracking.wandb_logger import log_run
 
         config = OmegaConf.to_container(cfg, resolve=True)
         log_run(dict(cfg.logger), dict(config), results, per_layer, str(out))  # type: ignore[arg-type]
@@ -475,7 +472,7 @@ def _slurm_problem(launcher: str) -> str | None:
 
 def _sweep_in_run_problems(overrides: Sequence[str]) -> list[str]:
     """A sweep (``seed=1,2``) outside ``--multirun``, which Hydra refuses with a multi-line message."""
-    from experiments.schema import parse_problems
+    from experiments.config.schema import parse_problems
 
     _, parsed = parse_problems(overrides)
     return [
@@ -495,8 +492,8 @@ def _compose_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from experiments.grid import CONF_DIR
-    from experiments.schema import yaml_problem
+    from experiments.config.presets import CONF_DIR
+    from experiments.config.schema import yaml_problem
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -512,8 +509,8 @@ def _compose_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
 
 def _sweep_yaml_problems(config_name: str, overrides: Sequence[str]) -> list[str]:
     """The malformed config file a cell of a sweep chooses, if any (composed only when the config schema
-    found one: :attr:`experiments.schema.ConfigSchema.broken`)."""
-    from experiments.grid import expand
+    found one: :attr:`experiments.config.schema.ConfigSchema.broken`)."""
+    from experiments.config.presets import expand
 
     for cell in expand({}, overrides):
         if found := [p for p in _compose_problems(config_name, cell) if "not valid YAML" in p]:
@@ -526,10 +523,10 @@ def preflight(args: Sequence[str]) -> None:
     or silently accept: an unknown group option (``planner=bogus``), a misspelt key
     (``planner.replica_slot=2``), a ``+key`` that no code reads, an output directory that cannot be
     written. Raises one :class:`ConfigError` naming each key and the closest known one
-    (:func:`experiments.schema.override_problems`)."""
+    (:func:`experiments.config.schema.override_problems`)."""
     from hydra._internal.utils import get_args_parser
 
-    from experiments.schema import config_schema, override_problems
+    from experiments.config.schema import config_schema, override_problems
 
     known, stray = get_args_parser().parse_known_args(list(args))
     if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:

@@ -3,16 +3,16 @@ ends the sweep with a summary of every cell that failed.
 
 Installed by ``conf/config.yaml`` (``hydra.callbacks.validate_cells``). In ``on_multirun_start`` (the sweeping
 process, before the sweeper writes or launches anything) it expands the sweep exactly as Hydra's basic sweeper
-will (:func:`experiments.grid.expand`), composes each cell and runs :func:`experiments.config_checks.validate`
-on it. A bad cell (``seed=abc``, ``planner.replica_slots=4,999``, an unreadable trace) is refused with one
-line naming the cell and the key, and exit status 2, on every launcher (in-process, ``submitit_local``,
-Slurm).
+will (:func:`experiments.config.presets.expand`), composes each cell and runs
+:func:`experiments.config.checks.validate` on it. A bad cell (``seed=abc``, ``planner.replica_slots=4,999``,
+an unreadable trace) is refused with one line naming the cell and the key, and exit status 2, on every
+launcher (in-process, ``submitit_local``, Slurm).
 
 NOTE: without it, a cell's ConfigError would travel back to the sweeping process inside the job's result,
 where Hydra's sweeper re-raises it (``JobReturn.return_value``) and ``run_and_report`` prints it as a
 traceback with exit status 1, after the cells before it have run. Hydra turns an exception raised by a
-callback into a warning, so the refusal leaves as ``SystemExit`` (:func:`experiments.config.refuse`), which
-Hydra lets through.
+callback into a warning, so the refusal leaves as ``SystemExit`` (:func:`experiments.config.build.refuse`),
+which Hydra lets through.
 
 Failures: a cell that fails while it runs (a full disk, a planner error) is reported by the task function
 (:func:`experiments.run.main`) as one line and a :class:`CellFailure` return value, also written to
@@ -36,10 +36,10 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import ConfigError, refuse
-from experiments.config_checks import validate
-from experiments.grid import expand
-from experiments.run_dir import note_new_dirs
+from experiments.config.build import ConfigError, refuse
+from experiments.config.checks import validate
+from experiments.config.presets import expand
+from experiments.store.run_dir import note_new_dirs
 
 __all__ = ["FAILED_FILE", "CellFailure", "ValidateCells"]
 

@@ -1,7 +1,7 @@
 """Which code produced a result: the package version and, in a git checkout, the commit it ran from.
 
-The results store keys a cell by its resolved config alone (:func:`experiments.store.cell_key`), so a cell
-finished by older code is read back after the code changes. Every result row carries ``code_version`` so
+The results store keys a cell by its resolved config alone (:func:`experiments.store.keys.cell_key`), so a
+cell finished by older code is read back after the code changes. Every result row carries ``code_version`` so
 that such cells can be found (``python -m experiments.reproduce`` reports them and ``--recompute-stale``
 runs them again).
 

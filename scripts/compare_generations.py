@@ -21,8 +21,8 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.store import load_experiment  # noqa: E402
-from experiments.store_pair import parse_store_pair  # noqa: E402
+from experiments.store.access import load_experiment  # noqa: E402
+from experiments.store.pair import parse_store_pair  # noqa: E402
 
 CELL = ["model", "dataset", "nodes", "seed"]
 """What makes two rows the same cell for a ratio between planners."""

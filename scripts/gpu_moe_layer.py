@@ -30,8 +30,8 @@ What it measures, each part failing soft (its ``status`` ``measured``, ``skipped
     moves one expert per GPU and replicates the hottest expert (more than one GPU).
 
 ``--dry-run`` runs every code path on the CPU (gloo, float32, tiny shapes, ``--world`` processes); its file
-says ``"dry_run": true`` and the calibration refuses it. ``python -m experiments.gpu_measurements FILE``
-turns the per-layer rows into rows of ``experiments/data/moe_layer.json`` (docs/validation.md,
+says ``"dry_run": true`` and the calibration refuses it. ``python -m experiments.validation.gpu_measurements
+FILE`` turns the per-layer rows into rows of ``experiments/data/moe_layer.json`` (docs/validation.md,
 "Measuring on a GPU").
 """
 

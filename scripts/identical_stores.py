@@ -6,9 +6,9 @@ For each preset both roots hold, every cell both stores finished (same cell key)
 and compared column by column, exactly, its result rows and its per-(micro-batch, layer) table, on every
 column but the code version, ``trace`` (the path the trace file was read from: cells are keyed by the
 trace's content, so a store moved with its trace keeps its keys) and the columns
-measured with a wall clock (:func:`experiments.store.wall_clock_column`: planning and control-plane
-seconds). A cell that cannot be read on either side (:class:`~experiments.store.CorruptCellError`) differs,
-named. Prints per preset the cells compared and those that differ, with the first few differing cells
+measured with a wall clock (:func:`experiments.store.keys.wall_clock_column`: planning and control-plane
+seconds). A cell that cannot be read on either side (:class:`~experiments.store.cell_files.CorruptCellError`)
+differs, named. Prints per preset the cells compared and those that differ, with the first few differing cells
 and columns, and the code versions on each side. Exit status 0 when at least one cell was compared and
 none differs (the two code versions compute the same numbers on these cells, so
 ``analysis.provenance`` may take them as one: list them in ``identical_versions.json`` with this command
@@ -27,8 +27,10 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.store import CorruptCellError, ResultsStore, wall_clock_column  # noqa: E402
-from experiments.store_pair import parse_store_pair  # noqa: E402
+from experiments.store.cell_files import CorruptCellError  # noqa: E402
+from experiments.store.keys import wall_clock_column  # noqa: E402
+from experiments.store.pair import parse_store_pair  # noqa: E402
+from experiments.store.results_store import ResultsStore  # noqa: E402
 
 SHOWN = 5
 """Differing cells printed per preset."""

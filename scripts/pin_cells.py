@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.grid import CONF_DIR  # noqa: E402
+from experiments.config.presets import CONF_DIR  # noqa: E402
 
 DATA = REPO / "tests" / "data"
 METRICS = ("step_time_s", "skew_mean", "reorder_moved_experts", "t_comm_s", "t_compute_s")

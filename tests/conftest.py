@@ -25,7 +25,7 @@ def shared_traces() -> Path:
 @pytest.fixture(autouse=True)
 def _fresh_wandb_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts as a new process would: no W&B failure remembered from an earlier test."""
-    import experiments.wandb_logger as wandb_logger
+    import experiments.tracking.wandb_logger as wandb_logger
 
     monkeypatch.setattr(wandb_logger, "_FAILED", [])
 

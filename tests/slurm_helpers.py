@@ -155,9 +155,9 @@ class PauseOnce(Callback):
     process), so a signal that arrives meanwhile (a preemption, a time-out) interrupts the task itself, as
     it would interrupt a long cell. NOTE: not in ``on_job_start`` itself: Hydra turns an exception raised
     by a callback into a warning, which would hide the one submitit raises when it gives up. The wrapped
-    function is ``relibra.trace.synthetic.generate_counts`` because ``experiments.config.load_counts`` imports
-    it when called; the task function itself comes pickled by value from the sweep's ``__main__``, so patching
-    ``experiments.run`` in the worker would not reach it.
+    function is ``relibra.trace.synthetic.generate_counts`` because ``experiments.config.build.load_counts``
+    imports it when called; the task function itself comes pickled by value from the sweep's ``__main__``, so
+    patching ``experiments.run`` in the worker would not reach it.
     Each pausing start writes ``marker`` (JSON: its PID, Slurm job id ``ARRAY_TASK`` and how many starts
     have paused); later starts (a rerun, a requeue) run at once. Test-only: it is installed with
     ``+hydra.callbacks.<name>._target_=...`` overrides.

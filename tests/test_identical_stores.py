@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.store import ResultsStore, cell_key
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("identical_stores", REPO / "scripts" / "identical_stores.py")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config import (
+from experiments.config.build import (
     build_cluster,
     build_cost,
     build_model,
@@ -31,7 +31,7 @@ from experiments.config import (
     planning,
     sim_options,
 )
-from experiments.grid import CONF_DIR
+from experiments.config.presets import CONF_DIR
 from relibra.cost.pricing import predict_batch_time
 from relibra.simulator import WHOLE_STEP_COLUMNS, batch_context, simulate
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config import ConfigError
-from experiments.config_checks import validate
-from experiments.end_to_end import load_rows, row_config, row_workload
-from experiments.grid import CONF_DIR
-from experiments.layout_check import build_layout
+from experiments.config.build import ConfigError
+from experiments.config.checks import validate
+from experiments.config.layout_check import build_layout
+from experiments.config.presets import CONF_DIR
+from experiments.validation.end_to_end import load_rows, row_config, row_workload
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.parallel import ParallelLayout, dense_data_parallel, ep_group_ranks, megatron_microbatches
 from relibra.types import SampleCounts
@@ -184,7 +184,7 @@ def _cfg(*overrides: str):
 def _tokens_held(cp: int, g: int = 8) -> float:
     """Tokens the EP group of ``g`` GPUs holds at CP ``cp``: every token when the CP group nests in it, the
     first ``g`` CP ranks' chunks of every sample when it spans several EP groups."""
-    from experiments.config import load_counts
+    from experiments.config.build import load_counts
 
     lens = load_counts(_cfg()).tokens
     return float(rank_tokens(lens, 1, cp)[:, : min(cp, g)].sum())
@@ -330,7 +330,7 @@ def test_the_relabelling_keeps_tp_cp_groups() -> None:
 
 
 def test_the_p2p_ring_is_exposed_only_beyond_the_attention_it_hides_behind() -> None:
-    from experiments.config import build_cluster, build_model
+    from experiments.config.build import build_cluster, build_model
     from relibra.cost.context import cp_exchange_time, kv_bytes_per_token
 
     cfg = _cfg()

@@ -97,29 +97,29 @@ def test_reproduce_counts_a_cell_of_a_version_that_names_no_code_as_stale(
     equal; ``--recompute-stale`` recomputes it."""
     import pandas as pd
 
-    from experiments import reproduce
-    from experiments.store import ResultsStore
+    from experiments.grid import runner
+    from experiments.store.results_store import ResultsStore
 
     overrides = ["model=qwen3-30b-a3b", "planner=relibra"]
-    report, jobs = reproduce.plan_grid("quick_overhead", tmp_path, overrides)
+    report, jobs = runner.plan_grid("quick_overhead", tmp_path, overrides)
     assert len(jobs) == 1
     rows = pd.DataFrame({"planner": ["relibra"], "step_time_s": [1.0], "code_version": ["0.1.0"]})
     ResultsStore(tmp_path / "quick_overhead").write(jobs[0].key, rows, jobs[0].cfg)
-    monkeypatch.setattr(reproduce, "code_version", lambda: "0.1.0")
-    report, jobs = reproduce.plan_grid("quick_overhead", tmp_path, overrides)
+    monkeypatch.setattr(runner, "code_version", lambda: "0.1.0")
+    report, jobs = runner.plan_grid("quick_overhead", tmp_path, overrides)
     assert report.stale == {"0.1.0": 1} and report.reused == 1 and not jobs
-    report, jobs = reproduce.plan_grid("quick_overhead", tmp_path, overrides, recompute_stale=True)
+    report, jobs = runner.plan_grid("quick_overhead", tmp_path, overrides, recompute_stale=True)
     assert report.stale == {"0.1.0": 1} and len(jobs) == 1 and jobs[0].recompute
 
 
 def test_reproduce_says_the_code_version_is_unknown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from experiments import reproduce
+    from experiments.grid import cli
 
     note = "git cannot read the checkout /x (fatal: detected dubious ownership): the code version is unknown"
-    monkeypatch.setattr(reproduce, "code_version_note", lambda: note)
+    monkeypatch.setattr(cli, "code_version_note", lambda: note)
     args = ["--results", str(tmp_path), "--presets", "quick_overhead", "--no-analysis", "--workers", "1"]
     tiny = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
-    assert reproduce.main([*args, "model=qwen3-30b-a3b", "planner=megatron", *tiny]) == 0
+    assert cli.main([*args, "model=qwen3-30b-a3b", "planner=megatron", *tiny]) == 0
     assert f"code version: {note}" in capsys.readouterr().out

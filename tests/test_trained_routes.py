@@ -10,7 +10,7 @@ import pytest
 
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
-from experiments.config import build_planner
+from experiments.config.build import build_planner
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, SlotBudget

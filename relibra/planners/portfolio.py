@@ -11,7 +11,8 @@ migration). The kept placement is always a candidate, so the portfolio never pre
 keeping it; it costs the planning work of both.
 
 Behind the entry point each candidate runs in its own control plane (staged per layer, deadlines and
-fallbacks as for ``relibra``), and the portfolio chooses among their plans (``experiments.config.planning``).
+fallbacks as for ``relibra``), and the portfolio chooses among their plans
+(``experiments.config.build.planning``).
 
 **Predicted lifetime** (``lifetime_window`` > 0, beyond the paper): a placement that moves experts serves
 more than the batch it is planned for, so charging its whole migration to that batch undervalues a lasting

@@ -2,8 +2,8 @@
 
 Both give per-sample counts ``c[s, l, e]`` (:class:`relibra.types.SampleCounts`) for samples whose lengths
 are already set, as :func:`baselines.force_balanced.uniform_routing` does for uniform routing; they are the
-routing sources of the imbalance-penalty check (:mod:`experiments.penalty`), where how skewed the routing is
-must be known, not guessed.
+routing sources of the imbalance-penalty check (:mod:`experiments.validation.penalty`), where how skewed the
+routing is must be known, not guessed.
 
 * :func:`force_biased_shares`: Megatron-core's ``moe_router_force_biased`` (NVIDIA/Megatron-LM
   ``megatron/core/transformer/moe/router.py`` and ``moe_utils.py: apply_biased_logits``, read at d98e8a6):

@@ -21,7 +21,8 @@ from analysis.tables import (
     skew_by_ep,
     step_by_ep,
 )
-from experiments.store import ResultsStore, cell_key
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 
 # throughput factor of each planner over Megatron-LM, and its mean skewness, in the synthetic results
 FACTOR = {
@@ -576,7 +577,7 @@ def test_comm_sensitivity_takes_each_ratio_per_seed_with_its_spread_and_ties() -
 
 def test_loaded_results_carry_each_cells_dispatcher_and_overlap(tmp_path: Path) -> None:
     from analysis.load import load_results
-    from experiments.store import ResultsStore
+    from experiments.store.results_store import ResultsStore
 
     store = ResultsStore(tmp_path / "comm_sensitivity")
     configs = {

@@ -99,7 +99,8 @@ def test_a_stored_experiment_name_that_is_a_path_never_names_output_files(tmp_pa
     its folder."""
     import pandas as pd
 
-    from experiments.store import ResultsStore, cell_key
+    from experiments.store.keys import cell_key
+    from experiments.store.results_store import ResultsStore
 
     store = ResultsStore(tmp_path / "r" / "quick_overhead")
     for i, model in enumerate(MODELS):

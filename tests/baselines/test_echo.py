@@ -182,8 +182,8 @@ def test_pricing_terms() -> None:
 
 
 def test_refusals() -> None:
-    from experiments.config import ConfigError
-    from experiments.config_checks import validate
+    from experiments.config.build import ConfigError
+    from experiments.config.checks import validate
 
     with pytest.raises(ValueError, match=r"planner\.replica_slots=0"):
         EchoPlanner(replica_slots=0)

@@ -182,8 +182,8 @@ def test_cluster_problems_name_what_plan_would_refuse() -> None:
 
 
 def test_config_check_refuses_lplb_at_deepseek_v3_ep256() -> None:
-    from experiments.config import ConfigError
-    from experiments.config_checks import validate
+    from experiments.config.build import ConfigError
+    from experiments.config.checks import validate
     from tests.builders import cfg
 
     with pytest.raises(ConfigError, match=r"planner\.redundant_slots=2 must be a multiple"):

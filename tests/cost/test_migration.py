@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.config import build_cluster, build_cost, build_model
+from experiments.config.build import build_cluster, build_cost, build_model
 from relibra.cluster import ClusterSpec
 from relibra.cost.migration import MigrationPayload, migration_cost, migration_payload, receive_seconds
 from relibra.cost.model import CostModel

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config_checks import validate
+from experiments.config.checks import validate
 from tests.builders import CONF, cfg
 
 CLUSTERS = sorted(p.stem for p in (Path(CONF) / "cluster").glob("*.yaml"))

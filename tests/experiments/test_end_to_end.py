@@ -1,6 +1,6 @@
-"""The end-to-end validation's data and its rules (experiments/end_to_end.py): every row is a sourced
-measurement with a role fixed before any fit, only calibration rows may be fitted to, and no check row's
-published value reaches the model."""
+"""The end-to-end validation's data and its rules (experiments/validation/end_to_end.py): every row is a
+sourced measurement with a role fixed before any fit, only calibration rows may be fitted to, and no check
+row's published value reaches the model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.end_to_end import (
+from experiments.validation.end_to_end import (
     DATA_FILE,
     ROLES,
     check_roles,
@@ -99,7 +99,7 @@ def test_a_bad_row_is_refused_naming_the_file_and_the_row(
 ) -> None:
     """``--end-to-end --data``: a row whose configuration cannot run is one message naming the data file,
     the row and the problem, exit status 2 (no traceback)."""
-    from experiments.validate import main
+    from experiments.validation.cli import main
 
     row = {**next(r for r in load_rows()["rows"] if not r.get("needs")), "id": "user/row"}
     row.update(change)
@@ -115,7 +115,7 @@ def test_a_bad_row_is_refused_naming_the_file_and_the_row(
 def test_an_unreadable_data_file_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
 ) -> None:
-    from experiments.validate import main
+    from experiments.validation.cli import main
 
     path = tmp_path / "rows.json"
     path.write_text(text)
@@ -128,7 +128,7 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
     """``--write-tables``: one table row per data row, the errors table equal to :func:`errors`, and a
     generated block of docs/records/validation.md reads its numbers back (analysis.docs_blocks)."""
     from analysis.docs_blocks import render_block
-    from experiments.end_to_end_tables import write_end_to_end_tables
+    from experiments.validation.end_to_end_tables import write_end_to_end_tables
 
     frame = pd.DataFrame(
         {

@@ -1,5 +1,5 @@
-"""The end-to-end fit (experiments/end_to_end_fit.py): it finds a known minimum, reads the calibration rows
-only, refuses data it cannot fit, and the stored value is what the fit gives."""
+"""The end-to-end fit (experiments/validation/end_to_end_fit.py): it finds a known minimum, reads the
+calibration rows only, refuses data it cannot fit, and the stored value is what the fit gives."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from experiments.end_to_end import DATA_FILE, load_rows, unfitted_overrides
-from experiments.end_to_end_fit import FITTED, fit_host_overhead, minimise_log_error
+from experiments.validation.end_to_end import DATA_FILE, load_rows, unfitted_overrides
+from experiments.validation.end_to_end_fit import FITTED, fit_host_overhead, minimise_log_error
 
 
 def test_the_minimum_of_rows_that_one_value_fits_exactly_is_that_value() -> None:
@@ -148,7 +148,7 @@ def test_fit_from_the_command_line_stores_the_value_and_keeps_the_rest(
     """``--end-to-end --fit --data FILE`` on one calibration row (the 8-GPU B200 Qwen3-30B-A3B run marked
     calibration here, only for the test): the value is stored in FILE, every other field kept, and the
     table prints both sets of errors."""
-    from experiments.validate import main
+    from experiments.validation.cli import main
 
     doc = json.loads(DATA_FILE.read_text())
     row = next(r for r in doc["rows"] if r["id"] == "qwen3-30b-a3b/b200x8/mxfp8/ep8/26.04.01")
@@ -169,7 +169,7 @@ def test_fit_from_the_command_line_stores_the_value_and_keeps_the_rest(
 def test_fit_without_end_to_end_or_with_nothing_to_fit_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from experiments.validate import main
+    from experiments.validation.cli import main
 
     assert main(["--fit"]) == 2
     assert "--fit, --data and --write-tables go with --end-to-end" in capsys.readouterr().err

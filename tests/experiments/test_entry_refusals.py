@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import ConfigError
-from experiments.config_checks import validate
+from experiments.config.build import ConfigError
+from experiments.config.checks import validate
 from tests.builders import REPO, cfg
 
 R = [
@@ -92,7 +92,7 @@ def test_an_unparseable_override_is_one_line_exit_2(override, named, tmp_path) -
 
 
 def test_reproduce_refuses_an_unparseable_override_in_one_line(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     assert reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "seed=["]) == 2
     err = capsys.readouterr().err
@@ -101,7 +101,7 @@ def test_reproduce_refuses_an_unparseable_override_in_one_line(tmp_path, capsys)
 
 
 def test_reproduce_refuses_an_empty_presets_list(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     for given in ("", ",", " , "):
         assert reproduce(["--results", str(tmp_path / "r"), "--presets", given, "--no-analysis"]) == 2
@@ -113,9 +113,9 @@ def test_reproduce_refuses_an_empty_presets_list(tmp_path, capsys) -> None:
 def test_reproduce_interrupted_while_checking_its_arguments_is_one_line_exit_130(
     tmp_path, capsys, monkeypatch
 ) -> None:
-    import experiments.schema as schema
-    from experiments.reproduce import EXIT_INTERRUPTED
-    from experiments.reproduce import main as reproduce
+    import experiments.config.schema as schema
+    from experiments.grid.cli import EXIT_INTERRUPTED
+    from experiments.grid.cli import main as reproduce
 
     def interrupted(*args: object, **kwargs: object) -> list[str]:
         raise KeyboardInterrupt  # Ctrl-C during the schema walk, the first seconds of a run
@@ -128,7 +128,7 @@ def test_reproduce_interrupted_while_checking_its_arguments_is_one_line_exit_130
 
 
 def test_reproduce_refuses_an_experiment_name_override(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     args = ["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "--no-analysis"]
     assert reproduce([*args, "experiment_name=../../x"]) == 2
@@ -177,8 +177,8 @@ def conf_with_a_malformed_preset(tmp_path, monkeypatch) -> Iterator[Path]:
     """A copy of experiments/conf with one malformed experiment preset, used as the suite's config dir."""
     import shutil
 
-    import experiments.grid as grid
-    from experiments.schema import config_schema
+    import experiments.config.presets as grid
+    from experiments.config.schema import config_schema
 
     conf = tmp_path / "conf"
     shutil.copytree(REPO / "experiments" / "conf", conf)
@@ -190,9 +190,9 @@ def conf_with_a_malformed_preset(tmp_path, monkeypatch) -> Iterator[Path]:
 
 
 def test_a_malformed_preset_no_run_uses_breaks_nothing(conf_with_a_malformed_preset, tmp_path) -> None:
-    from experiments.reproduce import _argument_problems
+    from experiments.config.schema import config_schema, override_problems
+    from experiments.grid.cli import _argument_problems
     from experiments.run import preflight
-    from experiments.schema import config_schema, override_problems
 
     assert "experiment/zz_bad" in config_schema().broken
     preflight([*R, f"hydra.run.dir={tmp_path / 'run'}"])  # refuses nothing
@@ -203,7 +203,7 @@ def test_a_malformed_preset_no_run_uses_breaks_nothing(conf_with_a_malformed_pre
 def test_a_malformed_preset_a_run_uses_is_one_message_naming_the_file(
     conf_with_a_malformed_preset, tmp_path, capsys
 ) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
     from experiments.run import preflight
 
     bad = str(conf_with_a_malformed_preset)
@@ -321,7 +321,7 @@ def test_an_empty_run_dir_and_a_dangling_trace_link_are_named(tmp_path) -> None:
     ],
 )
 def test_reproduce_refuses_what_it_would_ignore_or_repeat(args, named, tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     assert reproduce(["--results", str(tmp_path / "r"), "--no-analysis", *args]) == 2
     err = capsys.readouterr().err
@@ -330,7 +330,7 @@ def test_reproduce_refuses_what_it_would_ignore_or_repeat(args, named, tmp_path,
 
 
 def test_reproduce_argument_errors_are_one_line(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     for args in (["--workers", "0"], ["--scale", "bogus"]):
         with pytest.raises(SystemExit) as exit_:

@@ -20,9 +20,10 @@ import pandas as pd
 import pytest
 
 import experiments.run as run_module
-from experiments.config import ConfigError
+from experiments.config.build import ConfigError
 from experiments.run import run
-from experiments.store import ResultsStore, cell_key
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 from tests.builders import REPO, cfg, file_cfg
 
 TINY = [
@@ -190,7 +191,7 @@ def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_comp
     with pytest.raises(ConfigError, match=r"needs at least 100\.1 GiB \(4 ranks of 25\.0 GiB.*has 8\.0 GiB"):
         run(c, run_dir=tmp_path / "run")
     validate_ok = cfg(*TINY, "executor=torch")  # the default small shape fits
-    from experiments.config_checks import validate
+    from experiments.config.checks import validate
 
     validate(validate_ok)
 
@@ -365,7 +366,7 @@ def test_wandb_online_without_a_network_waits_once_and_keeps_results(
 
 
 def test_reproduce_lists_an_unreadable_cell_and_recomputes_it_without_stopping_the_others(tmp_path) -> None:
-    from experiments.reproduce import run_grid
+    from experiments.grid.runner import run_grid
 
     overrides = [*TINY, "planner=megatron", "trace.preset=reasoning,coding,mixed"]
     first = run_grid("quick_overhead", tmp_path, overrides)
@@ -411,7 +412,7 @@ def test_code_version_tells_two_uncommitted_edits_apart(tmp_path, monkeypatch) -
 
 
 def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     (tmp_path / "file").write_text("not a folder")
     code = reproduce(["--results", str(tmp_path / "file"), "--presets", "quick_overhead", "--no-analysis"])
@@ -634,7 +635,7 @@ def _wandb_cores() -> set[int]:
 
 def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blackhole) -> None:
     pytest.importorskip("wandb")
-    from experiments.wandb_logger import STEP_ALLOWANCE_S
+    from experiments.tracking.wandb_logger import STEP_ALLOWANCE_S
 
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_BASE_URL", blackhole)
@@ -643,7 +644,7 @@ def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blac
     before = _wandb_cores()
     c = cfg(*TINY, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
     results, per_layer, _ = run_module.compute(c)
-    from experiments.wandb_logger import log_run
+    from experiments.tracking.wandb_logger import log_run
 
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="W&B logging failed"):
@@ -684,7 +685,7 @@ def test_ctrl_c_is_one_line_exit_130_and_removes_the_claim(tmp_path) -> None:
 
 
 def test_reproduce_refuses_an_unknown_preset_without_making_a_folder(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     assert reproduce(["--results", str(tmp_path / "r"), "--presets", "bogus", "--no-analysis"]) == 2
     err = capsys.readouterr().err
@@ -692,7 +693,7 @@ def test_reproduce_refuses_an_unknown_preset_without_making_a_folder(tmp_path, c
 
 
 def test_reproduce_refuses_a_bad_override_once_before_the_grid(tmp_path, capsys) -> None:
-    from experiments.reproduce import main as reproduce
+    from experiments.grid.cli import main as reproduce
 
     code = reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "--no-analysis",
                       *TINY[:-2], "cluster.nodes=-1"])  # fmt: skip
@@ -714,7 +715,7 @@ def test_analysis_of_a_missing_or_empty_store_is_one_line(tmp_path, what) -> Non
 
 
 def test_torch_executor_time_limit_null_disables_the_guard(monkeypatch) -> None:
-    from experiments.executor_check import executor_time_problem
+    from experiments.config.executor_check import executor_time_problem
     from relibra.executors import budget
 
     monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)

@@ -1,6 +1,6 @@
 """scripts/gpu_moe_layer.py's dry run (CPU, gloo, two processes under torchrun) and its reader,
-experiments/gpu_measurements.py: every part runs or says why not, the routes have the skew asked for, and
-the per-layer rows it yields are priced by ``python -m experiments.validate --moe-layer --data``."""
+experiments/validation/gpu_measurements.py: every part runs or says why not, the routes have the skew asked
+for, and the per-layer rows it yields are priced by ``python -m experiments.validate --moe-layer --data``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from experiments import gpu_measurements as gm
+from experiments.validation import gpu_measurements as gm
 from relibra.cost.calibration import load_calibration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_dry_run_layer_rows_have_the_asked_skew(dry_run: tuple[Path, dict[str, A
 def test_reader_turns_rows_into_priced_layer_rows(
     dry_run: tuple[Path, dict[str, Any]], tmp_path, capsys
 ) -> None:
-    from experiments.validate import main as validate
+    from experiments.validation.cli import main as validate
 
     path, doc = dry_run
     rows_file = tmp_path / "rows.json"

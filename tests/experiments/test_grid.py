@@ -1,5 +1,6 @@
-"""experiments.grid.compose_cells: one Hydra composition per preset (and per group option its cells choose),
-each cell a copy with its overrides set, gives every cell exactly the config Hydra composes for it."""
+"""experiments.config.presets.compose_cells: one Hydra composition per preset (and per group option its cells
+choose), each cell a copy with its overrides set, gives every cell exactly the config Hydra composes for
+it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import grid as grid_module
-from experiments.grid import cells, compose_cell, compose_cells
-from experiments.reproduce import QUICK_PRESETS
-from experiments.store import cell_key
+from experiments.config import presets as grid_module
+from experiments.config.presets import cells, compose_cell, compose_cells
+from experiments.grid.runner import QUICK_PRESETS
+from experiments.store.keys import cell_key
 
 
 def _same(fast: DictConfig, hydra: DictConfig) -> None:

@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from experiments import inputs, run
-from experiments.config import build_workload_for, load_counts
-from experiments.grid import CONF_DIR
+from experiments.config.build import build_workload_for, load_counts
+from experiments.config.presets import CONF_DIR
 
 SMALL = [
     "model=qwen3-30b-a3b",

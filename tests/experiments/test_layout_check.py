@@ -1,5 +1,6 @@
 """The layout's keys and the memory check refuse before any work, with one message naming the keys (exit 2),
-and every experiment preset's cells are checked against the GPU's memory (experiments/layout_check.py)."""
+and every experiment preset's cells are checked against the GPU's memory
+(experiments/config/layout_check.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config import (
+from experiments.config.build import (
     ConfigError,
     build_cluster,
     build_cost,
@@ -19,9 +20,9 @@ from experiments.config import (
     build_workload_for,
     load_counts,
 )
-from experiments.config_checks import validate
-from experiments.grid import CONF_DIR, cells, compose_cells, presets
-from experiments.layout_check import memory_problems, workload_memory_problems
+from experiments.config.checks import validate
+from experiments.config.layout_check import memory_problems, workload_memory_problems
+from experiments.config.presets import CONF_DIR, cells, compose_cells, presets
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["trace.num_batches=1", "trace.samples_per_batch=64", "trace.max_tokens=64", "logger=none"]

@@ -1,4 +1,5 @@
-"""The per-layer check and Hopper calibration (experiments/moe_layer.py, ``validate --moe-layer``)."""
+"""The per-layer check and Hopper calibration (experiments/validation/moe_layer.py, ``validate
+--moe-layer``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError
-from experiments.moe_layer import DATA_FILE, FITTED, POST_SYNC, fit_layer, load_layer_rows, price_layer
-from experiments.validate import main as validate_main
+from experiments.config.build import ConfigError
+from experiments.validation.cli import main as validate_main
+from experiments.validation.moe_layer import (
+    DATA_FILE,
+    FITTED,
+    POST_SYNC,
+    fit_layer,
+    load_layer_rows,
+    price_layer,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf" / "cluster"
 

@@ -1,4 +1,4 @@
-"""The peer presets' trace files (experiments.peer_traces) and their layouts' memory."""
+"""The peer presets' trace files (experiments.grid.peer_traces) and their layouts' memory."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import build_cluster, build_cost, build_model, build_workload_for, load_counts
-from experiments.grid import cells, compose_cells
-from experiments.layout_check import memory_problems, workload_memory_problems
-from experiments.peer_traces import PEER_DIR, peer_args, prepare_peer_traces
+from experiments.config.build import build_cluster, build_cost, build_model, build_workload_for, load_counts
+from experiments.config.layout_check import memory_problems, workload_memory_problems
+from experiments.config.presets import cells, compose_cells
+from experiments.grid.peer_traces import PEER_DIR, peer_args, prepare_peer_traces
 from relibra.trace.format import load_trace
 from relibra.trace.peer import routes_for_step
 
@@ -53,7 +53,7 @@ def test_every_peer_shape_fits_memory_with_its_tokens(model: str, ep: str, tmp_p
 def test_cli_writes_the_traces_and_prints_the_override(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from experiments.peer_traces import main
+    from experiments.grid.peer_traces import main
 
     assert main(["quick_peer", "--results", str(tmp_path), "peer.workload=W0_balanced", "peer.steps=1"]) == 0
     out = capsys.readouterr().out

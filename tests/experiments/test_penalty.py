@@ -1,4 +1,4 @@
-"""The imbalance-penalty check (experiments/penalty.py, ``validate --penalty``)."""
+"""The imbalance-penalty check (experiments/validation/penalty.py, ``validate --penalty``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import ConfigError
-from experiments.penalty import (
+from experiments.config.build import ConfigError
+from experiments.validation.cli import main as validate_main
+from experiments.validation.penalty import (
     SHARED,
     implied_std,
     load_penalty_rows,
@@ -16,7 +17,6 @@ from experiments.penalty import (
     penalty_table,
     simulate_pair,
 )
-from experiments.validate import main as validate_main
 
 SMALL = {
     "id": "olmoe/8gpu/tp2/small",

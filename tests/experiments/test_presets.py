@@ -8,12 +8,13 @@ import pandas as pd
 import pytest
 
 import experiments.run as run_module
-from experiments.config import build_cluster
-from experiments.config_checks import validate
-from experiments.grid import cells, compose_cell, compose_cells, presets
-from experiments.grid_jobs import GridReport
-from experiments.peer_traces import PEER_DIR, is_peer_preset, prepare_peer_traces
-from experiments.store import ResultsStore, cell_key
+from experiments.config.build import build_cluster
+from experiments.config.checks import validate
+from experiments.config.presets import cells, compose_cell, compose_cells, presets
+from experiments.grid.jobs import GridReport
+from experiments.grid.peer_traces import PEER_DIR, is_peer_preset, prepare_peer_traces
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 
 FULL = ["overall", "overall_deepep", "ablation", "ep_scaling", "nvl72", "datasets", "overhead", "real_trace"]
 ALL = FULL + [f"quick_{p}" for p in FULL] + ["peer", "quick_peer"]
@@ -75,7 +76,7 @@ PEER_TINY = ["peer.steps=1", "peer.tokens=8"]
 
 @pytest.fixture(scope="module")
 def peer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny trace files of every cell of the peer presets (experiments.peer_traces)."""
+    """The tiny trace files of every cell of the peer presets (experiments.grid.peer_traces)."""
     root = tmp_path_factory.mktemp("peer")
     for preset in ("peer", "quick_peer"):
         prepare_peer_traces(preset, root, PEER_TINY, log=lambda _: None)
@@ -263,7 +264,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`make reproduce` on one preset in tiny mode: cells, tables, figures; a rerun computes nothing."""
-    from experiments import reproduce
+    from experiments.grid import cli
 
     args = [
         "--results",
@@ -275,7 +276,7 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         "cluster.nodes=1,2",
         *tiny(2),
     ]  # x 9 planners
-    assert reproduce.main(args) == 0
+    assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "18 cells run, 0 reused, 0 failed" in printed and "Skewness" in printed and "paper" in printed
     assert (tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md").is_file()
@@ -285,12 +286,12 @@ def test_reproduce_runs_a_preset_then_reuses_it(
         raise AssertionError("a finished cell was computed again")
 
     monkeypatch.setattr(run_module, "compute", must_not_run)
-    assert reproduce.main([*args, "--no-analysis"]) == 0
+    assert cli.main([*args, "--no-analysis"]) == 0
     assert "0 cells run, 18 reused, 0 failed" in capsys.readouterr().out
 
 
 def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp_path: Path) -> None:
-    from experiments.reproduce import prepare_olmoe_trace
+    from experiments.grid.runner import prepare_olmoe_trace
     from relibra.trace.format import load_trace
 
     path = prepare_olmoe_trace(shared_traces, tmp_path / "olmoe-decode.npz")
@@ -309,25 +310,27 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Cells stored by other code are reused with a warning, or recomputed with --recompute-stale."""
-    from experiments import reproduce
-    from experiments.store import ResultsStore, stored_code_version
+    from experiments.grid import cli, runner
+    from experiments.store.access import stored_code_version
+    from experiments.store.results_store import ResultsStore
     from relibra.provenance import code_version
 
     args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "1"]
     args += ["cluster.nodes=1", *tiny(1)]
-    assert reproduce.main([*args, "--no-analysis"]) == 0
+    assert cli.main([*args, "--no-analysis"]) == 0
     store = ResultsStore(tmp_path / "quick_ep_scaling")
     assert {stored_code_version(store.read(k)) for k in store.keys()} == {code_version()}
     capsys.readouterr()
 
-    monkeypatch.setattr(reproduce, "code_version", lambda: "9.9.9+gnewer")  # the code has moved on
-    assert reproduce.main([*args, "--no-analysis"]) == 0
+    for module in (runner, cli):  # the code has moved on
+        monkeypatch.setattr(module, "code_version", lambda: "9.9.9+gnewer")
+    assert cli.main([*args, "--no-analysis"]) == 0
     out = capsys.readouterr().out
     assert "0 cells run, 9 reused, 0 failed" in out
     assert f"9 finished cells came from other code than 9.9.9+gnewer (9 by {code_version()})" in out
 
     before = {k: store.cell_path(k).stat().st_mtime_ns for k in store.keys()}
-    assert reproduce.main([*args, "--no-analysis", "--recompute-stale"]) == 0
+    assert cli.main([*args, "--no-analysis", "--recompute-stale"]) == 0
     out = capsys.readouterr().out
     assert "9 cells run, 0 reused, 0 failed" in out and "recomputed" in out
     assert all(store.cell_path(k).stat().st_mtime_ns != t for k, t in before.items())
@@ -364,7 +367,7 @@ def test_reproduce_scale_selects_the_presets(
 ) -> None:
     """`--scale paper` (make reproduce-paper) runs the paper's six grids at its scale, `--scale field` (make
     reproduce-field) the grids beyond the paper; --presets wins."""
-    from experiments import reproduce
+    from experiments.grid import cli, runner
 
     ran: list[str] = []
 
@@ -372,11 +375,11 @@ def test_reproduce_scale_selects_the_presets(
         ran.append(preset)
         return GridReport(preset), []
 
-    monkeypatch.setattr(reproduce, "plan_grid", record)
-    monkeypatch.setattr(reproduce, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
-    monkeypatch.setattr(reproduce, "prepare_peer_traces", lambda *args: "peer.dir=unused")
+    monkeypatch.setattr(runner, "plan_grid", record)
+    monkeypatch.setattr(cli, "prepare_olmoe_trace", lambda shared, out: None)  # real_trace: skipped
+    monkeypatch.setattr(cli, "prepare_peer_traces", lambda *args: "peer.dir=unused")
     # NOTE: one worker, so that the grids are planned in this process, where plan_grid is replaced
-    assert reproduce.main(["--results", str(tmp_path), "--no-analysis", "--workers", "1", *argv]) == 0
+    assert cli.main(["--results", str(tmp_path), "--no-analysis", "--workers", "1", *argv]) == 0
     assert ran == expected
 
 

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from experiments.config import build_planner
-from experiments.config_checks import validate
-from experiments.grid import CONF_DIR
-from experiments.planner_nodes import NODES
+from experiments.config.build import build_planner
+from experiments.config.checks import validate
+from experiments.config.planner_nodes import NODES
+from experiments.config.presets import CONF_DIR
 from tests.builders import cfg
 
 README = Path(__file__).resolve().parents[2] / "README.md"

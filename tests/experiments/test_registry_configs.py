@@ -11,7 +11,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from experiments.planner_nodes import NODES
+from experiments.config.planner_nodes import NODES
 from relibra.planners.protocols import history_need
 from relibra.planners.registry import CARDS, PlannerCard, card
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.config import ConfigError
-from experiments.config_checks import validate
+from experiments.config.build import ConfigError
+from experiments.config.checks import validate
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.run import compute
 from tests.builders import cfg

@@ -10,10 +10,11 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from experiments import inputs, reproduce
-from experiments.config import ConfigError
-from experiments.grid_jobs import CellJob, CellOutcome
-from experiments.store import ResultsStore
+from experiments import inputs
+from experiments.config.build import ConfigError
+from experiments.grid import cli, runner
+from experiments.grid.jobs import CellJob, CellOutcome
+from experiments.store.results_store import ResultsStore
 
 TINY = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
 """Tiny cells: one step of two rollouts per GPU of one 8-GPU node."""
@@ -30,8 +31,8 @@ def _rows(root: Path) -> pd.DataFrame:
 def test_workers_compute_the_same_cells_as_one_process(tmp_path: Path) -> None:
     """Two worker processes store exactly the rows that one process stores, cell for cell."""
     args = ["--presets", "quick_ep_scaling", "--no-analysis", *SWEEP]
-    assert reproduce.main(["--results", str(tmp_path / "one"), "--workers", "1", *args]) == 0
-    assert reproduce.main(["--results", str(tmp_path / "two"), "--workers", "2", *args]) == 0
+    assert cli.main(["--results", str(tmp_path / "one"), "--workers", "1", *args]) == 0
+    assert cli.main(["--results", str(tmp_path / "two"), "--workers", "2", *args]) == 0
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert sorted(one["planner"]) == PLANNERS
     metrics = ["planner", "step_time_s", "skew_mean", "reorder_moved_experts", "t_comm_s"]
@@ -43,7 +44,7 @@ def test_plain_output_prints_one_line_per_finished_cell(
 ) -> None:
     """Not a terminal (CI, `| tee`): a line per cell with preset, done/total, cell, seconds, state."""
     args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "1"]
-    assert reproduce.main([*args, "--no-analysis", *SWEEP]) == 0
+    assert cli.main([*args, "--no-analysis", *SWEEP]) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 4 cells, 0 reused, 4 to compute" in out
     line = r"^quick_ep_scaling \[(\d)/4\] qwen3-30b-a3b mixed EP8 (\S+): [\d.]+ s done$"
@@ -52,7 +53,7 @@ def test_plain_output_prints_one_line_per_finished_cell(
     assert sorted(planner for _, planner in lines) == PLANNERS
     assert "quick_ep_scaling: 4 cells run, 0 reused, 0 failed" in out
 
-    assert reproduce.main([*args, "--no-analysis", *SWEEP]) == 0  # a rerun: every cell reused, no lines
+    assert cli.main([*args, "--no-analysis", *SWEEP]) == 0  # a rerun: every cell reused, no lines
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 4 cells, 4 reused, 0 to compute" in out and "[1/4]" not in out
 
@@ -63,7 +64,7 @@ def test_a_failing_cell_in_a_worker_is_listed_and_the_others_finish(
     """A cell that raises in its worker is reported at the end (exit 1); its neighbours are stored."""
     args = ["--results", str(tmp_path), "--presets", "quick_ep_scaling", "--workers", "2", "--no-analysis"]
     # NOTE: EP 24 composes but its run refuses it (128 experts do not divide over 24 GPUs).
-    rc = reproduce.main([*args, *TINY[:-1], "cluster.nodes=1,3", "planner=megatron,relibra"])
+    rc = cli.main([*args, *TINY[:-1], "cluster.nodes=1,3", "planner=megatron,relibra"])
     out = capsys.readouterr().out
     assert rc == 1
     assert out.count("FAILED") == 2 and "2 cells run, 0 reused, 2 failed" in out
@@ -82,9 +83,7 @@ SHARED = {
 
 def _planned(root: Path) -> list[CellJob]:
     return [
-        job
-        for preset, sweep in SHARED.items()
-        for job in reproduce.plan_grid(preset, root, [*TINY, *sweep])[1]
+        job for preset, sweep in SHARED.items() for job in runner.plan_grid(preset, root, [*TINY, *sweep])[1]
     ]
 
 
@@ -92,8 +91,8 @@ def test_presets_planned_in_worker_processes_are_those_planned_in_one(tmp_path: 
     """plan_grids with two spawned planners returns, in the order given, the reports and jobs (cells,
     configs, keys) that planning each preset here returns."""
     plans = [(preset, [*TINY, *sweep]) for preset, sweep in SHARED.items()]
-    one = reproduce.plan_grids(plans, tmp_path / "one", workers=1)
-    two = reproduce.plan_grids(plans, tmp_path / "two", workers=2)
+    one = runner.plan_grids(plans, tmp_path / "one", workers=1)
+    two = runner.plan_grids(plans, tmp_path / "two", workers=2)
     assert [report.preset for report, _ in two] == list(SHARED)
     for (report1, jobs1), (report2, jobs2) in zip(one, two, strict=True):
         assert (report1.total, report1.reused, report1.failed) == (
@@ -118,10 +117,10 @@ def test_worker_planners_extend_the_recorded_grid_as_one_does(tmp_path: Path) ->
     stores = [ResultsStore(tmp_path / preset) for preset in SHARED]
     for store in stores:
         store.write_grid(["0123456789abcdef"])
-    planned = reproduce.plan_grids(plans, tmp_path, workers=2, extend_grid=True)
+    planned = runner.plan_grids(plans, tmp_path, workers=2, extend_grid=True)
     for store, (report, jobs) in zip(stores, planned, strict=True):
         assert store.grid_keys() == {"0123456789abcdef", *(j.key for j in jobs)} and report.left_out == 0
-    planned = reproduce.plan_grids(plans, tmp_path, workers=2)
+    planned = runner.plan_grids(plans, tmp_path, workers=2)
     for store, (_, jobs) in zip(stores, planned, strict=True):
         assert store.grid_keys() == {j.key for j in jobs}
 
@@ -134,12 +133,12 @@ def test_a_preset_that_cannot_be_planned_stops_the_planning_in_workers(tmp_path:
     with pytest.raises(
         ConfigError, match=re.escape("preset quick_ablation: bad configuration: trace.samples_per_batch=2")
     ):
-        reproduce.plan_grids(plans, tmp_path, workers=2)
+        runner.plan_grids(plans, tmp_path, workers=2)
 
 
 def test_schedule_computes_each_cell_once_grouped_by_trace(tmp_path: Path) -> None:
     jobs = _planned(tmp_path)
-    todo, copies = reproduce.schedule(jobs)
+    todo, copies = runner.schedule(jobs)
     assert len(jobs) == 7 and len(todo) == 5
     assert len({job.key for job in todo}) == 5  # each computation once
     assert sorted((job.preset, job.label.split()[-1]) for twins in copies.values() for job in twins) == [
@@ -155,14 +154,12 @@ def test_schedule_computes_each_cell_once_grouped_by_trace(tmp_path: Path) -> No
 
 def test_schedule_puts_the_largest_traces_first(tmp_path: Path) -> None:
     jobs = [
-        *reproduce.plan_grid("quick_overall", tmp_path, [*TINY, "model=qwen3-30b-a3b", "planner=megatron"])[
+        *runner.plan_grid("quick_overall", tmp_path, [*TINY, "model=qwen3-30b-a3b", "planner=megatron"])[1],
+        *runner.plan_grid("quick_overall", tmp_path, [*TINY[1:], "trace.num_batches=2", "planner=megatron"])[
             1
         ],
-        *reproduce.plan_grid(
-            "quick_overall", tmp_path, [*TINY[1:], "trace.num_batches=2", "planner=megatron"]
-        )[1],
     ]
-    todo, _ = reproduce.schedule(jobs)
+    todo, _ = runner.schedule(jobs)
     batches = [int(job.cfg.trace.num_batches) for job in todo]
     assert batches[0] == 2 and batches[-1] == 1 and batches == sorted(batches, reverse=True)
 
@@ -171,7 +168,7 @@ def test_cells_shared_by_presets_are_computed_once_and_copied(tmp_path: Path) ->
     """The same cell key in several presets: computed once, stored in each (equal rows), the copy says so."""
     done: list[tuple[CellJob, CellOutcome]] = []
     inputs.clear_cache()  # NOTE: in this process; earlier tests may have left the same traces in it
-    reproduce.run_jobs(_planned(tmp_path), 1, lambda job, outcome: done.append((job, outcome)))
+    runner.run_jobs(_planned(tmp_path), 1, lambda job, outcome: done.append((job, outcome)))
     assert len(done) == 7 and all(outcome.error is None for _, outcome in done)
     copied = [(job, outcome) for job, outcome in done if outcome.copied_from is not None]
     assert sorted((job.preset, outcome.copied_from) for job, outcome in copied) == [
@@ -195,7 +192,7 @@ def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
 ) -> None:
     argv = ["--results", str(tmp_path), "--presets", "quick_overall,quick_overhead", "--no-analysis"]
     cell = [*TINY[:-1], "model=qwen3-30b-a3b", "trace.preset=mixed", "planner=relibra"]
-    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=1"]) == 0
+    assert cli.main([*argv, "--workers", "1", *cell, "cluster.nodes=1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^quick_overhead \[1/1\] .* relibra: [\d.]+ s copied from quick_overall", out, re.M)
     assert "quick_overhead: 0 cells run, 0 reused, 0 failed, 1 copied from the same cell" in out
@@ -209,7 +206,7 @@ def test_main_reports_copied_cells_and_fails_the_copies_of_a_failed_cell(
         raise RuntimeError("planner crashed")
 
     monkeypatch.setattr(run_module, "compute", failing)
-    assert reproduce.main([*argv, "--workers", "1", *cell, "cluster.nodes=1", "seed=1"]) == 1
+    assert cli.main([*argv, "--workers", "1", *cell, "cluster.nodes=1", "seed=1"]) == 1
     out = capsys.readouterr().out
     assert out.count("FAILED") == 2 and "same cell as quick_overall's, which failed: RuntimeError" in out
 
@@ -223,18 +220,18 @@ def test_a_narrowed_sweep_replaces_the_grid_unless_extended(
     cell = [*TINY, "planner=megatron"]
     store = ResultsStore(tmp_path / "quick_ep_scaling")
 
-    assert reproduce.main([*argv, *cell, "seed=0"]) == 0
+    assert cli.main([*argv, *cell, "seed=0"]) == 0
     (seed0,) = store.grid_keys() or set()
     assert "not in this one" not in capsys.readouterr().out
 
-    assert reproduce.main([*argv, *cell, "seed=1"]) == 0
+    assert cli.main([*argv, *cell, "seed=1"]) == 0
     out = capsys.readouterr().out
     assert "1 finished cells of the grid recorded before are not in this one" in out
     (seed1,) = store.grid_keys() or set()
     assert seed1 != seed0 and set(store.load()["cell"]) == {seed1}
     assert set(store.load(all_cells=True)["cell"]) == {seed0, seed1}  # nothing was deleted
 
-    assert reproduce.main([*argv, "--extend-grid", *cell, "seed=0"]) == 0
+    assert cli.main([*argv, "--extend-grid", *cell, "seed=0"]) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 1 cells, 1 reused, 0 to compute" in out and "not in this one" not in out
     assert "trace seeds run now: quick_ep_scaling: 1 (--extend-grid kept the grid's earlier cells" in out

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import reproduce
-from experiments.store import ResultsStore
+from experiments.grid import cli, runner
+from experiments.store.results_store import ResultsStore
 
 TINY = ["trace.num_batches=1", "trace.samples_per_batch=16", "trace.max_tokens=64", "cluster.nodes=1"]
 TWO = ["--presets", "quick_ep_scaling", "--workers", "1", *TINY, "planner=megatron,relibra"]
@@ -18,14 +18,14 @@ TWO = ["--presets", "quick_ep_scaling", "--workers", "1", *TINY, "planner=megatr
 def test_a_mixed_version_preset_gets_no_tables_and_reproduce_exits_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert reproduce.main(["--results", str(tmp_path), *TWO]) == 0
+    assert cli.main(["--results", str(tmp_path), *TWO]) == 0
     tables = tmp_path / "analysis" / "quick_ep_scaling.skew_by_ep.md"
     assert tables.is_file()
     store = ResultsStore(tmp_path / "quick_ep_scaling")
     key = store.keys()[0]
     store.write(key, store.read(key).assign(code_version="0.1.0+gother"), store.config(key))
     capsys.readouterr()
-    assert reproduce.main(["--results", str(tmp_path), *TWO]) == 1
+    assert cli.main(["--results", str(tmp_path), *TWO]) == 1
     out = capsys.readouterr().out
     assert "quick_ep_scaling: tables refused" in out and "2 code versions" in out, out
     assert not list((tmp_path / "analysis").rglob("quick_ep_scaling.*"))
@@ -35,12 +35,12 @@ def test_a_lost_per_layer_table_is_recomputed_not_counted_reused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["--results", str(tmp_path), "--no-analysis", *TWO]
-    assert reproduce.main(args) == 0
+    assert cli.main(args) == 0
     store = ResultsStore(tmp_path / "quick_ep_scaling")
     lost = store.keys()[0]
     store.per_layer_path(lost).unlink()
     capsys.readouterr()
-    assert reproduce.main(args) == 0
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "quick_ep_scaling: 1 cells run, 1 reused" in out, out
     assert store.per_layer_path(lost).is_file() and store.contents().lost_per_layer == []
@@ -56,7 +56,7 @@ def test_a_damaged_grid_json_is_named_and_replaced_or_refused(
     from analysis.__main__ import main as analysis
 
     args = ["--results", str(tmp_path), "--no-analysis", *TWO]
-    assert reproduce.main(args) == 0
+    assert cli.main(args) == 0
     grid = tmp_path / "quick_ep_scaling" / "grid.json"
     grid.unlink()
     if damage == "dir":
@@ -68,10 +68,10 @@ def test_a_damaged_grid_json_is_named_and_replaced_or_refused(
     err = capsys.readouterr().err
     assert str(grid) in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
-    assert reproduce.main([*args, "--extend-grid"]) == 2
+    assert cli.main([*args, "--extend-grid"]) == 2
     err = capsys.readouterr().err
     assert str(grid) in err and "--extend-grid" in err and len(err.strip().splitlines()) == 1, err
-    assert reproduce.main(args) == 0
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "grid.json was damaged" in out and "0 cells run, 2 reused" in out, out
     assert len(ResultsStore(tmp_path / "quick_ep_scaling").grid_keys() or ()) == 2
@@ -101,10 +101,10 @@ def test_an_unwritable_results_root_is_refused_before_the_trace_is_converted(
     NOTE: a folder where a file is stands in for a read-only mount, which root cannot be denied by mode."""
     shared = tmp_path / "shared"
     (shared / "olmoe-decode").mkdir(parents=True)
-    monkeypatch.setattr(reproduce, "SHARED_TRACES", shared)
+    monkeypatch.setattr(cli, "SHARED_TRACES", shared)
     (tmp_path / "file").write_text("not a folder")
     root = tmp_path / "file" / "results"
-    assert reproduce.main(["--results", str(root), "--presets", "quick_real_trace", "--no-analysis"]) == 2
+    assert cli.main(["--results", str(root), "--presets", "quick_real_trace", "--no-analysis"]) == 2
     err = capsys.readouterr().err
     assert "--results" in err and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
 
@@ -127,13 +127,13 @@ def test_a_cell_another_sweep_finished_is_counted_reused_not_computed(tmp_path: 
     computed". A job planned while its cell was missing and read back when it ran is a reused cell."""
     from rich.console import Console
 
-    from experiments.progress import Lines, Tracker
+    from experiments.grid.progress import Lines, Tracker
 
-    report, jobs = reproduce.plan_grid("quick_ep_scaling", tmp_path, [*TINY, "planner=megatron"])
+    report, jobs = runner.plan_grid("quick_ep_scaling", tmp_path, [*TINY, "planner=megatron"])
     assert len(jobs) == 1
-    other = reproduce.run_cell_job(jobs[0])  # NOTE: the other sweep computes the cell first
+    other = runner.run_cell_job(jobs[0])  # NOTE: the other sweep computes the cell first
     assert other.error is None and not other.read_back
-    outcome = reproduce.run_cell_job(jobs[0])
+    outcome = runner.run_cell_job(jobs[0])
     assert outcome.error is None and outcome.read_back
     tracker = Tracker(Lines(Console(width=200)))
     tracker.add(report, 1)

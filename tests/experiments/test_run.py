@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from hydra.utils import instantiate
 
-from experiments.config import ConfigError, build_cluster, build_model
+from experiments.config.build import ConfigError, build_cluster, build_model
 from experiments.run import run
 from relibra.plan_dump import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
@@ -426,7 +426,7 @@ def test_control_plane_plans_equal_the_bare_planner(trace_file, tmp_path, planne
 
 
 def test_portfolio_candidates_each_get_a_control_plane():
-    from experiments.config import build_cost, build_planner, planning
+    from experiments.config.build import build_cost, build_planner, planning
     from relibra.control.plane import ControlPlane
     from relibra.planners.portfolio import PortfolioPlanner
 
@@ -474,7 +474,7 @@ def test_calibration_file_for_another_model_is_refused(trace_file, tmp_path):
 )
 def test_validate_accepts_deepep_for_the_milp_and_the_lp_split(planner):
     """The replication MILP and the LP split price deepep by majorize-minimize: no refusal any more."""
-    from experiments.config_checks import validate
+    from experiments.config.checks import validate
 
     c = cfg("cluster.dispatcher=deepep", *planner)
     validate(c)
@@ -497,7 +497,7 @@ def test_bad_majorize_setting_stops_before_work(trace_file, tmp_path, override, 
 
 
 def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():
-    from experiments.config_checks import validate
+    from experiments.config.checks import validate
 
     bad = cfg("cluster.ep_overlap=true", "trace.samples_per_batch=16", "workload.samples_per_microbatch=2")
     with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):

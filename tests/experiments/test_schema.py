@@ -1,5 +1,6 @@
-"""The config schema (experiments/schema.py): derived from the config groups, it knows every key a composed
-config holds; flags take booleans only; hostile values drawn at random are refused by name, never crash."""
+"""The config schema (experiments/config/schema.py): derived from the config groups, it knows every key a
+composed config holds; flags take booleans only; hostile values drawn at random are refused by name, never
+crash."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError
-from experiments.config_checks import validate
-from experiments.schema import _leaves, config_schema, override_problems
+from experiments.config.build import ConfigError
+from experiments.config.checks import validate
+from experiments.config.schema import _leaves, config_schema, override_problems
 from tests.builders import cfg
 
 TINY = [

@@ -33,7 +33,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.store import wall_clock_column
+from experiments.store.keys import wall_clock_column
 from tests.slurm_helpers import (
     REPO,
     SlurmCluster,

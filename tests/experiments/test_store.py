@@ -20,14 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from experiments.store import (
-    CorruptCellError,
-    ResultsStore,
-    cell_key,
-    load_experiment,
-    load_per_layer,
-    run_cell,
-)
+from experiments.store.access import load_experiment, load_per_layer, run_cell
+from experiments.store.cell_files import CorruptCellError
+from experiments.store.keys import cell_key
+from experiments.store.results_store import ResultsStore
 
 CONFIG = {
     "model": {"name": "qwen3-30b-a3b", "num_experts": 128},
@@ -317,7 +313,7 @@ def test_a_claim_dies_with_its_holder(tmp_path: Path) -> None:
 def test_ctrl_c_while_taking_a_claim_leaves_no_lock_file(tmp_path: Path, monkeypatch, at: str) -> None:
     """Ctrl-C between the lock file's creation and the claim's ``try`` (the window a real SIGINT hit in a
     fresh-clone run of test_faults' Ctrl-C test): the exception passes and no lock file is left."""
-    import experiments.store as store_module
+    import experiments.store.results_store as store_module
 
     real = {"flock": store_module.fcntl.flock, "stat": store_module.os.stat}
 
@@ -334,7 +330,7 @@ def test_ctrl_c_while_taking_a_claim_leaves_no_lock_file(tmp_path: Path, monkeyp
 
 def test_ctrl_c_while_waiting_leaves_the_holders_lock_file(tmp_path: Path, monkeypatch) -> None:
     """A waiter interrupted while another writer holds the claim leaves that writer's file in place."""
-    import experiments.store as store_module
+    import experiments.store.results_store as store_module
 
     ctx = mp.get_context("spawn")
     holding = tmp_path / "holding"
@@ -533,7 +529,7 @@ def test_contents_reads_each_cell_once_for_rows_config_and_checks(
     expected_frame = store.load()
     expected_configs = {k: store.config(k) for k in keys[:2]}
 
-    import experiments.store as store_module
+    import experiments.store.results_store as store_module
 
     reads: list[Path] = []
     real = store_module._read_table
@@ -553,7 +549,7 @@ def test_a_file_system_without_locks_is_warned_about_naming_what_it_risks(
 ) -> None:
     """flock fails (a file system without locks): the store goes on and says what may happen, for a cell's
     claim and for grid.json's."""
-    import experiments.store as store_module
+    import experiments.store.results_store as store_module
 
     def no_locks(handle, op):  # type: ignore[no-untyped-def]
         raise OSError(38, "Function not implemented")
@@ -595,7 +591,7 @@ def test_a_cell_stored_without_a_per_layer_table_drops_an_earlier_one(tmp_path: 
 def test_a_per_layer_table_of_another_computation_is_refused(tmp_path: Path) -> None:
     """A recompute that stopped after writing the per-layer table, before the cell file: the table is
     whole and of this key, but not the one the cell file records."""
-    import experiments.store as store_module
+    import experiments.store.cell_files as store_module
 
     store = ResultsStore(tmp_path)
     key = _put(store, "a", _rows(1), pd.DataFrame({"layer": [0], "skew": [1.5]}))

@@ -13,18 +13,12 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-import experiments.store as store_module
-from experiments.reproduce import plan_grid
+import experiments.store.cell_files as store_module
+from experiments.grid.runner import plan_grid
 from experiments.run import run
-from experiments.store import (
-    IGNORED_KEYS,
-    TRACE_DIGEST,
-    ResultsStore,
-    _drop,
-    cell_key,
-    path_keyed,
-)
-from experiments.trace_digest import TraceDigestError, trace_digest
+from experiments.store.keys import IGNORED_KEYS, TRACE_DIGEST, _drop, cell_key, path_keyed
+from experiments.store.results_store import ResultsStore
+from experiments.store.trace_digest import TraceDigestError, trace_digest
 from relibra.trace.format import RoutingTrace, save_trace
 from tests.builders import cfg
 from tests.experiments.test_store import CONFIG
@@ -93,7 +87,7 @@ def test_a_trace_replaced_at_its_path_is_computed_again(tmp_path: Path) -> None:
     store = tmp_path / "S"
     first = run(cfg(*R, f"trace.path={trace}", f"+results_dir={store}"), run_dir=tmp_path / "r1")
     assert first["skew_mean"].item() < 1.1
-    # NOTE: a plain copy (a new mtime): the caches of one process (experiments.config.read_trace,
+    # NOTE: a plain copy (a new mtime): the caches of one process (experiments.config.build.read_trace,
     # experiments.inputs) are keyed by (mtime, size); the key's digest is checked on any change.
     shutil.copyfile(_trace(tmp_path / "hot.npz", hot=True), trace)
     second = run(cfg(*R, f"trace.path={trace}", f"+results_dir={store}"), run_dir=tmp_path / "r2")

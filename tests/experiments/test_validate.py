@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments import validate
+from experiments.validation import cli, kernels
 from relibra.cost.linkrates import benchmark_volumes, fit_rates, load_points, predicted_bandwidth
 
 CALIBRATION_TOLERANCE = 0.05
@@ -18,7 +18,7 @@ FIT_TOLERANCE = 0.01
 
 @pytest.fixture(scope="module")
 def fitted():
-    points = load_points(validate.DATA / "deepep_bandwidth.json")
+    points = load_points(kernels.DATA / "deepep_bandwidth.json")
     vols = [benchmark_volumes(p) for p in points]
     return points, vols, fit_rates(points, vols, "H800")
 
@@ -26,9 +26,9 @@ def fitted():
 def test_cluster_files_carry_the_fitted_rates(fitted):
     _, _, rates = fitted
     for name in ("hopper", "h800"):
-        hw = validate._hardware(name)
+        hw = kernels._hardware(name)
         assert hw.nic_bytes_per_s * hw.nic_efficiency == pytest.approx(rates["rdma"], rel=FIT_TOLERANCE)
-    h800 = validate._hardware("h800")
+    h800 = kernels._hardware("h800")
     assert h800.nvlink_bytes_per_s * h800.nvlink_efficiency == pytest.approx(
         rates["nvlink"], rel=FIT_TOLERANCE
     )
@@ -50,9 +50,7 @@ def test_benchmark_volumes_match_hand_counts():
     # Hybrid-EP's uniform router at 32 ranks of 8 experts: a token misses a node of 64 of 256 experts with
     # probability C(192, 8) / C(256, 8); logical = nodes reached (own included), RDMA = remote ones.
     points = [
-        p
-        for p in load_points(validate.DATA / "deepep_bandwidth.json")
-        if p.impl == "hybrid-ep" and p.ep == 32
+        p for p in load_points(kernels.DATA / "deepep_bandwidth.json") if p.impl == "hybrid-ep" and p.ep == 32
     ]
     vol = benchmark_volumes(points[0], tokens=1024)
     miss = np.prod([(192 - i) / (256 - i) for i in range(8)])
@@ -61,7 +59,7 @@ def test_benchmark_volumes_match_hand_counts():
 
 
 def test_validation_table_has_every_published_quantity():
-    table, _ = validate.validation_table()
+    table, _ = kernels.validation_table()
     assert set(table.role) == {"calibration", "check"}
     assert (table.role == "calibration").sum() == 10
     assert np.isfinite(table.ratio).all() and (table.ratio > 0).all()
@@ -69,7 +67,7 @@ def test_validation_table_has_every_published_quantity():
 
 
 def test_main_prints_the_table(capsys):
-    assert validate.main([]) == 0
+    assert cli.main([]) == 0
     out = capsys.readouterr().out
     assert "calibration" in out and "check" in out and "fitted achievable rates" in out
 
@@ -111,7 +109,7 @@ def test_extract_profile_ties_kernels_to_annotations(tmp_path):
                        "args": {"correlation": i}})  # fmt: skip
     path = tmp_path / "train.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    got = validate.extract_profile(path)["kernels_us"]
+    got = kernels.extract_profile(path)["kernels_us"]
     assert got == {
         "dispatch_fwd": 40.0,
         "combine_fwd": 60.0,
@@ -123,7 +121,7 @@ def test_extract_profile_ties_kernels_to_annotations(tmp_path):
 
 
 def test_committed_profile_numbers_carry_provenance():
-    prof = json.loads((validate.DATA / "deepseek_v3_train_profile.json").read_text())
+    prof = json.loads((kernels.DATA / "deepseek_v3_train_profile.json").read_text())
     assert "profile-data" in prof["provenance"] and prof["moe_layers"] == 4
     assert all(v > 0 for v in prof["kernels_us"].values())
 
@@ -136,7 +134,7 @@ ESTIMATE_TOLERANCE = 0.15
 def test_deepep_estimate_against_exact_routes(shared_traces):
     if not (shared_traces / "olmoe-decode").is_dir():
         pytest.skip("olmoe-decode absent from the real traces")
-    err = validate.estimate_error_table(shared_traces)
+    err = kernels.estimate_error_table(shared_traces)
     real = err[~err.routes.str.startswith("synthetic")]
     assert len(real) >= 3
     assert (real.ratio_min > 1 - ESTIMATE_TOLERANCE).all() and (real.ratio_max < 1 + ESTIMATE_TOLERANCE).all()

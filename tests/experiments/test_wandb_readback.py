@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from analysis.wandb_offline import _records, find_offline_runs, read_offline_run
-from experiments.grid import compose_cell
+from experiments.config.presets import compose_cell
 from experiments.run import run
 
 TINY = [

@@ -1,4 +1,4 @@
-"""experiments.warmup: every numba kernel's step compiled once, in spawned processes beside the body."""
+"""experiments.grid.warmup: every numba kernel's step compiled once, in spawned processes beside the body."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 
 from baselines.warmup import STEPS as BASELINES
-from experiments import warmup
-from experiments.warmup import STEPS, WarmupError, groups, warming
+from experiments.grid import warmup
+from experiments.grid.warmup import STEPS, WarmupError, groups, warming
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 4, 6, 10])

@@ -10,7 +10,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 
 import experiments  # noqa: F401  (registers the generated config nodes)
-from experiments.planner_nodes import NODES
+from experiments.config.planner_nodes import NODES
 from relibra.planners.protocols import Planner, PlannerPortfolio, SlotBudget, StagedPlanner
 from relibra.planners.replicate.greedy import GreedyConfig
 from relibra.planners.replicate.milp import MilpConfig
@@ -45,7 +45,8 @@ def test_planner_declares_its_slot_budget(name: str) -> None:
 
 @pytest.mark.parametrize(("group", "node"), sorted(NODES))
 def test_generated_node_is_its_dataclass_with_its_defaults(group: str, node: str) -> None:
-    """The nodes of experiments/planner_nodes.py hold each default once: built, they equal the class's own."""
+    """The nodes of experiments/config/planner_nodes.py hold each default once: built, they equal the class's
+    own."""
     cfg = ConfigStore.instance().load(f"{group}/{node}.yaml").node
     assert instantiate(cfg, _convert_="all") == NODES[(group, node)]()
 

@@ -122,7 +122,7 @@ def test_balance_first_meets_the_skewness_goal(nodes: int) -> None:
     """planner=relibra_balance is bound to the paper's skewness (at most 1.05 at every EP size): an
     ep_scaling-like case (Qwen3-30B-A3B's 128 experts, top-8, reasoning, EP 8-64), 4 MoE layers, one step
     of 4 rollouts per GPU, 2 per GPU per micro-batch, the default balanced layout."""
-    from experiments.config import build_cluster, build_cost, build_model, load_counts
+    from experiments.config.build import build_cluster, build_cost, build_model, load_counts
     from relibra.simulator import simulate
 
     conf = Path(__file__).resolve().parents[2] / "experiments" / "conf"

@@ -1,5 +1,5 @@
 """The annealer's settings (:class:`AnnealConfig`): the only place their defaults live; the Hydra node
-``planner/reorder/anneal`` is generated from it (:mod:`experiments.planner_nodes`)."""
+``planner/reorder/anneal`` is generated from it (:mod:`experiments.config.planner_nodes`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class AnnealConfig:
     """Parameters of :class:`AnnealingReorderer`. These defaults are the only ones: the Hydra node
-    ``planner/reorder/anneal`` is generated from them (:mod:`experiments.planner_nodes`)."""
+    ``planner/reorder/anneal`` is generated from them (:mod:`experiments.config.planner_nodes`)."""
 
     iterations: int | None = None
     """Swap proposals per seed and layer on ``objective`` after the warm-up; None: the same work for every

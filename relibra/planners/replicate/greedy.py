@@ -92,8 +92,8 @@ def _check(load: np.ndarray, home: np.ndarray, num_gpus: int, gpus_per_node: int
 @dataclass(frozen=True)
 class GreedyConfig:
     """Settings of :class:`GreedyReplicator`. These defaults are the only ones: the Hydra node
-    ``planner/replicate/greedy`` is generated from them (:mod:`experiments.planner_nodes`); the arguments
-    are those of :func:`replicate_greedy`."""
+    ``planner/replicate/greedy`` is generated from them (:mod:`experiments.config.planner_nodes`); the
+    arguments are those of :func:`replicate_greedy`."""
 
     split: SplitMethod = "waterfill"
     """Token split: ``waterfill`` (compute-only closed form, compiled) or ``lp`` (eq. 7 LP with the

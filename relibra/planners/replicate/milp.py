@@ -97,7 +97,8 @@ MIP_SOLVERS = ("SCIP", "CBC")
 @dataclass(frozen=True)
 class MajorizeConfig:
     """Majorize-minimize settings for ``cluster.dispatcher=deepep`` (module doc). These defaults are the only
-    ones: the Hydra node ``planner/majorize/mm`` is generated from them (:mod:`experiments.planner_nodes`)."""
+    ones: the Hydra node ``planner/majorize/mm`` is generated from them
+    (:mod:`experiments.config.planner_nodes`)."""
 
     max_iterations: int = 8
     """Linearised solves after the alltoall-proxy start, each re-linearised at the incumbent."""
@@ -251,7 +252,7 @@ def _solve(
 @dataclass(frozen=True)
 class MilpConfig:
     """Settings of :class:`MilpReplicator`. These defaults are the only ones: the Hydra node
-    ``planner/replicate/milp`` is generated from them (:mod:`experiments.planner_nodes`)."""
+    ``planner/replicate/milp`` is generated from them (:mod:`experiments.config.planner_nodes`)."""
 
     solver: str = "SCIP"
     """OR-Tools MIP backend: ``SCIP`` or ``CBC``."""

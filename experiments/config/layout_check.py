@@ -1,5 +1,5 @@
 """The parallel layout's keys and the memory check, before any work
-(:func:`experiments.config_checks.validate`).
+(:func:`experiments.config.checks.validate`).
 
 :func:`layout_problems` checks ``parallel.*`` against the cluster and the model (each size an integer >= 1,
 ``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, ``tp * cp`` dividing the EP group ``G`` or
@@ -9,7 +9,7 @@
 chunks, ``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the
 layout (:func:`relibra.cost.memory.memory_estimate`) against ``cluster.hardware.hbm_bytes`` as
 ``simulator.memory_check`` says (``error``: a problem; ``warn``: a logged warning; ``off``: nothing), in two
-steps: :func:`experiments.config_checks.validate` checks what needs no input (parameters, gradients, optimizer
+steps: :func:`experiments.config.checks.validate` checks what needs no input (parameters, gradients, optimizer
 state, replica buffer), and :func:`experiments.run.compute` checks it again with the activations of the
 workload's largest micro-batch (:func:`workload_memory_problems`) once the inputs are built, before planning.
 """
@@ -107,7 +107,7 @@ def memory_problems(
     """The memory check (module doc): [] when it fits, warns or is off; else one message naming the keys.
 
     ``tokens_per_gpu``: the busiest GPU's tokens in its largest micro-batch and ``microbatches`` the most
-    micro-batches of a step, from the run's workload; None (:func:`experiments.config_checks.validate`, before
+    micro-batches of a step, from the run's workload; None (:func:`experiments.config.checks.validate`, before
     any input is read): the check of what needs no workload, the parameters, gradients, optimizer state and
     replica buffer. ``cost``: the run's cost model (its cluster, model, training constants and layout).
     Call it on a config that passed every other check.

@@ -4,8 +4,8 @@ Each row of ``experiments/data/penalty.json`` is a published pair of runs of one
 forced-balance (Megatron's ``moe_router_force_load_balancing``), with its measured penalty
 ``forced / dropless - 1`` (the same FLOPs, so the ratio of step times). Every row is a check: nothing is
 fitted to it. A row's layout, micro-batches and whole step are the end-to-end validation's
-(:func:`experiments.end_to_end.row_config`, :func:`~experiments.end_to_end.row_workload`); the two runs
-differ only in their routing:
+(:func:`experiments.validation.end_to_end.row_config`,
+:func:`~experiments.validation.end_to_end.row_workload`); the two runs differ only in their routing:
 
 * forced: uniform top-k (:func:`baselines.force_balanced.uniform_routing`);
 * dropless: a routing source (:data:`SOURCES`), on Megatron's static placement.
@@ -32,18 +32,25 @@ import numpy as np
 import pandas as pd
 
 from baselines.force_balanced import uniform_routing
-from experiments.config import ConfigError, build_cluster, build_cost, build_model, build_planner, sim_options
-from experiments.data_files import read_rows_file
-from experiments.end_to_end import row_config, row_workload
+from experiments.config.build import (
+    ConfigError,
+    build_cluster,
+    build_cost,
+    build_model,
+    build_planner,
+    sim_options,
+)
+from experiments.validation.data_files import DATA_DIR, read_rows_file
+from experiments.validation.end_to_end import row_config, row_workload
 from relibra.simulator import simulate
 from relibra.trace.biased import force_biased_shares, popularity_counts
 from relibra.types import SampleCounts
 
 __all__ = ["DATA_FILE", "SOURCES", "implied_std", "load_penalty_rows", "penalty_table", "simulate_pair"]
 
-DATA_FILE = Path(__file__).resolve().parent / "data" / "penalty.json"
+DATA_FILE = DATA_DIR / "penalty.json"
 SHARED = Path(
-    os.environ.get("RELIBRA_SHARED_TRACES", Path(__file__).resolve().parents[2] / "shared" / "traces")
+    os.environ.get("RELIBRA_SHARED_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces")
 )
 QWEN3_COUNTS = {"qwen3-235b-a22b": "counts235b.json", "qwen3-30b-a3b": "counts30b.json"}
 """The real per-layer expert counts of ``../shared/traces/qwen3-moe-counts`` per model (SGLang prefill)."""

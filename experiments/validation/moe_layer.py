@@ -39,8 +39,9 @@ import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
 
-from experiments.config import ConfigError, build_cluster, build_training
-from experiments.data_files import read_rows_file
+from experiments.config.build import ConfigError, build_cluster, build_training
+from experiments.config.presets import CONF_DIR
+from experiments.validation.data_files import DATA_DIR, read_rows_file
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.step import FORWARD_BYTES_SHARE, FORWARD_FLOPS_SHARE, TrainingSpec
@@ -57,8 +58,7 @@ __all__ = [
     "price_layer",
 ]
 
-DATA_FILE = Path(__file__).resolve().parent / "data" / "moe_layer.json"
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+DATA_FILE = DATA_DIR / "moe_layer.json"
 FITTED = ("cluster.hardware.gemm_efficiency", "cluster.hardware.host_overhead_s")
 """The constants a row is priced with in place of the cluster yaml's, in the order :class:`LayerFit` holds
 them."""
@@ -123,8 +123,9 @@ def price_layer(row: dict[str, Any], constants: dict[str, float] | None = None) 
     Force-balanced routing (the default): each of the ``G`` GPUs holds ``tokens_per_gpu`` tokens and sends
     ``T k / E`` of them to every expert, so every expert computes ``G T k / E`` tokens on its home GPU
     (``E / G`` each, contiguous). A row with ``routing.load`` (float [G][E], the tokens each GPU sent each
-    expert; ``experiments/gpu_measurements.py`` writes it for measured imbalance) is priced with that load
-    on the same static placement: the busiest GPU's expert GEMMs, permutation and casts, the busiest link.
+    expert; ``experiments/validation/gpu_measurements.py`` writes it for measured imbalance) is priced with
+    that load on the same static placement: the busiest GPU's expert GEMMs, permutation and casts, the busiest
+    link.
     """
     # NOTE: the isolated layer has no step host time (module doc): 0 unless the caller prices one.
     cost = _cost(row, {FITTED[1]: 0.0, **(constants or {})})
@@ -189,7 +190,7 @@ class LayerFit:
         common = {
             "rows": list(self.rows),
             "objective": "least squares of log(model / measured) over the forward and backward of the "
-            "calibration rows (experiments/moe_layer.py)",
+            "calibration rows (experiments/validation/moe_layer.py)",
             "log_rms": round(self.log_rms, 6),
         }
         eff = [e for e, _ in self.leave_one_out]

@@ -7,8 +7,8 @@ What is fitted, and to what, was decided before any fit (docs/validation.md, "Ca
   micro-batch (:meth:`relibra.cost.step.WholeStepTerms.launch_time`), paid by runs whose expert path is
   launched from the host (``training.cuda_graph`` ``none`` or ``partial``);
 * the rows: every ``calibration`` row of ``experiments/data/end_to_end.json`` (no ``check`` row is read:
-  :func:`fit_host_overhead` takes the calibration rows only, and :func:`experiments.end_to_end.check_roles`
-  refuses a file whose fit names a check row);
+  :func:`fit_host_overhead` takes the calibration rows only, and
+  :func:`experiments.validation.end_to_end.check_roles` refuses a file whose fit names a check row);
 * the objective: least squares of ``log(model / published)`` over those rows, the value bounded below by 0.
 
 A row's simulated seconds per token are linear in the constant wherever the slowest pipeline stage stays
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.end_to_end import simulate_row
+from experiments.validation.end_to_end import simulate_row
 
 __all__ = ["FITTED", "PROBE_S", "HostOverheadFit", "fit_host_overhead", "minimise_log_error"]
 
@@ -70,7 +70,7 @@ class HostOverheadFit:
             "value": self.value,
             "rows": list(self.rows),
             "objective": "least squares of log(model / published) over the calibration rows, value >= 0 "
-            "(experiments/end_to_end_fit.py)",
+            "(experiments/validation/end_to_end_fit.py)",
             "log_rms": round(self.log_rms, 6),
             "leave_one_out": [min(self.leave_one_out), max(self.leave_one_out)],
         }
@@ -108,9 +108,9 @@ def fit_host_overhead(
     doc: dict[str, Any], simulate: Simulate = simulate_row, probe: float = PROBE_S
 ) -> HostOverheadFit:
     """Fit :data:`FITTED` to the ``calibration`` rows of ``doc`` (module doc). ``simulate(row, constants)``
-    returns the row's ``model`` tokens/s/GPU (:func:`experiments.end_to_end.simulate_row`); check rows are
-    never passed to it. Refuses a file without simulated calibration rows, or whose rows do not depend on
-    the constant (every one under a full-iteration CUDA graph)."""
+    returns the row's ``model`` tokens/s/GPU (:func:`experiments.validation.end_to_end.simulate_row`); check
+    rows are never passed to it. Refuses a file without simulated calibration rows, or whose rows do not
+    depend on the constant (every one under a full-iteration CUDA graph)."""
     rows = [r for r in doc["rows"] if r.get("role") == "calibration" and not r.get("needs")]
     if not rows:
         raise ValueError(f"fit {FITTED}: the data has no simulated calibration rows")

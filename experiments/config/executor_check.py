@@ -1,12 +1,12 @@
 """The executor's settings (``executor.*``) and its time estimate, checked before any work (issue "torch
-executor"; :func:`experiments.config_checks.validate` and :func:`experiments.run.run` call these)."""
+executor"; :func:`experiments.config.checks.validate` and :func:`experiments.run.run` call these)."""
 
 from __future__ import annotations
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config_keys import _int_key, _number_key, _yaml
+from experiments.config.keys import _int_key, _number_key, _yaml
 
 __all__ = ["TORCH_BACKENDS", "TORCH_START_METHODS", "_executor_problems", "executor_time_problem"]
 

@@ -1,6 +1,7 @@
 """Read the JSON of ``scripts/gpu_moe_layer.py`` and turn its per-layer rows into rows of
-``experiments/data/moe_layer.json``: ``python -m experiments.gpu_measurements FILE --out ROWS.json``, then
-``python -m experiments.validate --moe-layer --data ROWS.json`` prices them beside the measurement.
+``experiments/data/moe_layer.json``: ``python -m experiments.validation.gpu_measurements FILE --out
+ROWS.json``, then ``python -m experiments.validate --moe-layer --data ROWS.json`` prices them beside the
+measurement.
 
 The file is checked whole before anything is written (:func:`load_measurements`): one
 :class:`MeasurementError` naming the file and the field, exit status 2 from the command line. A
@@ -11,9 +12,9 @@ Each measured layer becomes one row (:func:`layer_rows`): ``id`` ``gpu/<gpu>x<G>
 docs/validation.md), ``forward_ms`` / ``backward_ms`` (median of the slowest rank), ``model`` (the
 ModelSpec fields run), ``tokens_per_gpu``, ``overrides`` (the cluster yaml of the GPU, one node of ``G``
 GPUs, the dispatcher, bf16), and ``routing``: the workload, its realised skew and ``load`` [G][E], the
-tokens each GPU sent each expert. :func:`experiments.moe_layer.price_layer` prices force-balanced routing,
-so only ``balanced`` rows are taken unless ``workloads="all"``; the others wait for a pricing that reads
-``routing.load``.
+tokens each GPU sent each expert. :func:`experiments.validation.moe_layer.price_layer` prices
+force-balanced routing, so only ``balanced`` rows are taken unless ``workloads="all"``; the others wait for
+a pricing that reads ``routing.load``.
 """
 
 from __future__ import annotations
@@ -240,8 +241,9 @@ def _describe(doc: dict[str, Any], path: Path, role: str, workloads: str) -> str
     return (
         f"scripts/gpu_moe_layer.py on {prov['world']} x {prov['gpu']} (driver {prov['driver']}, CUDA "
         f"{prov['cuda']}, torch {prov['torch']}, megatron-core {prov['megatron_core']}), {prov['date']}: "
-        f"`{prov['command']}`; read from {path} by experiments/gpu_measurements.py (role {role}, workloads "
-        f"{workloads}{', a dry run: not a measurement' if prov['dry_run'] else ''}). forward_ms / "
+        f"`{prov['command']}`; read from {path} by experiments/validation/gpu_measurements.py "
+        f"(role {role}, workloads {workloads}"
+        f"{', a dry run: not a measurement' if prov['dry_run'] else ''}). forward_ms / "
         "backward_ms: median over the timed iterations of the slowest rank (CUDA events, a dense GEMM "
         "queued before each)."
     )
@@ -249,7 +251,7 @@ def _describe(doc: dict[str, Any], path: Path, role: str, workloads: str) -> str
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.gpu_measurements", description=__doc__.split("\n")[0]
+        prog="python -m experiments.validation.gpu_measurements", description=__doc__.split("\n")[0]
     )
     ap.add_argument("file", type=Path, help="the JSON of scripts/gpu_moe_layer.py")
     ap.add_argument("--out", type=Path, required=True, help="rows for validate --moe-layer --data")
@@ -259,7 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--allow-dry-run", action="store_true", help="accept a --dry-run file (tests)")
     args = ap.parse_args(argv)
     if args.cluster is not None:
-        conf = Path(__file__).resolve().parent / "conf" / "cluster" / f"{args.cluster}.yaml"
+        from experiments.config.presets import CONF_DIR
+
+        conf = CONF_DIR / "cluster" / f"{args.cluster}.yaml"
         if not conf.is_file():
             print(f"gpu_measurements: --cluster {args.cluster}: no {conf}", file=sys.stderr)
             return 2

@@ -1,7 +1,7 @@
 """What a trace file holds, as one digest: the part of a cell's key that says which routing it ran on.
 
 A cell that reads a routing trace (``trace.path``) is keyed by the trace's content, never by its path
-(:func:`experiments.store.cell_key`): a trace replaced at the same path gets new cells, and a store moved
+(:func:`experiments.store.keys.cell_key`): a trace replaced at the same path gets new cells, and a store moved
 or copied with its trace reuses its cells. The digest covers every array of the ``.npz`` file (docs/traces.md,
 "Routing trace file"): SHA-256 over, in name order, the SHA-256 of each member's name and of its
 uncompressed ``.npy`` bytes.

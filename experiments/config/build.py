@@ -1,7 +1,7 @@
 """From a composed Hydra config to the library's objects, with every check done before any work.
 
 Plain functions of a ``DictConfig``: :class:`ConfigError` and the exit-2 refusal (the checks themselves are
-:mod:`experiments.config_checks`), :func:`build_cluster`, :func:`build_model`, :func:`build_cost`,
+:mod:`experiments.config.checks`), :func:`build_cluster`, :func:`build_model`, :func:`build_cost`,
 :func:`build_planner` and :func:`load_counts` (the synthetic generator or ``trace.path``).
 """
 
@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
-from experiments.layout_check import build_layout
+from experiments.config.layout_check import build_layout
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.calibration import load_calibration
 from relibra.cost.migration import MigrationPayload, migration_payload

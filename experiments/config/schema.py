@@ -2,11 +2,11 @@
 
 Nothing here is a hand-written list. :func:`config_schema` walks Hydra's config repository from the primary
 config (``conf/config.yaml``) through every defaults list, taking **every option** of each config group it
-reaches (a user may pick any of them), the dataclass-generated nodes of :mod:`experiments.planner_nodes`
-included, and the top-level groups the primary config does not select (``experiment``), each placed at
-the package Hydra composes it into. A key added to any yaml or settings dataclass is therefore known at
-once. Each dotted key records the kinds of default it takes (``bool``, ``int``, ``float``, ``str``,
-``null``, ``map``, ``list``, ``interp`` for an interpolation):
+reaches (a user may pick any of them), the dataclass-generated nodes of
+:mod:`experiments.config.planner_nodes` included, and the top-level groups the primary config does not select
+(``experiment``), each placed at the package Hydra composes it into. A key added to any yaml or settings
+dataclass is therefore known at once. Each dotted key records the kinds of default it takes (``bool``,
+``int``, ``float``, ``str``, ``null``, ``map``, ``list``, ``interp`` for an interpolation):
 
 * a key that no option holds is unknown: :func:`unknown_keys` names it with the closest known key (a typo,
   ``planner.replica_slot``, or a ``+key`` that no code reads, ``+cluster.node=8``);
@@ -226,7 +226,7 @@ def _schema_from(repo: Any, primary: str) -> ConfigSchema:
 def config_schema() -> ConfigSchema:
     """The schema of ``experiments/conf/config.yaml`` and everything it can compose (module docstring)."""
     import experiments  # noqa: F401 - registers the dataclass-generated nodes before the walk
-    from experiments.grid import CONF_DIR
+    from experiments.config.presets import CONF_DIR
 
     hydra = GlobalHydra.instance()
     if hydra.is_initialized():

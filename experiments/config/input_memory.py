@@ -1,5 +1,5 @@
 """Whether a run's input can be held in this host's memory, checked before it is built
-(:func:`experiments.config_checks.validate`).
+(:func:`experiments.config.checks.validate`).
 
 A run holds its per-sample counts ``[S, L, E]`` int32 (:class:`relibra.types.SampleCounts`), built from a
 trace file (:meth:`relibra.trace.format.RoutingTrace.to_counts`) or by the synthetic generator; the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import read_trace
+from experiments.config.build import read_trace
 from relibra.trace.format import counts_bytes, host_memory_problem
 
 __all__ = ["input_memory_problems"]

@@ -19,7 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from experiments.grid_jobs import CellJob, CellOutcome, GridReport
+from experiments.grid.jobs import CellJob, CellOutcome, GridReport
 
 __all__ = ["Bars", "Display", "Lines", "Tracker", "progress_bars", "summarise"]
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "expand", "presets"]
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 Cell = list[str]
 """One grid cell: the overrides (``key=value``) that pick it out of the preset."""

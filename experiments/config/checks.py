@@ -3,7 +3,7 @@ family (run-wide keys, the spec dataclasses' numbers, the planner and its stage 
 NVLink domain and dispatcher, migration and the parallel layout, the whole step, the trace file).
 
 Each collector returns the problems it finds as one-line strings naming the key; :func:`validate` gathers
-them all and raises one :class:`~experiments.config.ConfigError`, so a user sees every bad key at once.
+them all and raises one :class:`~experiments.config.build.ConfigError`, so a user sees every bad key at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS
-from experiments.config import (
+from experiments.config.build import (
     ConfigError,
     build_cluster,
     build_cost,
@@ -31,10 +31,10 @@ from experiments.config import (
     build_training,
     read_trace,
 )
-from experiments.config_keys import _int_key, _number_key
-from experiments.executor_check import _executor_problems
-from experiments.input_memory import input_memory_problems
-from experiments.layout_check import layout_problems, memory_problems
+from experiments.config.executor_check import _executor_problems
+from experiments.config.input_memory import input_memory_problems
+from experiments.config.keys import _int_key, _number_key
+from experiments.config.layout_check import layout_problems, memory_problems
 from relibra.cluster import (
     MLA_KEYS,
     PRECISIONS,
@@ -83,7 +83,9 @@ def _run_problems(cfg: DictConfig) -> list[str]:
         if OmegaConf.select(cfg, "logger.init_timeout_s", default=None) is None:
             problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")
         _number_key(cfg, "logger.init_timeout_s", problems, strict=True)
-        from experiments.wandb_logger import logger_problems  # NOTE: imports wandb, so only when it logs
+        from experiments.tracking.wandb_logger import (
+            logger_problems,  # NOTE: imports wandb, so only when it logs
+        )
 
         problems += logger_problems(OmegaConf.to_container(cfg.logger, resolve=True))  # type: ignore[arg-type]
     if (name := cfg.get("experiment_name")) is not None and not (
@@ -102,9 +104,9 @@ SPEC_NODES = ("model", "cluster.hardware")
 
 def _spec_problems(cfg: DictConfig) -> list[str]:
     """Every key of the model and hardware specs whose defaults are all numbers (from the config schema,
-    :mod:`experiments.schema`) holds a number >= 0 (an integer where every default is one), not null. The
-    optional MLA keys (:data:`relibra.cluster.MLA_KEYS`) may be absent."""
-    from experiments.schema import config_schema
+    :mod:`experiments.config.schema`) holds a number >= 0 (an integer where every default is one), not null.
+    The optional MLA keys (:data:`relibra.cluster.MLA_KEYS`) may be absent."""
+    from experiments.config.schema import config_schema
 
     kinds = config_schema().kinds
     problems: list[str] = []
@@ -194,7 +196,7 @@ def _planner_keys(node: Any, name: str, prefix: str = "planner") -> Iterator[tup
 
 
 SETTINGS_NODES = ("reorder", "replicate", "majorize")
-"""The planner keys that hold a stage's settings dataclass (``experiments.planner_nodes``)."""
+"""The planner keys that hold a stage's settings dataclass (``experiments.config.planner_nodes``)."""
 
 
 def _settings_problems(planner: DictConfig) -> list[str]:
@@ -326,7 +328,7 @@ def _migration_problems(cfg: DictConfig) -> list[str]:
 
 def _required_positive(cfg: DictConfig, key: str, why: str, problems: list[str]) -> None:
     """``cfg.<key>`` must be a number > 0: a non-number or a value <= 0 is named by
-    :func:`~experiments.config_keys._number_key`, an unset key with ``why``."""
+    :func:`~experiments.config.keys._number_key`, an unset key with ``why``."""
     if _number_key(cfg, key, problems, strict=True) is None and OmegaConf.select(cfg, key) is None:
         problems.append(f"{key}=None: {why} (set it in the cluster yaml, with its source)")
 
@@ -370,7 +372,7 @@ def validate(cfg: DictConfig) -> None:
     types and ranges of every numeric key, known planner, preset and files (trace content included, with
     the array at fault named), and a ``results_dir`` that can be written. Writes nothing.
     """
-    from experiments.schema import flag_problems, unknown_keys
+    from experiments.config.schema import flag_problems, unknown_keys
 
     problems: list[str] = [*unknown_keys(cfg), *flag_problems(cfg)]
     if problems:  # NOTE: a stray or non-boolean key first: the checks below read the keys as typed

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from baselines.force_balanced import uniform_routing
-from experiments.config import (
+from experiments.config.build import (
     ConfigError,
     build_cluster,
     build_cost,
@@ -41,9 +41,10 @@ from experiments.config import (
     build_planner,
     sim_options,
 )
-from experiments.config_checks import validate
-from experiments.data_files import read_rows_file
-from experiments.layout_check import build_layout
+from experiments.config.checks import validate
+from experiments.config.layout_check import build_layout
+from experiments.config.presets import CONF_DIR
+from experiments.validation.data_files import DATA_DIR, read_rows_file
 from relibra.simulator import simulate
 from relibra.types import SampleCounts, Workload
 from relibra.workload import parallel_workload
@@ -60,8 +61,7 @@ __all__ = [
     "unfitted_overrides",
 ]
 
-DATA_FILE = Path(__file__).resolve().parent / "data" / "end_to_end.json"
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+DATA_FILE = DATA_DIR / "end_to_end.json"
 ROLES = ("calibration", "check")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from experiments.grid import cells, compose_cells
+from experiments.config.presets import cells, compose_cells
 from relibra.trace.format import TraceFormatError, load_trace, save_trace
 from relibra.trace.peer import ModelShape, PeerArgs, peer_trace
 
@@ -89,13 +89,13 @@ def prepare_peer_traces(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m experiments.peer_traces PRESET [--results DIR] [OVERRIDES...]``: write the preset's trace
-    files (before a Slurm launch, which does not write them) and print the ``peer.dir`` override its cells
-    need. Exit status 2 with one line for a preset that is not a peer preset."""
+    """``python -m experiments.grid.peer_traces PRESET [--results DIR] [OVERRIDES...]``: write the preset's
+    trace files (before a Slurm launch, which does not write them) and print the ``peer.dir`` override its
+    cells need. Exit status 2 with one line for a preset that is not a peer preset."""
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.peer_traces", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m experiments.grid.peer_traces", description=main.__doc__)
     ap.add_argument("preset", help="peer or quick_peer")
     ap.add_argument(
         "overrides", nargs="*", help="Hydra overrides narrowing the sweep (e.g. model=deepseek-v3)"
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = ap.parse_intermixed_args(argv)
     if not is_peer_preset(ns.preset):
         print(
-            f"python -m experiments.peer_traces: {ns.preset}: not a peer preset (peer, quick_peer)",
+            f"python -m experiments.grid.peer_traces: {ns.preset}: not a peer preset (peer, quick_peer)",
             file=sys.stderr,
         )
         return 2

@@ -11,33 +11,23 @@ An experiment directory (the run config's ``results_dir``, e.g. ``results/quick_
         grid.json                  optional: the keys of the experiment's current grid
         claims/grid.json.lock      the lock a writer holds while it rewrites grid.json
 
-``key`` is the first 16 hex digits of the SHA-256 of the canonical JSON of the resolved config, minus the
-keys that do not change the numbers (run directory, logger, results directory: ``IGNORED_KEYS``). A cell
-that reads a trace file is keyed by the file's content, not its path: its config holds the digest of the
-trace's arrays (``trace.content_sha256``, :mod:`experiments.trace_digest`) and the key leaves the path out,
-so a trace replaced at its path gets new cells and a store moved with its trace keeps its cells. Cells
-stored before content keys (their config holds the path, no digest: :func:`path_keyed`) still read as their
-own key; a grid wants them under content keys, so they are computed once more (``reproduce`` says so).
+Cell keys (16 hex digits of a hash of the resolved config, a trace file keyed by its content):
+:mod:`experiments.store.keys`; cells stored before content keys are computed once more under content keys
+(``reproduce`` says so).
 
 Atomicity: every file is written by :func:`relibra.atomic.atomic_write` (a unique ``.tmp-*`` name in its
 final directory, fsync, ``os.replace``). The per-layer file is written before the cell file, so a cell is
 finished exactly when ``cells/<key>.parquet`` exists, and a finished cell always has its per-layer table
 if it has one. A crashed writer leaves only a ``.tmp-*`` file, which readers ignore, a rerun redoes and
-:meth:`ResultsStore.clean_stale` (run by every :func:`run_cell`) removes once it is an hour old.
+:meth:`ResultsStore.clean_stale` (run by every :func:`~experiments.store.access.run_cell`) removes once it
+is an hour old.
 
-Concurrent writers: :func:`run_cell` computes a cell only under :meth:`ResultsStore.claim` and looks it up
-again once the claim is held, so a cell is computed once however many sweeps reach it.
+Concurrent writers: :func:`~experiments.store.access.run_cell` computes a cell only under
+:meth:`ResultsStore.claim` and looks it up again once the claim is held, so a cell is computed once however
+many sweeps reach it.
 
-Verified reads: every read of a cell (and of its per-layer table) checks, from the file's own metadata,
-that it is the file of the cell asked for (``relibra.cell`` equals the key in its name: a file copied or
-moved over another cell's is refused), that its stored config hashes to that key (:func:`cell_key`), and
-that its rows hash to the stored ``relibra.checksum`` (:func:`content_checksum`: SHA-256 over the column
-names and pandas' per-row hashes, so a flipped bit in a page that parquet still decodes is found). A cell
-file that fails any check, cannot be read as parquet, or is not a file (a directory at its path) raises
-:class:`CorruptCellError` naming it and what failed; :meth:`ResultsStore.finished` (the one way the suite
-decides whether to compute) counts it as missing, so it is recomputed and replaced. A cell written before
-checksums existed fails the check the same way ("no content checksum"): it is recomputed once, with that
-message, rather than trusted unverified. The format stays plain parquet: ``pd.read_parquet`` reads a cell.
+Verified reads: :mod:`experiments.store.cell_files` (each read checks the file's key, config and content
+checksum; a file that fails counts as missing and is recomputed).
 
 When a preset or a planner's config changes, its cells get new keys and the old cells stay on disk. A
 driver that knows the grid (``experiments.reproduce``) writes ``grid.json``; loading then returns only
@@ -49,13 +39,11 @@ the preset's sweep (``seed=1,2``) records only its own cells unless asked to ext
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,272 +53,32 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from experiments.store.cell_files import (
+    _CHECKSUM_META,
+    _CONFIG_META,
+    _KEY_META,
+    _PER_LAYER_META,
+    CorruptCellError,
+    GridFileError,
+    _drop_unheld,
+    _read_table,
+    _remove_non_file,
+    _verified,
+    _verified_with_config,
+    atomic_write_parquet,
+    content_checksum,
+)
+from experiments.store.keys import cell_key, keyed_config
 from relibra.atomic import TMP_PREFIX, atomic_write
 
-__all__ = [
-    "IGNORED_KEYS",
-    "TRACE_DIGEST",
-    "UNKNOWN_CODE",
-    "CorruptCellError",
-    "GridFileError",
-    "ResultsStore",
-    "StoreContents",
-    "cell_key",
-    "content_checksum",
-    "keyed_config",
-    "load_experiment",
-    "load_per_layer",
-    "path_keyed",
-    "run_cell",
-    "stored_code_version",
-    "wall_clock_column",
-]
+__all__ = ["ResultsStore", "StoreContents"]
 
-IGNORED_KEYS: frozenset[str] = frozenset(
-    {"hydra", "logger", "results_dir", "run_dir", "output_dir", "experiment_name", "simulator.memory_check"}
-)
-"""Dotted config paths left out of the cell key: they choose where and how results are written, or whether
-a run that does not fit in memory stops or warns (``simulator.memory_check``), not what they are."""
-
-
-def wall_clock_column(column: str) -> bool:
-    """Whether a result column is measured with a wall clock (planner solve times such as ``plan_time_s``,
-    a portfolio's ``portfolio_<candidate>_plan_s``, an online balancer's ``<name>_measured_plan_s_per_layer``,
-    and the control plane's timings), and so differs between any two runs of the same cell; every other
-    column is a pure function of the cell's config and the code."""
-    return (
-        (column.endswith("_time_s") and column != "step_time_s")
-        or (column.startswith("cp_") and column.endswith("_s"))
-        or column.endswith("_plan_s")
-        or "_plan_s_" in column
-    )
-
-
-_CONFIG_META = b"relibra.config"
-_KEY_META = b"relibra.cell"
-_CHECKSUM_META = b"relibra.checksum"
-_PER_LAYER_META = b"relibra.per_layer"
-"""In a cell file: the content checksum of the per-layer table written with it (empty: it has none).
-Cells written before this key existed say nothing about theirs."""
 _TMP_PREFIX = TMP_PREFIX
 _GRID_CLAIM = "grid.json"
 """The claim (``claims/grid.json.lock``) under which ``grid.json`` is read and rewritten; no cell key
 (16 hex digits) takes this name."""
 
 log = logging.getLogger(__name__)
-
-
-def _plain(config: Any) -> Any:
-    """A resolved plain-container copy of ``config`` (OmegaConf ``DictConfig`` or any mapping)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra, a core dependency
-        return config
-    if isinstance(config, DictConfig | ListConfig):
-        return OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
-    return config
-
-
-def _drop(tree: Any, paths: Iterable[str]) -> Any:
-    """Copy of nested dict ``tree`` without the dotted ``paths`` (missing paths are ignored)."""
-    if not isinstance(tree, Mapping):
-        return tree
-    out = {str(k): v for k, v in tree.items()}
-    nested: dict[str, list[str]] = {}
-    for path in paths:
-        head, _, rest = path.partition(".")
-        if rest:
-            nested.setdefault(head, []).append(rest)
-        else:
-            out.pop(head, None)
-    for head, rests in nested.items():
-        if head in out:
-            out[head] = _drop(out[head], rests)
-    return out
-
-
-TRACE_DIGEST = "content_sha256"
-"""Key of ``trace`` in a stored config: the digest of the trace file's arrays
-(:func:`experiments.trace_digest.trace_digest`), which keys a cell that reads ``trace.path`` in place of
-the path."""
-
-
-def keyed_config(config: Any) -> dict[str, Any]:
-    """``config`` as plain data (resolved) with, when it reads a trace file, that file's digest under
-    ``trace.content_sha256`` (:data:`TRACE_DIGEST`): the config a cell stores and is keyed by. A config
-    that holds the digest already (one read back from a cell) keeps it: the file is not read again."""
-    plain = _plain(config)
-    if not isinstance(plain, Mapping):
-        raise TypeError(f"config must be a mapping or DictConfig, got {type(config).__name__}")
-    out = dict(plain)
-    trace = out.get("trace")
-    if isinstance(trace, Mapping) and trace.get("path") and not trace.get(TRACE_DIGEST):
-        from experiments.trace_digest import trace_digest
-
-        out["trace"] = {**trace, TRACE_DIGEST: trace_digest(str(trace["path"]))}
-    return out
-
-
-def path_keyed(config: Mapping[str, Any]) -> bool:
-    """Whether a stored config was keyed by its trace file's path (by the suite before content keys):
-    it reads ``trace.path`` and holds no digest of it."""
-    trace = config.get("trace")
-    return isinstance(trace, Mapping) and bool(trace.get("path")) and not trace.get(TRACE_DIGEST)
-
-
-def canonical_config(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> dict[str, Any]:
-    """The part of ``config`` that defines a cell, as plain JSON-able data: :func:`keyed_config`, without
-    ``ignored`` and, once the trace's digest stands for its content, without ``trace.path``."""
-    keyed = keyed_config(config)
-    trace = keyed.get("trace")
-    extra = ["trace.path"] if isinstance(trace, Mapping) and trace.get(TRACE_DIGEST) else []
-    return _drop(keyed, [*ignored, *extra])
-
-
-def _hash(tree: Any) -> str:
-    text = json.dumps(tree, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cell_key(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> str:
-    """Hash of a cell's resolved config: 16 hex digits of SHA-256 over its canonical JSON.
-
-    Key order, OmegaConf vs plain dicts and the ``ignored`` dotted paths do not change the key; any other
-    value does. A cell that reads a trace file is keyed by the digest of the file's arrays, not by its
-    path (:func:`canonical_config`), so replacing the file changes the key and moving it does not; a
-    config without ``trace.path`` (the synthetic generator) hashes as it always did.
-    """
-    return _hash(canonical_config(config, ignored))
-
-
-def _stored_key(config: Mapping[str, Any]) -> str:
-    """The key a cell's stored config was written under: :func:`cell_key`, or for a :func:`path_keyed`
-    config the key of the suite before content keys (its path in the hash), without reading the file."""
-    if path_keyed(config):
-        return _hash(_drop(config, IGNORED_KEYS))
-    return cell_key(config)
-
-
-class GridFileError(ValueError):
-    """A store's ``grid.json`` is there but holds no list of cell keys; names the file and the problem."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        self.path, self.reason = path, reason
-        super().__init__(
-            f"{path}: {reason}; a run of its preset that does not extend the grid (python -m "
-            "experiments.reproduce without --extend-grid) writes it anew, or delete it to read every cell "
-            "on disk"
-        )
-
-    def __reduce__(self) -> tuple[type, tuple[Path, str]]:  # NOTE: raised in a planning worker process
-        return (type(self), (self.path, self.reason))
-
-
-class CorruptCellError(ValueError):
-    """A store file exists but cannot be trusted: unreadable as parquet (truncated, overwritten), not a file,
-    another cell's file, or content that does not match its checksum (bit rot); names the file."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        self.path = path
-        super().__init__(f"{path}: corrupt store file ({reason}); it counts as missing and is recomputed")
-
-
-def content_checksum(frame: pd.DataFrame) -> str:
-    """SHA-256 (hex) of a frame's content: its column names in order, then pandas' hash of every row
-    (``pd.util.hash_pandas_object``, index left out), so equal rows read back from parquet hash equal."""
-    digest = hashlib.sha256(json.dumps([str(c) for c in frame.columns]).encode())
-    if len(frame):
-        digest.update(pd.util.hash_pandas_object(frame, index=False).to_numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _read_table(path: Path) -> pa.Table:
-    """Read a parquet file from ONE open of ``path``; :class:`CorruptCellError` naming it if unreadable.
-
-    NOTE: ``pd.read_parquet(path)`` may open the path more than once (footer, then row groups); if a
-    concurrent writer renames a new version into place in between, the reader mixes two files ("Page was
-    smaller than expected"). Reading the bytes through one file handle pins one inode, so a reader sees
-    exactly one whole version. The price is that pyarrow sees a buffer, not the path, so its errors are
-    re-raised here with the path.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except IsADirectoryError as err:
-        raise CorruptCellError(path, "a directory, not a parquet file") from err
-    try:
-        return pq.read_table(pa.BufferReader(data))
-    except (pa.ArrowException, OSError, ValueError) as err:
-        raise CorruptCellError(path, f"{type(err).__name__}: {err}") from err
-
-
-def atomic_write_parquet(
-    frame: pd.DataFrame, path: Path, metadata: Mapping[bytes, bytes] | None = None
-) -> None:
-    """Write ``frame`` to ``path`` atomically, with ``metadata`` added to the parquet schema metadata."""
-    table = pa.Table.from_pandas(frame, preserve_index=False)
-    if metadata:
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    atomic_write(path, lambda fh: pq.write_table(table, fh), ".parquet")
-
-
-def _verified(path: Path, key: str, table: pa.Table, has_config: bool) -> pd.DataFrame:
-    """``table`` (read from ``path``, the file of cell ``key``) as a frame, once its metadata says it is that
-    cell's file (``relibra.cell``), its rows match ``relibra.checksum`` and (``has_config``) its stored config
-    hashes to ``key``; :class:`CorruptCellError` naming what failed otherwise (module docstring)."""
-    return _verified_with_config(path, key, table, has_config)[0]
-
-
-def _verified_with_config(
-    path: Path, key: str, table: pa.Table, has_config: bool
-) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """:func:`_verified`'s frame and the stored config it checked (``{}`` without ``has_config``)."""
-    meta = table.schema.metadata or {}
-    stored_key = meta.get(_KEY_META, b"").decode(errors="replace")
-    if stored_key != key:
-        raise CorruptCellError(
-            path, f"it holds cell {stored_key or '(none recorded)'}, not {key}: another cell's file was "
-            "copied or moved over it",
-        )  # fmt: skip
-    if _CHECKSUM_META not in meta:
-        raise CorruptCellError(
-            path, "no content checksum: written by a version of the suite before checksums"
-        )
-    try:  # NOTE: a damaged pandas schema entry (JSON in the metadata) fails here, before the checksum
-        frame = table.to_pandas()
-    except (pa.ArrowException, KeyError, TypeError, ValueError) as err:
-        raise CorruptCellError(path, f"its pandas metadata is damaged ({type(err).__name__}: {err})") from err
-    if content_checksum(frame) != meta[_CHECKSUM_META].decode(errors="replace"):
-        raise CorruptCellError(path, "its rows do not match their checksum (damaged or edited)")
-    if has_config:
-        try:
-            config = json.loads(meta[_CONFIG_META])
-        except (KeyError, ValueError) as err:
-            raise CorruptCellError(path, f"its stored config is missing or not JSON ({err})") from err
-        if not isinstance(config, dict) or _stored_key(config) != key:
-            raise CorruptCellError(path, f"its stored config does not hash to its key {key}")
-        return frame, config
-    return frame, {}
-
-
-def _remove_non_file(path: Path) -> None:
-    """Remove whatever that is not a file occupies a store file's path (a directory: a corrupt cell)."""
-    if path.is_dir() and not path.is_symlink():
-        log.warning("%s is a directory, not a cell file: removing it to store the cell", path)
-        shutil.rmtree(path)
-
-
-def _drop_unheld(path: Path, handle: Any) -> None:
-    """Close ``handle`` on ``path``, removing the file if no other process holds its lock (a claim given
-    up while being taken; a file another writer holds is left to it)."""
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-            path.unlink(missing_ok=True)
-    except OSError:
-        pass  # held by another writer, already removed, or no locks on this file system
-    finally:
-        handle.close()
 
 
 @dataclass(frozen=True)
@@ -682,57 +430,3 @@ class ResultsStore:
                 except FileNotFoundError:
                     continue
         return removed
-
-
-UNKNOWN_CODE = "unknown"
-"""``code_version`` of a cell stored without one (by code older than the column)."""
-
-
-def stored_code_version(results: pd.DataFrame) -> str:
-    """The ``code_version`` a cell's result rows were computed by (:data:`UNKNOWN_CODE` if not recorded)."""
-    if "code_version" not in results.columns or results.empty:
-        return UNKNOWN_CODE
-    versions = sorted(set(results["code_version"].astype(str)))
-    return versions[0] if len(versions) == 1 else ",".join(versions)
-
-
-def run_cell(
-    store: ResultsStore,
-    config: Any,
-    compute: Callable[[], tuple[pd.DataFrame, pd.DataFrame | None]],
-    recompute: bool = False,
-) -> tuple[pd.DataFrame, bool]:
-    """Results of the cell ``config``: read back when finished, else ``compute()``-d and stored.
-
-    ``compute`` returns ``(results, per_layer or None)``. Returns ``(results, reused)`` where ``reused`` says
-    the cell was already finished and nothing ran. ``recompute``: compute even a finished cell; its stored
-    rows are replaced only once the new ones are written (atomically). A cell whose file is unreadable
-    counts as missing. The cell is computed under :meth:`ResultsStore.claim`, and looked up again once
-    the claim is held, so two sweeps of one grid compute each cell once.
-    """
-    key = cell_key(config)
-    store.clean_stale()
-    if not recompute and (rows := store.finished(key)) is not None:
-        return rows, True
-    with store.claim(key):
-        if not recompute and (rows := store.finished(key)) is not None:
-            return rows, True  # another writer finished it while this one waited for the claim
-        results, per_layer = compute()
-        store.write(key, results, config, per_layer)
-    return results, False
-
-
-def load_experiment(results_dir: str | Path, all_cells: bool = False) -> pd.DataFrame:
-    """One experiment's finished cells as a frame (one row per planner run, plus a ``cell`` column).
-
-    Only the cells of its current grid when the experiment has a ``grid.json``, unless ``all_cells``.
-    """
-    root = Path(results_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"results directory {root} does not exist (run the experiment first)")
-    return ResultsStore(root).load(all_cells)
-
-
-def load_per_layer(results_dir: str | Path) -> pd.DataFrame:
-    """One experiment's per-layer tables (empty frame with a ``cell`` column when there are none)."""
-    return ResultsStore(Path(results_dir)).load_per_layer()

@@ -52,9 +52,9 @@ class CellJob:
     recompute: bool
     """The cell is stored already (by other code) and is computed again."""
     key: str
-    """The cell's :func:`~experiments.store.cell_key`: jobs with equal keys are one computation."""
+    """The cell's :func:`~experiments.store.keys.cell_key`: jobs with equal keys are one computation."""
     refusal: str | None = None
-    """Why :func:`~experiments.config_checks.validate` refused the cell's config when the grid was planned
+    """Why :func:`~experiments.config.checks.validate` refused the cell's config when the grid was planned
     (the cell fails with it, nothing is computed); None: accepted there, so the cell runs unchecked."""
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 
 from analysis.render import write_table
 from analysis.tables import Table
-from experiments.end_to_end import errors
+from experiments.validation.end_to_end import errors
 from relibra.provenance import code_version
 
 __all__ = ["end_to_end_tables", "write_end_to_end_tables"]
@@ -43,9 +43,9 @@ _SETS = (("all", None), ("EP only", "ep"), ("PP/TP", "pp/tp"))
 
 
 def end_to_end_tables(e2e: pd.DataFrame, command: str, fitted: dict[str, Any] | None = None) -> list[Table]:
-    """The tables of :func:`experiments.end_to_end.end_to_end_table`'s frame ``e2e``, and with ``fitted``
-    (the data file's ``fitted_constants``, non-empty) a third, ``end_to_end_fit``: each fitted constant's
-    value, rows, log RMS error and leave-one-out range."""
+    """The tables of :func:`experiments.validation.end_to_end.end_to_end_table`'s frame ``e2e``, and with
+    ``fitted`` (the data file's ``fitted_constants``, non-empty) a third, ``end_to_end_fit``: each fitted
+    constant's value, rows, log RMS error and leave-one-out range."""
     provenance = f"Provenance: simulated and written by `{command}` at `{code_version()}`."
     rows = e2e.reindex(columns=list(_COLUMNS)).rename(columns=_COLUMNS)
     formats = {c: ".2f" for c in rows.columns if c.endswith(" s")}
