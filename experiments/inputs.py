@@ -157,7 +157,7 @@ def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[Sam
     """The run's counts [S, L, E] (uniformly re-routed for force-balanced) and workload [M, L, G, E].
 
     ``cache``: from this process's caches (read-only arrays, built on a miss); False: built afresh, as
-    ``build_workload_for(cfg, load_counts(cfg), num_gpus)``. Call it on a validated config (a trace file
+    ``build_workload_for(cfg, load_counts(cfg), num_gpus)``. Call it on a checked config (a trace file
     that is missing raises FileNotFoundError).
     """
     if not cache:
@@ -177,7 +177,7 @@ def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[Sam
 
 
 def replay_mismatch(cfg: DictConfig) -> float:
-    """The run's ``replay.mismatch`` (validated: a number in [0, 1]); 0 for force-balanced, whose uniform
+    """The run's ``replay.mismatch`` (checked: a number in [0, 1]); 0 for force-balanced, whose uniform
     routing is its definition, not a replay of the trace."""
     if routing(cfg) == "uniform":
         return 0.0
@@ -188,7 +188,7 @@ def trained_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> Traine
     """The routes the training step takes (:class:`~relibra.trained_routes.TrainedRoutes`) when
     :func:`replay_mismatch` is above 0, else None (exact replay: the trained routes are the replayed ones).
 
-    ``cache``: as :func:`cell_inputs`. Call it on a validated config.
+    ``cache``: as :func:`cell_inputs`. Call it on a checked config.
     """
     mismatch = replay_mismatch(cfg)
     if mismatch == 0.0:

@@ -2,8 +2,8 @@
 
 ``main`` only hands the composed config to :func:`run`, a plain function that tests call directly. A run:
 
-1. :func:`~experiments.config.checks.validate` refuses a bad config before any work (nothing is written, not
-   even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
+1. :func:`~experiments.config.checks.check_config` refuses a bad config before any work (nothing is written,
+   not even Hydra's ``.hydra/`` files, which are written here once the config is accepted);
 2. builds cluster, model, cost model, planner; loads the trace (or generates it) and lays out the workload;
 3. :func:`compute` simulates the planner -> one result row, the per-layer table and (if asked) the plans;
 4. :func:`write_outputs` writes ``results.parquet``, ``summary.json``, ``per_layer.parquet`` and, with
@@ -45,7 +45,7 @@ from experiments.config.build import (
     routing,
     sim_options,
 )
-from experiments.config.checks import validate, writable_dir
+from experiments.config.checks import check_config, writable_dir
 from experiments.config.executor_check import executor_time_problem
 from experiments.config.layout_check import workload_memory_problems
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
@@ -110,10 +110,10 @@ def compute(
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
     """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing.
 
-    ``checked``: ``cfg`` passed :func:`~experiments.config.checks.validate` already (in :func:`run`, or
+    ``checked``: ``cfg`` passed :func:`~experiments.config.checks.check_config` already (in :func:`run`, or
     when a grid was planned), so it is not checked again."""
     if not checked:
-        validate(cfg)
+        check_config(cfg)
     cluster, model = build_cluster(cfg), build_model(cfg)
     model.check_ep(cluster)
     cost = build_cost(cfg, cluster, model)
@@ -331,7 +331,7 @@ def run(
     instead of computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
     :class:`~experiments.config.build.ConfigError` before any work on a bad config, an unreadable trace or a
     results directory that cannot be written. ``checked``: ``cfg`` passed
-    :func:`~experiments.config.checks.validate` already (a grid cell checked when its grid was planned,
+    :func:`~experiments.config.checks.check_config` already (a grid cell checked when its grid was planned,
     :func:`experiments.grid.runner.plan_grid`), so it is checked nowhere here; otherwise it is checked once.
     """
     if run_dir is None:
@@ -340,7 +340,7 @@ def run(
         )
     out = Path(str(run_dir))
     if not checked:
-        validate(cfg)
+        check_config(cfg)
     store = ResultsStore(Path(str(cfg.results_dir))) if cfg.get("results_dir") else None
     if store is not None:
         try:

@@ -1,12 +1,12 @@
-"""A Hydra callback that validates every cell of a ``--multirun`` sweep before the first one runs, and
+"""A Hydra callback that checks every cell of a ``--multirun`` sweep before the first one runs, and
 ends the sweep with a summary of every cell that failed.
 
-Installed by ``conf/config.yaml`` (``hydra.callbacks.validate_cells``). In ``on_multirun_start`` (the sweeping
+Installed by ``conf/config.yaml`` (``hydra.callbacks.check_cells``). In ``on_multirun_start`` (the sweeping
 process, before the sweeper writes or launches anything) it expands the sweep exactly as Hydra's basic sweeper
 will (:func:`experiments.config.presets.expand`), composes each cell and runs
-:func:`experiments.config.checks.validate` on it. A bad cell (``seed=abc``, ``planner.replica_slots=4,999``,
-an unreadable trace) is refused with one line naming the cell and the key, and exit status 2, on every
-launcher (in-process, ``submitit_local``, Slurm).
+:func:`experiments.config.checks.check_config` on it. A bad cell (``seed=abc``,
+``planner.replica_slots=4,999``, an unreadable trace) is refused with one line naming the cell and the key,
+and exit status 2, on every launcher (in-process, ``submitit_local``, Slurm).
 
 NOTE: without it, a cell's ConfigError would travel back to the sweeping process inside the job's result,
 where Hydra's sweeper re-raises it (``JobReturn.return_value``) and ``run_and_report`` prints it as a
@@ -37,11 +37,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.build import ConfigError, refuse
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.presets import expand
 from experiments.store.run_dir import note_new_dirs
 
-__all__ = ["FAILED_FILE", "CellFailure", "ValidateCells"]
+__all__ = ["FAILED_FILE", "CellFailure", "CheckCells"]
 
 FAILED_FILE = "failed.json"
 """Written into a failed cell's folder: ``{"cell": "<overrides>", "error": "<reason>"}``."""
@@ -57,7 +57,7 @@ class CellFailure:
     """One line: the exception's type and message."""
 
 
-class ValidateCells(Callback):
+class CheckCells(Callback):
     """Refuse a sweep with a bad cell before any cell runs; summarise failed cells at its end."""
 
     def __init__(self) -> None:
@@ -92,7 +92,7 @@ class ValidateCells(Callback):
         overrides = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
         assert isinstance(overrides, list)
         try:
-            validate(compose(config_name=config_name, overrides=[str(o) for o in overrides]))
+            check_config(compose(config_name=config_name, overrides=[str(o) for o in overrides]))
         except ConfigError as exc:
             refuse(exc)
 
@@ -103,6 +103,6 @@ class ValidateCells(Callback):
         assert isinstance(params, dict) and isinstance(overrides, list)
         for cell in expand({str(k): str(v) for k, v in params.items()}, [str(o) for o in overrides]):
             try:
-                validate(compose(config_name=config_name, overrides=cell))
+                check_config(compose(config_name=config_name, overrides=cell))
             except ConfigError as exc:
                 refuse(exc, where=f"cell {' '.join(cell) or '(no overrides)'}: ")

@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.config.build import ConfigError
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.layout_check import build_layout
 from experiments.config.presets import CONF_DIR
 from experiments.validation.end_to_end import load_rows, row_config, row_workload
@@ -228,7 +228,7 @@ def test_force_balanced_stays_balanced_on_every_gpu_at_any_cp(cp: int) -> None:
 )
 def test_layouts_megatron_refuses_are_refused(overrides: list[str], keys: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(_cfg(*overrides))
+        check_config(_cfg(*overrides))
     for key in keys:
         assert key in str(err.value), (key, str(err.value))
 

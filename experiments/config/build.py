@@ -183,7 +183,7 @@ def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
 
 @lru_cache(maxsize=2)
 def _read_trace(path: str, mtime_ns: int, size: int) -> RoutingTrace:
-    # NOTE: keyed by (path, mtime, size) so validate() and load_counts() read a trace file once per run,
+    # NOTE: keyed by (path, mtime, size) so check_config() and load_counts() read a trace file once per run,
     # and a file replaced in between is read again.
     return load_trace(path)
 

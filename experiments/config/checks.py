@@ -1,8 +1,8 @@
-"""The checks of a run's configuration before any work: :func:`validate` and one problem collector per key
+"""The checks of a run's configuration before any work: :func:`check_config` and one problem collector per key
 family (run-wide keys, the spec dataclasses' numbers, the planner and its stage settings, the cluster's
 NVLink domain and dispatcher, migration and the parallel layout, the whole step, the trace file).
 
-Each collector returns the problems it finds as one-line strings naming the key; :func:`validate` gathers
+Each collector returns the problems it finds as one-line strings naming the key; :func:`check_config` gathers
 them all and raises one :class:`~experiments.config.build.ConfigError`, so a user sees every bad key at once.
 """
 
@@ -52,7 +52,7 @@ from relibra.layout import LAYOUTS
 from relibra.planners.protocols import ClusterRequirements
 from relibra.trace.format import FORMAT_DOC, TraceFormatError
 
-__all__ = ["SEED_MAX", "path_given", "validate", "writable_dir"]
+__all__ = ["SEED_MAX", "check_config", "path_given", "writable_dir"]
 
 
 SEED_MAX = int(np.iinfo(np.int64).max)
@@ -365,7 +365,7 @@ def _step_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def validate(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> None:
     """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
 
     The one check every entry point runs (``experiments.run``, its multirun sweeper, ``reproduce``):

@@ -1,5 +1,5 @@
 """The executor's settings (``executor.*``) and its time estimate, checked before any work (issue "torch
-executor"; :func:`experiments.config.checks.validate` and :func:`experiments.run.run` call these)."""
+executor"; :func:`experiments.config.checks.check_config` and :func:`experiments.run.run` call these)."""
 
 from __future__ import annotations
 

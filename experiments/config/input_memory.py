@@ -1,5 +1,5 @@
 """Whether a run's input can be held in this host's memory, checked before it is built
-(:func:`experiments.config.checks.validate`).
+(:func:`experiments.config.checks.check_config`).
 
 A run holds its per-sample counts ``[S, L, E]`` int32 (:class:`relibra.types.SampleCounts`), built from a
 trace file (:meth:`relibra.trace.format.RoutingTrace.to_counts`) or by the synthetic generator; the

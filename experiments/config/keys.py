@@ -1,5 +1,5 @@
 """Readers of one config key each, collecting a problem naming the key instead of raising (the checks of
-:func:`experiments.config.checks.validate` gather every problem of a configuration before refusing it
+:func:`experiments.config.checks.check_config` gather every problem of a configuration before refusing it
 once)."""
 
 from __future__ import annotations

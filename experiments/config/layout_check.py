@@ -1,5 +1,5 @@
 """The parallel layout's keys and the memory check, before any work
-(:func:`experiments.config.checks.validate`).
+(:func:`experiments.config.checks.check_config`).
 
 :func:`layout_problems` checks ``parallel.*`` against the cluster and the model (each size an integer >= 1,
 ``tp`` dividing ``cluster.gpus_per_node`` and the model's heads, ``tp * cp`` dividing the EP group ``G`` or
@@ -9,9 +9,10 @@
 chunks, ``parallel.gpus`` equal to ``dp * pp * G``); :func:`memory_problems` prices the per-GPU bytes of the
 layout (:func:`relibra.cost.memory.memory_estimate`) against ``cluster.hardware.hbm_bytes`` as
 ``simulator.memory_check`` says (``error``: a problem; ``warn``: a logged warning; ``off``: nothing), in two
-steps: :func:`experiments.config.checks.validate` checks what needs no input (parameters, gradients, optimizer
-state, replica buffer), and :func:`experiments.run.compute` checks it again with the activations of the
-workload's largest micro-batch (:func:`workload_memory_problems`) once the inputs are built, before planning.
+steps: :func:`experiments.config.checks.check_config` checks what needs no input (parameters, gradients,
+optimizer state, replica buffer), and :func:`experiments.run.compute` checks it again with the activations of
+the workload's largest micro-batch (:func:`workload_memory_problems`) once the inputs are built, before
+planning.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def layout_problems(cfg: DictConfig) -> list[str]:
     problems: list[str] = []
     nodes, gpn = cfg.cluster.get("nodes"), cfg.cluster.get("gpus_per_node")
     if not (isinstance(nodes, int) and isinstance(gpn, int)) or nodes < 1 or gpn < 1:
-        return problems  # NOTE: reported by validate() under cluster.*
+        return problems  # NOTE: reported by check_config() under cluster.*
     g = nodes * gpn
     if gpn % layout.tp:
         problems.append(
@@ -107,9 +108,9 @@ def memory_problems(
     """The memory check (module doc): [] when it fits, warns or is off; else one message naming the keys.
 
     ``tokens_per_gpu``: the busiest GPU's tokens in its largest micro-batch and ``microbatches`` the most
-    micro-batches of a step, from the run's workload; None (:func:`experiments.config.checks.validate`, before
-    any input is read): the check of what needs no workload, the parameters, gradients, optimizer state and
-    replica buffer. ``cost``: the run's cost model (its cluster, model, training constants and layout).
+    micro-batches of a step, from the run's workload; None (:func:`experiments.config.checks.check_config`,
+    before any input is read): the check of what needs no workload, the parameters, gradients, optimizer state
+    and replica buffer. ``cost``: the run's cost model (its cluster, model, training constants and layout).
     Call it on a config that passed every other check.
     """
 

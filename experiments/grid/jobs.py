@@ -54,7 +54,7 @@ class CellJob:
     key: str
     """The cell's :func:`~experiments.store.keys.cell_key`: jobs with equal keys are one computation."""
     refusal: str | None = None
-    """Why :func:`~experiments.config.checks.validate` refused the cell's config when the grid was planned
+    """Why :func:`~experiments.config.checks.check_config` refused the cell's config when the grid was planned
     (the cell fails with it, nothing is computed); None: accepted there, so the cell runs unchecked."""
 
 

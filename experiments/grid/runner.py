@@ -126,7 +126,7 @@ def plan_grid(
     the new ones are written). An unreadable cell file counts as missing (listed in ``corrupt``) and
     becomes a job. A cell that cannot even be looked at is recorded as failed and the grid goes on.
     Raises, before anything is written: ValueError for an unknown preset, ConfigError when every cell's
-    config is refused (:func:`_validate_grid`: each distinct problem once), PermissionError when the
+    config is refused (:func:`_check_grid`: each distinct problem once), PermissionError when the
     store's folder cannot be written.
     """
     report = GridReport(preset)
@@ -134,7 +134,7 @@ def plan_grid(
     store = ResultsStore(store_dir)
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
-    refusals = _validate_grid(preset, configs)
+    refusals = _check_grid(preset, configs)
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
     keys = {cell_key(cfg) for cfg in configs}
     try:
@@ -206,8 +206,8 @@ def plan_grids(
     return [item for item in planned if item is not None]
 
 
-def _validate_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
-    """Check every cell's config once (:func:`~experiments.config.checks.validate`), here, so that no
+def _check_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
+    """Check every cell's config once (:func:`~experiments.config.checks.check_config`), here, so that no
     worker checks it again: each cell's refusal as :func:`_why` words it (None: accepted).
 
     Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
@@ -215,13 +215,13 @@ def _validate_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
     cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
     with its reason, when the grid ends (one bad cell must not cost the rest)."""
     from experiments.config.build import ConfigError
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
     problems: dict[str, int] = {}
     refusals: list[str | None] = []
     for cfg in configs:
         try:
-            validate(cfg)
+            check_config(cfg)
         except ConfigError as exc:
             text = str(exc).removeprefix("bad configuration: ")
             problems[text] = problems.get(text, 0) + 1
@@ -257,7 +257,7 @@ def _stored_version(store: ResultsStore, key: str, report: GridReport) -> str | 
 def run_cell_job(job: CellJob) -> CellOutcome:
     """Compute one cell into its store (in this process or a worker); a failure is returned, not raised.
 
-    The cell's config was checked when its grid was planned (:func:`_validate_grid`): a refused cell fails
+    The cell's config was checked when its grid was planned (:func:`_check_grid`): a refused cell fails
     with that refusal and an accepted one runs without being checked again."""
     from experiments.inputs import cache_stats
     from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner

@@ -13,7 +13,7 @@ an older run than ``summary.json``.
 
 Files that are not run files (Hydra's job log, a W&B folder) are left alone.
 
-A refused run leaves no new directory: :class:`experiments.sweep_check.ValidateCells` refuses a bad config
+A refused run leaves no new directory: :class:`experiments.sweep_check.CheckCells` refuses a bad config
 before Hydra makes the run directory, and notes (:func:`note_new_dirs`) which folders of its path do not
 exist yet; a refusal that needs the built inputs (a workload over memory) comes once Hydra has made them,
 and :func:`remove_new_dirs` removes those of them that hold nothing but Hydra's job log.

@@ -41,7 +41,7 @@ from experiments.config.build import (
     build_planner,
     sim_options,
 )
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.layout_check import build_layout
 from experiments.config.presets import CONF_DIR
 from experiments.validation.data_files import DATA_DIR, read_rows_file
@@ -167,7 +167,7 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig
     ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="end_to_end"):
         cfg = compose("config", overrides=overrides)
-    validate(cfg)
+    check_config(cfg)
     layout, g = build_layout(cfg), int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
     world = layout.world_size(g)
     given = (world, g, layout.pp, layout.tp, layout.cp)

@@ -139,7 +139,7 @@ def history_need(planner: object, default: int) -> int:
 @runtime_checkable
 class ClusterRequirements(Protocol):
     """A planner whose method cannot run on every EP group says why, before any work
-    (``experiments/config/checks.py: validate`` asks it; exit status 2 with its message)."""
+    (``experiments/config/checks.py: check_config`` asks it; exit status 2 with its message)."""
 
     def cluster_problems(self, num_experts: int, cluster: ClusterSpec) -> list[str]:
         """Why this planner cannot plan ``num_experts`` experts on ``cluster`` (each problem names its config

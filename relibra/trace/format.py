@@ -41,12 +41,12 @@ __all__ = [
     "REQUIRED_META",
     "RoutingTrace",
     "TraceFormatError",
+    "check_trace",
     "counts_bytes",
     "host_memory_problem",
     "load_trace",
     "positive_int",
     "save_trace",
-    "validate",
 ]
 
 REQUIRED_META = ("num_experts", "top_k", "num_layers", "model", "source")
@@ -89,7 +89,7 @@ class RoutingTrace:
     """JSON-serialisable; at least ``num_experts``, ``top_k``, ``num_layers``, ``model``, ``source``."""
 
     def __post_init__(self) -> None:
-        validate(self)
+        check_trace(self)
 
     @property
     def num_tokens(self) -> int:
@@ -213,7 +213,7 @@ def _check_offsets(name: str, offsets: np.ndarray, total: int, what: str) -> Non
         raise _fail(name, f"must end at {total} to cover all of them, ends at {offsets[-1]}")
 
 
-def validate(trace: RoutingTrace) -> None:
+def check_trace(trace: RoutingTrace) -> None:
     """Raise :class:`TraceFormatError` unless ``trace`` follows the format (see module doc)."""
     _check_dtype("experts", trace.experts, np.int16, 3)
     _check_dtype("sample_offsets", trace.sample_offsets, np.int64, 1)
@@ -270,7 +270,7 @@ def validate(trace: RoutingTrace) -> None:
 
 def save_trace(trace: RoutingTrace, path: str | os.PathLike[str]) -> Path:
     """Write ``trace`` to ``path`` (``.npz``, no pickle) atomically (:func:`relibra.atomic.atomic_write`)."""
-    validate(trace)
+    check_trace(trace)
     arrays: dict[str, np.ndarray] = {
         "experts": trace.experts,
         "sample_offsets": trace.sample_offsets,

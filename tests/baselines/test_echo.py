@@ -183,7 +183,7 @@ def test_pricing_terms() -> None:
 
 def test_refusals() -> None:
     from experiments.config.build import ConfigError
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
     with pytest.raises(ValueError, match=r"planner\.replica_slots=0"):
         EchoPlanner(replica_slots=0)
@@ -192,8 +192,8 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match=r"planner\.critical_path_s=-1"):
         EchoPlanner(critical_path_s=-1.0)
     with pytest.raises(ConfigError, match=r"planner\.replica_slots=200 exceeds model\.num_experts=128"):
-        validate(cfg("planner=echo", "planner.replica_slots=200"))
-    validate(cfg("planner=echo", "cluster.nodes=2"))
+        check_config(cfg("planner=echo", "planner.replica_slots=200"))
+    check_config(cfg("planner=echo", "cluster.nodes=2"))
 
 
 REPO = Path(__file__).resolve().parents[2]

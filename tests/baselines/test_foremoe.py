@@ -193,10 +193,10 @@ def test_cli_refuses_bad_settings_exit_2_one_line(override: str, named: str, tmp
 
 def test_refusals() -> None:
     from experiments.config.build import ConfigError
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
     with pytest.raises(ValueError, match=r"planner\.redundant_slots"):
         ForeMoEPlanner(redundant_slots=1)
     with pytest.raises(ConfigError, match=r"cluster\.hardware\.host_to_device_bytes_per_s=0"):
-        validate(cfg("planner=foremoe", "cluster.hardware.host_to_device_bytes_per_s=0"))
-    validate(cfg("planner=foremoe", "cluster.nodes=2"))
+        check_config(cfg("planner=foremoe", "cluster.hardware.host_to_device_bytes_per_s=0"))
+    check_config(cfg("planner=foremoe", "cluster.nodes=2"))

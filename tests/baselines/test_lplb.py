@@ -183,8 +183,10 @@ def test_cluster_problems_name_what_plan_would_refuse() -> None:
 
 def test_config_check_refuses_lplb_at_deepseek_v3_ep256() -> None:
     from experiments.config.build import ConfigError
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
     from tests.builders import cfg
 
     with pytest.raises(ConfigError, match=r"planner\.redundant_slots=2 must be a multiple"):
-        validate(cfg("model=deepseek-v3", "cluster.nodes=32", "planner=lplb", "simulator.memory_check=off"))
+        check_config(
+            cfg("model=deepseek-v3", "cluster.nodes=32", "planner=lplb", "simulator.memory_check=off")
+        )

@@ -486,7 +486,7 @@ def test_entry_point_accepts_the_lp_split_under_overlap():
     from hydra import compose, initialize_config_dir
 
     from experiments.config.build import ConfigError
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
     from experiments.config.presets import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -497,8 +497,8 @@ def test_entry_point_accepts_the_lp_split_under_overlap():
             "cluster.nodes=1",
         ]
         cfg = compose(config_name="config", overrides=overrides)
-    validate(cfg)  # the LP split prices the overlap now: nothing to refuse
+    check_config(cfg)  # the LP split prices the overlap now: nothing to refuse
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         one = compose(config_name="config", overrides=[*overrides[:3], "trace.samples_per_batch=1"])
     with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):
-        validate(one)  # the overlap's own check still runs
+        check_config(one)  # the overlap's own check still runs

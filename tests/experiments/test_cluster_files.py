@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from tests.builders import CONF, cfg
 
 CLUSTERS = sorted(p.stem for p in (Path(CONF) / "cluster").glob("*.yaml"))
@@ -16,11 +16,11 @@ CLUSTERS = sorted(p.stem for p in (Path(CONF) / "cluster").glob("*.yaml"))
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_every_cluster_file_validates(cluster: str) -> None:
-    validate(cfg(f"cluster={cluster}"))
+    check_config(cfg(f"cluster={cluster}"))
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_every_cluster_file_prices_the_host_path(cluster: str) -> None:
     config = cfg(f"cluster={cluster}", "planner=foremoe", "simulator.migration.path=reload")
-    validate(config)
+    check_config(config)
     assert float(config.cluster.hardware.host_to_device_bytes_per_s) > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments.config.build import ConfigError
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from tests.builders import REPO, cfg
 
 R = [
@@ -140,7 +140,7 @@ def test_reproduce_refuses_an_experiment_name_override(tmp_path, capsys) -> None
 @pytest.mark.parametrize("name", ["../../x", "a/b", "", ".hidden", "x y"])
 def test_an_experiment_name_that_is_not_a_plain_name_is_refused(name) -> None:
     with pytest.raises(ConfigError, match=r"experiment_name=.*must be a plain name"):
-        validate(cfg(*R, "+experiment=quick_overhead", f"experiment_name='{name}'"))
+        check_config(cfg(*R, "+experiment=quick_overhead", f"experiment_name='{name}'"))
 
 
 @pytest.mark.parametrize(
@@ -154,7 +154,7 @@ def test_an_experiment_name_that_is_not_a_plain_name_is_refused(name) -> None:
 )
 def test_a_logger_setting_wandb_refuses_is_refused_before_any_cell(override, named) -> None:
     with pytest.raises(ConfigError, match="logger") as err:
-        validate(cfg(*R, "logger=wandb", override))
+        check_config(cfg(*R, "logger=wandb", override))
     assert named in str(err.value)
 
 
@@ -196,7 +196,7 @@ def test_a_malformed_preset_no_run_uses_breaks_nothing(conf_with_a_malformed_pre
 
     assert "experiment/zz_bad" in config_schema().broken
     preflight([*R, f"hydra.run.dir={tmp_path / 'run'}"])  # refuses nothing
-    validate(cfg(*R))
+    check_config(cfg(*R))
     assert _argument_problems(None, ["quick_overhead"], [], ["quick_overhead"], override_problems) == []
 
 
@@ -222,7 +222,7 @@ def test_a_malformed_preset_a_run_uses_is_one_message_naming_the_file(
 @pytest.mark.parametrize("value", ["5", "abc", "'[8, x]'"])
 def test_chunk_layers_that_is_not_a_list_names_the_key_and_the_list_expected(value) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(cfg(*R, f"parallel.chunk_layers={value}"))
+        check_config(cfg(*R, f"parallel.chunk_layers={value}"))
     assert "parallel.chunk_layers=" in str(err.value) and "integers >= 1" in str(err.value)
     assert "not iterable" not in str(err.value)
 
@@ -234,11 +234,11 @@ def test_a_trace_path_that_is_not_a_regular_file_says_so(tmp_path) -> None:
     os.mkfifo(fifo)
     for path in ("/dev/zero", str(fifo)):
         with pytest.raises(ConfigError, match=f"trace.path={path}: not a regular file"):
-            validate(cfg(*R, f"trace.path={path}"))
+            check_config(cfg(*R, f"trace.path={path}"))
         with pytest.raises(TraceFormatError, match="not a regular file"):
             load_trace(path)  # returns at once: a FIFO without a writer is never opened
     with pytest.raises(ConfigError, match="no such file"):
-        validate(cfg(*R, f"trace.path={tmp_path / 'absent.npz'}"))
+        check_config(cfg(*R, f"trace.path={tmp_path / 'absent.npz'}"))
 
 
 def test_an_input_that_cannot_fit_in_memory_is_refused_before_it_is_built(monkeypatch) -> None:
@@ -247,13 +247,13 @@ def test_an_input_that_cannot_fit_in_memory_is_refused_before_it_is_built(monkey
     monkeypatch.setattr(budget, "available_host_bytes", lambda *a: 8 * 2**30)
     huge = cfg(*R[:-2], "trace.samples_per_batch=100000000", "trace.max_tokens=256")
     with pytest.raises(ConfigError) as err:
-        validate(huge)
+        check_config(huge)
     text = str(err.value)
     assert "trace.num_batches * trace.samples_per_batch = 1 * 100000000" in text
     assert "need 381.5 GiB, more than the 8.0 GiB this host has available" in text
-    validate(cfg(*R))  # the small run fits
+    check_config(cfg(*R))  # the small run fits
     monkeypatch.setattr(budget, "available_host_bytes", lambda *a: None)
-    validate(huge)  # a host that does not publish MemAvailable: not checked (docs/results_store.md)
+    check_config(huge)  # a host that does not publish MemAvailable: not checked (docs/results_store.md)
 
 
 def test_a_trace_file_that_cannot_fit_in_memory_is_refused_naming_its_arrays(trace_file, monkeypatch) -> None:
@@ -264,7 +264,7 @@ def test_a_trace_file_that_cannot_fit_in_memory_is_refused_naming_its_arrays(tra
     with pytest.raises(TraceFormatError, match=rf"trace file {trace_file}: its arrays need .* GiB.*experts"):
         load_trace(trace_file)
     with pytest.raises(ConfigError, match=rf"trace.path={trace_file}"):
-        validate(
+        check_config(
             cfg(f"trace.path={trace_file}", "model=olmoe-1b-7b", "cluster.nodes=2", "cluster.gpus_per_node=8")
         )
 
@@ -295,7 +295,7 @@ def test_ctrl_c_while_a_module_is_still_importing_is_one_line_exit_130() -> None
 )
 def test_a_setting_that_would_run_something_else_is_refused(overrides, named) -> None:
     with pytest.raises(ConfigError, match="bad configuration") as err:
-        validate(cfg(*R, *overrides))
+        check_config(cfg(*R, *overrides))
     assert named in str(err.value)
 
 
@@ -306,7 +306,7 @@ def test_an_empty_run_dir_and_a_dangling_trace_link_are_named(tmp_path) -> None:
         preflight([*R, "hydra.run.dir="])
     (tmp_path / "link.npz").symlink_to(tmp_path / "gone.npz")
     with pytest.raises(ConfigError, match="no such file \\(a symbolic link to nothing"):
-        validate(cfg(*R, f"trace.path={tmp_path / 'link.npz'}"))
+        check_config(cfg(*R, f"trace.path={tmp_path / 'link.npz'}"))
 
 
 @pytest.mark.parametrize(

@@ -191,9 +191,9 @@ def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_comp
     with pytest.raises(ConfigError, match=r"needs at least 100\.1 GiB \(4 ranks of 25\.0 GiB.*has 8\.0 GiB"):
         run(c, run_dir=tmp_path / "run")
     validate_ok = cfg(*TINY, "executor=torch")  # the default small shape fits
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
-    validate(validate_ok)
+    check_config(validate_ok)
 
 
 def test_torch_executor_refuses_a_run_over_its_time_limit(tmp_path, monkeypatch) -> None:
@@ -562,16 +562,16 @@ def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_p
 def test_sweep_summary_callback_reads_failures_of_cells_run_elsewhere(tmp_path, capsys) -> None:
     from omegaconf import OmegaConf
 
-    from experiments.sweep_check import FAILED_FILE, ValidateCells
+    from experiments.sweep_check import FAILED_FILE, CheckCells
 
     (tmp_path / "3").mkdir()
     (tmp_path / "3" / FAILED_FILE).write_text(json.dumps({"cell": "seed=3", "error": "OSError: disk"}))
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     with pytest.raises(SystemExit) as stop:
-        ValidateCells().on_multirun_end(config)
+        CheckCells().on_multirun_end(config)
     assert stop.value.code == 1 and "seed=3: OSError: disk" in capsys.readouterr().err
     (tmp_path / "3" / FAILED_FILE).unlink()
-    ValidateCells().on_multirun_end(config)  # nothing failed: the sweep ends as it is
+    CheckCells().on_multirun_end(config)  # nothing failed: the sweep ends as it is
 
 
 def test_a_trace_declaring_more_than_its_file_holds_is_refused_before_allocating(

@@ -20,7 +20,7 @@ from experiments.config.build import (
     build_workload_for,
     load_counts,
 )
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.layout_check import memory_problems, workload_memory_problems
 from experiments.config.presets import CONF_DIR, cells, compose_cells, presets
 
@@ -57,22 +57,22 @@ def _cfg(*overrides: str):
 )
 def test_bad_layout_is_refused_naming_its_keys(overrides: list[str], keys: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(_cfg("model=qwen3-30b-a3b", "cluster.nodes=2", *overrides))
+        check_config(_cfg("model=qwen3-30b-a3b", "cluster.nodes=2", *overrides))
     for key in keys:
         assert key in str(err.value), (key, str(err.value))
 
 
 def test_a_layout_that_fits_passes_and_warn_or_off_let_a_big_one_run(caplog) -> None:
-    validate(
+    check_config(
         _cfg("model=qwen3-30b-a3b", "cluster.nodes=2", "parallel.pp=2", "parallel.vpp=2", "parallel.tp=2")
     )
     big = ["model=qwen3-235b-a22b", "cluster.nodes=8"]
-    validate(_cfg(*big, "simulator.memory_check=off"))
+    check_config(_cfg(*big, "simulator.memory_check=off"))
     with caplog.at_level("WARNING"):
-        validate(_cfg(*big, "simulator.memory_check=warn"))
+        check_config(_cfg(*big, "simulator.memory_check=warn"))
     assert "does not fit in memory" in caplog.text
     # the pipeline shards the parameters: 8 stages of 12 layers hold an eighth of them
-    validate(_cfg(*big, "parallel.pp=8", "parallel.chunk_layers=[12,12,12,12,12,12,11,11]"))
+    check_config(_cfg(*big, "parallel.pp=8", "parallel.chunk_layers=[12,12,12,12,12,12,11,11]"))
 
 
 def _cost(cfg):

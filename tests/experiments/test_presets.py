@@ -9,7 +9,7 @@ import pytest
 
 import experiments.run as run_module
 from experiments.config.build import build_cluster
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.presets import cells, compose_cell, compose_cells, presets
 from experiments.grid.jobs import GridReport
 from experiments.grid.peer_traces import PEER_DIR, is_peer_preset, prepare_peer_traces
@@ -107,7 +107,7 @@ def _check_cells(
     keys = set()
     peer = request.getfixturevalue("peer_dir") if request and is_peer_preset(preset) else None
     for cfg in compose_cells(preset, [[*cell, *_extra(preset, trace, peer)] for cell in grid]):
-        validate(cfg)
+        check_config(cfg)
         assert cfg.experiment_name == preset
         assert Path(cfg.results_dir).name == preset
         keys.add(cell_key(cfg))
@@ -301,7 +301,7 @@ def test_real_trace_preset_reads_the_shared_olmoe_trace(shared_traces: Path, tmp
     for cfg in compose_cells(
         "quick_real_trace", [[*c, f"trace.path={path}"] for c in cells("quick_real_trace")]
     ):
-        validate(cfg)
+        check_config(cfg)
     assert prepare_olmoe_trace(tmp_path / "absent", tmp_path / "other.npz") is None
 
 

@@ -17,7 +17,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from experiments.config.build import build_planner
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.planner_nodes import NODES
 from experiments.config.presets import CONF_DIR
 from tests.builders import cfg
@@ -53,7 +53,7 @@ def test_the_readme_table_has_rows() -> None:
 @pytest.mark.parametrize(("override", "planner"), PAIRS)
 def test_each_listed_override_works_for_each_listed_planner(override: str, planner: str) -> None:
     composed = cfg(f"planner={planner}", override, *SHAPE)
-    validate(composed)
+    check_config(composed)
     build_planner(composed)
     key, value = override.split("=", 1)
     assert OmegaConf.select(composed, key) == yaml.safe_load(value)
@@ -100,7 +100,7 @@ def test_every_field_of_a_baselines_dataclass_is_an_override(planner: str) -> No
     assert isinstance(values, dict)
     overrides = [f"planner.{f.name}={_render(values[f.name])}" for f in fields(settings)]
     composed = cfg(f"planner={planner}", *overrides, *SHAPE)
-    validate(composed)
+    check_config(composed)
     built = build_planner(composed)
     for f in fields(settings):
         got = getattr(built, f.name)

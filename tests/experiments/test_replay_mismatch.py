@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.config.build import ConfigError
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.run import compute
 from tests.builders import cfg
@@ -16,7 +16,7 @@ from tests.experiments.test_entry_refusals import R, _cli, _one_line
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "abc", "null", "true", "nan"])
 def test_a_mismatch_outside_0_1_is_refused_naming_the_key(value: str) -> None:
     with pytest.raises(ConfigError, match=r"replay\.mismatch=.*must be a number in \[0, 1\]"):
-        validate(cfg(*R, f"replay.mismatch={value}"))
+        check_config(cfg(*R, f"replay.mismatch={value}"))
 
 
 def test_the_cli_refuses_it_with_one_line_and_exit_2(tmp_path) -> None:

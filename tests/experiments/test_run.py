@@ -474,10 +474,10 @@ def test_calibration_file_for_another_model_is_refused(trace_file, tmp_path):
 )
 def test_validate_accepts_deepep_for_the_milp_and_the_lp_split(planner):
     """The replication MILP and the LP split price deepep by majorize-minimize: no refusal any more."""
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
     c = cfg("cluster.dispatcher=deepep", *planner)
-    validate(c)
+    check_config(c)
     if "planner=relibra_milp" in planner:
         built = instantiate(c.planner, _convert_="all")
         assert built.replicator.majorize.max_iterations == (2 if len(planner) > 1 else 8)
@@ -497,11 +497,11 @@ def test_bad_majorize_setting_stops_before_work(trace_file, tmp_path, override, 
 
 
 def test_synthetic_overlap_with_one_microbatch_is_refused_by_validate():
-    from experiments.config.checks import validate
+    from experiments.config.checks import check_config
 
     bad = cfg("cluster.ep_overlap=true", "trace.samples_per_batch=16", "workload.samples_per_microbatch=2")
     with pytest.raises(ConfigError, match=r"cluster\.ep_overlap=true needs at least 2 micro-batches"):
-        validate(bad)
+        check_config(bad)
 
 
 def test_dispatcher_and_overlap_change_the_priced_communication(trace_file, tmp_path):

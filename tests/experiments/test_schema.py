@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from experiments.config.build import ConfigError
-from experiments.config.checks import validate
+from experiments.config.checks import check_config
 from experiments.config.schema import _leaves, config_schema, override_problems
 from tests.builders import cfg
 
@@ -81,7 +81,7 @@ def test_a_hostile_value_of_any_key_is_refused_by_name_or_accepted_typed(key, va
     OmegaConf.update(c, key, value, force_add=True)
     schema = config_schema()
     try:
-        validate(c)
+        check_config(c)
     except ConfigError as exc:
         assert "\n" not in str(exc)
         return
