@@ -463,7 +463,9 @@ class CostModel(WholeStepTerms):
         refill [...] (one direction, :meth:`replica_refill_time`) and attention [...] (fwd + bwd seconds of
         the layer's attention on the busiest GPU) broadcast together. The forward refill overlaps the
         forward attention (a third of fwd + bwd, backward being twice the forward FLOPs); the backward
-        gradient reduction sends the same bytes home during the backward attention (two thirds).
+        gradient reduction sends the same bytes home during the backward attention (two thirds). The closed
+        form of what :func:`relibra.cost.transfers.price_transfers` charges a buffer planned before the batch
+        (the simulator and the planners price through it; tests compare the two).
         """
         return CostModel.exposed_copies(refill, refill, attention)
 

@@ -36,6 +36,7 @@ from relibra.cost.transfers import (
     plan_transfers,
     price_transfers,
     redundant_transfer,
+    refill_exposed,
     step_charge,
 )
 from relibra.cost.work import LayerWork
@@ -271,8 +272,7 @@ def layer_terms(
     simulator charges them."""
     cost = ctx.cost
     br = cost.moe(load, rep.assign)
-    refill = cost.replica_refill_time(rep.replicas, home)
-    return br.t_compute, br.t_comm, cost.exposed_refill(refill, window_s)
+    return br.t_compute, br.t_comm, refill_exposed(cost, rep.replicas, home, window_s)
 
 
 def layer_price(

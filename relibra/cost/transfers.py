@@ -53,9 +53,11 @@ __all__ = [
     "Transfer",
     "TransferCharge",
     "TransferSchedule",
+    "buffer_transfers",
     "plan_transfers",
     "price_transfers",
     "redundant_transfer",
+    "refill_exposed",
     "replicas_per_slot",
     "step_charge",
 ]
@@ -133,8 +135,9 @@ class Transfer:
 class TransferSchedule:
     """Every weight transfer of one batch, in the order they are priced (per-layer sums keep it)."""
 
-    layer_shape: tuple[int, int]
-    """``(Mb, L)``: the batch's micro-batches and MoE layers (the shape of the per-layer charges)."""
+    layer_shape: tuple[int, ...]
+    """``(Mb, L)``: the batch's micro-batches and MoE layers (the shape of the per-layer charges; a planner
+    pricing one micro-batch's layers: ``(L,)``)."""
     transfers: tuple[Transfer, ...] = ()
     buffer_slots: int = 0
     """Most replica slots any GPU fills in one (micro-batch, layer) (``replica_buffer_bytes``)."""
@@ -151,9 +154,10 @@ class TransferCharge:
     """What a schedule costs (:func:`price_transfers`)."""
 
     layer_exposed: np.ndarray
-    """float64 [Mb, L]: exposed seconds of the per-layer transfers (the per-layer ``t_sync_exposed_s``)."""
+    """float64 [Mb, L] (``layer_shape``): exposed seconds of the per-layer transfers (the per-layer
+    ``t_sync_exposed_s``)."""
     recompute_exposed: np.ndarray
-    """float64 [Mb, L]: exposed seconds of the copies a recompute pass repeats."""
+    """float64 [Mb, L] (``layer_shape``): exposed seconds of the copies a recompute pass repeats."""
     exposed: dict[str, float]
     """Exposed seconds of each kind in the schedule, summed over the batch."""
     hidden: dict[str, float]
@@ -210,6 +214,35 @@ def redundant_transfer(plan: BatchPlan, cost: CostModel) -> Transfer | None:
     )
 
 
+def buffer_transfers(
+    slots: np.ndarray, home: np.ndarray, weight_bytes: float, host_path: bool = False
+) -> tuple[Transfer, Transfer]:
+    """The ``replica_fill`` and ``gradient_return`` of slots planned before the batch (slots int32
+    [..., L, G, r], home int32 [L, E]): over the home node's NVLink, or with ``host_path`` the fill through
+    the transfer engine and the gradients over the fabric."""
+    fill: TransferPath = "host_engine" if host_path else "nvlink"
+    # NOTE: the host path reads weights the host holds; gradients are made on the copies' GPUs and summed
+    # into their homes' accumulators, so they return over the fabric.
+    back: TransferPath = "fabric" if host_path else "nvlink"
+    return (
+        Transfer("replica_fill", fill, "forward_attention", weight_bytes, slots, home, recompute=True),
+        Transfer("gradient_return", back, "backward_attention", weight_bytes, slots, home),
+    )
+
+
+def refill_exposed(
+    cost: CostModel, slots: np.ndarray, home: np.ndarray, attention: np.ndarray | float
+) -> np.ndarray:
+    """float64 [..., L]: exposed seconds of the replica buffer's fill and gradient return over NVLink for
+    slots [..., L, G, r] from ``home`` [L, E] behind ``attention`` (fwd + bwd seconds, broadcast with the
+    layers), priced by :func:`price_transfers`: what the simulator charges a plan made before the batch,
+    for planners that compare slot contents (:mod:`relibra.planners.refill`)."""
+    slots = np.asarray(slots)
+    transfers = buffer_transfers(slots, np.asarray(home), cost.expert_weight_bytes())
+    schedule = TransferSchedule(layer_shape=tuple(slots.shape[:-2]), transfers=transfers)
+    return price_transfers(schedule, cost, np.asarray(attention, dtype=np.float64)).layer_exposed
+
+
 def plan_transfers(plan: BatchPlan, cost: CostModel, prev_home: np.ndarray) -> TransferSchedule:
     """The schedule of ``plan``: its slot copies, their gradient return, the migration from ``prev_home``
     [L, E] (one re-homed expert's payload: ``expert_params * cost.migration.bytes_per_param`` bytes) and the
@@ -234,14 +267,7 @@ def plan_transfers(plan: BatchPlan, cost: CostModel, prev_home: np.ndarray) -> T
             if plan.online.overlapped_gradient_reduce:
                 out.append(Transfer("gradient_return", "fabric", "backward_attention", weight, reps, home))
         else:
-            fill: TransferPath = "host_engine" if plan.host_path else "nvlink"
-            # NOTE: the host path reads weights the host holds; gradients are made on the copies' GPUs and
-            # summed into their homes' accumulators, so they return over the fabric.
-            back: TransferPath = "fabric" if plan.host_path else "nvlink"
-            out.append(
-                Transfer("replica_fill", fill, "forward_attention", weight, reps, home, recompute=True)
-            )
-            out.append(Transfer("gradient_return", back, "backward_attention", weight, reps, home))
+            out.extend(buffer_transfers(reps, home, weight, plan.host_path))
     src, dst = migration_moves(prev_home, home)
     payload = cost.model.expert_params * cost.migration.bytes_per_param
     out.append(Transfer("migration", "migration", "post_rollout", payload, src=src, dst=dst))

@@ -2,10 +2,10 @@
 
 The layer-shared buffer is refilled for every (micro-batch, layer): each copy's weights cross NVLink from
 the expert's home while the layer's attention runs, and its gradients go home during the backward
-attention; what attention does not hide is exposed (:meth:`relibra.cost.model.CostModel.exposed_refill`,
-charged by the simulator). A replicator minimises ``T_MoE`` alone, which is right wherever the refill is
-hidden (every quick and paper-scale preset: the exposed share of a step is below 0.1 %), but on short steps
-(the OLMoE decode trace: 12,800 tokens a step) a copy can cost more refill than it saves.
+attention; what attention does not hide is exposed (:func:`relibra.cost.transfers.refill_exposed`, the
+schedule's pricing the simulator charges). A replicator minimises ``T_MoE`` alone, which is right wherever
+the refill is hidden (every quick and paper-scale preset: the exposed share of a step is below 0.1 %), but
+on short steps (the OLMoE decode trace: 12,800 tokens a step) a copy can cost more refill than it saves.
 
 :func:`replicate_within_window` keeps the replicator's answer wherever its refill is hidden, and elsewhere
 also solves those layers with fewer slots per GPU (``r - 1`` down to ``0``, i.e. every token at home) and
@@ -24,6 +24,7 @@ import numpy as np
 
 from relibra.cost.overlap import OverlapNeighbours, best_chain
 from relibra.cost.pricing import attention_window, layer_price, layer_terms
+from relibra.cost.transfers import refill_exposed
 from relibra.planners.protocols import BatchContext, Replication, Replicator
 
 __all__ = ["replicate_batch", "replicate_within_window"]
@@ -59,7 +60,7 @@ def replicate_within_window(
     stats["refill_capped_layers"] = 0.0
     if slots == 0 or not rep.replicas.size:
         return Replication(assign=rep.assign, replicas=rep.replicas, stats=stats)
-    exposed = ctx.cost.exposed_refill(ctx.cost.replica_refill_time(rep.replicas, home), window)
+    exposed = refill_exposed(ctx.cost, rep.replicas, home, window)
     rows = np.flatnonzero(exposed > 0)
     if rows.size == 0:
         return Replication(assign=rep.assign, replicas=rep.replicas, stats=stats)

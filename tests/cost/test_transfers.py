@@ -18,7 +18,7 @@ from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.migration import MigrationPayload, migration_cost
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import redundant_sync_time
-from relibra.cost.transfers import TRANSFER_KINDS, Transfer, plan_transfers, price_transfers
+from relibra.cost.transfers import TRANSFER_KINDS, Transfer, plan_transfers, price_transfers, refill_exposed
 from relibra.types import BatchPlan, OnlineCopies
 
 HW = HardwareSpec(
@@ -202,3 +202,18 @@ def test_a_transfer_names_its_ends():
         Transfer("replica_fill", "nvlink", "forward_attention", W)
     with pytest.raises(ValueError, match="src and dst"):
         Transfer("migration", "migration", "post_rollout", W)
+
+
+def test_a_planners_refill_price_is_the_schedules():
+    """Planners price one micro-batch's slots [L, G, r] by the same function: bit-equal to the closed form
+    ``max(0, fill - A / 3) + max(0, fill - 2 A / 3)`` for any slot contents."""
+    cost = _cost()
+    rng = np.random.default_rng(0)
+    home = np.tile(HOME, (3, 1))  # three layers
+    slots = rng.integers(-1, 4, size=(3, 4, 2)).astype(np.int32)
+    window = 5e-10
+    fill = cost.replica_refill_time(slots, home)
+    np.testing.assert_array_equal(
+        refill_exposed(cost, slots, home, window), cost.exposed_refill(fill, window)
+    )
+    assert refill_exposed(cost, slots, home, window).shape == (3,)
