@@ -100,13 +100,17 @@ class Transfer:
     ``dst``."""
 
     kind: TransferKind
+    """What moves (:data:`TRANSFER_KINDS`)."""
     path: TransferPath
+    """The links it takes, which pick its link model (:data:`TRANSFER_PATHS`)."""
     overlap: Overlap
+    """What may hide it (:data:`OVERLAPS`); ``none``: the critical path."""
     bytes_each: float
     """Bytes of one expert's payload (the bf16 weights or gradients; a migration's weights and state)."""
     slots: np.ndarray | None = None
-    """int32 [Mb, L, G, r]: the expert each GPU's slot receives (or returns), -1 empty; set for the
-    ``nvlink``, ``fabric`` and ``host_engine`` paths (destination: the slot's GPU; source: ``home``)."""
+    """int32 [Mb, L, G, r] (a planner's one micro-batch: [L, G, r]): the expert each GPU's slot receives (or
+    returns), -1 empty; set for the ``nvlink``, ``fabric`` and ``host_engine`` paths (destination: the slot's
+    GPU; source: ``home``)."""
     home: np.ndarray | None = None
     """int32 [L, E]: each expert's home GPU, the other end of every slot copy (with ``slots``)."""
     src: np.ndarray | None = None
