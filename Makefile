@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core; a file's tests stay in one process (their fixtures are built once).
 TEST_WORKERS ?= auto
 
-.PHONY: venv test test-slow test-verl test-megatron reproduce reproduce-paper reproduce-field lint typecheck bench clean
+.PHONY: venv test test-slow test-verl test-megatron reproduce reproduce-quick-field reproduce-paper reproduce-field lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ test-megatron: $(MEGATRON_STAMP)
 
 reproduce: venv
 	$(PY) -m experiments.reproduce
+
+# The grids beyond the paper at the quick scale: DeepEP, NVL72, the whole-step shift, the dispatcher and
+# overlap sensitivity, Megatron-LM's token-imbalance workloads.
+reproduce-quick-field: venv
+	$(PY) -m experiments.reproduce --scale quick-field
 
 # The paper's six grids at its scale (4 RL steps of 512 rollouts instead of 1), three trace seeds.
 reproduce-paper: venv

@@ -1,10 +1,11 @@
-"""``make reproduce`` (``python -m experiments.reproduce``): the quick presets, then the paper's tables.
+"""``make reproduce`` (``python -m experiments.reproduce``): the paper's grids, quick scale, then the tables.
 
-Runs every cell of the ``quick_*`` presets (Hydra's local flow: each cell is composed from its preset and
-handed to ``experiments.run.run``), in worker processes, one per core (``--workers``), showing cells done,
-cells left, cells reused and elapsed time. A cell that several presets share (same cell key) is computed
-once and its rows copied into the other presets' stores; cells of one trace go to the workers one after
-another, so each worker's cache (:mod:`experiments.inputs`) builds its counts and workload once.
+Runs every cell of the presets of ``--scale`` (default ``quick``: the paper's six grids at the quick scale;
+each cell is composed from its preset and handed to ``experiments.run.run``), in worker processes, one per
+core (``--workers``), showing cells done, cells left, cells reused and elapsed time. A cell that several
+presets share (same cell key) is computed once and its rows copied into the other presets' stores; cells of
+one trace go to the workers one after another, so each worker's cache (:mod:`experiments.inputs`) builds
+its counts and workload once.
 Finished cells are kept in ``RESULTS/<preset>/`` by the results store, so a rerun only redoes what is
 missing; finished cells that other code computed (their ``code_version``, see :mod:`relibra.provenance`)
 are reported, and recomputed with ``--recompute-stale``. Then ``analysis`` prints the tables beside the
@@ -15,7 +16,8 @@ it is converted once to ``RESULTS/traces/olmoe-decode.npz`` and the preset is sk
 
 Examples::
 
-    python -m experiments.reproduce                          # the quick presets (about 13 min on 2 cores)
+    python -m experiments.reproduce                          # the paper's six grids, quick scale (main job)
+    python -m experiments.reproduce --scale quick-field      # the grids beyond the paper, quick scale
     python -m experiments.reproduce --presets quick_ablation,quick_datasets
     python -m experiments.reproduce --scale paper            # the paper's six grids at its scale
     python -m experiments.reproduce --scale field            # the grids beyond the paper, at its scale
@@ -40,7 +42,6 @@ from experiments.grid.jobs import CellJob, GridReport
 from experiments.grid.peer_traces import is_peer_preset, prepare_peer_traces
 from experiments.grid.progress import Bars, Lines, Tracker, progress_bars, summarise
 from experiments.grid.runner import (
-    QUICK_PRESETS,
     SCALES,
     SHARED_TRACES,
     plan_grids,
@@ -68,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--scale",
-        choices=("quick", *SCALES),
+        choices=tuple(SCALES),
         default="quick",
-        help="quick: every grid at the quick scale (default); paper: the paper's six grids at its scale; "
+        help="quick: the paper's six grids at the quick scale (default); quick-field: the grids beyond the "
+        "paper at the quick scale; paper: the paper's six grids at its scale; "
         "field: the grids beyond the paper (DeepEP, NVL72, dispatcher and overlap sensitivity) at its scale",
     )
     parser.add_argument(
@@ -98,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: tables are wide; when output is not a terminal (CI logs, files) rich would assume 80 columns.
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
-    presets = (
-        args.presets
-        if args.presets is not None
-        else ",".join(QUICK_PRESETS if args.scale == "quick" else SCALES[args.scale])
-    )
+    presets = args.presets if args.presets is not None else ",".join(SCALES[args.scale])
     from experiments.config.build import ConfigError
     from experiments.config.presets import presets as known_presets
     from experiments.config.schema import override_problems

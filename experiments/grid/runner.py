@@ -37,6 +37,7 @@ from relibra.provenance import code_version, identifies_code
 __all__ = [
     "FIELD_PRESETS",
     "PAPER_PRESETS",
+    "QUICK_FIELD_PRESETS",
     "QUICK_PRESETS",
     "SCALES",
     "CellJob",
@@ -71,23 +72,34 @@ FIELD_PRESETS = (
 """The grids beyond the paper, at its scale (``make reproduce-field``): the overall comparison under DeepEP,
 which production runs use (the headline figure's second row), rack-scale NVLink domains, how the
 verdicts move with the dispatcher and the EP overlap, and Megatron-LM's token-imbalance workloads."""
-SCALES = {"paper": PAPER_PRESETS, "field": FIELD_PRESETS}
-"""``--scale`` -> its presets (``quick``: :data:`QUICK_PRESETS`)."""
 QUICK_PRESETS = (
     "quick_overall",
-    "quick_overall_deepep",
     "quick_ablation",
     "quick_ep_scaling",
-    "quick_nvl72",
     "quick_datasets",
     "quick_overhead",
     "quick_real_trace",
+)
+"""The paper's six grids at the quick scale (``make reproduce``, the main job): the questions the paper
+answers, in the fewest cell seconds. The grids beyond the paper are :data:`QUICK_FIELD_PRESETS`."""
+QUICK_FIELD_PRESETS = (
+    "quick_overall_deepep",
+    "quick_nvl72",
     "quick_whole_step_shift",
     "quick_comm_sensitivity",
     "quick_peer",
 )
-"""Every grid at the quick scale (``make reproduce``), and two that are cheap only there: the MoE-only vs
-whole-step shift (docs/validation.md) and the communication sensitivity of ``ep_scaling``."""
+"""The grids beyond the paper at the quick scale (``make reproduce-quick-field``), and two that are cheap
+only there: the MoE-only vs whole-step shift (docs/validation.md) and the communication sensitivity of
+``ep_scaling``. They hold most of the quick cell seconds (``quick_comm_sensitivity``'s ReLibra cells alone
+about half: docs/records/reproduce-speed.md), so the main job leaves them out."""
+SCALES = {
+    "quick": QUICK_PRESETS,
+    "quick-field": QUICK_FIELD_PRESETS,
+    "paper": PAPER_PRESETS,
+    "field": FIELD_PRESETS,
+}
+"""``--scale`` -> its presets."""
 REPO = Path(__file__).resolve().parents[2]
 SHARED_TRACES = Path(os.environ.get("RELIBRA_SHARED_TRACES", REPO.parent / "shared" / "traces"))
 OLMOE_SAMPLES_PER_BATCH = 100

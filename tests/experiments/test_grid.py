@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import presets as grid_module
 from experiments.config.presets import cells, compose_cell, compose_cells
-from experiments.grid.runner import QUICK_PRESETS
+from experiments.grid.runner import QUICK_FIELD_PRESETS, QUICK_PRESETS
 from experiments.store.keys import cell_key
 
 
@@ -48,7 +48,7 @@ def test_every_option_of_a_quick_preset_composes_as_hydra_does(preset: str) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", QUICK_PRESETS)
+@pytest.mark.parametrize("preset", QUICK_PRESETS + QUICK_FIELD_PRESETS)
 def test_every_cell_of_each_quick_preset_composes_as_hydra_does(preset: str) -> None:
     _both_ways(preset, cells(preset))
 

@@ -343,12 +343,17 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
             [],
             [
                 "quick_overall",
-                "quick_overall_deepep",
                 "quick_ablation",
                 "quick_ep_scaling",
-                "quick_nvl72",
                 "quick_datasets",
                 "quick_overhead",
+            ],
+        ),
+        (
+            ["--scale", "quick-field"],
+            [
+                "quick_overall_deepep",
+                "quick_nvl72",
                 "quick_whole_step_shift",
                 "quick_comm_sensitivity",
                 "quick_peer",
@@ -365,8 +370,9 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
 def test_reproduce_scale_selects_the_presets(
     argv: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--scale paper` (make reproduce-paper) runs the paper's six grids at its scale, `--scale field` (make
-    reproduce-field) the grids beyond the paper; --presets wins."""
+    """No --scale (make reproduce) runs the paper's six grids at the quick scale, `--scale quick-field` (make
+    reproduce-quick-field) the grids beyond the paper at it, `--scale paper` (make reproduce-paper) the paper's
+    six at its scale, `--scale field` (make reproduce-field) the grids beyond the paper; --presets wins."""
     from experiments.grid import cli, runner
 
     ran: list[str] = []
