@@ -17,6 +17,7 @@ no finished cell of the same config (:func:`experiments.store.access.run_cell`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import shutil
@@ -518,18 +519,38 @@ def _sweep_yaml_problems(config_name: str, overrides: Sequence[str]) -> list[str
     return []
 
 
+HYDRA_FLAGS = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+               ("--multirun", "-m"), ("--shell-completion", "-sc"))  # fmt: skip
+"""Hydra 1.3's command-line switches (``python -m experiments.run --hydra-help``; Hydra's own parser,
+``hydra._internal.utils.get_args_parser``, is not public API)."""
+HYDRA_OPTIONS = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+                 ("--config-dir", "-cd"), ("--experimental-rerun",))  # fmt: skip
+"""Hydra 1.3's command-line options that take a value (``--info`` takes an optional one)."""
+
+
+def _args_parser() -> argparse.ArgumentParser:
+    """The command line the Hydra app takes (:data:`HYDRA_FLAGS`, :data:`HYDRA_OPTIONS`, ``--info``, the
+    overrides), read here before Hydra reads it."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    for flags in HYDRA_FLAGS:
+        parser.add_argument(*flags, action="store_true")
+    for flags in HYDRA_OPTIONS:
+        parser.add_argument(*flags)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    return parser
+
+
 def preflight(args: Sequence[str]) -> None:
     """Refuse, before Hydra composes anything, what Hydra would refuse with a traceback and exit status 1
     or silently accept: an unknown group option (``planner=bogus``), a misspelt key
     (``planner.replica_slot=2``), a ``+key`` that no code reads, an output directory that cannot be
     written. Raises one :class:`ConfigError` naming each key and the closest known one
     (:func:`experiments.config.schema.override_problems`)."""
-    from hydra._internal.utils import get_args_parser
-
     from experiments.config.schema import config_schema, override_problems
 
-    known, stray = get_args_parser().parse_known_args(list(args))
-    if known.help or known.hydra_help or known.info or known.shell_completion or known.cfg:
+    known, stray = _args_parser().parse_known_args(list(args))
+    if known.help or known.hydra_help or known.version or known.info or known.shell_completion or known.cfg:
         return  # NOTE: Hydra's own help and inspection modes run no task
     if stray:  # NOTE: Hydra's argparse would print its usage and this on several lines
         raise ConfigError(

@@ -2,23 +2,25 @@
 
 A preset (``conf/experiment/<name>.yaml``) lists its sweep under ``hydra.sweeper.params``; the cells are
 the cartesian product of those values, expanded exactly as Hydra's basic sweeper does
-(``BasicSweeper.split_arguments``), with any extra overrides (sweeps included) taking precedence over the
-preset's. ``python -m experiments.run -m +experiment=<name>`` launches the same cells through Hydra.
+(``BasicSweeper.split_arguments``, re-done on Hydra's public override parser), with any extra overrides
+(sweeps included) taking precedence over the preset's. ``python -m experiments.run -m +experiment=<name>``
+launches the same cells through Hydra.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "expand", "presets"]
@@ -55,9 +57,21 @@ def cells(experiment: str, overrides: Sequence[str] = ()) -> list[Cell]:
 
 def expand(params: Mapping[str, str], overrides: Sequence[str] = ()) -> list[Cell]:
     """The cells of a sweep: ``hydra.sweeper.params`` and the command line's ``overrides`` (sweeps
-    included, taking precedence), expanded as Hydra's basic sweeper does."""
+    included, taking precedence), expanded as Hydra's basic sweeper does (its ``split_arguments``: each key
+    in its first place with its last value, then the cartesian product), read with Hydra's public
+    ``OverridesParser`` and ``Override`` API. Raises HydraException for an interval sweep, which the basic
+    sweeper refuses too."""
     parsed = OverridesParser.create().parse_overrides([*(f"{k}={v}" for k, v in params.items()), *overrides])
-    return BasicSweeper.split_arguments(parsed, None)[0]
+    choices: dict[str, list[str]] = {}  # NOTE: a key keeps its first place and takes its last value
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [f"{key}={override.get_value_element_as_str()}"]
+        elif override.is_discrete_sweep():
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+        else:
+            raise HydraException(f"{key}: the basic sweeper sweeps a list of choices, not an interval")
+    return [list(cell) for cell in itertools.product(*choices.values())]
 
 
 def compose_cell(experiment: str, cell: Sequence[str] = ()) -> DictConfig:

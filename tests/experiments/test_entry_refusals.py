@@ -344,3 +344,30 @@ def test_an_option_after_the_overrides_is_one_line(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match=r"unrecognized arguments seed=0,1: give options \(-m"):
         preflight([*R, "-m", "seed=0,1"])  # Hydra's argparse would print its usage, exit status 2
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--help"],
+        ["--hydra-help"],
+        ["--version"],
+        ["--cfg", "job"],
+        ["-c", "all"],
+        ["--info"],
+        ["-i", "defaults"],
+    ],
+)
+def test_hydras_help_and_inspection_modes_are_left_to_hydra(mode: list[str]) -> None:
+    from experiments.run import preflight
+
+    assert preflight([*mode, "planner=bogus", "cluster.nodez=2"]) is None  # Hydra prints; no task runs
+
+
+def test_a_sweep_outside_multirun_is_refused_and_inside_it_is_not(tmp_path) -> None:
+    from experiments.run import preflight
+
+    with pytest.raises(ConfigError, match="seed=0,1: a sweep runs only with --multirun"):
+        preflight([*R, "seed=0,1", f"hydra.run.dir={tmp_path / 'run'}"])
+    for flag in ("-m", "--multirun"):
+        preflight([flag, *R, "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"])

@@ -5,11 +5,11 @@ it."""
 from __future__ import annotations
 
 import pytest
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import presets as grid_module
-from experiments.config.presets import cells, compose_cell, compose_cells
+from experiments.config.presets import cells, compose_cell, compose_cells, expand
 from experiments.grid.runner import QUICK_FIELD_PRESETS, QUICK_PRESETS
 from experiments.store.keys import cell_key
 
@@ -93,3 +93,19 @@ def test_what_a_copy_does_not_reproduce_is_composed_by_hydra() -> None:
         _same(cfg, compose_cell("overall", cell))
     with pytest.raises(ConfigCompositionException, match=r"cluster\.nodez"):
         compose_cells("overall", [["cluster.nodez=1"]])
+
+
+def test_a_sweep_expands_as_hydras_basic_sweeper_does() -> None:
+    """Each key in its first place with its last value, then the cartesian product in that order (Hydra's
+    BasicSweeper.split_arguments, which expand re-does on the public override parser)."""
+    params = {"model": "a,b", "seed": "0"}
+    assert expand(params, ["seed=1,2", "+extra=x", "~logger"]) == [
+        ["model=a", "seed=1", "+extra=x", "~logger=null"],
+        ["model=a", "seed=2", "+extra=x", "~logger=null"],
+        ["model=b", "seed=1", "+extra=x", "~logger=null"],
+        ["model=b", "seed=2", "+extra=x", "~logger=null"],
+    ]
+    assert expand({}, ["planner=megatron", "planner=relibra,eplb"]) == [["planner=relibra"], ["planner=eplb"]]
+    assert expand({}, ["seed=range(0,3)"]) == [["seed=0"], ["seed=1"], ["seed=2"]]
+    with pytest.raises(HydraException, match="seed"):
+        expand({}, ["seed=interval(0,1)"])
