@@ -370,9 +370,10 @@ def test_reproduce_reports_and_recomputes_cells_of_other_code(
 def test_reproduce_scale_selects_the_presets(
     argv: list[str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No --scale (make reproduce) runs the paper's six grids at the quick scale, `--scale quick-field` (make
-    reproduce-quick-field) the grids beyond the paper at it, `--scale paper` (make reproduce-paper) the paper's
-    six at its scale, `--scale field` (make reproduce-field) the grids beyond the paper; --presets wins."""
+    """No --scale (make reproduce) runs the paper's six grids at the quick scale, `--scale quick-field`
+    (make reproduce-quick-field) the grids beyond the paper at it, `--scale paper` (make reproduce-paper) the
+    paper's six at its scale, `--scale field` (make reproduce-field) the grids beyond the paper; --presets
+    wins."""
     from experiments.grid import cli, runner
 
     ran: list[str] = []
