@@ -16,6 +16,7 @@ from experiments.config.build import (
     load_counts,
     sim_options,
 )
+from experiments.config.spec import build_spec
 from relibra.cluster import HardwareSpec, ModelSpec
 from relibra.simulator import SimResult, simulate
 from relibra.types import SampleCounts
@@ -35,10 +36,11 @@ def model(name: str) -> ModelSpec:
 
 def timed_simulation(cfg: DictConfig, counts: SampleCounts | None = None) -> tuple[SimResult, float]:
     """Simulate ``cfg``'s planner on ``counts`` (default: ``cfg``'s trace) -> (result, simulate's wall s)."""
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    cost = build_cost(cfg, cluster, model)
-    given = load_counts(cfg) if counts is None else counts
-    counts, workload = build_workload_for(cfg, given, cluster.num_gpus)
+    spec = build_spec(cfg)
+    cluster, model = build_cluster(spec), build_model(spec)
+    cost = build_cost(spec, cluster, model)
+    given = load_counts(spec) if counts is None else counts
+    counts, workload = build_workload_for(spec, given, cluster.num_gpus)
     start = time.perf_counter()
-    res = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
+    res = simulate(build_planner(spec), counts, workload, cluster, model, cost, sim_options(spec, False))
     return res, time.perf_counter() - start

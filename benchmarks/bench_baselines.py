@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from experiments.config.build import build_model
+from experiments.config.spec import build_spec
 from relibra.trace.importers import load_olmoe_prefill_counts
 from relibra.types import SampleCounts
 
@@ -113,7 +114,9 @@ def main() -> None:
                 cfg = compose(config_name="config", overrides=[*scale, *overrides, f"planner={conf}", *extra])
                 counts = None
                 if dataset.startswith("olmoe"):
-                    counts = _rebatch(load_olmoe_prefill_counts(TRACE, top_k=build_model(cfg).top_k), 50)
+                    counts = _rebatch(
+                        load_olmoe_prefill_counts(TRACE, top_k=build_model(build_spec(cfg)).top_k), 50
+                    )
                 res, wall = timed_simulation(cfg, counts)
                 m = res.metrics
                 thr = m["throughput_tokens_per_s"]

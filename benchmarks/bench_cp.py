@@ -35,6 +35,7 @@ from experiments.config.build import (
     load_counts,
     sim_options,
 )
+from experiments.config.spec import build_spec
 from relibra.simulator import simulate
 from relibra.types import SampleCounts
 
@@ -75,7 +76,7 @@ def run(tokens: int, samples: int, nodes: int, cps: list[int], planners: list[st
                 "logger=none",
             ]
             with initialize_config_dir(str(CONF), version_base="1.3", job_name="bench_cp"):
-                cfg = compose("config", overrides=overrides)
+                cfg = build_spec(compose("config", overrides=overrides))
             cluster, model = build_cluster(cfg), build_model(cfg)
             cost = build_cost(cfg, cluster, model)
             given = long_counts(load_counts(cfg), tokens)

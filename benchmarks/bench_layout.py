@@ -26,6 +26,7 @@ from _common import CONF, timed_simulation
 from hydra import compose, initialize_config_dir
 
 from experiments.config.build import load_counts
+from experiments.config.spec import build_spec
 from relibra.layout import LAYOUTS, layout_samples, microbatch_balance
 from relibra.simulator import SimResult
 from relibra.trace.synthetic import PRESETS, generate_counts
@@ -86,7 +87,7 @@ def step_times(samples: int, batches: int, nodes: int, planners: list[str]) -> N
     ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         t0 = time.perf_counter()
-        counts = load_counts(compose(config_name="config", overrides=base))
+        counts = load_counts(build_spec(compose(config_name="config", overrides=base)))
         print(f"\n(generated {counts.num_samples} rollouts in {time.perf_counter() - t0:.0f} s)")
         results: dict[tuple[str, str], SimResult] = {}
         walls: dict[tuple[str, str], float] = {}

@@ -52,10 +52,11 @@ def time_cell(conf_dir: str, overrides: list[str]) -> tuple[float, float]:
         load_counts,
         sim_options,
     )
+    from experiments.config.spec import build_spec
     from relibra.simulator import simulate
 
     with initialize_config_dir(conf_dir, version_base="1.3", job_name="bench"):
-        cfg = compose("config", overrides=overrides)
+        cfg = build_spec(compose("config", overrides=overrides))
     cluster, model = build_cluster(cfg), build_model(cfg)
     cost = build_cost(cfg, cluster, model)
     counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)

@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from omegaconf import DictConfig
 
-from experiments.config.build import build_model, build_workload_for, load_counts, routing
-from experiments.config.layout_check import build_layout
+from experiments.config.build import build_workload_for, load_counts, routing
+from experiments.config.spec import RunSpec
 from relibra.trace.mismatch import trained_counts
 from relibra.trained_routes import TrainedRoutes
 from relibra.types import SampleCounts, Workload
@@ -53,38 +52,39 @@ CACHE_SIZE = 2
 TraceKey = tuple[Any, ...]
 
 
-def trace_key(cfg: DictConfig) -> TraceKey:
+def trace_key(spec: RunSpec) -> TraceKey:
     """What the run's counts are a function of: the trace file's path, or the generator's arguments.
 
     The same values :func:`experiments.config.build.load_counts` reads; cells with equal keys share counts.
     """
-    if cfg.trace.get("path"):
-        return ("file", str(cfg.trace.path))
+    trace, model = spec.trace, spec.model
+    if trace.path:
+        return ("file", trace.path)
     return (
         "synthetic",
-        str(cfg.trace.preset),
-        int(cfg.model.num_experts),
-        int(cfg.model.num_moe_layers),
-        int(cfg.model.top_k),
-        int(cfg.trace.num_batches),
-        int(cfg.trace.samples_per_batch),
-        int(cfg.seed),
-        int(cfg.trace.max_tokens),
+        trace.preset,
+        model.num_experts,
+        model.num_moe_layers,
+        model.top_k,
+        trace.num_batches,
+        trace.samples_per_batch,
+        spec.seed,
+        trace.max_tokens,
     )
 
 
-def _workload_key(cfg: DictConfig, num_gpus: int) -> tuple[Any, ...]:
+def _workload_key(spec: RunSpec, num_gpus: int) -> tuple[Any, ...]:
     """What :func:`experiments.config.build.build_workload_for` reads besides the counts."""
-    uniform = routing(cfg) == "uniform"
+    uniform = routing(spec) == "uniform"
     return (
-        routing(cfg),
-        int(cfg.seed) if uniform else None,  # NOTE: only uniform routing draws from the seed
+        routing(spec),
+        spec.seed if uniform else None,  # NOTE: only uniform routing draws from the seed
         num_gpus,
-        cfg.workload.get("samples_per_microbatch"),
-        cfg.workload.get("tokens_per_microbatch"),
-        str(cfg.workload.layout),
-        build_model(cfg).attention_span,  # NOTE: the layout and the attention pairs read it
-        (build_layout(cfg).tp, build_layout(cfg).cp),  # NOTE: the samples' split over a TP x CP group
+        spec.workload.samples_per_microbatch,
+        spec.workload.tokens_per_microbatch,
+        spec.workload.layout,
+        spec.model.attention_span,  # NOTE: the layout and the attention pairs read it
+        (spec.parallel.tp, spec.parallel.cp),  # NOTE: the samples' split over a TP x CP group
     )
 
 
@@ -153,62 +153,62 @@ _WORKLOADS = _LRU(CACHE_SIZE)
 _TRAINED = _LRU(CACHE_SIZE)
 
 
-def cell_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> tuple[SampleCounts, Workload]:
+def cell_inputs(spec: RunSpec, num_gpus: int, cache: bool = True) -> tuple[SampleCounts, Workload]:
     """The run's counts [S, L, E] (uniformly re-routed for force-balanced) and workload [M, L, G, E].
 
     ``cache``: from this process's caches (read-only arrays, built on a miss); False: built afresh, as
-    ``build_workload_for(cfg, load_counts(cfg), num_gpus)``. Call it on a checked config (a trace file
+    ``build_workload_for(spec, load_counts(spec), num_gpus)``. Call it on a checked config (a trace file
     that is missing raises FileNotFoundError).
     """
     if not cache:
-        return build_workload_for(cfg, load_counts(cfg), num_gpus)
-    key = trace_key(cfg)
+        return build_workload_for(spec, load_counts(spec), num_gpus)
+    key = trace_key(spec)
     tkey = (*key, *_file_version(key))
 
     def counts() -> SampleCounts:
-        return _freeze_counts(load_counts(cfg))
+        return _freeze_counts(load_counts(spec))
 
     def inputs() -> tuple[SampleCounts, Workload]:
-        given, workload = build_workload_for(cfg, _COUNTS.get(tkey, counts), num_gpus)
+        given, workload = build_workload_for(spec, _COUNTS.get(tkey, counts), num_gpus)
         return _freeze_counts(given), _freeze_workload(workload)
 
-    shared, workload = _WORKLOADS.get((*tkey, *_workload_key(cfg, num_gpus)), inputs)
+    shared, workload = _WORKLOADS.get((*tkey, *_workload_key(spec, num_gpus)), inputs)
     return replace(shared, meta=copy.deepcopy(shared.meta)), workload
 
 
-def replay_mismatch(cfg: DictConfig) -> float:
+def replay_mismatch(spec: RunSpec) -> float:
     """The run's ``replay.mismatch`` (checked: a number in [0, 1]); 0 for force-balanced, whose uniform
     routing is its definition, not a replay of the trace."""
-    if routing(cfg) == "uniform":
+    if routing(spec) == "uniform":
         return 0.0
-    return float(cfg.replay.mismatch)
+    return spec.replay.mismatch
 
 
-def trained_inputs(cfg: DictConfig, num_gpus: int, cache: bool = True) -> TrainedRoutes | None:
+def trained_inputs(spec: RunSpec, num_gpus: int, cache: bool = True) -> TrainedRoutes | None:
     """The routes the training step takes (:class:`~relibra.trained_routes.TrainedRoutes`) when
     :func:`replay_mismatch` is above 0, else None (exact replay: the trained routes are the replayed ones).
 
     ``cache``: as :func:`cell_inputs`. Call it on a checked config.
     """
-    mismatch = replay_mismatch(cfg)
+    mismatch = replay_mismatch(spec)
     if mismatch == 0.0:
         return None
 
     def build(replayed: SampleCounts) -> TrainedRoutes:
-        whole = trained_counts(replayed, mismatch, int(cfg.seed))
-        counts, workload = build_workload_for(cfg, whole, num_gpus)
+        whole = trained_counts(replayed, mismatch, spec.seed)
+        counts, workload = build_workload_for(spec, whole, num_gpus)
         return TrainedRoutes(_freeze_counts(counts), _freeze_workload(workload))
 
     if not cache:
-        return build(load_counts(cfg))
-    key = trace_key(cfg)
+        return build(load_counts(spec))
+    key = trace_key(spec)
     tkey = (*key, *_file_version(key))
 
     def cached() -> TrainedRoutes:
-        return build(_COUNTS.get(tkey, lambda: _freeze_counts(load_counts(cfg))))
+        return build(_COUNTS.get(tkey, lambda: _freeze_counts(load_counts(spec))))
 
     trained: TrainedRoutes = _TRAINED.get(
-        (*tkey, *_workload_key(cfg, num_gpus), mismatch, int(cfg.seed)), cached
+        (*tkey, *_workload_key(spec, num_gpus), mismatch, spec.seed), cached
     )
     return trained
 

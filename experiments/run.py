@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -49,6 +50,7 @@ from experiments.config.build import (
 from experiments.config.checks import check_config, writable_dir
 from experiments.config.executor_check import executor_time_problem
 from experiments.config.layout_check import workload_memory_problems
+from experiments.config.spec import RunSpec
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.store.access import run_cell, stored_code_version
 from experiments.store.cell_files import CorruptCellError
@@ -106,29 +108,23 @@ def _foreign_experts(plan: BatchPlan) -> int:
     return int(non_home.sum(axis=2).max(initial=0))
 
 
-def compute(
-    cfg: DictConfig, checked: bool = False
-) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
-    """Simulate ``cfg`` -> (results [1 row], per-layer table, plan-dump arrays or None). Writes nothing.
-
-    ``checked``: ``cfg`` passed :func:`~experiments.config.checks.check_config` already (in :func:`run`, or
-    when a grid was planned), so it is not checked again."""
-    if not checked:
-        check_config(cfg)
-    cluster, model = build_cluster(cfg), build_model(cfg)
+def compute(spec: RunSpec) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray] | None]:
+    """Simulate a checked run spec (:func:`~experiments.config.checks.check_config` returns one) -> (results
+    [1 row], per-layer table, plan-dump arrays or None). Writes nothing."""
+    cluster, model = build_cluster(spec), build_model(spec)
     model.check_ep(cluster)
-    cost = build_cost(cfg, cluster, model)
+    cost = build_cost(spec, cluster, model)
     log.info("%s", cost.layout.describe(cluster.num_gpus, cluster.gpus_per_node))
-    planner = build_planner(cfg)
+    planner = build_planner(spec)
     executor = (
         CostModelExecutor(cost)
-        if str(cfg.executor.name) == "sim"
-        else hydra.utils.instantiate(cfg.executor, _convert_="all")
+        if spec.executor.name == "sim"
+        else hydra.utils.instantiate(spec.executor.node(), _convert_="all")
     )
-    counts, workload = cell_inputs(cfg, cluster.num_gpus)  # NOTE: memoised per process, read-only
-    if memory := workload_memory_problems(cfg, cost, workload.tokens, workload.mb_batch):
+    counts, workload = cell_inputs(spec, cluster.num_gpus)  # NOTE: memoised per process, read-only
+    if memory := workload_memory_problems(spec, cost, workload.tokens, workload.mb_batch):
         raise ConfigError(memory[0])  # NOTE: needs the workload's micro-batches; still before planning
-    slow = executor_time_problem(cfg, workload.load, cluster.num_gpus)
+    slow = executor_time_problem(spec, workload.load, cluster.num_gpus)
     if slow is not None:  # NOTE: needs the workload's token counts; still before planning and any process
         raise ConfigError(slow)
     short = unbalanceable_batches(counts.batch_offsets, cluster.num_gpus)
@@ -145,40 +141,40 @@ def compute(
                 f"workload's layout gives {fewest} (raise trace.samples_per_batch or lower "
                 "workload.samples_per_microbatch / workload.tokens_per_microbatch)"
             )
-    keep = bool(cfg.dump_plans) or not isinstance(executor, CostModelExecutor)
-    trained = trained_inputs(cfg, cluster.num_gpus)  # NOTE: None under exact replay (replay.mismatch=0)
-    with planning(cfg, planner, cluster, model, cost) as planned:
+    keep = spec.dump_plans or not isinstance(executor, CostModelExecutor)
+    trained = trained_inputs(spec, cluster.num_gpus)  # NOTE: None under exact replay (replay.mismatch=0)
+    with planning(spec, planner, cluster, model, cost) as planned:
         result: SimResult = simulate(
-            planned, counts, workload, cluster, model, cost, sim_options(cfg, keep), trained
+            planned, counts, workload, cluster, model, cost, sim_options(spec, keep), trained
         )
     row: dict[str, Any] = {
         "model": model.name,
-        "dataset": dataset_name(cfg, counts),
+        "dataset": dataset_name(spec, counts),
         "planner": result.planner,
         "nodes": cluster.nodes,
         "gpus_per_node": cluster.gpus_per_node,
         "nvl_domain": cluster.domain_gpus,
         "replica_slots": planner.slot_budget.replica_slots,
         "tokens": float(counts.tokens.sum()) / max(counts.num_batches, 1),
-        "executor": str(cfg.executor.name),
-        "trace": str(cfg.trace.path) if cfg.trace.get("path") else f"synthetic:{cfg.trace.preset}",
+        "executor": spec.executor.name,
+        "trace": spec.trace.path if spec.trace.path else f"synthetic:{spec.trace.preset}",
         "num_batches": counts.num_batches,
-        "layout": str(cfg.workload.layout),
-        "routing": routing(cfg),
-        "replay_mismatch": replay_mismatch(cfg),
+        "layout": spec.workload.layout,
+        "routing": routing(spec),
+        "replay_mismatch": replay_mismatch(spec),
         "unbalanceable_batches": short,
-        "seed": int(cfg.seed),
+        "seed": spec.seed,
         "code_version": code_version(),
         **result.metrics,
     }
-    if cfg.trace.get("path"):
-        row["trace_model"] = _trace_model(counts.meta, model.name, str(cfg.trace.path))
+    if spec.trace.path:
+        row["trace_model"] = _trace_model(counts.meta, model.name, spec.trace.path)
     if result.plans and not isinstance(executor, CostModelExecutor):
         report = executor.execute(result.plans, model, cluster)
         row["executor_moe_time_s"] = float(np.sum(report.moe_time_s)) / max(counts.num_batches, 1)
         row.update({f"executor_{k}": v for k, v in report.extra.items()})
     dump = None
-    if cfg.dump_plans and result.plans:
+    if spec.dump_plans and result.plans:
         meta = {
             "planner": result.planner,
             "nodes": cluster.nodes,
@@ -195,8 +191,8 @@ def compute(
             "trace": row["trace"],
             "model": model.name,
             "replicas_in_home_node": planner.slot_budget.replicas_in_home_node,
-            "routing": routing(cfg),
-            "layout": str(cfg.workload.layout),
+            "routing": routing(spec),
+            "layout": spec.workload.layout,
         }
         dump = plan_dump_arrays(result.plans, counts, workload, meta)
     return pd.DataFrame([row]), result.per_layer(), dump
@@ -243,10 +239,10 @@ def write_outputs(
     commit_run(run_dir, files)
 
 
-def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) -> dict[str, str]:
+def _not_written(spec: RunSpec, reused_from: str | None, has_per_layer: bool) -> dict[str, str]:
     """Why a run file is absent (see :func:`write_outputs`)."""
     why: dict[str, str] = {}
-    if not cfg.dump_plans:
+    if not spec.dump_plans:
         why["plans.npz"] = "dump_plans=false"
     elif reused_from is not None:
         why["plans.npz"] = (
@@ -262,7 +258,7 @@ def _not_written(cfg: DictConfig, reused_from: str | None, has_per_layer: bool) 
     return why
 
 
-def _hydra_files(cfg: DictConfig) -> dict[str, bytes]:
+def _hydra_files(spec: RunSpec) -> dict[str, bytes]:
     """Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this run (empty outside a Hydra app).
 
     NOTE: Hydra writes these files itself before it calls the task function, so a refused or failed run
@@ -273,7 +269,7 @@ def _hydra_files(cfg: DictConfig) -> dict[str, bytes]:
         return {}
     hydra_cfg = HydraConfig.get()
     texts = {
-        ".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+        ".hydra/config.yaml": OmegaConf.to_yaml(OmegaConf.create(dict(spec.composed))),
         ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
         ".hydra/overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
     }
@@ -290,59 +286,57 @@ def _per_layer_of(store: ResultsStore, key: str) -> pd.DataFrame | None:
 
 
 def _write_read_back(
-    out: Path, cfg: DictConfig, results: pd.DataFrame, per_layer: pd.DataFrame | None, source: Path
+    out: Path, spec: RunSpec, results: pd.DataFrame, per_layer: pd.DataFrame | None, source: Path
 ) -> None:
     """The run files of a cell read back from the store file ``source`` (no plans)."""
     reused_from = str(source)
-    not_written = _not_written(cfg, reused_from, per_layer is not None)
-    write_outputs(out, results, per_layer, None, not_written, reused_from, _hydra_files(cfg))
+    not_written = _not_written(spec, reused_from, per_layer is not None)
+    write_outputs(out, results, per_layer, None, not_written, reused_from, _hydra_files(spec))
 
 
-def adopt(cfg: DictConfig, run_dir: str | Path, source: str | Path) -> pd.DataFrame:
-    """Store the cell of ``cfg`` from the results store ``source``, where the same cell is finished.
+def adopt(spec: RunSpec, run_dir: str | Path, source: str | Path) -> pd.DataFrame:
+    """Store the cell of ``spec`` from the results store ``source``, where the same cell is finished.
 
     For a grid runner whose presets share cells: the same :func:`~experiments.store.keys.cell_key` means the
     same resolved config apart from where results go (``IGNORED_KEYS``), hence the same computation, so
-    the finished cell's rows and per-layer table are written into ``cfg.results_dir``'s store (with
-    ``cfg`` as the stored config) instead of being computed again. The run directory gets the run files
-    with ``reused_from`` naming the source cell file. Returns the rows. Raises FileNotFoundError when
-    ``source`` has no such finished cell, ConfigError when ``cfg`` has no ``results_dir``.
+    the finished cell's rows and per-layer table are written into ``spec.results_dir``'s store (with
+    ``spec.composed`` as the stored config) instead of being computed again. The run directory gets the run
+    files with ``reused_from`` naming the source cell file. Returns the rows. Raises FileNotFoundError when
+    ``source`` has no such finished cell, ConfigError when ``spec`` has no ``results_dir``.
     """
-    if not cfg.get("results_dir"):
+    if not spec.results_dir:
         raise ConfigError("adopt needs results_dir: the store the cell is copied into")
-    key = cell_key(cfg)
+    key = cell_key(spec.composed)
     origin = ResultsStore(Path(str(source)))
     results = origin.read(key)
-    store = ResultsStore(Path(str(cfg.results_dir)))
+    store = ResultsStore(Path(spec.results_dir))
     per_layer = _per_layer_of(origin, key)
     with store.claim(key):
-        store.write(key, results, cfg, per_layer)
-    _write_read_back(Path(str(run_dir)), cfg, results, per_layer, origin.cell_path(key))
+        store.write(key, results, spec.composed, per_layer)
+    _write_read_back(Path(str(run_dir)), spec, results, per_layer, origin.cell_path(key))
     return results
 
 
 def run(
-    cfg: DictConfig, run_dir: str | Path | None = None, recompute: bool = False, checked: bool = False
+    cfg: DictConfig | RunSpec, run_dir: str | Path | None = None, recompute: bool = False
 ) -> pd.DataFrame:
     """Run one config end to end and return its results (one row per planner run).
 
-    ``run_dir``: where files go; default Hydra's output directory inside an app, else ``cfg.run_dir`` or
-    the current directory. With ``results_dir`` set, the run is one cell of an experiment's
+    ``run_dir``: where files go; default Hydra's output directory inside an app, else the config's
+    ``run_dir`` or the current directory. With ``results_dir`` set, the run is one cell of an experiment's
     :class:`~experiments.store.results_store.ResultsStore`: a finished cell (same config hash) is read back
     instead of computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
     :class:`~experiments.config.build.ConfigError` before any work on a bad config, an unreadable trace or a
-    results directory that cannot be written. ``checked``: ``cfg`` passed
-    :func:`~experiments.config.checks.check_config` already (a grid cell checked when its grid was planned,
-    :func:`experiments.grid.runner.plan_grid`), so it is checked nowhere here; otherwise it is checked once.
+    results directory that cannot be written. ``cfg``: the composed config, checked here once
+    (:func:`~experiments.config.checks.check_config`, which builds its run spec), or a run spec checked
+    already (a grid cell's, checked when its grid was planned, :func:`experiments.grid.runner.plan_grid`),
+    which is checked nowhere here.
     """
+    spec = cfg if isinstance(cfg, RunSpec) else check_config(cfg)
     if run_dir is None:
-        run_dir = cfg.get("run_dir") or (
-            HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else "."
-        )
+        run_dir = spec.run_dir or (HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".")
     out = Path(str(run_dir))
-    if not checked:
-        check_config(cfg)
-    store = ResultsStore(Path(str(cfg.results_dir))) if cfg.get("results_dir") else None
+    store = ResultsStore(Path(spec.results_dir)) if spec.results_dir else None
     if store is not None:
         try:
             store.check_writable()
@@ -354,31 +348,30 @@ def run(
 
     def cell() -> tuple[pd.DataFrame, pd.DataFrame]:
         nonlocal per_layer
-        results, per_layer, dump = compute(cfg, checked=True)
-        write_outputs(out, results, per_layer, dump, _not_written(cfg, None, True), None, _hydra_files(cfg))
+        results, per_layer, dump = compute(spec)
+        write_outputs(out, results, per_layer, dump, _not_written(spec, None, True), None, _hydra_files(spec))
         return results, per_layer
 
     reused = False
     if store is not None:
-        results, reused = run_cell(store, cfg, cell, recompute)
+        results, reused = run_cell(store, spec.composed, cell, recompute)
         if reused:  # NOTE: the run directory still gets the (stored) rows, so every run dir is complete.
-            key = cell_key(cfg)
+            key = cell_key(spec.composed)
             stored = stored_code_version(results)
             if stored != code_version():
                 log.warning(
                     "cell %s of %s was computed by code %s, not the current %s; delete it or use "
                     "`python -m experiments.reproduce --recompute-stale` to recompute it",
-                    key, cfg.results_dir, stored, code_version(),
+                    key, spec.results_dir, stored, code_version(),
                 )  # fmt: skip
             per_layer = _per_layer_of(store, key)
-            _write_read_back(out, cfg, results, per_layer, store.cell_path(key))
+            _write_read_back(out, spec, results, per_layer, store.cell_path(key))
     else:
         results, _ = cell()
-    if str(cfg.logger.name) == "wandb" and not reused:  # a reused cell was logged when it ran
+    if spec.logger.name == "wandb" and not reused:  # a reused cell was logged when it ran
         from experiments.tracking.wandb_logger import log_run
 
-        config = OmegaConf.to_container(cfg, resolve=True)
-        log_run(dict(cfg.logger), dict(config), results, per_layer, str(out))  # type: ignore[arg-type]
+        log_run(asdict(spec.logger), dict(spec.composed), results, per_layer, str(out))
     return results
 
 

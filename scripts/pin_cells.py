@@ -66,11 +66,12 @@ def measure(overrides: list[str]) -> dict[str, float]:
     """The pinned metrics of one cell, computed now (no results store)."""
     from hydra import compose, initialize_config_dir
 
+    from experiments.config.checks import check_config
     from experiments.run import compute
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="pin"):
         cfg = compose("config", overrides=overrides)
-    results, _, _ = compute(cfg)
+    results, _, _ = compute(check_config(cfg))
     row = results.iloc[0]
     return {m: float(row[m]) for m in METRICS if m in row}
 

@@ -32,6 +32,7 @@ from experiments.config.build import (
     sim_options,
 )
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import build_spec
 from relibra.cost.pricing import predict_batch_time
 from relibra.simulator import WHOLE_STEP_COLUMNS, batch_context, simulate
 
@@ -113,11 +114,11 @@ def test_prediction_is_the_simulated_batch_time(planner_name: str, cluster_name:
     overrides = [*CELL, *CLUSTERS[cluster_name], f"planner={planner_name}"]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="joins"):
         cfg = compose("config", overrides=overrides)
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    cost = build_cost(cfg, cluster, model)
-    counts, workload = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
-    options = sim_options(cfg, keep_plans=True)
-    with planning(cfg, build_planner(cfg), cluster, model, cost) as planner:
+    cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
+    cost = build_cost(build_spec(cfg), cluster, model)
+    counts, workload = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), cluster.num_gpus)
+    options = sim_options(build_spec(cfg), keep_plans=True)
+    with planning(build_spec(cfg), build_planner(build_spec(cfg)), cluster, model, cost) as planner:
         sim = simulate(planner, counts, workload, cluster, model, cost, options)
     assert len(sim.plans) == counts.num_batches
     prev = None

@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
-from experiments.config.layout_check import build_layout
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import build_spec
 from experiments.validation.end_to_end import load_rows, row_config, row_workload
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
 from relibra.parallel import ParallelLayout, dense_data_parallel, ep_group_ranks, megatron_microbatches
@@ -79,8 +79,8 @@ def test_micro_batches_and_routed_tokens_follow_megatron(row: dict[str, Any]) ->
     want_mb = gbs // (mbs * data_parallel)
     want_tokens = mbs * seq // (tp * cp)
     cfg = row_config(row)
-    counts, workload = row_workload(cfg, _light_counts(int(cfg.trace.samples_per_batch), seq))
-    layout, g = build_layout(cfg), conf["ep"]
+    counts, workload = row_workload(cfg, _light_counts(cfg.trace.samples_per_batch, seq))
+    layout, g = cfg.parallel, conf["ep"]
     assert megatron_microbatches(gbs, mbs, layout, g) == want_mb
     assert dense_data_parallel(layout, g) * layout.dp == data_parallel * layout.dp  # per pipeline replica
     assert workload.num_microbatches == want_mb
@@ -186,7 +186,7 @@ def _tokens_held(cp: int, g: int = 8) -> float:
     first ``g`` CP ranks' chunks of every sample when it spans several EP groups."""
     from experiments.config.build import load_counts
 
-    lens = load_counts(_cfg()).tokens
+    lens = load_counts(build_spec(_cfg())).tokens
     return float(rank_tokens(lens, 1, cp)[:, : min(cp, g)].sum())
 
 
@@ -199,7 +199,11 @@ def test_force_balanced_stays_balanced_on_every_gpu_at_any_cp(cp: int) -> None:
     # (dp 2), each holding 8 of the 16 CP ranks: half the tokens
     wide = ["parallel.dp=2"] if cp > 8 else []
     rows, _, _ = compute(
-        _cfg("planner=force_balanced", f"parallel.cp={cp}", f"workload.samples_per_microbatch={cp}", *wide)
+        check_config(
+            _cfg(
+                "planner=force_balanced", f"parallel.cp={cp}", f"workload.samples_per_microbatch={cp}", *wide
+            )
+        )
     )
     row = rows.iloc[0]
     assert row["skew_max"] < 1.1 and row["skew_mean"] < 1.05, (row["skew_max"], row["skew_mean"])
@@ -303,7 +307,7 @@ def test_relibra_under_tp_and_cp_keeps_every_sample_on_its_group() -> None:
         "workload.samples_per_microbatch=2",
         "dump_plans=true",
     )
-    rows, _, dump = compute(cfg)
+    rows, _, dump = compute(check_config(cfg))
     assert dump is not None
     gpu, mb = dump["sample_gpu"].reshape(-1, 4), dump["sample_mb"].reshape(-1, 4)
     assert (gpu == gpu[:, :1] + np.arange(4)).all() and (gpu[:, 0] % 4 == 0).all()
@@ -334,7 +338,7 @@ def test_the_p2p_ring_is_exposed_only_beyond_the_attention_it_hides_behind() -> 
     from relibra.cost.context import cp_exchange_time, kv_bytes_per_token
 
     cfg = _cfg()
-    cluster, model = build_cluster(cfg), build_model(cfg)
+    cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
     hw = cluster.hardware
     tokens = np.full((1, 8), 4096.0)
     lay = ParallelLayout(tp=2, cp=4)

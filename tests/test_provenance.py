@@ -104,7 +104,7 @@ def test_reproduce_counts_a_cell_of_a_version_that_names_no_code_as_stale(
     report, jobs = runner.plan_grid("quick_overhead", tmp_path, overrides)
     assert len(jobs) == 1
     rows = pd.DataFrame({"planner": ["relibra"], "step_time_s": [1.0], "code_version": ["0.1.0"]})
-    ResultsStore(tmp_path / "quick_overhead").write(jobs[0].key, rows, jobs[0].cfg)
+    ResultsStore(tmp_path / "quick_overhead").write(jobs[0].key, rows, jobs[0].spec.composed)
     monkeypatch.setattr(runner, "code_version", lambda: "0.1.0")
     report, jobs = runner.plan_grid("quick_overhead", tmp_path, overrides)
     assert report.stale == {"0.1.0": 1} and report.reused == 1 and not jobs

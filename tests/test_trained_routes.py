@@ -11,6 +11,7 @@ import pytest
 from baselines.balanced import BalancedBound
 from baselines.megatron import MegatronPlanner
 from experiments.config.build import build_planner
+from experiments.config.spec import build_spec
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.planners.protocols import BatchContext, SlotBudget
@@ -52,7 +53,7 @@ def setup():
 )
 def test_trained_routes_equal_to_the_replayed_ones_change_nothing(setup, name) -> None:
     counts, workload, cluster, model, cost = setup
-    planner = build_planner(cfg(f"planner={name}"))
+    planner = build_planner(build_spec(cfg(f"planner={name}")))
     alone = simulate(planner, counts, workload, cluster, model, cost)
     same = simulate(planner, counts, workload, cluster, model, cost, trained=TrainedRoutes(counts, workload))
     for column in METRIC_COLUMNS:
@@ -101,7 +102,7 @@ def test_a_planner_that_reads_no_replay_gets_the_trained_routes(setup, name) -> 
     counts, workload, cluster, model, cost = setup
     trained = _trained(counts, 0.5, cluster.num_gpus, 2)
     assert not np.array_equal(trained.workload.load, workload.load)
-    planner = build_planner(cfg(f"planner={name}"))
+    planner = build_planner(build_spec(cfg(f"planner={name}")))
     result = simulate(planner, counts, workload, cluster, model, cost, SimOptions(keep_plans=True), trained)
     for b, plan in enumerate(result.plans):  # the trained counts under the plan's own sample layout
         sl, mbs = counts.batch(b), workload.batch_microbatches(b)
@@ -126,7 +127,7 @@ def test_an_online_plan_from_a_replay_planner_is_refused(setup) -> None:
 def test_a_planner_before_the_step_sees_the_replayed_routes_and_is_priced_on_the_trained(setup) -> None:
     counts, workload, cluster, model, cost = setup
     trained = _trained(counts, 0.5, cluster.num_gpus, 2)
-    planner = build_planner(cfg("planner=relibra_replicate_only"))
+    planner = build_planner(build_spec(cfg("planner=relibra_replicate_only")))
     result = simulate(
         planner,
         counts,
@@ -186,7 +187,7 @@ def test_a_replay_based_planner_loses_its_edge_as_the_mismatch_grows() -> None:
     counts, cluster, model = _microbatch_hotspots()
     cost = CostModel(cluster, model)
     workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch=1)
-    planner = build_planner(cfg("planner=relibra_replicate_only"))
+    planner = build_planner(build_spec(cfg("planner=relibra_replicate_only")))
     edges = []
     for mismatch in (0.0, 0.5, 1.0):
         trained = None if mismatch == 0 else _trained(counts, mismatch, cluster.num_gpus, 1)
@@ -206,7 +207,7 @@ def test_balanced_bounds_every_planner_on_the_trained_routes() -> None:
     workload = build_workload(counts, cluster.num_gpus, samples_per_microbatch=1)
     trained = _trained(counts, 0.5, cluster.num_gpus, 1)
     bound = simulate(BalancedBound(), counts, workload, cluster, model, cost, trained=trained)
-    for planner in (MegatronPlanner(), build_planner(cfg("planner=relibra_replicate_only"))):
+    for planner in (MegatronPlanner(), build_planner(build_spec(cfg("planner=relibra_replicate_only")))):
         run = simulate(planner, counts, workload, cluster, model, cost, trained=trained)
         assert bound.metrics["step_time_s"] <= run.metrics["step_time_s"]
 
@@ -217,5 +218,5 @@ def test_plans_run_on_the_trained_routes_keep_every_invariant(setup, name) -> No
     the trained routes passes the shared checker too (SimOptions.check_plans checks both)."""
     counts, workload, cluster, model, cost = setup
     trained = _trained(counts, 0.5, cluster.num_gpus, 2)
-    planner = build_planner(cfg(f"planner={name}"))
+    planner = build_planner(build_spec(cfg(f"planner={name}")))
     simulate(planner, counts, workload, cluster, model, cost, SimOptions(check_plans=True), trained)

@@ -1,6 +1,7 @@
-"""From a composed Hydra config to the library's objects, with every check done before any work.
+"""From a run's spec to the library's objects, with every check done before any work.
 
-Plain functions of a ``DictConfig``: :class:`ConfigError` and the exit-2 refusal (the checks themselves are
+Plain functions of the checked run spec (:class:`experiments.config.spec.RunSpec`, typed: no key is read
+with a fallback here): :class:`ConfigError` and the exit-2 refusal (the checks themselves are
 :mod:`experiments.config.checks`), :func:`build_cluster`, :func:`build_model`, :func:`build_cost`,
 :func:`build_planner` and :func:`load_counts` (the synthetic generator or ``trace.path``).
 """
@@ -8,18 +9,17 @@ Plain functions of a ``DictConfig``: :class:`ConfigError` and the exit-2 refusal
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 
 from baselines.force_balanced import ROUTINGS, uniform_routing
-from experiments.config.layout_check import build_layout
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.calibration import load_calibration
 from relibra.cost.migration import MigrationPayload, migration_payload
 from relibra.cost.model import CostModel
@@ -30,6 +30,9 @@ from relibra.simulator import SimOptions
 from relibra.trace.format import RoutingTrace, load_trace
 from relibra.types import SampleCounts, Workload
 from relibra.workload import parallel_workload
+
+if TYPE_CHECKING:
+    from experiments.config.spec import RunSpec
 
 __all__ = [
     "ConfigError",
@@ -64,100 +67,81 @@ def refuse(exc: ConfigError, where: str = "") -> NoReturn:
     raise SystemExit(EXIT_BAD_CONFIG)
 
 
-def _plain(node: Any) -> dict[str, Any]:
-    return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
-
-
-def build_cluster(cfg: DictConfig) -> ClusterSpec:
-    """``cfg.cluster`` -> :class:`ClusterSpec` (hardware constants from the cluster yaml)."""
-    hw = HardwareSpec(**_plain(cfg.cluster.hardware))
+def build_cluster(spec: RunSpec) -> ClusterSpec:
+    """``cluster.*`` -> :class:`ClusterSpec` (hardware constants from the cluster yaml)."""
+    c = spec.cluster
     return ClusterSpec(
-        nodes=int(cfg.cluster.nodes),
-        gpus_per_node=int(cfg.cluster.gpus_per_node),
-        hardware=hw,
-        dispatcher=str(cfg.cluster.get("dispatcher", "alltoall")),
-        ep_overlap=bool(cfg.cluster.get("ep_overlap", False)),
-        nvl_domain=_nvl_domain(cfg),
-        precision=str(cfg.cluster.get("precision", "bf16")),
-        comm_sms=cfg.cluster.get("comm_sms"),
+        nodes=c.nodes,
+        gpus_per_node=c.gpus_per_node,
+        hardware=c.hardware,
+        dispatcher=c.dispatcher,
+        ep_overlap=c.ep_overlap,
+        nvl_domain=c.nvl_domain,
+        precision=c.precision,
+        comm_sms=c.comm_sms,
     )
 
 
-def build_training(cfg: DictConfig) -> TrainingSpec:
-    """``cfg.training`` with ``simulator.step`` and ``workload.rl_passes`` -> :class:`TrainingSpec`."""
-    sim = cfg.get("simulator") or {}
-    passes = cfg.workload.get("rl_passes", ["update"])
-    return TrainingSpec(
-        **_plain(cfg.training),
-        step=str(sim.get("step", "whole")),
-        rl_passes=tuple(passes) if isinstance(passes, Sequence) and not isinstance(passes, str) else passes,
-    )
+def build_training(spec: RunSpec) -> TrainingSpec:
+    """``training.*`` with ``simulator.step`` and ``workload.rl_passes`` -> :class:`TrainingSpec`."""
+    return replace(spec.training, step=spec.simulator.step, rl_passes=spec.workload.rl_passes)
 
 
-def _nvl_domain(cfg: DictConfig) -> int | None:
-    """``cluster.nvl_domain`` (GPUs per NVLink domain; unset or null: ``cluster.gpus_per_node``)."""
-    value = cfg.cluster.get("nvl_domain")
-    return None if value is None else int(value)
+def build_model(spec: RunSpec) -> ModelSpec:
+    """``model.*`` -> :class:`ModelSpec`."""
+    return spec.model
 
 
-def build_model(cfg: DictConfig) -> ModelSpec:
-    """``cfg.model`` -> :class:`ModelSpec`."""
-    return ModelSpec(**_plain(cfg.model))
-
-
-def build_migration(cfg: DictConfig, cluster: ClusterSpec) -> MigrationPayload:
+def build_migration(spec: RunSpec, cluster: ClusterSpec) -> MigrationPayload:
     """``simulator.migration`` with the expert-data-parallel size of ``parallel.*`` and the host link of
     ``cluster.hardware`` (:func:`relibra.cost.migration.migration_payload`)."""
-    layout = build_layout(cfg)
     return migration_payload(
-        (cfg.get("simulator") or {}).get("migration"),
-        expert_data_parallel=expert_data_parallel(layout, cluster.num_gpus),
+        asdict(spec.simulator.migration),
+        expert_data_parallel=expert_data_parallel(spec.parallel, cluster.num_gpus),
         host_to_device_bytes_per_s=cluster.hardware.host_to_device_bytes_per_s,
     )
 
 
-def build_cost(cfg: DictConfig, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
+def build_cost(spec: RunSpec, cluster: ClusterSpec, model: ModelSpec) -> CostModel:
     """The cost model, with the measured GEMM curve of ``cluster.calibration`` if it covers the model and
     the migration payload of :func:`build_migration`."""
-    path = cfg.cluster.get("calibration")
+    path = spec.cluster.calibration
     calibration = load_calibration(path, model.name) if path else None
     return CostModel(
         cluster,
         model,
         calibration=calibration,
-        training=build_training(cfg),
-        migration=build_migration(cfg, cluster),
-        layout=build_layout(cfg),
+        training=build_training(spec),
+        migration=build_migration(spec, cluster),
+        layout=spec.parallel,
     )
 
 
-def build_planner(cfg: DictConfig) -> Any:
-    """``hydra.utils.instantiate(cfg.planner)``: a Planner or a Bound."""
-    return instantiate(cfg.planner, _convert_="all")
+def build_planner(spec: RunSpec) -> Any:
+    """``hydra.utils.instantiate`` of the ``planner`` node: a Planner or a Bound."""
+    return instantiate(spec.planner.node(), _convert_="all")
 
 
 @contextmanager
 def planning(
-    cfg: DictConfig, planner: Any, cluster: ClusterSpec, model: ModelSpec, cost: CostModel
+    spec: RunSpec, planner: Any, cluster: ClusterSpec, model: ModelSpec, cost: CostModel
 ) -> Iterator[Any]:
     """The planner the simulator calls: ``planner`` behind the control plane, so that planning time in the
     results is the control plane's own (staged per layer, worker processes, deadline fallbacks), or the bare
     planner when ``control_plane.enabled=false``. A Bound (Balanced) is no plan and is never wrapped; a
     portfolio keeps its choice and gets one control plane per candidate."""
-    cp_cfg = cfg.get("control_plane") or {}
-    if not bool(cp_cfg.get("enabled", True)) or not isinstance(planner, Planner):
+    cp_spec = spec.control_plane
+    if not cp_spec.enabled or not isinstance(planner, Planner):
         yield planner
         return
     from relibra.control.config import ControlPlaneConfig
     from relibra.control.plane import ControlPlane
 
-    deadline = cp_cfg.get("deadline_s")
-    locality_deadline = cp_cfg.get("locality_deadline_s")
     config = ControlPlaneConfig(
-        workers=int(cp_cfg.get("workers", 0)),
-        deadline_s=None if deadline is None else float(deadline),
-        locality_deadline_s=None if locality_deadline is None else float(locality_deadline),
-        seed=int(cfg.seed),
+        workers=cp_spec.workers,
+        deadline_s=cp_spec.deadline_s,
+        locality_deadline_s=cp_spec.locality_deadline_s,
+        seed=spec.seed,
     )
     if isinstance(planner, PlannerPortfolio):  # each candidate behind its own control plane, then the choice
         with ExitStack() as stack:
@@ -171,13 +155,13 @@ def planning(
         yield cp
 
 
-def sim_options(cfg: DictConfig, keep_plans: bool) -> SimOptions:
-    sim = cfg.get("simulator") or {}
+def sim_options(spec: RunSpec, keep_plans: bool) -> SimOptions:
+    """``simulator.*`` and ``seed`` -> :class:`SimOptions` (``keep_plans``: the run keeps its plans)."""
     return SimOptions(
-        history_window=int(sim.get("history_window", 4)),
+        history_window=spec.simulator.history_window,
         keep_plans=keep_plans,
-        seed=int(cfg.seed),
-        check_plans=bool(sim.get("check_plans", False)),
+        seed=spec.seed,
+        check_plans=spec.simulator.check_plans,
     )
 
 
@@ -195,12 +179,12 @@ def read_trace(path: str) -> RoutingTrace:
     return _read_trace(str(path), stat.st_mtime_ns, stat.st_size)
 
 
-def routing(cfg: DictConfig) -> str:
+def routing(spec: RunSpec) -> str:
     """The routing the planner's run sees: ``trace`` (every planner) or ``uniform`` (force-balanced)."""
-    return str(cfg.planner.get("routing", ROUTINGS[0]))
+    return str(spec.planner.setting("routing", ROUTINGS[0]))
 
 
-def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> tuple[SampleCounts, Workload]:
+def build_workload_for(spec: RunSpec, counts: SampleCounts, num_gpus: int) -> tuple[SampleCounts, Workload]:
     """The run's counts (routed uniformly for force-balanced) and their workload under ``workload.*``.
 
     Returns (counts [S, L, E], workload with load [M, L, G, E]); under ``parallel.tp * parallel.cp = n > 1``
@@ -209,43 +193,43 @@ def build_workload_for(cfg: DictConfig, counts: SampleCounts, num_gpus: int) -> 
     layout depends on the tokens only, so
     every planner of one config gets the same sample layout.
     """
-    if routing(cfg) == "uniform":
-        counts = uniform_routing(counts, int(cfg.seed))
+    if routing(spec) == "uniform":
+        counts = uniform_routing(counts, spec.seed)
     # NOTE: under parallel.tp / parallel.cp each sample becomes its TP x CP group's ranks (relibra.workload).
     return parallel_workload(
         counts,
-        build_layout(cfg),
+        spec.parallel,
         num_gpus,
-        samples_per_microbatch=cfg.workload.get("samples_per_microbatch"),
-        tokens_per_microbatch=cfg.workload.get("tokens_per_microbatch"),
-        layout=str(cfg.workload.layout),
-        span=build_model(cfg).attention_span,
+        samples_per_microbatch=spec.workload.samples_per_microbatch,
+        tokens_per_microbatch=spec.workload.tokens_per_microbatch,
+        layout=spec.workload.layout,
+        span=spec.model.attention_span,
     )
 
 
-def dataset_name(cfg: DictConfig, counts: SampleCounts) -> str:
+def dataset_name(spec: RunSpec, counts: SampleCounts) -> str:
     """The ``dataset`` result column: ``trace.dataset``, else the trace's meta, else preset or file stem."""
-    if cfg.trace.get("dataset"):
-        return str(cfg.trace.dataset)
-    if cfg.trace.get("path"):
-        meta = counts.meta
-        return str(meta.get("dataset") or Path(str(cfg.trace.path)).stem)
-    return str(cfg.trace.preset)
+    trace = spec.trace
+    if trace.dataset:
+        return trace.dataset
+    if trace.path:
+        return str(counts.meta.get("dataset") or Path(trace.path).stem)
+    return trace.preset
 
 
-def load_counts(cfg: DictConfig) -> SampleCounts:
+def load_counts(spec: RunSpec) -> SampleCounts:
     """Per-sample counts [S, L, E] of the run: ``trace.path`` if set, else the synthetic generator."""
-    if cfg.trace.get("path"):
-        return read_trace(str(cfg.trace.path)).to_counts()
+    if spec.trace.path:
+        return read_trace(spec.trace.path).to_counts()
     from relibra.trace.synthetic import generate_counts  # NOTE: imported late: optional until it exists.
 
     return generate_counts(
-        preset=str(cfg.trace.preset),
-        num_experts=int(cfg.model.num_experts),
-        num_layers=int(cfg.model.num_moe_layers),
-        top_k=int(cfg.model.top_k),
-        num_batches=int(cfg.trace.num_batches),
-        samples_per_batch=int(cfg.trace.samples_per_batch),
-        seed=int(cfg.seed),
-        max_tokens=int(cfg.trace.max_tokens),
+        preset=spec.trace.preset,
+        num_experts=spec.model.num_experts,
+        num_layers=spec.model.num_moe_layers,
+        top_k=spec.model.top_k,
+        num_batches=spec.trace.num_batches,
+        samples_per_batch=spec.trace.samples_per_batch,
+        seed=spec.seed,
+        max_tokens=spec.trace.max_tokens,
     )

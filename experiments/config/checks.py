@@ -1,9 +1,13 @@
-"""The checks of a run's configuration before any work: :func:`check_config` and one problem collector per key
-family (run-wide keys, the spec dataclasses' numbers, the planner and its stage settings, the cluster's
+"""The checks of a run's configuration before any work: :func:`check_config` and one problem collector per
+key family (run-wide keys, the spec dataclasses' numbers, the planner and its stage settings, the cluster's
 NVLink domain and dispatcher, migration and the parallel layout, the whole step, the trace file).
 
-Each collector returns the problems it finds as one-line strings naming the key; :func:`check_config` gathers
-them all and raises one :class:`~experiments.config.build.ConfigError`, so a user sees every bad key at once.
+:func:`check_config` builds the run spec first (:func:`experiments.config.spec.build_spec`: OmegaConf
+refuses unknown keys and values of the wrong type), then runs every collector on the typed spec: ranges,
+choices and the rules that relate keys to each other or to files. Each collector returns the problems it
+finds as one-line strings naming the key; :func:`check_config` gathers them all and raises one
+:class:`~experiments.config.build.ConfigError`, so a user sees every bad key at once. The spec it returns is
+the one every later stage reads, so a config is checked once.
 """
 
 from __future__ import annotations
@@ -12,42 +16,37 @@ import importlib
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
-from dataclasses import fields
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from baselines.force_balanced import ROUTINGS
 from experiments.config.build import (
     ConfigError,
     build_cluster,
     build_cost,
-    build_model,
     build_training,
     read_trace,
 )
 from experiments.config.executor_check import _executor_problems
 from experiments.config.input_memory import input_memory_problems
-from experiments.config.keys import _int_key, _number_key
 from experiments.config.layout_check import layout_problems, memory_problems
+from experiments.config.spec import RunSpec, build_spec
 from relibra.cluster import (
-    MLA_KEYS,
     PRECISIONS,
-    HardwareSpec,
     comm_sms_problem,
     grouped_gemm_problems,
-    mla_problem,
     nvl_domain_problem,
 )
 from relibra.cost.calibration import load_calibration
 from relibra.cost.fabric import DISPATCHERS
 from relibra.cost.migration import migration_payload
-from relibra.cost.step import RL_PASSES, TrainingSpec
 from relibra.layout import LAYOUTS
 from relibra.planners.protocols import ClusterRequirements
 from relibra.trace.format import FORMAT_DOC, TraceFormatError
@@ -64,33 +63,42 @@ EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 """What ``experiment_name`` may be: a file name of its own (no ``/``, no ``..``), as it names a folder."""
 
 
-def _run_problems(cfg: DictConfig) -> list[str]:
+def _at_least(key: str, value: float | None, least: float, problems: list[str], strict: bool = False) -> bool:
+    """Whether ``value`` (unset: None) is >= ``least`` (> with ``strict``); else a problem naming ``key``."""
+    if value is None or value > least or (value == least and not strict):
+        return True
+    problems.append(f"{key}={value}: must be {'>' if strict else '>='} {least:g}")
+    return False
+
+
+def _run_problems(spec: RunSpec) -> list[str]:
     """The run-wide keys: ``seed``, ``control_plane.*``, ``simulator.history_window``, ``replay.mismatch``,
     the logger's wait."""
     problems: list[str] = []
-    _int_key(cfg, "seed", problems, least=0, required=True, most=SEED_MAX)
-    _int_key(cfg, "control_plane.workers", problems, least=0)
-    for key in ("control_plane.deadline_s", "control_plane.locality_deadline_s"):
-        _number_key(cfg, key, problems)
-    _int_key(cfg, "simulator.history_window", problems, least=0)
-    mismatch = OmegaConf.select(cfg, "replay.mismatch", default=None)
-    if isinstance(mismatch, bool) or not isinstance(mismatch, int | float) or not 0 <= mismatch <= 1:
+    if _at_least("seed", spec.seed, 0, problems) and spec.seed > SEED_MAX:
+        problems.append(f"seed={spec.seed}: must be <= {SEED_MAX}")
+    cp = spec.control_plane
+    _at_least("control_plane.workers", cp.workers, 0, problems)
+    _at_least("control_plane.deadline_s", cp.deadline_s, 0, problems)
+    _at_least("control_plane.locality_deadline_s", cp.locality_deadline_s, 0, problems)
+    _at_least("simulator.history_window", spec.simulator.history_window, 0, problems)
+    mismatch = spec.replay.mismatch
+    if not 0 <= mismatch <= 1:
         problems.append(
             f"replay.mismatch={mismatch!r}: must be a number in [0, 1], the fraction of routed slots the "
             "training step re-draws (0: exact routing replay)"
         )
-    if str(OmegaConf.select(cfg, "logger.name", default="none")) == "wandb":
-        if OmegaConf.select(cfg, "logger.init_timeout_s", default=None) is None:
+    if spec.logger.name == "wandb":
+        if spec.logger.init_timeout_s is None:
             problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")
-        _number_key(cfg, "logger.init_timeout_s", problems, strict=True)
+        _at_least("logger.init_timeout_s", spec.logger.init_timeout_s, 0, problems, strict=True)
         from experiments.tracking.wandb_logger import (
-            logger_problems,  # NOTE: imports wandb, so only when it logs
-        )
+            logger_problems,
+        )  # NOTE: imports wandb, so only when it logs
 
-        problems += logger_problems(OmegaConf.to_container(cfg.logger, resolve=True))  # type: ignore[arg-type]
-    if (name := cfg.get("experiment_name")) is not None and not (
-        isinstance(name, str) and EXPERIMENT_NAME.fullmatch(name)
-    ):
+        problems += logger_problems(asdict(spec.logger))
+    name = spec.experiment_name
+    if name is not None and not EXPERIMENT_NAME.fullmatch(name):
         problems.append(
             f"experiment_name={name!r}: must be a plain name (letters, digits, '_', '-'; the analysis picks "
             "each experiment's tables by it, and results_dir and the W&B group are made from it)"
@@ -98,67 +106,57 @@ def _run_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-SPEC_NODES = ("model", "cluster.hardware")
-"""Nodes built into the spec dataclasses (ModelSpec, HardwareSpec), whose numeric keys must be numbers."""
-
-
-def _spec_problems(cfg: DictConfig) -> list[str]:
-    """Every key of the model and hardware specs whose defaults are all numbers (from the config schema,
-    :mod:`experiments.config.schema`) holds a number >= 0 (an integer where every default is one), not null.
-    The optional MLA keys (:data:`relibra.cluster.MLA_KEYS`) may be absent."""
-    from experiments.config.schema import config_schema
-
-    kinds = config_schema().kinds
+def _spec_problems(spec: RunSpec) -> list[str]:
+    """Every number of the model and hardware specs (:class:`~relibra.cluster.ModelSpec`,
+    :class:`~relibra.cluster.HardwareSpec`) is >= 0."""
     problems: list[str] = []
-    optional = {f"model.{k}" for k in MLA_KEYS}
-    for node in SPEC_NODES:
-        depth = node.count(".") + 1
-        for key in sorted(k for k in kinds if k.startswith(node + ".") and k.count(".") == depth):
-            if OmegaConf.select(cfg, node, default=None) is None or kinds[key] - {"int", "float"}:
-                continue
-            if key in optional and key.split(".", 1)[1] not in cfg.model:
-                continue
-            if kinds[key] == {"int"}:
-                _int_key(cfg, key, problems, least=0, required=True)
-            elif OmegaConf.select(cfg, key, default=None) is None:
-                problems.append(f"{key}=null: must be a number")
-            else:
-                _number_key(cfg, key, problems)
+    for prefix, node in (("model", spec.model), ("cluster.hardware", spec.cluster.hardware)):
+        for f in fields(node):
+            value = getattr(node, f.name)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                _at_least(f"{prefix}.{f.name}", value, 0, problems)
     return problems
 
 
-def _mla_problems(cfg: DictConfig) -> list[str]:
-    """The MLA keys (:data:`relibra.cluster.MLA_KEYS`) only beside ``model.kv_lora_rank > 0``, and
-    ``mla_up_proj`` recompute only for such a model, as :class:`relibra.cluster.ModelSpec` and
-    :mod:`relibra.cost.recompute` require."""
-    values = {k: OmegaConf.select(cfg, f"model.{k}", default=0) for k in MLA_KEYS}
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values.values()):
-        return []  # NOTE: named by _spec_problems
-    problems: list[str] = [p] if (p := mla_problem(values)) else []
-    modules = OmegaConf.select(cfg, "training.recompute_modules", default=None)
-    if values["kv_lora_rank"] <= 0 and isinstance(modules, Sequence) and "mla_up_proj" in modules:
-        problems.append(
-            f"training.recompute_modules={list(modules)}: mla_up_proj recomputes multi-head latent "
-            f"attention's up projections, but model {cfg.model.get('name')} has grouped-query attention "
-            "(model.kv_lora_rank=0)"
-        )
-    return problems
-
-
-def _window_problems(cfg: DictConfig) -> list[str]:
+def _window_problems(spec: RunSpec) -> list[str]:
     """``model.attention_window`` (null or keys >= 1) and ``model.windowed_layers`` (0 to the layers; a
     window when > 0), as :class:`relibra.cluster.ModelSpec` requires them."""
     problems: list[str] = []
-    window = _int_key(cfg, "model.attention_window", problems)
-    layers = OmegaConf.select(cfg, "model.num_layers", default=None)
-    windowed = OmegaConf.select(cfg, "model.windowed_layers", default=None)
-    if problems or not isinstance(windowed, int) or not isinstance(layers, int):
-        return problems  # NOTE: a non-integer windowed_layers or num_layers is named by _spec_problems
+    window, windowed, layers = spec.model.attention_window, spec.model.windowed_layers, spec.model.num_layers
+    _at_least("model.attention_window", window, 1, problems)
     if not 0 <= windowed <= layers:
         problems.append(f"model.windowed_layers={windowed}: expected 0 to model.num_layers={layers}")
     elif windowed and window is None:
         problems.append(f"model.windowed_layers={windowed} needs model.attention_window (keys per query)")
     return problems
+
+
+def _library_problems(spec: RunSpec, named: list[str]) -> list[str]:
+    """The library dataclasses' own checks (:class:`~relibra.cluster.ModelSpec`,
+    :class:`~relibra.cluster.HardwareSpec`, :class:`~relibra.parallel.ParallelLayout`): a node they refuse
+    is built unchecked by :func:`~experiments.config.spec.build_spec` so that every check here runs; each
+    refusal is added unless a problem in ``named`` already names a key of that node."""
+    problems: list[str] = []
+    for prefix, node in (("model.", spec.model), ("cluster.hardware.", spec.cluster.hardware),
+                         ("parallel.", spec.parallel)):  # fmt: skip
+        try:
+            replace(node)
+        except (ValueError, TypeError) as exc:
+            if not any(prefix in p for p in named):
+                problems.append(" ".join(str(exc).split()))
+    return problems
+
+
+def _mla_problems(spec: RunSpec) -> list[str]:
+    """``mla_up_proj`` recompute only for a model with multi-head latent attention
+    (``model.kv_lora_rank > 0``), as :mod:`relibra.cost.recompute` requires."""
+    if spec.model.kv_lora_rank <= 0 and "mla_up_proj" in spec.training.recompute_modules:
+        return [
+            f"training.recompute_modules={list(spec.training.recompute_modules)}: mla_up_proj recomputes "
+            f"multi-head latent attention's up projections, but model {spec.model.name} has grouped-query "
+            "attention (model.kv_lora_rank=0)"
+        ]
+    return []
 
 
 def writable_dir(key: str, value: str) -> str | None:
@@ -178,17 +176,16 @@ def writable_dir(key: str, value: str) -> str | None:
     return None
 
 
-def path_given(cfg: DictConfig) -> bool:
+def path_given(spec: RunSpec) -> bool:
     """Whether the run reads a trace file (``trace.path``) rather than the synthetic generator."""
-    return bool(cfg.trace.get("path"))
+    return bool(spec.trace.path)
 
 
 def _planner_keys(node: Any, name: str, prefix: str = "planner") -> Iterator[tuple[str, Any]]:
-    """Every key ``name`` under a planner config (portfolio candidates included), with its dotted path."""
-    if not isinstance(node, DictConfig):
+    """Every key ``name`` under a planner node (portfolio candidates included), with its dotted path."""
+    if not isinstance(node, Mapping):
         return
-    for key in map(str, node):
-        child = node.get(key)
+    for key, child in node.items():
         if key == name:
             yield f"{prefix}.{key}", child
         else:
@@ -199,13 +196,13 @@ SETTINGS_NODES = ("reorder", "replicate", "majorize")
 """The planner keys that hold a stage's settings dataclass (``experiments.config.planner_nodes``)."""
 
 
-def _settings_problems(planner: DictConfig) -> list[str]:
+def _settings_problems(planner: Mapping[str, Any]) -> list[str]:
     """Each stage's settings (``planner.reorder``, ``planner.replicate``, the candidates' too) built as the
     planner will build them; a refused value is named by its key."""
     problems: list[str] = []
     for name in SETTINGS_NODES:
         for key, node in _planner_keys(planner, name):
-            if not isinstance(node, DictConfig) or "_target_" not in node:
+            if not isinstance(node, Mapping) or "_target_" not in node:
                 continue
             try:
                 instantiate(node, _convert_="all")
@@ -219,87 +216,129 @@ def _settings_problems(planner: DictConfig) -> list[str]:
     return problems
 
 
-def _planner_problems(planner: DictConfig) -> list[str]:
-    """The stage settings (:func:`_settings_problems`), then the planner itself built as the run will build
-    it (cheap: planners plan only when called), so a baseline's refused knob stops the run before any work.
-    The planners' own messages name their key (``planner.solver='x'; ...``)."""
-    problems = _settings_problems(planner)
+def _planner_problems(spec: RunSpec) -> list[str]:
+    """The planner's ``_target_``, its stage settings (:func:`_settings_problems`), then the planner itself
+    built as the run will build it (cheap: planners plan only when called), so a baseline's refused knob
+    stops the run before any work. The planners' own messages name their key (``planner.solver='x'; ...``).
+    """
+    target = spec.planner.target
+    module, _, attr = target.rpartition(".")
+    try:
+        if not hasattr(importlib.import_module(module), attr):
+            raise ImportError(attr)
+    except (ImportError, ValueError):
+        return [f"planner._target_={target}: unknown planner class"]
+    node = spec.planner.node()
+    problems = _settings_problems(node)
     if problems:
         return problems
     try:
-        instantiate(planner, _convert_="all")
+        instantiate(node, _convert_="all")
     except InstantiationException as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         text = " ".join(str(cause).split())
-        problems.append(text if text.startswith("planner.") else f"planner ({planner.get('name')}): {text}")
+        problems.append(text if text.startswith("planner.") else f"planner ({spec.planner.name}): {text}")
+    for key, tolerance in _planner_keys(node, "locality_tolerance"):
+        if not (isinstance(tolerance, int | float) and 0 < tolerance <= 1):
+            problems.append(
+                f"{key}={tolerance}: the locality round's balance tolerance must be in (0, 1] "
+                "(the per-GPU token slack it may trade for locality, relative to the mean)"
+            )
+    routing = spec.planner.setting("routing", ROUTINGS[0])
+    if routing not in ROUTINGS:
+        problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
     return problems
 
 
-def _domain_key(cfg: DictConfig, nodes: int, gpn: int, problems: list[str]) -> int | None:
-    """GPUs of the EP group per NVLink domain (:attr:`relibra.cluster.ClusterSpec.domain_gpus`), or None
-    with a problem naming ``cluster.nvl_domain`` when the group cannot be laid over such domains."""
-    value = cfg.cluster.get("nvl_domain")
-    problem = nvl_domain_problem(nodes, gpn, value)
-    if problem:
-        problems.append(problem)
-        return None
-    return min(int(value) if value is not None else gpn, nodes * gpn)
-
-
-def _cluster_requirements(cfg: DictConfig, planner: DictConfig, num_experts: int) -> list[str]:
+def _cluster_requirements(spec: RunSpec) -> list[str]:
     """What a planner with :class:`~relibra.planners.protocols.ClusterRequirements` cannot honour on this
     cluster (both built as the run builds them; one that cannot be built is reported elsewhere)."""
-    if "_target_" not in planner:
-        return []
     try:
-        built = instantiate(planner, _convert_="all")
-        cluster = build_cluster(cfg)
+        built = instantiate(spec.planner.node(), _convert_="all")
+        cluster = build_cluster(spec)
     except (InstantiationException, ValueError, TypeError):
         return []
     if not isinstance(built, ClusterRequirements):
         return []
-    return list(built.cluster_problems(num_experts, cluster))
+    return list(built.cluster_problems(spec.model.num_experts, cluster))
 
 
-def _comm_problems(cfg: DictConfig) -> list[str]:
-    """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.comm_sms`` (with
-    ``cluster.hardware.sms``), ``cluster.calibration``."""
+def _group_problems(spec: RunSpec) -> list[str]:
+    """The EP group: ``cluster.nodes``, ``cluster.gpus_per_node``, the experts over its GPUs, the NVLink
+    domain, the planner's cluster requirements and its replica slots."""
     problems: list[str] = []
-    dispatcher = cfg.cluster.get("dispatcher", "alltoall")
-    if dispatcher not in DISPATCHERS:
-        problems.append(f"cluster.dispatcher={dispatcher}: unknown; choose one of {', '.join(DISPATCHERS)}")
-    overlap = cfg.cluster.get("ep_overlap", False)
-    sms = OmegaConf.select(cfg, "cluster.hardware.sms", default=0)
-    why = comm_sms_problem(cfg.cluster.get("comm_sms"), sms, overlap is True, str(dispatcher))
-    if why:
+    c, m = spec.cluster, spec.model
+    sizes_ok = all(
+        [
+            _at_least("cluster.nodes", c.nodes, 1, problems),
+            _at_least("cluster.gpus_per_node", c.gpus_per_node, 1, problems),
+            _at_least("model.num_experts", m.num_experts, 1, problems),
+            _at_least("model.num_moe_layers", m.num_moe_layers, 1, problems),
+            _at_least("model.top_k", m.top_k, 1, problems),
+        ]
+    )
+    if m.top_k > m.num_experts >= 1:
+        problems.append(
+            f"model.top_k={m.top_k}: a token picks distinct experts, at most "
+            f"model.num_experts={m.num_experts}"
+        )
+    if not sizes_ok:
+        return problems
+    g = c.nodes * c.gpus_per_node
+    if m.num_experts % g:
+        problems.append(
+            f"model.num_experts={m.num_experts} is not divisible by cluster.nodes * cluster.gpus_per_node = "
+            f"{c.nodes} * {c.gpus_per_node} = {g}"
+        )
+        return problems
+    if why := nvl_domain_problem(c.nodes, c.gpus_per_node, c.nvl_domain):
+        return [*problems, why]
+    domain = min(c.nvl_domain if c.nvl_domain is not None else c.gpus_per_node, g)
+    problems += _cluster_requirements(spec)
+    slots = spec.planner.setting("replica_slots", 0)
+    per_domain = m.num_experts // g * domain
+    if slots < 0 or slots > per_domain:
+        problems.append(
+            f"planner.replica_slots={slots} must be in [0, {per_domain}], the experts in an NVLink "
+            f"domain (model.num_experts / G * GPUs per domain = {m.num_experts} / {g} * {domain}; the domain "
+            "is cluster.nvl_domain, by default cluster.gpus_per_node)"
+        )
+    return problems
+
+
+def _comm_problems(spec: RunSpec) -> list[str]:
+    """The communication keys: ``cluster.dispatcher``, ``cluster.ep_overlap``, ``cluster.comm_sms`` (with
+    ``cluster.hardware.sms``), ``cluster.calibration``, and the grouped-GEMM pricing keys."""
+    problems: list[str] = []
+    c, hw = spec.cluster, spec.cluster.hardware
+    if c.dispatcher not in DISPATCHERS:
+        problems.append(f"cluster.dispatcher={c.dispatcher}: unknown; choose one of {', '.join(DISPATCHERS)}")
+    if why := comm_sms_problem(c.comm_sms, hw.sms, c.ep_overlap, c.dispatcher):
         problems.append(why)
-    if bool(cfg.cluster.get("ep_overlap", False)):
-        spm = cfg.workload.get("samples_per_microbatch")
-        per_batch = cfg.trace.get("samples_per_batch")
-        g = int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
-        if spm is not None and per_batch is not None and not cfg.trace.get("path"):
-            mbs = int(per_batch) // max(int(spm) * g, 1)
-            if mbs < 2:
-                problems.append(
-                    f"cluster.ep_overlap=true needs at least 2 micro-batches per batch to overlap, but "
-                    f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
-                    f"gives {mbs}"
-                )
-    path = cfg.cluster.get("calibration")
+    spm, per_batch = spec.workload.samples_per_microbatch, spec.trace.samples_per_batch
+    if c.ep_overlap and spm is not None and not spec.trace.path:
+        g = c.nodes * c.gpus_per_node
+        mbs = per_batch // max(spm * g, 1)
+        if mbs < 2:
+            problems.append(
+                f"cluster.ep_overlap=true needs at least 2 micro-batches per batch to overlap, but "
+                f"trace.samples_per_batch={per_batch} / (workload.samples_per_microbatch={spm} * G={g}) "
+                f"gives {mbs}"
+            )
+    path = c.calibration
     if path:
         try:
-            if load_calibration(str(path), str(cfg.model.name)) is None:
+            if load_calibration(path, spec.model.name) is None:
                 problems.append(
-                    f"cluster.calibration={path} has no entry for model {cfg.model.name} (a calibration "
+                    f"cluster.calibration={path} has no entry for model {spec.model.name} (a calibration "
                     "file for another model); measure this model or set cluster.calibration=null"
                 )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             problems.append(f"cluster.calibration={path}: {exc}")
-    hw = cfg.cluster.get("hardware") or {}
-    default = {f.name: f.default for f in fields(HardwareSpec)}  # NOTE: for a yaml without the keys
-    keys = ("gemm_model", "gemm_tile_m", "gemm_tile_n", "sms", "per_expert_costs")
-    problems += grouped_gemm_problems(*(hw.get(k, default[k]) for k in keys))
-    if path and hw.get("gemm_model") == "tiled":
+    problems += grouped_gemm_problems(
+        hw.gemm_model, hw.gemm_tile_m, hw.gemm_tile_n, hw.sms, hw.per_expert_costs
+    )
+    if path and hw.gemm_model == "tiled":
         problems.append(
             f"cluster.calibration={path} with cluster.hardware.gemm_model=tiled: both replace the expert "
             "GEMM curve; give one"
@@ -307,184 +346,129 @@ def _comm_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def _migration_problems(cfg: DictConfig) -> list[str]:
+def _migration_problems(spec: RunSpec) -> list[str]:
     """``parallel.*`` and ``simulator.migration.*`` (with the host link of ``cluster.hardware``)."""
-    problems: list[str] = []
-    dp = _int_key(cfg, "parallel.dp", problems)
-    problems += layout_problems(cfg)
+    problems = layout_problems(spec)
     if problems:
         return problems
     try:
-        rate = float(OmegaConf.select(cfg, "cluster.hardware.host_to_device_bytes_per_s", default=0.0) or 0.0)
         migration_payload(
-            (cfg.get("simulator") or {}).get("migration"),
-            expert_data_parallel=dp or 1,
-            host_to_device_bytes_per_s=rate,
+            asdict(spec.simulator.migration),
+            expert_data_parallel=spec.parallel.dp,
+            host_to_device_bytes_per_s=spec.cluster.hardware.host_to_device_bytes_per_s,
         )
     except (ValueError, TypeError) as exc:
         problems.append(str(exc))
     return problems
 
 
-def _required_positive(cfg: DictConfig, key: str, why: str, problems: list[str]) -> None:
-    """``cfg.<key>`` must be a number > 0: a non-number or a value <= 0 is named by
-    :func:`~experiments.config.keys._number_key`, an unset key with ``why``."""
-    if _number_key(cfg, key, problems, strict=True) is None and OmegaConf.select(cfg, key) is None:
-        problems.append(f"{key}=None: {why} (set it in the cluster yaml, with its source)")
+def _required_positive(key: str, value: float, why: str, problems: list[str]) -> None:
+    """``value`` (at ``key``) must be > 0: a value <= 0 is named with ``why``."""
+    if not value > 0:
+        problems.append(f"{key}={value}: {why} (set it in the cluster yaml, with its source)")
 
 
-def _step_problems(cfg: DictConfig) -> list[str]:
+def _step_problems(spec: RunSpec) -> list[str]:
     """The whole step's keys: ``training.*``, ``simulator.step``, ``workload.rl_passes``,
     ``cluster.precision`` and the hardware constants they need."""
     problems: list[str] = []
-    if cfg.get("training") is None:
-        return ["training: missing (choose one of experiments/conf/training/*.yaml, e.g. training=megatron)"]
-    known = {f.name for f in fields(TrainingSpec)} - {"step", "rl_passes"}
-    unknown = sorted(set(map(str, cfg.training)) - known)
-    missing = sorted(known - set(map(str, cfg.training)))
-    if unknown or missing:
-        return [f"training: unknown keys {unknown} / missing keys {missing} (keys: {sorted(known)})"]
-    passes = cfg.workload.get("rl_passes", ["update"])
-    whole = (cfg.get("simulator") or {}).get("step", "whole") == "whole"
-    if not isinstance(passes, Sequence) or isinstance(passes, str):
-        problems.append(f"workload.rl_passes={passes!r}: must be a list of passes from {list(RL_PASSES)}")
-    else:
-        try:
-            build_training(cfg)
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc))
-    if whole:
+    given = set(spec.composed.get("training") or ()) & {"step", "rl_passes"}
+    if given:
+        return [
+            f"training.{key}: not a key of training (simulator.step and workload.rl_passes set it)"
+            for key in sorted(given)
+        ]
+    try:
+        build_training(spec)
+    except (TypeError, ValueError) as exc:
+        problems.append(str(exc))
+    hw = spec.cluster.hardware
+    if spec.simulator.step == "whole":
         why = "simulator.step=whole needs the achievable HBM fraction > 0"
-        _required_positive(cfg, "cluster.hardware.hbm_efficiency", why, problems)
-    precision = cfg.cluster.get("precision", "bf16")
+        _required_positive("cluster.hardware.hbm_efficiency", hw.hbm_efficiency, why, problems)
+    precision = spec.cluster.precision
     if precision not in PRECISIONS:
         problems.append(f"cluster.precision={precision}: unknown; choose one of {', '.join(PRECISIONS)}")
     elif precision == "fp8":
         for key in ("fp8_flops", "fp8_gemm_efficiency"):
-            _required_positive(cfg, f"cluster.hardware.{key}", "cluster.precision=fp8 needs it > 0", problems)
+            why = "cluster.precision=fp8 needs it > 0"
+            _required_positive(f"cluster.hardware.{key}", getattr(hw, key), why, problems)
     return problems
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Refuse a configuration that cannot work, before any work. Raises one :class:`ConfigError`.
-
-    The one check every entry point runs (``experiments.run``, its multirun sweeper, ``reproduce``):
-    types and ranges of every numeric key, known planner, preset and files (trace content included, with
-    the array at fault named), and a ``results_dir`` that can be written. Writes nothing.
-    """
-    from experiments.config.schema import flag_problems, unknown_keys
-
-    problems: list[str] = [*unknown_keys(cfg), *flag_problems(cfg)]
-    if problems:  # NOTE: a stray or non-boolean key first: the checks below read the keys as typed
-        raise ConfigError("bad configuration: " + "; ".join(problems))
-    planner = cfg.get("planner")
-    if planner is None or "_target_" not in planner or "name" not in planner:
+def _input_problems(spec: RunSpec) -> list[str]:
+    """``workload.*`` and ``trace.*``: the sample layout, the micro-batch size, the trace file or the
+    generator's settings."""
+    problems: list[str] = []
+    w, t = spec.workload, spec.trace
+    if w.layout not in LAYOUTS:
+        problems.append(f"workload.layout={w.layout}: unknown sample layout; expected one of {list(LAYOUTS)}")
+    _at_least("workload.samples_per_microbatch", w.samples_per_microbatch, 1, problems)
+    _at_least("workload.tokens_per_microbatch", w.tokens_per_microbatch, 1, problems)
+    if w.samples_per_microbatch is not None and w.tokens_per_microbatch is not None:
         problems.append(
-            "planner: unknown or incomplete planner config (needs _target_ and name; "
-            "choose one of experiments/conf/planner/*.yaml)"
+            f"workload.samples_per_microbatch={w.samples_per_microbatch} and workload.tokens_per_microbatch="
+            f"{w.tokens_per_microbatch}: set one, the other null"
         )
-    else:
-        module, _, attr = str(planner._target_).rpartition(".")
-        try:
-            if not hasattr(importlib.import_module(module), attr):
-                raise ImportError(attr)
-        except ImportError:
-            problems.append(f"planner._target_={planner._target_}: unknown planner class")
-        else:
-            problems.extend(_planner_problems(planner))
-    problems += _run_problems(cfg)
-    problems += _spec_problems(cfg)
-    nodes = _int_key(cfg, "cluster.nodes", problems, required=True)
-    gpn = _int_key(cfg, "cluster.gpus_per_node", problems, required=True)
-    e = _int_key(cfg, "model.num_experts", problems, required=True)
-    layers_k = [
-        _int_key(cfg, key, problems, required=True) for key in ("model.num_moe_layers", "model.top_k")
-    ]
-    if e is not None and layers_k[1] is not None and layers_k[1] > e:
+    if t.path is not None and not t.path.strip():  # NOTE: an unset shell variable; not the generator
         problems.append(
-            f"model.top_k={layers_k[1]}: a token picks distinct experts, at most model.num_experts={e}"
-        )
-    problems += _window_problems(cfg)
-    problems += _mla_problems(cfg)
-    problems += _executor_problems(cfg, nodes * gpn if nodes is not None and gpn is not None else None)
-    if nodes is not None and gpn is not None and e is not None:
-        g = nodes * gpn
-        if e % g:
-            problems.append(
-                f"model.num_experts={e} is not divisible by cluster.nodes * cluster.gpus_per_node = "
-                f"{nodes} * {gpn} = {g}"
-            )
-        elif (domain := _domain_key(cfg, nodes, gpn, problems)) is not None and planner is not None:
-            problems.extend(_cluster_requirements(cfg, planner, e))
-            present = "replica_slots" in planner
-            slots = _int_key(cfg, "planner.replica_slots", problems, least=None, required=present) or 0
-            per_domain = e // g * domain
-            if slots < 0 or slots > per_domain:
-                problems.append(
-                    f"planner.replica_slots={slots} must be in [0, {per_domain}], the experts in an NVLink "
-                    f"domain (model.num_experts / G * GPUs per domain = {e} / {g} * {domain}; the domain is "
-                    "cluster.nvl_domain, by default cluster.gpus_per_node)"
-                )
-    layout = cfg.workload.get("layout")
-    if layout not in LAYOUTS:
-        problems.append(f"workload.layout={layout}: unknown sample layout; expected one of {list(LAYOUTS)}")
-    if planner is not None:
-        for key, tolerance in _planner_keys(planner, "locality_tolerance"):
-            if not (isinstance(tolerance, int | float) and 0 < tolerance <= 1):
-                problems.append(
-                    f"{key}={tolerance}: the locality round's balance tolerance must be in (0, 1] "
-                    "(the per-GPU token slack it may trade for locality, relative to the mean)"
-                )
-        routing = planner.get("routing", ROUTINGS[0])
-        if routing not in ROUTINGS:
-            problems.append(f"planner.routing={routing}: expected one of {list(ROUTINGS)}")
-    problems.extend(_migration_problems(cfg))
-    per_batch = OmegaConf.select(cfg, "trace.samples_per_batch", default=None)
-    if not path_given(cfg) and nodes is not None and gpn is not None and isinstance(per_batch, int):
-        if per_batch < nodes * gpn:
-            problems.append(
-                f"trace.samples_per_batch={per_batch} cannot fill every GPU in a micro-batch: the EP group "
-                f"has cluster.nodes * cluster.gpus_per_node = {nodes * gpn} GPUs; give at least that many"
-            )
-    problems.extend(_comm_problems(cfg))
-    problems.extend(_step_problems(cfg))
-    spm = _int_key(cfg, "workload.samples_per_microbatch", problems)
-    tpm = _int_key(cfg, "workload.tokens_per_microbatch", problems)
-    if spm is not None and tpm is not None:
-        problems.append(
-            f"workload.samples_per_microbatch={spm} and workload.tokens_per_microbatch={tpm}: set one, "
-            "the other null"
-        )
-    path = cfg.trace.get("path")
-    if path is not None and not str(path).strip():  # NOTE: an unset shell variable; not the generator
-        problems.append(
-            f"trace.path={path!r}: empty; give a routing trace .npz ({FORMAT_DOC}), or null for the "
+            f"trace.path={t.path!r}: empty; give a routing trace .npz ({FORMAT_DOC}), or null for the "
             "synthetic generator (trace.preset)"
         )
-    elif path:
-        problems += _trace_problems(cfg, str(path))
+    elif t.path:
+        problems += _trace_problems(spec, t.path)
     else:
         from relibra.trace.synthetic import PRESETS
 
-        for key in ("trace.num_batches", "trace.samples_per_batch", "trace.max_tokens"):
-            _int_key(cfg, key, problems, required=True)
-        preset = cfg.trace.get("preset")
-        if preset not in PRESETS:
-            problems.append(f"trace.preset={preset}: unknown; choose one of {sorted(PRESETS)}")
-    results_dir = cfg.get("results_dir")
-    if results_dir and (why := writable_dir("results_dir", str(results_dir))):
+        for key in ("num_batches", "samples_per_batch", "max_tokens"):
+            _at_least(f"trace.{key}", getattr(t, key), 1, problems)
+        if t.preset not in PRESETS:
+            problems.append(f"trace.preset={t.preset}: unknown; choose one of {sorted(PRESETS)}")
+        g = spec.cluster.nodes * spec.cluster.gpus_per_node
+        if 1 <= t.samples_per_batch < g:
+            problems.append(
+                f"trace.samples_per_batch={t.samples_per_batch} cannot fill every GPU in a micro-batch: the "
+                f"EP group has cluster.nodes * cluster.gpus_per_node = {g} GPUs; give at least that many"
+            )
+    return problems
+
+
+def check_config(cfg: DictConfig | RunSpec) -> RunSpec:
+    """Refuse a configuration that cannot work, before any work; return its checked spec. Raises one
+    :class:`ConfigError`.
+
+    The one check every entry point runs (``experiments.run``, its multirun sweeper, ``reproduce``): the
+    spec (:func:`experiments.config.spec.build_spec`: unknown keys and types, by OmegaConf), then ranges and
+    choices of every key, the planner and its settings built as the run builds them, the files (trace
+    content included, with the array at fault named), and a ``results_dir`` that can be written. Writes
+    nothing.
+    """
+    spec = cfg if isinstance(cfg, RunSpec) else build_spec(cfg)
+    problems = _planner_problems(spec)
+    problems += _run_problems(spec)
+    problems += _spec_problems(spec)
+    problems += _window_problems(spec)
+    problems += _mla_problems(spec)
+    problems += _library_problems(spec, problems)
+    problems += _group_problems(spec)
+    problems += _executor_problems(spec, spec.cluster.nodes * spec.cluster.gpus_per_node)
+    problems += _migration_problems(spec)
+    problems += _comm_problems(spec)
+    problems += _step_problems(spec)
+    problems += _input_problems(spec)
+    if spec.results_dir and (why := writable_dir("results_dir", spec.results_dir)):
         problems.append(why)
     if (
         not problems
-    ):  # NOTE: the memory check builds the cost model, so it needs a config that passed the rest
-        problems += input_memory_problems(cfg)
-        cluster, model = build_cluster(cfg), build_model(cfg)
-        problems += memory_problems(cfg, build_cost(cfg, cluster, model))
+    ):  # NOTE: the memory checks build the cost model, so they need a config that passed the rest
+        problems += input_memory_problems(spec)
+        problems += memory_problems(spec, build_cost(spec, build_cluster(spec), spec.model))
     if problems:
         raise ConfigError("bad configuration: " + "; ".join(dict.fromkeys(problems)))
+    return spec
 
 
-def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
+def _trace_problems(spec: RunSpec, path: str) -> list[str]:
     if Path(path).is_dir():
         return [
             f"trace.path={path}: is a directory, not a trace file (give a routing trace .npz, {FORMAT_DOC})"
@@ -504,10 +488,10 @@ def _trace_problems(cfg: DictConfig, path: str) -> list[str]:
         ("num_layers", "num_moe_layers"),
         ("top_k", "top_k"),
     ):
-        if meta[key] != cfg.model.get(model_key):
+        if meta[key] != getattr(spec.model, model_key):
             problems.append(
                 f"trace.path={path} has {key}={meta[key]} but model.{model_key}="
-                f"{cfg.model.get(model_key)} (model={cfg.model.get('name')}); pick the model the trace "
+                f"{getattr(spec.model, model_key)} (model={spec.model.name}); pick the model the trace "
                 "came from"
             )
     return problems

@@ -4,9 +4,8 @@ executor"; :func:`experiments.config.checks.check_config` and :func:`experiments
 from __future__ import annotations
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 
-from experiments.config.keys import _int_key, _number_key, _yaml
+from experiments.config.spec import RunSpec
 
 __all__ = ["TORCH_BACKENDS", "TORCH_START_METHODS", "_executor_problems", "executor_time_problem"]
 
@@ -15,23 +14,42 @@ TORCH_BACKENDS = ("gloo", "nccl")
 TORCH_START_METHODS = ("spawn", "fork")
 
 
-def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
+def _yaml(value: object) -> str:
+    """``value`` as the command line writes it (``null`` for None)."""
+    return "null" if value is None else str(value)
+
+
+def _least(key: str, value: int | None, least: int, problems: list[str]) -> int | None:
+    """``value`` when it is unset or >= ``least``; else a problem naming ``key`` and None."""
+    if value is not None and value < least:
+        problems.append(f"{key}={value}: must be >= {least}")
+        return None
+    return value
+
+
+def _executor_problems(spec: RunSpec, num_gpus: int | None) -> list[str]:
     """``executor=torch``: its shape and backend settings, and its memory estimated before any process
-    starts (:mod:`relibra.executors.budget`, a lower bound), against what this host (or GPU) has."""
-    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
+    starts (:mod:`relibra.executors.budget`, a lower bound), against what this host (or GPU) has. The
+    settings' types were checked against :class:`~relibra.executors.torch_executor.TorchExecutor`'s
+    fields when the spec was built (:func:`experiments.config.spec.build_spec`); here their ranges."""
+    executor = spec.executor
+    if executor.name != "torch":
         return []
     problems: list[str] = []
-    hidden = _int_key(cfg, "executor.hidden", problems)
-    ffn = _int_key(cfg, "executor.moe_ffn", problems)
-    slots = [_int_key(cfg, f"executor.{k}", problems, least=0) for k in ("replica_slots", "redundant_slots")]
-    max_world = _int_key(cfg, "executor.max_world", problems, required=True)
-    max_time = OmegaConf.select(cfg, "executor.max_time_s", default=None)
-    if max_time is not None:
-        _number_key(cfg, "executor.max_time_s", problems)
-    backend = OmegaConf.select(cfg, "executor.backend", default=None)
+    hidden = _least("executor.hidden", executor.setting("hidden"), 1, problems)
+    ffn = _least("executor.moe_ffn", executor.setting("moe_ffn"), 1, problems)
+    slots = [
+        _least(f"executor.{k}", executor.setting(k), 0, problems)
+        for k in ("replica_slots", "redundant_slots")
+    ]
+    max_world = _least("executor.max_world", executor.setting("max_world"), 1, problems)
+    max_time = executor.setting("max_time_s")
+    if max_time is not None and max_time < 0:
+        problems.append(f"executor.max_time_s={max_time}: must be >= 0")
+    backend = executor.setting("backend")
     if backend not in TORCH_BACKENDS:
         problems.append(f"executor.backend={backend!r}: choose one of {', '.join(TORCH_BACKENDS)}")
-    start = OmegaConf.select(cfg, "executor.start_method", default=None)
+    start = executor.setting("start_method")
     if start not in TORCH_START_METHODS:
         problems.append(f"executor.start_method={start!r}: choose one of {', '.join(TORCH_START_METHODS)}")
     if num_gpus is None or problems:
@@ -55,13 +73,11 @@ def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
         gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(num_gpus))
     from relibra.executors.budget import available_host_bytes, rank_bytes
 
-    shape_h = hidden if hidden is not None else OmegaConf.select(cfg, "model.hidden")
-    shape_f = ffn if ffn is not None else OmegaConf.select(cfg, "model.moe_ffn")
-    planner_slots = OmegaConf.select(cfg, "planner.replica_slots", default=0) or 0
+    shape_h = hidden if hidden is not None else spec.model.hidden
+    shape_f = ffn if ffn is not None else spec.model.moe_ffn
+    planner_slots = spec.planner.setting("replica_slots") or 0
     held = (slots[0] if slots[0] is not None else int(planner_slots)) + (slots[1] or 0)
-    per_rank = rank_bytes(
-        int(cfg.model.num_moe_layers), int(cfg.model.num_experts), num_gpus, int(shape_h), int(shape_f), held
-    )
+    per_rank = rank_bytes(spec.model.num_moe_layers, spec.model.num_experts, num_gpus, shape_h, shape_f, held)
     limit, where = (
         (gpu_bytes, "each GPU has") if gpu_bytes is not None else (available_host_bytes(), "this host has")
     )
@@ -77,7 +93,7 @@ def _executor_problems(cfg: DictConfig, num_gpus: int | None) -> list[str]:
     return problems
 
 
-def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> str | None:
+def executor_time_problem(spec: RunSpec, load: np.ndarray, num_gpus: int) -> str | None:
     """``executor=torch``: why the run would exceed ``executor.max_time_s`` (None: it fits, or no limit).
 
     The estimate (:func:`relibra.executors.budget.estimate_time_s`) counts the FLOPs of every micro-batch
@@ -85,20 +101,21 @@ def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> s
     placement, at a matmul rate measured on this host now, plus the per-cell overhead and the process start
     measured now (:mod:`relibra.executors.time_probe`).
     """
-    if str(OmegaConf.select(cfg, "executor.name", default="sim")) != "torch":
+    executor = spec.executor
+    if executor.name != "torch":
         return None
-    limit = OmegaConf.select(cfg, "executor.max_time_s", default=None)
+    limit = executor.setting("max_time_s")
     if limit is None:
         return None
     from relibra.executors import budget, time_probe
 
-    hidden = int(cfg.executor.hidden or cfg.model.hidden)
-    ffn = int(cfg.executor.moe_ffn or cfg.model.moe_ffn)
-    e, num_layers = int(cfg.model.num_experts), load.shape[1]
-    top_k = int(cfg.model.top_k)
+    hidden = int(executor.setting("hidden") or spec.model.hidden)
+    ffn = int(executor.setting("moe_ffn") or spec.model.moe_ffn)
+    e, num_layers = spec.model.num_experts, load.shape[1]
+    top_k = spec.model.top_k
     home = np.broadcast_to(np.arange(e) // (e // num_gpus), (num_layers, e))
-    flops = budget.workload_flops(load, home, top_k, hidden, ffn, bool(cfg.executor.warmup))
-    device = "cuda" if str(cfg.executor.backend) == "nccl" else "cpu"
+    flops = budget.workload_flops(load, home, top_k, hidden, ffn, bool(executor.setting("warmup")))
+    device = "cuda" if executor.setting("backend") == "nccl" else "cpu"
     rate = budget.matmul_rate(hidden, ffn, device)
     cores = num_gpus if device == "cuda" else budget.available_cores()
     per_rank = e // num_gpus
@@ -112,7 +129,7 @@ def executor_time_problem(cfg: DictConfig, load: np.ndarray, num_gpus: int) -> s
     start = (
         cell.init_s
         + cell.first_s
-        + (time_probe.start_cost_s() if str(cfg.executor.start_method) == "spawn" else 0.0)
+        + (time_probe.start_cost_s() if executor.setting("start_method") == "spawn" else 0.0)
     )
     est = budget.estimate_time_s(flops, rate, overhead, num_gpus, cores, start)
     if est <= float(limit):

@@ -12,29 +12,28 @@ nothing is checked.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
-
 from experiments.config.build import read_trace
+from experiments.config.spec import RunSpec
 from relibra.trace.format import counts_bytes, host_memory_problem
 
 __all__ = ["input_memory_problems"]
 
 
-def input_memory_problems(cfg: DictConfig) -> list[str]:
+def input_memory_problems(spec: RunSpec) -> list[str]:
     """One problem when the run's per-sample counts cannot fit in this host's memory (module doc); call on a
     config whose trace and sizes passed the other checks."""
-    layers = int(cfg.model.num_moe_layers)
-    experts = int(cfg.model.num_experts)
-    path = cfg.trace.get("path")
+    layers = spec.model.num_moe_layers
+    experts = spec.model.num_experts
+    path = spec.trace.path
     if path:
-        trace = read_trace(str(path))
+        trace = read_trace(path)
         shape = (trace.num_samples, trace.num_layers, trace.num_experts)
         what = f"trace.path={path}: its per-sample counts {list(shape)} int32"
         need = counts_bytes(*shape)
         hint = "split the trace into smaller files"
     else:
-        batches = int(OmegaConf.select(cfg, "trace.num_batches"))
-        per_batch = int(OmegaConf.select(cfg, "trace.samples_per_batch"))
+        batches = spec.trace.num_batches
+        per_batch = spec.trace.samples_per_batch
         samples = batches * per_batch
         what = (
             f"trace.num_batches * trace.samples_per_batch = {batches} * {per_batch} samples: their "

@@ -18,43 +18,30 @@ planning.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 
+from experiments.config.spec import RunSpec
 from relibra.cost.memory import MEMORY_CHECKS, memory_estimate
 from relibra.cost.model import CostModel
-from relibra.parallel import LAYOUT_KEYS, ParallelLayout, layer_split_problem
+from relibra.parallel import layer_split_problem
 
-__all__ = ["build_layout", "layout_problems", "memory_problems", "workload_memory_problems"]
+__all__ = ["layout_problems", "memory_problems", "workload_memory_problems"]
 
 log = logging.getLogger(__name__)
 
 
-def build_layout(cfg: DictConfig) -> ParallelLayout:
-    """``cfg.parallel`` -> :class:`ParallelLayout` (absent keys keep their defaults)."""
-    node = cfg.get("parallel")
-    if node is None:
-        return ParallelLayout()
-    values: dict[str, Any] = dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
-    if isinstance(values.get("chunk_layers"), list):  # NOTE: anything else is named by ParallelLayout
-        values["chunk_layers"] = tuple(values["chunk_layers"])
-    return ParallelLayout(**values)
-
-
-def layout_problems(cfg: DictConfig) -> list[str]:
+def layout_problems(spec: RunSpec) -> list[str]:
     """What in ``parallel.*`` cannot work with this cluster and model (one message per problem)."""
-    node = cfg.get("parallel")
-    if node is not None and (unknown := sorted(set(map(str, node)) - set(LAYOUT_KEYS))):
-        return [f"parallel: unknown keys {unknown}; expected {list(LAYOUT_KEYS)}"]
+    layout = spec.parallel
     try:
-        layout = build_layout(cfg)
+        replace(layout)  # NOTE: ParallelLayout's own check (build_spec keeps a refused layout unchecked)
     except (TypeError, ValueError) as exc:
-        return [str(exc)]
+        return [" ".join(str(exc).split())]
     problems: list[str] = []
-    nodes, gpn = cfg.cluster.get("nodes"), cfg.cluster.get("gpus_per_node")
-    if not (isinstance(nodes, int) and isinstance(gpn, int)) or nodes < 1 or gpn < 1:
+    nodes, gpn = spec.cluster.nodes, spec.cluster.gpus_per_node
+    if nodes < 1 or gpn < 1:
         return problems  # NOTE: reported by check_config() under cluster.*
     g = nodes * gpn
     if gpn % layout.tp:
@@ -63,8 +50,8 @@ def layout_problems(cfg: DictConfig) -> list[str]:
             "rides one node's NVLink"
         )
     for key in ("num_heads", "num_kv_heads"):
-        heads = cfg.model.get(key)
-        if isinstance(heads, int) and heads % layout.tp:
+        heads = getattr(spec.model, key)
+        if heads % layout.tp:
             problems.append(f"parallel.tp={layout.tp} does not divide model.{key}={heads}")
     n = layout.group
     if g % n and n % g:
@@ -80,9 +67,8 @@ def layout_problems(cfg: DictConfig) -> list[str]:
             "parallel size (world / (tp * cp * pp)) would not be whole"
         )
     unit = 2 * layout.cp * layout.tp if layout.cp > 1 else layout.tp
-    trace = cfg.get("trace") or {}
-    seq = None if trace.get("path") else trace.get("max_tokens")  # NOTE: a trace file's lengths are its own
-    if unit > 1 and isinstance(seq, int) and seq % unit:
+    seq = None if spec.trace.path else spec.trace.max_tokens  # NOTE: a trace file's lengths are its own
+    if unit > 1 and seq is not None and seq % unit:
         problems.append(
             f"trace.max_tokens={seq} is not a multiple of "
             + (f"2 * parallel.cp * parallel.tp = 2 * {layout.cp} * {layout.tp} = {unit}" if layout.cp > 1
@@ -90,8 +76,8 @@ def layout_problems(cfg: DictConfig) -> list[str]:
             + ": Megatron cuts each sequence into 2 * cp chunks (get_batch_on_this_cp_rank) and shards each "
             "CP rank's tokens tp ways (sequence parallelism)"
         )  # fmt: skip
-    layers = cfg.model.get("num_layers")
-    if isinstance(layers, int) and (why := layer_split_problem(layers, layout)):
+    layers = spec.model.num_layers
+    if why := layer_split_problem(layers, layout):
         problems.append(why)
     if layout.gpus is not None and layout.gpus != layout.world_size(g):
         problems.append(
@@ -103,7 +89,7 @@ def layout_problems(cfg: DictConfig) -> list[str]:
 
 
 def memory_problems(
-    cfg: DictConfig, cost: CostModel, tokens_per_gpu: float | None = None, microbatches: int | None = None
+    spec: RunSpec, cost: CostModel, tokens_per_gpu: float | None = None, microbatches: int | None = None
 ) -> list[str]:
     """The memory check (module doc): [] when it fits, warns or is off; else one message naming the keys.
 
@@ -114,7 +100,7 @@ def memory_problems(
     Call it on a config that passed every other check.
     """
 
-    mode = (cfg.get("simulator") or {}).get("memory_check", MEMORY_CHECKS[0])
+    mode = spec.simulator.memory_check
     if mode not in MEMORY_CHECKS:
         return [f"simulator.memory_check={mode}: choose one of {', '.join(MEMORY_CHECKS)}"]
     if mode == "off":
@@ -126,7 +112,7 @@ def memory_problems(
             f"cluster.hardware.hbm_bytes={capacity}: simulator.memory_check={mode} needs the GPU's memory "
             "capacity (set it in the cluster yaml with its source, or simulator.memory_check=off)"
         ]
-    slots = int(cfg.planner.get("replica_slots", 0) or 0)
+    slots = int(spec.planner.setting("replica_slots") or 0)
     est = memory_estimate(cost, tokens_per_gpu or 0.0, max(microbatches or 1, 1), slots)
     if est.total <= capacity:
         return []
@@ -153,9 +139,9 @@ def memory_problems(
 
 
 def workload_memory_problems(
-    cfg: DictConfig, cost: CostModel, tokens: np.ndarray, mb_batch: np.ndarray
+    spec: RunSpec, cost: CostModel, tokens: np.ndarray, mb_batch: np.ndarray
 ) -> list[str]:
     """:func:`memory_problems` for a built workload: tokens [M, G] each GPU holds per micro-batch and
     mb_batch [M] (the batch of each micro-batch)."""
     most = int(np.bincount(np.asarray(mb_batch)).max()) if np.size(mb_batch) else 1
-    return memory_problems(cfg, cost, float(np.max(tokens)) if np.size(tokens) else 0.0, most)
+    return memory_problems(spec, cost, float(np.max(tokens)) if np.size(tokens) else 0.0, most)

@@ -1,4 +1,5 @@
-"""The run config's schema: every key a composed config can hold, derived from the config groups.
+"""The command line's schema: every key a composed config can hold, derived from the config groups, so that
+:func:`override_problems` refuses a bad override before Hydra composes anything.
 
 Nothing here is a hand-written list. :func:`config_schema` walks Hydra's config repository from the primary
 config (``conf/config.yaml``) through every defaults list, taking **every option** of each config group it
@@ -8,13 +9,11 @@ reaches (a user may pick any of them), the dataclass-generated nodes of
 dataclass is therefore known at once. Each dotted key records the kinds of default it takes (``bool``,
 ``int``, ``float``, ``str``, ``null``, ``map``, ``list``, ``interp`` for an interpolation):
 
-* a key that no option holds is unknown: :func:`unknown_keys` names it with the closest known key (a typo,
-  ``planner.replica_slot``, or a ``+key`` that no code reads, ``+cluster.node=8``);
-* a key whose every default is a boolean is a flag: :func:`flag_problems` refuses any other value
-  (``'false'``, ``no``, ``maybe``), as YAML's ``true``/``false`` are the only booleans;
-* :func:`override_problems` checks command-line overrides the same way before Hydra composes them (an
-  unknown group option, ``planner=bogus``, or a key Hydra itself would refuse), so every entry point
-  refuses them with one line and exit status 2 instead of Hydra's traceback.
+* :func:`override_problems` checks command-line overrides before Hydra composes them (an unknown group
+  option, ``planner=bogus``, or a key no option holds, named with the closest known key), so every entry
+  point refuses them with one line and exit status 2 instead of Hydra's traceback;
+* a composed config's keys and types are not checked here: the run spec is
+  (:func:`experiments.config.spec.build_spec`, OmegaConf's structured configs), once, at the entry.
 
 The ``hydra`` node is Hydra's own and is left to it. Package rules followed (Hydra 1.3, "The Defaults List"):
 a group's default package is its group path; ``@pkg`` in a defaults list is relative to the containing
@@ -37,16 +36,14 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 __all__ = [
     "GRAMMAR_DOC",
     "ConfigSchema",
     "config_schema",
-    "flag_problems",
     "override_problems",
     "parse_problems",
-    "unknown_keys",
     "yaml_problem",
 ]
 
@@ -245,40 +242,6 @@ def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         key = f"{prefix}.{name}" if prefix else str(name)
         yield key, value
         yield from _leaves(value, key)
-
-
-def _plain(cfg: DictConfig) -> Any:
-    return OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
-
-
-def unknown_keys(cfg: DictConfig, schema: ConfigSchema | None = None) -> list[str]:
-    """A problem for each key of ``cfg`` no config group holds, naming it and the closest known key."""
-    schema = schema or config_schema()
-    problems = []
-    reported: list[str] = []
-    for key, _ in _leaves(_plain(cfg)):
-        if schema.known(key) or any(key.startswith(bad + ".") for bad in reported):
-            continue
-        reported.append(key)
-        problems.append(
-            f"{key}: unknown key (no config group, preset or planner settings node holds it, so no code "
-            f"reads it){schema.suggestion(key)}"
-        )
-    return problems
-
-
-def flag_problems(cfg: DictConfig, schema: ConfigSchema | None = None) -> list[str]:
-    """A problem for each flag (a key whose every default is a boolean) of ``cfg`` set to a non-boolean."""
-    schema = schema or config_schema()
-    problems = []
-    for key, _ in _leaves(_plain(cfg)):
-        if not schema.is_flag(key):
-            continue
-        value = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
-        if isinstance(value, bool) or (value is None and "null" in schema.kinds[key]):
-            continue
-        problems.append(f"{key}={value!r}: must be a boolean, true or false (YAML booleans only)")
-    return problems
 
 
 def _values(override: Any) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig
+from experiments.config.spec import RunSpec
 
 __all__ = ["CellJob", "CellOutcome", "GridReport"]
 
@@ -47,15 +47,14 @@ class CellJob:
     cell: list[str]
     label: str
     """``model dataset EPn planner``: how progress lines name the cell."""
-    cfg: DictConfig
+    spec: RunSpec | str
+    """The cell's checked run spec, or why :func:`~experiments.config.checks.check_config` refused its
+    config when the grid was planned (the cell fails with it, nothing is computed); a spec runs unchecked."""
     run_dir: Path
     recompute: bool
     """The cell is stored already (by other code) and is computed again."""
     key: str
     """The cell's :func:`~experiments.store.keys.cell_key`: jobs with equal keys are one computation."""
-    refusal: str | None = None
-    """Why :func:`~experiments.config.checks.check_config` refused the cell's config when the grid was planned
-    (the cell fails with it, nothing is computed); None: accepted there, so the cell runs unchecked."""
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from experiments.config.presets import cells, compose_cells
+from experiments.config.spec import RunSpec, build_spec
 from relibra.trace.format import TraceFormatError, load_trace, save_trace
 from relibra.trace.peer import ModelShape, PeerArgs, peer_trace
 
@@ -29,21 +28,24 @@ def is_peer_preset(preset: str) -> bool:
     return preset.removeprefix("quick_") == "peer"
 
 
-def peer_args(cfg: DictConfig) -> PeerArgs:
-    """The trace arguments of a composed peer cell."""
+def peer_args(spec: RunSpec) -> PeerArgs:
+    """The trace arguments of a peer cell's run spec (``+experiment=peer``: the spec has a ``peer`` node)."""
+    peer, model = spec.peer, spec.model
+    if peer is None:
+        raise ValueError("peer_args needs a peer cell (the peer node of conf/experiment/peer.yaml)")
     return PeerArgs(
-        workload=str(cfg.peer.workload),
+        workload=peer.workload,
         model=ModelShape(
-            name=str(cfg.model.name),
-            num_experts=int(cfg.model.num_experts),
-            top_k=int(cfg.model.top_k),
-            num_moe_layers=int(cfg.model.num_moe_layers),
+            name=model.name,
+            num_experts=model.num_experts,
+            top_k=model.top_k,
+            num_moe_layers=model.num_moe_layers,
         ),
-        ep=int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node),
-        steps=int(cfg.peer.steps),
-        tokens=int(cfg.peer.tokens),
-        seed=int(cfg.seed),
-        layer_seeds=bool(cfg.peer.layer_seeds),
+        ep=spec.cluster.nodes * spec.cluster.gpus_per_node,
+        steps=peer.steps,
+        tokens=peer.tokens,
+        seed=spec.seed,
+        layer_seeds=peer.layer_seeds,
     )
 
 
@@ -80,7 +82,8 @@ def prepare_peer_traces(
         key = tuple(sorted(o for o in cell if not o.startswith("planner")))
         by_trace.setdefault(key, cell)
     for cfg in compose_cells(preset, [[*cell, override] for cell in by_trace.values()]):
-        path, args = Path(str(cfg.trace.path)), peer_args(cfg)
+        spec = build_spec(cfg)
+        path, args = Path(str(spec.trace.path)), peer_args(spec)
         if _is_current(path, args):
             continue
         save_trace(peer_trace(args), path)

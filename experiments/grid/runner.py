@@ -18,14 +18,16 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import (
     Progress,
 )
 
 from experiments.config.presets import cells, compose_cells
+from experiments.config.spec import RunSpec
 from experiments.grid.jobs import CellJob, CellOutcome, GridReport
 from experiments.grid.progress import Bars, Lines, Tracker
 from experiments.store.access import stored_code_version
@@ -146,7 +148,7 @@ def plan_grid(
     store = ResultsStore(store_dir)
     grid = cells(preset, overrides)  # NOTE: overrides may sweep too (e.g. planner=megatron,relibra)
     configs = compose_cells(preset, [[*cell, f"results_dir={store_dir}"] for cell in grid])
-    refusals = _check_grid(preset, configs)
+    specs = _check_grid(preset, configs)
     store.check_writable()  # before any cell is computed: PermissionError naming the folder
     keys = {cell_key(cfg) for cfg in configs}
     try:
@@ -160,7 +162,7 @@ def plan_grid(
         report.left_out = len(gone) - report.rekeyed
     report.total = len(grid)
     jobs: list[CellJob] = []
-    for cell, cfg, refusal in zip(grid, configs, refusals, strict=True):
+    for cell, cfg, checked in zip(grid, configs, specs, strict=True):
         key = cell_key(cfg)
         try:  # NOTE: one cell that cannot be looked at must not cost the rest of the grid
             stored = _stored_version(store, key, report)
@@ -174,10 +176,8 @@ def plan_grid(
         if stored is not None and not (recompute_stale and stale):
             report.reused += 1
             continue
-        dataset = cfg.trace.get("dataset") or cfg.trace.preset
-        label = f"{cfg.model.name} {dataset} EP{_ep(cfg)} {cfg.planner.name}"
         run_dir = store_dir / "runs" / key
-        jobs.append(CellJob(preset, cell, label, cfg, run_dir, stored is not None, key, refusal))
+        jobs.append(CellJob(preset, cell, _label(cfg), checked, run_dir, stored is not None, key))
     return report, jobs
 
 
@@ -218,9 +218,16 @@ def plan_grids(
     return [item for item in planned if item is not None]
 
 
-def _check_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
+def _label(cfg: DictConfig) -> str:
+    """How progress lines name a composed cell (a refused one too): ``model dataset EPn planner``."""
+    dataset = cfg.trace.get("dataset") or cfg.trace.preset
+    ep = int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+    return f"{cfg.model.name} {dataset} EP{ep} {cfg.planner.name}"
+
+
+def _check_grid(preset: str, configs: list[DictConfig]) -> list[RunSpec | str]:
     """Check every cell's config once (:func:`~experiments.config.checks.check_config`), here, so that no
-    worker checks it again: each cell's refusal as :func:`_why` words it (None: accepted).
+    worker checks it again: each cell's checked run spec, or its refusal as :func:`_why` words it.
 
     Refuse a grid none of whose cells can run before any runs: one ConfigError listing each distinct
     problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
@@ -230,20 +237,18 @@ def _check_grid(preset: str, configs: list[DictConfig]) -> list[str | None]:
     from experiments.config.checks import check_config
 
     problems: dict[str, int] = {}
-    refusals: list[str | None] = []
+    checked: list[RunSpec | str] = []
     for cfg in configs:
         try:
-            check_config(cfg)
+            checked.append(check_config(cfg))
         except ConfigError as exc:
             text = str(exc).removeprefix("bad configuration: ")
             problems[text] = problems.get(text, 0) + 1
-            refusals.append(_why(exc))
-        else:
-            refusals.append(None)
+            checked.append(_why(exc))
     if problems and sum(problems.values()) == len(configs):
         listed = "; ".join(f"{text} ({n} of {len(configs)} cells)" for text, n in problems.items())
         raise ConfigError(f"preset {preset}: bad configuration: {listed}")
-    return refusals
+    return checked
 
 
 def _path_keyed(store: ResultsStore, key: str) -> bool:
@@ -274,12 +279,12 @@ def run_cell_job(job: CellJob) -> CellOutcome:
     from experiments.inputs import cache_stats
     from experiments.run import run  # NOTE: imported late so that `--help` does not import every planner
 
-    if job.refusal is not None:
-        return CellOutcome(0.0, job.refusal)
+    if isinstance(job.spec, str):
+        return CellOutcome(0.0, job.spec)
     start = time.perf_counter()
     before = cache_stats()
     try:
-        run(job.cfg, run_dir=job.run_dir, recompute=job.recompute, checked=True)
+        run(job.spec, run_dir=job.run_dir, recompute=job.recompute)
     except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
         return CellOutcome(time.perf_counter() - start, _why(exc))
     after = cache_stats()
@@ -318,8 +323,10 @@ def copy_cell_job(source: CellJob, outcome: CellOutcome, job: CellJob) -> CellOu
     if outcome.error is not None:
         return CellOutcome(0.0, f"same cell as {source.preset}'s, which failed: {outcome.error}")
     start = time.perf_counter()
+    if not (isinstance(job.spec, RunSpec) and isinstance(source.spec, RunSpec)):
+        return CellOutcome(0.0, job.spec if isinstance(job.spec, str) else f"{source.preset}: {source.spec}")
     try:
-        adopt(job.cfg, job.run_dir, Path(str(source.cfg.results_dir)))
+        adopt(job.spec, job.run_dir, Path(str(source.spec.results_dir)))
     except Exception as exc:  # NOTE: one bad cell must not cost the rest of the grid
         return CellOutcome(time.perf_counter() - start, _why(exc))
     return CellOutcome(time.perf_counter() - start, copied_from=source.preset)
@@ -347,25 +354,30 @@ def schedule(jobs: list[CellJob]) -> tuple[list[CellJob], dict[str, list[CellJob
             first[job.key] = job
     groups: dict[tuple[object, ...], list[CellJob]] = {}
     for job in first.values():
-        groups.setdefault(trace_key(job.cfg), []).append(job)
+        groups.setdefault(trace_key(job.spec) if isinstance(job.spec, RunSpec) else (), []).append(job)
 
     def work(group: list[CellJob]) -> int:
-        cfg = group[0].cfg
-        size = int(cfg.trace.num_batches) * int(cfg.trace.samples_per_batch)
-        return -size * int(cfg.model.num_moe_layers) * int(cfg.model.num_experts) * len(group)
+        spec = group[0].spec
+        if not isinstance(spec, RunSpec):
+            return 0
+        size = spec.trace.num_batches * spec.trace.samples_per_batch
+        return -size * spec.model.num_moe_layers * spec.model.num_experts * len(group)
 
     def within(job: CellJob) -> tuple[int, int, str]:
-        return -_reorderings(job.cfg.planner), -_ep(job.cfg), str(job.cfg.planner.get("routing", ""))
+        if not isinstance(job.spec, RunSpec):
+            return 0, 0, ""
+        spec = job.spec
+        ep = spec.cluster.nodes * spec.cluster.gpus_per_node
+        return -_reorderings(spec.planner.node()), -ep, str(spec.planner.setting("routing", ""))
 
     ordered = [job for group in sorted(groups.values(), key=work) for job in sorted(group, key=within)]
     return ordered, copies
 
 
-def _reorderings(planner: DictConfig) -> int:
+def _reorderings(tree: dict[str, Any]) -> int:
     """Annealing reorderers in a planner's config (its ``reorder`` nodes, candidates' included): the
     stage that dominates a cell's time (docs/records/reproduce.md), so the schedule's estimate of its
     length."""
-    tree = OmegaConf.to_container(planner, resolve=False)
 
     def count(node: object) -> int:
         if not isinstance(node, dict):
@@ -448,7 +460,3 @@ def run_grid(
     tracker.add(report, len(jobs))
     run_jobs(jobs, workers, tracker.done)
     return report
-
-
-def _ep(cfg: DictConfig) -> int:
-    return int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)

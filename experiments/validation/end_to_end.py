@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from baselines.force_balanced import uniform_routing
@@ -42,8 +41,8 @@ from experiments.config.build import (
     sim_options,
 )
 from experiments.config.checks import check_config
-from experiments.config.layout_check import build_layout
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import RunSpec
 from experiments.validation.data_files import DATA_DIR, read_rows_file
 from relibra.simulator import simulate
 from relibra.types import SampleCounts, Workload
@@ -148,8 +147,8 @@ def _micro_batch(conf: dict[str, Any]) -> int:
     return int(conf["micro_batch"])
 
 
-def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig:
-    """The row's composed and validated config (its overrides, then ``constants``, then the run's own keys:
+def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> RunSpec:
+    """The row's composed and checked run spec (its overrides, then ``constants``, then the run's own keys:
     force-balanced, the whole step, the samples of ``seq_len`` tokens one EP group holds in one batch
     (:func:`_samples`), ``MBS`` samples
     per TP x CP group per micro-batch), its layout checked against the row's ``config``."""
@@ -166,9 +165,8 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig
         "control_plane.enabled=false",
     ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="end_to_end"):
-        cfg = compose("config", overrides=overrides)
-    check_config(cfg)
-    layout, g = build_layout(cfg), int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+        spec = check_config(compose("config", overrides=overrides))
+    layout, g = spec.parallel, spec.cluster.nodes * spec.cluster.gpus_per_node
     world = layout.world_size(g)
     given = (world, g, layout.pp, layout.tp, layout.cp)
     if given != (int(conf["gpus"]), int(conf["ep"]), *(int(conf.get(k) or 1) for k in ("pp", "tp", "cp"))):
@@ -177,19 +175,19 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> DictConfig
             f"{layout.cp}; the run had {conf['gpus']} at EP {conf['ep']}, PP {conf.get('pp')}, TP "
             f"{conf.get('tp')}, CP {conf.get('cp')}"
         )
-    return cfg
+    return spec
 
 
-def row_workload(cfg: DictConfig, counts: SampleCounts) -> tuple[SampleCounts, Workload]:
+def row_workload(spec: RunSpec, counts: SampleCounts) -> tuple[SampleCounts, Workload]:
     """The row's samples ``counts`` [S, L, E] as its TP x CP groups' ranks and their workload (what
-    :func:`simulate_row` simulates; ``cfg`` from :func:`row_config`)."""
+    :func:`simulate_row` simulates; ``spec`` from :func:`row_config`)."""
     return parallel_workload(
         counts,
-        build_layout(cfg),
-        int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node),
-        samples_per_microbatch=int(cfg.workload.samples_per_microbatch),
-        layout=str(cfg.workload.layout),
-        span=build_model(cfg).attention_span,
+        spec.parallel,
+        spec.cluster.nodes * spec.cluster.gpus_per_node,
+        samples_per_microbatch=spec.workload.samples_per_microbatch,
+        layout=spec.workload.layout,
+        span=spec.model.attention_span,
     )
 
 
@@ -198,14 +196,14 @@ def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str
     ``config`` and ``overrides`` only, never its published ``value``; ``constants``: overrides applied after
     the row's (e.g. the fitted constants at 0, :func:`unfitted_overrides`)."""
     conf = row["config"]
-    cfg = row_config(row, constants)
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    g, layout = cluster.num_gpus, build_layout(cfg)
-    cost = build_cost(cfg, cluster, model)
-    counts = _counts(int(cfg.trace.samples_per_batch), int(conf["seq_len"]), model.num_moe_layers,
-                     model.num_experts, model.top_k, int(cfg.seed))  # fmt: skip
-    counts, workload = row_workload(cfg, counts)
-    result = simulate(build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False))
+    spec = row_config(row, constants)
+    cluster, model = build_cluster(spec), build_model(spec)
+    g, layout = cluster.num_gpus, spec.parallel
+    cost = build_cost(spec, cluster, model)
+    counts = _counts(spec.trace.samples_per_batch, int(conf["seq_len"]), model.num_moe_layers,
+                     model.num_experts, model.top_k, spec.seed)  # fmt: skip
+    counts, workload = row_workload(spec, counts)
+    result = simulate(build_planner(spec), counts, workload, cluster, model, cost, sim_options(spec, False))
     m = result.metrics
     # NOTE: the simulated batch is one pipeline replica's: its tokens pass through pp stages of G GPUs.
     out = {"model": m["throughput_tokens_per_s"] / (g * layout.pp), "step_time_s": m["step_time_s"]}

@@ -41,6 +41,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.config.build import ConfigError, build_cluster, build_training
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import build_spec
 from experiments.validation.data_files import DATA_DIR, read_rows_file
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
@@ -96,8 +97,8 @@ def load_layer_rows(path: str | Path = DATA_FILE) -> dict[str, Any]:
 def _composed(overrides: tuple[str, ...]) -> tuple[ClusterSpec, TrainingSpec]:
     """The cluster and training of ``overrides`` composed on ``experiments/conf`` (once per row)."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="moe_layer"):
-        cfg = compose("config", overrides=[*overrides, "simulator.step=whole"])
-    return build_cluster(cfg), build_training(cfg)
+        spec = build_spec(compose("config", overrides=[*overrides, "simulator.step=whole"]))
+    return build_cluster(spec), build_training(spec)
 
 
 def _cost(row: dict[str, Any], constants: dict[str, float]) -> CostModel:

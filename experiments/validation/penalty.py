@@ -119,27 +119,27 @@ def simulate_pair(row: dict[str, Any], source: str, constants: tuple[str, ...] =
     """The row's forced and dropless runs (module doc): their step seconds, the simulated and measured
     penalty and the dropless routing's mean skew. ``constants``: overrides after the row's (e.g.
     ``training.host_overhead_s=0.003589``, to price the pair with another host time)."""
-    cfg = row_config(row, constants)
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    cost = build_cost(cfg, cluster, model)
+    spec = row_config(row, constants)
+    cluster, model = build_cluster(spec), build_model(spec)
+    cost = build_cost(spec, cluster, model)
     blank = SampleCounts(
         counts=np.zeros(
-            (int(cfg.trace.samples_per_batch), model.num_moe_layers, model.num_experts), np.int32
+            (int(spec.trace.samples_per_batch), model.num_moe_layers, model.num_experts), np.int32
         ),
-        tokens=np.full(int(cfg.trace.samples_per_batch), int(row["config"]["seq_len"]), dtype=np.int64),
-        batch_offsets=np.array([0, int(cfg.trace.samples_per_batch)], dtype=np.int64),
+        tokens=np.full(int(spec.trace.samples_per_batch), int(row["config"]["seq_len"]), dtype=np.int64),
+        batch_offsets=np.array([0, int(spec.trace.samples_per_batch)], dtype=np.int64),
         top_k=model.top_k,
         meta={"source": "penalty check"},
     )
     route = routing_source(source, model.name, model.num_moe_layers, model.num_experts, model.top_k)
     out: dict[str, float] = {}
     for kind, counts in (
-        ("forced", uniform_routing(blank, int(cfg.seed))),
-        ("dropless", route(blank, int(cfg.seed))),
+        ("forced", uniform_routing(blank, int(spec.seed))),
+        ("dropless", route(blank, int(spec.seed))),
     ):
-        counts, workload = row_workload(cfg, counts)
+        counts, workload = row_workload(spec, counts)
         m = simulate(
-            build_planner(cfg), counts, workload, cluster, model, cost, sim_options(cfg, False)
+            build_planner(spec), counts, workload, cluster, model, cost, sim_options(spec, False)
         ).metrics
         out[f"{kind}_step_s"] = float(m["step_time_s"])
         out[f"{kind}_skew"] = float(m["skew_mean"])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.config.build import build_cluster, build_cost, build_model
+from experiments.config.spec import build_spec
 from relibra.cluster import ClusterSpec
 from relibra.cost.migration import MigrationPayload, migration_cost, migration_payload, receive_seconds
 from relibra.cost.model import CostModel
@@ -21,8 +22,8 @@ def test_each_destination_receives_2_plus_12_over_d_bytes_per_param(d: int, want
     assert MigrationPayload(expert_data_parallel=d).bytes_per_param == want
     assert expert_data_parallel(ParallelLayout(dp=d), ep=16) == d
     c = cfg(f"parallel.dp={d}")
-    cluster = build_cluster(c)
-    assert build_cost(c, cluster, build_model(c)).migration.bytes_per_param == want
+    cluster = build_cluster(build_spec(c))
+    assert build_cost(build_spec(c), cluster, build_model(build_spec(c))).migration.bytes_per_param == want
 
 
 def _moves() -> tuple[CostModel, np.ndarray, np.ndarray, float]:

@@ -96,7 +96,9 @@ def test_estimate_is_within_3x_of_a_real_run(monkeypatch) -> None:
     monkeypatch.setattr(torch_executor.TorchExecutor, "execute", timed)
     tiny = ["model=olmoe-1b-7b", "trace.num_batches=1", "trace.samples_per_batch=8", "trace.max_tokens=64",
             "cluster.nodes=1", "cluster.gpus_per_node=4", "executor=torch", "logger=none"]  # fmt: skip
-    compute(cfg(*tiny))
+    from experiments.config.checks import check_config
+
+    compute(check_config(cfg(*tiny)))
     assert len(estimates) == 1 and len(walls) == 1
     ratio = estimates[0] / walls[0]
     assert 1 / 3 <= ratio <= 3, f"estimate {estimates[0]:.1f} s, measured {walls[0]:.1f} s"

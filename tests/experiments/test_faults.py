@@ -21,6 +21,8 @@ import pytest
 
 import experiments.run as run_module
 from experiments.config.build import ConfigError
+from experiments.config.checks import check_config
+from experiments.config.spec import build_spec
 from experiments.run import run
 from experiments.store.keys import cell_key
 from experiments.store.results_store import ResultsStore
@@ -492,8 +494,8 @@ def test_a_run_that_fails_while_writing_leaves_the_earlier_run_whole(tmp_path, m
     real = run_module.compute
 
     # a value parquet cannot hold, found only at the write (as seed=1e23 was)
-    def overflowing(c, checked=False):
-        results, per_layer, dump = real(c, checked)
+    def overflowing(spec):
+        results, per_layer, dump = real(spec)
         return results.assign(seed=[10**25]), per_layer, dump
 
     monkeypatch.setattr(run_module, "compute", overflowing)
@@ -643,7 +645,7 @@ def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blac
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     before = _wandb_cores()
     c = cfg(*TINY, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
-    results, per_layer, _ = run_module.compute(c)
+    results, per_layer, _ = run_module.compute(check_config(c))
     from experiments.tracking.wandb_logger import log_run
 
     start = time.monotonic()
@@ -720,5 +722,10 @@ def test_torch_executor_time_limit_null_disables_the_guard(monkeypatch) -> None:
 
     monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)
     load = np.full((1, 16, 4, 64), 8, dtype=np.int64)  # 64 experts, top_k 8: 64 tokens per rank
-    assert executor_time_problem(cfg(*TINY, "executor=torch", "executor.max_time_s=null"), load, 4) is None
-    assert "executor.max_time_s=600" in str(executor_time_problem(cfg(*TINY, "executor=torch"), load, 4))
+    assert (
+        executor_time_problem(build_spec(cfg(*TINY, "executor=torch", "executor.max_time_s=null")), load, 4)
+        is None
+    )
+    assert "executor.max_time_s=600" in str(
+        executor_time_problem(build_spec(cfg(*TINY, "executor=torch")), load, 4)
+    )

@@ -9,7 +9,9 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import presets as grid_module
+from experiments.config.build import ConfigError
 from experiments.config.presets import cells, compose_cell, compose_cells, expand
+from experiments.config.spec import RunSpec, build_spec
 from experiments.grid.runner import QUICK_FIELD_PRESETS, QUICK_PRESETS
 from experiments.store.keys import cell_key
 
@@ -19,8 +21,21 @@ def _same(fast: DictConfig, hydra: DictConfig) -> None:
     assert OmegaConf.to_container(fast) == OmegaConf.to_container(hydra)
     assert OmegaConf.to_yaml(fast, resolve=True) == OmegaConf.to_yaml(hydra, resolve=True)
     assert OmegaConf.is_struct(fast) == OmegaConf.is_struct(hydra)
+    spec = _spec(fast)  # NOTE: the typed path: the same spec (or the same refusal), keyed as the composition
+    assert spec == _spec(hydra)
+    if isinstance(spec, RunSpec):
+        assert spec.composed == OmegaConf.to_container(hydra, resolve=True)
     if fast.trace.get("path") is None:  # NOTE: a trace file's key reads the file (equal configs: equal keys)
         assert cell_key(fast) == cell_key(hydra)
+        assert not isinstance(spec, RunSpec) or cell_key(spec.composed) == cell_key(hydra)
+
+
+def _spec(cfg: DictConfig) -> RunSpec | str:
+    """The run spec of ``cfg``, or why it has none (``~dump_plans`` leaves out a key the spec needs)."""
+    try:
+        return build_spec(cfg)
+    except ConfigError as exc:
+        return str(exc)
 
 
 def _covering(grid: list[list[str]]) -> list[list[str]]:

@@ -14,7 +14,9 @@ from omegaconf import DictConfig
 
 from experiments import inputs, run
 from experiments.config.build import build_workload_for, load_counts
+from experiments.config.checks import check_config
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import build_spec
 
 SMALL = [
     "model=qwen3-30b-a3b",
@@ -49,11 +51,13 @@ def _arrays(counts: object, workload: object) -> list[np.ndarray]:
 
 def test_a_hit_returns_the_same_read_only_arrays_equal_to_a_fresh_build() -> None:
     cfg = _cfg("planner=megatron")
-    counts, workload = inputs.cell_inputs(cfg, 16)
-    again, workload_again = inputs.cell_inputs(_cfg("planner=relibra"), 16)  # another planner: same inputs
+    counts, workload = inputs.cell_inputs(build_spec(cfg), 16)
+    again, workload_again = inputs.cell_inputs(
+        build_spec(_cfg("planner=relibra")), 16
+    )  # another planner: same inputs
     assert inputs.cache_stats() == inputs.CacheStats(0, 1, 1, 1)
     assert again.counts is counts.counts and workload_again is workload
-    fresh_counts, fresh_workload = build_workload_for(cfg, load_counts(cfg), 16)
+    fresh_counts, fresh_workload = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), 16)
     for cached, fresh in zip(_arrays(counts, workload), _arrays(fresh_counts, fresh_workload), strict=True):
         assert not cached.flags.writeable
         np.testing.assert_array_equal(cached, fresh)
@@ -63,7 +67,7 @@ def test_a_hit_returns_the_same_read_only_arrays_equal_to_a_fresh_build() -> Non
     with pytest.raises(ValueError, match="read-only"):
         counts.counts[0] = 0
     counts.meta["planner_wrote"] = True  # NOTE: meta is a dict; every caller gets its own copy
-    assert "planner_wrote" not in inputs.cell_inputs(cfg, 16)[0].meta
+    assert "planner_wrote" not in inputs.cell_inputs(build_spec(cfg), 16)[0].meta
 
 
 @pytest.mark.parametrize(
@@ -79,13 +83,13 @@ def test_a_hit_returns_the_same_read_only_arrays_equal_to_a_fresh_build() -> Non
     ],
 )
 def test_different_keys_do_not_collide(overrides: list[str], num_gpus: int, counts_differ: bool) -> None:
-    base_counts, base = inputs.cell_inputs(_cfg(), 16)
+    base_counts, base = inputs.cell_inputs(build_spec(_cfg()), 16)
     cfg = _cfg(*overrides)
-    counts, workload = inputs.cell_inputs(cfg, num_gpus)
+    counts, workload = inputs.cell_inputs(build_spec(cfg), num_gpus)
     stats = inputs.cache_stats()
     assert stats.workload_misses == 2  # a new workload key
     assert stats.counts_misses == (2 if counts_differ else 1)
-    fresh_counts, fresh = build_workload_for(cfg, load_counts(cfg), num_gpus)
+    fresh_counts, fresh = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), num_gpus)
     np.testing.assert_array_equal(counts.counts, fresh_counts.counts)
     np.testing.assert_array_equal(workload.load, fresh.load)
     assert workload is not base
@@ -97,19 +101,19 @@ def test_different_keys_do_not_collide(overrides: list[str], num_gpus: int, coun
 
 def test_a_sliding_window_is_its_own_workload() -> None:
     """Same counts, other attention pairs: a model with a sliding window gets its own workload."""
-    base_counts, base = inputs.cell_inputs(_cfg(), 16)
+    base_counts, base = inputs.cell_inputs(build_spec(_cfg()), 16)
     cfg = _cfg("model.attention_window=16", "model.windowed_layers=24")
-    counts, workload = inputs.cell_inputs(cfg, 16)
+    counts, workload = inputs.cell_inputs(build_spec(cfg), 16)
     assert counts.counts is base_counts.counts and workload is not base
-    _, fresh = build_workload_for(cfg, load_counts(cfg), 16)
+    _, fresh = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), 16)
     np.testing.assert_array_equal(workload.causal_pairs, fresh.causal_pairs)
     assert (workload.causal_pairs.sum(axis=1) < base.causal_pairs.sum(axis=1)).all()
 
 
 def test_the_cache_keeps_only_its_last_entries() -> None:
     for seed in range(inputs.CACHE_SIZE + 1):
-        inputs.cell_inputs(_cfg(f"seed={seed}"), 16)
-    inputs.cell_inputs(_cfg("seed=0"), 16)  # the oldest was dropped: built again
+        inputs.cell_inputs(build_spec(_cfg(f"seed={seed}")), 16)
+    inputs.cell_inputs(build_spec(_cfg("seed=0")), 16)  # the oldest was dropped: built again
     assert inputs.cache_stats().counts_misses == inputs.CACHE_SIZE + 2
 
 
@@ -122,10 +126,10 @@ def test_a_replaced_trace_file_is_read_again(tmp_path: Path) -> None:
 
     trace(0)
     cfg = _cfg("model=olmoe-1b-7b", "cluster.nodes=1", f"trace.path={tmp_path / 't.npz'}")
-    first = inputs.cell_inputs(cfg, 8)[0].counts.copy()
+    first = inputs.cell_inputs(build_spec(cfg), 8)[0].counts.copy()
     trace(1)
-    second = inputs.cell_inputs(cfg, 8)[0].counts
-    np.testing.assert_array_equal(second, load_counts(cfg).counts)
+    second = inputs.cell_inputs(build_spec(cfg), 8)[0].counts
+    np.testing.assert_array_equal(second, load_counts(build_spec(cfg)).counts)
     assert not np.array_equal(first, second)
 
 
@@ -138,11 +142,11 @@ def test_a_cell_computed_with_the_cache_equals_one_without(
     planner: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = _cfg(f"planner={planner}")
-    inputs.cell_inputs(_cfg("planner=megatron"), 16)  # the cell below finds its inputs cached
-    cached, cached_layers, _ = run.compute(cfg)
+    inputs.cell_inputs(build_spec(_cfg("planner=megatron")), 16)  # the cell below finds its inputs cached
+    cached, cached_layers, _ = run.compute(check_config(cfg))
     assert inputs.cache_stats().workload_hits == (0 if planner == "force_balanced" else 1)
     monkeypatch.setattr(run, "cell_inputs", functools.partial(inputs.cell_inputs, cache=False))
-    fresh, fresh_layers, _ = run.compute(cfg)
+    fresh, fresh_layers, _ = run.compute(check_config(cfg))
     cols = [c for c in PINNED if c in fresh]
     assert cols
     assert cached[cols].equals(fresh[cols])
@@ -157,7 +161,7 @@ def test_no_numba_kernel_is_compiled_for_read_only_inputs() -> None:
 
     planners = sorted(p.stem for p in (CONF_DIR / "planner").glob("*.yaml") if p.stem != "relibra_milp")
     for planner in planners:  # NOTE: without the MILP planner, which solves under a wall-clock limit
-        run.compute(_cfg(f"planner={planner}"))
+        run.compute(check_config(_cfg(f"planner={planner}")))
     read_only = sorted(
         f"{value.py_func.__module__}.{value.py_func.__name__}{sig}"
         for module in list(sys.modules.values())
@@ -187,7 +191,7 @@ def test_cells_in_one_process_do_not_depend_on_their_order() -> None:
     def computed() -> dict[tuple[str, ...], tuple[object, object]]:
         out = {}
         for cell in order:
-            rows, layers, _ = run.compute(_cfg(*cell))
+            rows, layers, _ = run.compute(check_config(_cfg(*cell)))
             out[cell] = (rows[[c for c in PINNED if c in rows]], layers)
         return out
 

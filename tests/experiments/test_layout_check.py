@@ -23,6 +23,7 @@ from experiments.config.build import (
 from experiments.config.checks import check_config
 from experiments.config.layout_check import memory_problems, workload_memory_problems
 from experiments.config.presets import CONF_DIR, cells, compose_cells, presets
+from experiments.config.spec import build_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["trace.num_batches=1", "trace.samples_per_batch=64", "trace.max_tokens=64", "logger=none"]
@@ -76,15 +77,20 @@ def test_a_layout_that_fits_passes_and_warn_or_off_let_a_big_one_run(caplog) -> 
 
 
 def _cost(cfg):
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    return build_cost(cfg, cluster, model)
+    cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
+    return build_cost(build_spec(cfg), cluster, model)
 
 
 def test_the_workload_check_counts_the_activations() -> None:
     cfg = _cfg("model=qwen3-30b-a3b", "cluster.nodes=2")
     cost = _cost(cfg)
-    assert workload_memory_problems(cfg, cost, np.full((4, 16), 4096), np.zeros(4, dtype=np.int32)) == []
-    (problem,) = workload_memory_problems(cfg, cost, np.full((4, 16), 40_000), np.zeros(4, dtype=np.int32))
+    assert (
+        workload_memory_problems(build_spec(cfg), cost, np.full((4, 16), 4096), np.zeros(4, dtype=np.int32))
+        == []
+    )
+    (problem,) = workload_memory_problems(
+        build_spec(cfg), cost, np.full((4, 16), 40_000), np.zeros(4, dtype=np.int32)
+    )
     assert "micro-batches of up to 40000 tokens per GPU" in problem and "activations" in problem
 
 
@@ -122,13 +128,13 @@ def test_every_preset_cell_is_checked_against_memory(preset: str) -> None:
             "peer reads the trace files reproduce writes (tests/experiments/test_peer_traces.py checks it)"
         )
     for cfg in compose_cells(preset, list(shapes.values())):
-        cluster, model = build_cluster(cfg), build_model(cfg)
+        cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
         key = (model.name, cluster.num_gpus, cluster.hardware.name)
-        cost = build_cost(cfg, cluster, model)
-        problems = memory_problems(cfg, cost)
+        cost = build_cost(build_spec(cfg), cluster, model)
+        problems = memory_problems(build_spec(cfg), cost)
         if not problems:
-            _, work = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
-            problems = workload_memory_problems(cfg, cost, work.tokens, work.mb_batch)
+            _, work = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), cluster.num_gpus)
+            problems = workload_memory_problems(build_spec(cfg), cost, work.tokens, work.mb_batch)
         assert bool(problems) == (key in NOT_FITTING), (key, problems)
 
 

@@ -9,6 +9,7 @@ import pytest
 from experiments.config.build import build_cluster, build_cost, build_model, build_workload_for, load_counts
 from experiments.config.layout_check import memory_problems, workload_memory_problems
 from experiments.config.presets import cells, compose_cells
+from experiments.config.spec import build_spec
 from experiments.grid.peer_traces import PEER_DIR, peer_args, prepare_peer_traces
 from relibra.trace.format import load_trace
 from relibra.trace.peer import routes_for_step
@@ -42,12 +43,12 @@ def test_every_peer_shape_fits_memory_with_its_tokens(model: str, ep: str, tmp_p
     override = prepare_peer_traces("peer", tmp_path, shape, log=lambda _: None)
     cell = cells("peer", [*shape, override, "planner=megatron", "simulator.memory_check=error"])
     cfg = compose_cells("peer", cell)[0]
-    assert peer_args(cfg).tokens == 1024
-    cluster, spec = build_cluster(cfg), build_model(cfg)
-    cost = build_cost(cfg, cluster, spec)
-    assert memory_problems(cfg, cost) == []
-    _, work = build_workload_for(cfg, load_counts(cfg), cluster.num_gpus)
-    assert workload_memory_problems(cfg, cost, work.tokens, work.mb_batch) == []
+    assert peer_args(build_spec(cfg)).tokens == 1024
+    cluster, spec = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
+    cost = build_cost(build_spec(cfg), cluster, spec)
+    assert memory_problems(build_spec(cfg), cost) == []
+    _, work = build_workload_for(build_spec(cfg), load_counts(build_spec(cfg)), cluster.num_gpus)
+    assert workload_memory_problems(build_spec(cfg), cost, work.tokens, work.mb_batch) == []
 
 
 def test_cli_writes_the_traces_and_prints_the_override(

@@ -11,6 +11,7 @@ import experiments.run as run_module
 from experiments.config.build import build_cluster
 from experiments.config.checks import check_config
 from experiments.config.presets import cells, compose_cell, compose_cells, presets
+from experiments.config.spec import build_spec
 from experiments.grid.jobs import GridReport
 from experiments.grid.peer_traces import PEER_DIR, is_peer_preset, prepare_peer_traces
 from experiments.store.keys import cell_key
@@ -191,7 +192,7 @@ def test_nvl72_holds_every_ep_group_in_one_nvlink_domain() -> None:
         c["planner"] for c in grid
     }
     for nodes in (2, 16):
-        cluster = build_cluster(compose_cell("nvl72", [f"cluster.nodes={nodes}"]))
+        cluster = build_cluster(build_spec(compose_cell("nvl72", [f"cluster.nodes={nodes}"])))
         assert (cluster.gpus_per_node, cluster.nvl_domain) == (4, 72)
         assert cluster.num_domains == 1 and cluster.domain_gpus == 4 * nodes
 

@@ -20,6 +20,7 @@ from experiments.config.build import build_planner
 from experiments.config.checks import check_config
 from experiments.config.planner_nodes import NODES
 from experiments.config.presets import CONF_DIR
+from experiments.config.spec import build_spec
 from tests.builders import cfg
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -54,7 +55,7 @@ def test_the_readme_table_has_rows() -> None:
 def test_each_listed_override_works_for_each_listed_planner(override: str, planner: str) -> None:
     composed = cfg(f"planner={planner}", override, *SHAPE)
     check_config(composed)
-    build_planner(composed)
+    build_planner(build_spec(composed))
     key, value = override.split("=", 1)
     assert OmegaConf.select(composed, key) == yaml.safe_load(value)
 
@@ -101,7 +102,7 @@ def test_every_field_of_a_baselines_dataclass_is_an_override(planner: str) -> No
     overrides = [f"planner.{f.name}={_render(values[f.name])}" for f in fields(settings)]
     composed = cfg(f"planner={planner}", *overrides, *SHAPE)
     check_config(composed)
-    built = build_planner(composed)
+    built = build_planner(build_spec(composed))
     for f in fields(settings):
         got = getattr(built, f.name)
         assert (list(got) if isinstance(got, tuple) else got) == values[f.name], f.name

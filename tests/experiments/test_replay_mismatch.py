@@ -7,6 +7,7 @@ import pytest
 
 from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.spec import build_spec
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.run import compute
 from tests.builders import cfg
@@ -15,7 +16,8 @@ from tests.experiments.test_entry_refusals import R, _cli, _one_line
 
 @pytest.mark.parametrize("value", ["1.5", "-0.1", "abc", "null", "true", "nan"])
 def test_a_mismatch_outside_0_1_is_refused_naming_the_key(value: str) -> None:
-    with pytest.raises(ConfigError, match=r"replay\.mismatch=.*must be a number in \[0, 1\]"):
+    # NOTE: a non-number (abc, null, true, nan) is refused by the run spec's type, a number by the range
+    with pytest.raises(ConfigError, match=r"replay\.mismatch=.*must be a (finite )?number"):
         check_config(cfg(*R, f"replay.mismatch={value}"))
 
 
@@ -26,19 +28,19 @@ def test_the_cli_refuses_it_with_one_line_and_exit_2(tmp_path) -> None:
 
 
 def test_zero_builds_no_trained_routes_and_force_balanced_none_at_all() -> None:
-    assert trained_inputs(cfg(*R), 8) is None
+    assert trained_inputs(build_spec(cfg(*R)), 8) is None
     forced = cfg(*R, "planner=force_balanced", "replay.mismatch=0.3")
-    assert replay_mismatch(forced) == 0.0 and trained_inputs(forced, 8) is None
+    assert replay_mismatch(build_spec(forced)) == 0.0 and trained_inputs(build_spec(forced), 8) is None
 
 
 def test_a_cell_with_a_mismatch_is_priced_on_the_trained_routes() -> None:
     base = (*R, "planner=relibra_replicate_only", "control_plane.enabled=false")
-    exact, _, _ = compute(cfg(*base))
-    off, _, _ = compute(cfg(*base, "replay.mismatch=0.5"))
+    exact, _, _ = compute(check_config(cfg(*base)))
+    off, _, _ = compute(check_config(cfg(*base, "replay.mismatch=0.5")))
     assert exact["replay_mismatch"].item() == 0.0 and off["replay_mismatch"].item() == 0.5
     assert off["skew_mean"].item() != exact["skew_mean"].item()
-    trained = trained_inputs(cfg(*base, "replay.mismatch=0.5"), 8)
-    counts, workload = cell_inputs(cfg(*base), 8)
+    trained = trained_inputs(build_spec(cfg(*base, "replay.mismatch=0.5")), 8)
+    counts, workload = cell_inputs(build_spec(cfg(*base)), 8)
     assert trained is not None
     np.testing.assert_array_equal(trained.workload.sample_gpu, workload.sample_gpu)
     np.testing.assert_array_equal(trained.counts.counts.sum(-1), counts.counts.sum(-1))

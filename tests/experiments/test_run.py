@@ -13,6 +13,7 @@ import pytest
 from hydra.utils import instantiate
 
 from experiments.config.build import ConfigError, build_cluster, build_model
+from experiments.config.spec import build_spec
 from experiments.run import run
 from relibra.plan_dump import check_plan_dump
 from relibra.simulator import METRIC_COLUMNS
@@ -223,8 +224,8 @@ def test_unknown_planner_is_refused_by_compose():
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3-235b-a22b", "glm4.5-106b-a12b", "olmoe-1b-7b"])
 def test_every_model_composes(model):
     c = cfg(f"model={model}")
-    spec = build_model(c)
-    assert spec.name == model and spec.num_experts % build_cluster(c).num_gpus == 0
+    spec = build_model(build_spec(c))
+    assert spec.name == model and spec.num_experts % build_cluster(build_spec(c)).num_gpus == 0
 
 
 @pytest.mark.parametrize("planner", ["megatron", "balanced"])
@@ -431,8 +432,10 @@ def test_portfolio_candidates_each_get_a_control_plane():
     from relibra.planners.portfolio import PortfolioPlanner
 
     c = cfg("planner=relibra_portfolio", "cluster.nodes=1")
-    cluster, model = build_cluster(c), build_model(c)
-    with planning(c, build_planner(c), cluster, model, build_cost(c, cluster, model)) as wrapped:
+    cluster, model = build_cluster(build_spec(c)), build_model(build_spec(c))
+    with planning(
+        build_spec(c), build_planner(build_spec(c)), cluster, model, build_cost(build_spec(c), cluster, model)
+    ) as wrapped:
         assert isinstance(wrapped, PortfolioPlanner) and wrapped.name == "relibra_portfolio"
         assert all(isinstance(c, ControlPlane) for c in wrapped.candidates)
         assert [c.name for c in wrapped.candidates] == [

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
 import experiments.store.cell_files as store_module
+from experiments.config.spec import RunSpec
 from experiments.grid.runner import plan_grid
 from experiments.run import run
 from experiments.store.keys import IGNORED_KEYS, TRACE_DIGEST, _drop, cell_key, path_keyed
@@ -157,7 +157,8 @@ def test_reproduce_says_cells_keyed_by_their_path_are_computed_again(tmp_path: P
     report, jobs = plan_grid("quick_ep_scaling", root, overrides)
     assert len(jobs) == report.total == 1 and report.rekeyed == 0
     store = ResultsStore(root / "quick_ep_scaling")
-    old_key = _write_path_keyed(store, OmegaConf.to_container(jobs[0].cfg, resolve=True), ROWS)
+    assert isinstance(jobs[0].spec, RunSpec)
+    old_key = _write_path_keyed(store, dict(jobs[0].spec.composed), ROWS)
     store.write_grid([old_key])
     report, jobs = plan_grid("quick_ep_scaling", root, overrides)
     assert (report.rekeyed, report.left_out, len(jobs)) == (1, 0, 1), report

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from baselines.megatron import MegatronPlanner
+from experiments.config.spec import build_spec
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import skewness
@@ -142,9 +143,9 @@ def test_balance_first_meets_the_skewness_goal(nodes: int) -> None:
                 "trace.max_tokens=4096",
             ],
         )
-    cluster, model = build_cluster(cfg), build_model(cfg)
-    cost = build_cost(cfg, cluster, model)
-    counts = load_counts(cfg)
+    cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
+    cost = build_cost(build_spec(cfg), cluster, model)
+    counts = load_counts(build_spec(cfg))
     workload = build_workload(counts, g, samples_per_microbatch=2, layout=str(cfg.workload.layout))
     res = simulate(instantiate(cfg.planner, _convert_="all"), counts, workload, cluster, model, cost)
     assert res.metrics["skew_mean"] <= 1.05, f"EP {g}: skewness {res.metrics['skew_mean']:.3f} > 1.05"
