@@ -367,7 +367,8 @@ def _strict(cls: type, tree: Mapping[str, Any], prefix: str, problems: list[str]
             if isinstance(value, list):
                 problems += [p for i, v in enumerate(value) if (p := _leaf_problem(f"{key}[{i}]", v, item))]
             elif value is not None or not _optional(tp)[1]:
-                problems.append(f"{key}={value!r}: must be a list")
+                what = {int: "integers", float: "numbers", str: "strings"}.get(item, "values")
+                problems.append(f"{key}={value!r}: must be a list of {what}")
         elif (why := _leaf_problem(key, value, tp)) is not None:
             problems.append(why)
 
