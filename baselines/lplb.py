@@ -43,12 +43,12 @@ from relibra.types import BatchPlan
 
 __all__ = [
     "TOPOLOGIES",
-    "LplbLayout",
+    "LplbPlacement",
     "LplbPlanner",
     "auto_topology",
     "exact_split",
     "ipm_split",
-    "lplb_layout",
+    "lplb_placement",
     "max_load",
     "redundant_to_original",
     "topology_edges",
@@ -107,7 +107,7 @@ def topology_edges(r2o: np.ndarray) -> set[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class LplbLayout:
+class LplbPlacement:
     """Placement and redundant copies of one batch.
 
     ``P = G * R`` edges; edge ``p`` is redundant slot ``p % R`` of GPU ``p // R``.
@@ -128,9 +128,9 @@ class LplbLayout:
         return self.redundant.reshape(self.redundant.shape[0], -1)
 
 
-def lplb_layout(
+def lplb_placement(
     weight: np.ndarray, r2o: np.ndarray, redundant_slots: int, nodes: int, policy: str = "global"
-) -> LplbLayout:
+) -> LplbPlacement:
     """EPLB placement without replication, then copies of each GPU's heaviest experts along ``r2o``.
 
     weight [L, E] loads; r2o [G, D]; ``redundant_slots`` a multiple of D, at most E / G.
@@ -154,7 +154,7 @@ def lplb_layout(
     src = r2o[:, k % d]  # [G, R]
     redundant = hot[:, src, k[None, :]].astype(np.int32)  # [L, G, R]
     copy_gpu = np.repeat(np.arange(g), redundant_slots)
-    return LplbLayout(home=home, redundant=redundant, orig_gpu=src.ravel(), copy_gpu=copy_gpu)
+    return LplbPlacement(home=home, redundant=redundant, orig_gpu=src.ravel(), copy_gpu=copy_gpu)
 
 
 def _incidence(orig_gpu: np.ndarray, copy_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -389,23 +389,23 @@ class LplbPlanner:
         else:
             weight = history_weight(ctx.history, self.history_window, (num_layers, num_experts))
         r2o = redundant_to_original(self.topology, ctx.cluster.num_domains, ctx.cluster.domain_gpus)
-        layout = lplb_layout(weight, r2o, self.redundant_slots, ctx.cluster.num_domains, self.policy)
+        placement = lplb_placement(weight, r2o, self.redundant_slots, ctx.cluster.num_domains, self.policy)
 
-        assign = home_assign(ctx.load, layout.home, g).astype(np.int64)  # [Mb, L, E, G]
+        assign = home_assign(ctx.load, placement.home, g).astype(np.int64)  # [Mb, L, E, G]
         total = assign.sum(-1)  # [Mb, L, E]
         base = assign.sum(-2).reshape(mb * num_layers, g).astype(np.float64)  # [X, G]
-        edge_expert = layout.edge_expert  # [L, P]
+        edge_expert = placement.edge_expert  # [L, P]
         cap = np.take_along_axis(total, np.broadcast_to(edge_expert, (mb, *edge_expert.shape)), -1)
         cap = cap.reshape(mb * num_layers, -1).astype(np.float64)  # [X, P]
         if self.solver == "highs":
-            flow, _ = exact_split(base, cap, layout.orig_gpu, layout.copy_gpu)
+            flow, _ = exact_split(base, cap, placement.orig_gpu, placement.copy_gpu)
         else:
-            flow = ipm_split(base, cap, layout.orig_gpu, layout.copy_gpu, self.ipm_iterations)
+            flow = ipm_split(base, cap, placement.orig_gpu, placement.copy_gpu, self.ipm_iterations)
         moved = np.clip(np.rint(flow), 0, cap).astype(np.int64).reshape(mb, num_layers, -1)  # [Mb, L, P]
         m_idx, l_idx = np.indices((mb, num_layers))
         e_idx = np.broadcast_to(edge_expert, moved.shape)
-        np.subtract.at(assign, (m_idx[..., None], l_idx[..., None], e_idx, layout.orig_gpu), moved)
-        np.add.at(assign, (m_idx[..., None], l_idx[..., None], e_idx, layout.copy_gpu), moved)
+        np.subtract.at(assign, (m_idx[..., None], l_idx[..., None], e_idx, placement.orig_gpu), moved)
+        np.add.at(assign, (m_idx[..., None], l_idx[..., None], e_idx, placement.copy_gpu), moved)
         plan_time = time.perf_counter() - t0
 
         stats = {
@@ -416,17 +416,17 @@ class LplbPlanner:
             "lp_problems": float(mb * num_layers),
         }
         if self.solver == "ipm":
-            _, t_exact = exact_split(base, cap, layout.orig_gpu, layout.copy_gpu)
-            t_ipm = max_load(base, flow, layout.orig_gpu, layout.copy_gpu)
+            _, t_exact = exact_split(base, cap, placement.orig_gpu, placement.copy_gpu)
+            t_ipm = max_load(base, flow, placement.orig_gpu, placement.copy_gpu)
             gap = (t_ipm - t_exact) / np.maximum(t_exact, 1.0)
             stats["lp_gap_mean"] = float(gap.mean())
             stats["lp_gap_max"] = float(gap.max())
         plan = BatchPlan(
-            home=layout.home,
+            home=placement.home,
             assign=assign.astype(np.int32),
             load=ctx.load,
             sample_gpu=ctx.sample_gpu,
-            redundant=layout.redundant,
+            redundant=placement.redundant,
             stats=stats,
         )
         # NOTE: LPLB re-plans from scratch; among the equivalent relabellings keep experts where they are.

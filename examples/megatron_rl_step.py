@@ -99,7 +99,8 @@ def rl_step(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     reward = rng.standard_normal(args.samples)
     advantage = (reward - reward.mean()) / (reward.std() + 1e-6)
 
-    # Step 1: rollout on the plain layout, recording routes per sample (rank j generates samples j, j+G, ...).
+    # Step 1: rollout on the static placement, recording routes per sample (rank j generates samples j,
+    # j+G, ...).
     policy = models["relibra"]
     mine = list(range(rank, args.samples, world))
     recorded = {}

@@ -36,20 +36,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.build import (
-    ConfigError,
     build_cluster,
     build_cost,
     build_model,
     build_planner,
     dataset_name,
     planning,
-    refuse,
     routing,
     sim_options,
 )
 from experiments.config.checks import check_config, writable_dir
+from experiments.config.errors import ConfigError, refuse
 from experiments.config.executor_check import executor_time_problem
-from experiments.config.layout_check import workload_memory_problems
+from experiments.config.parallel_check import workload_memory_problems
 from experiments.config.spec import RunSpec
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.store.access import run_cell, stored_code_version
@@ -114,7 +113,7 @@ def compute(spec: RunSpec) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.nda
     cluster, model = build_cluster(spec), build_model(spec)
     model.check_ep(cluster)
     cost = build_cost(spec, cluster, model)
-    log.info("%s", cost.layout.describe(cluster.num_gpus, cluster.gpus_per_node))
+    log.info("%s", cost.parallel.describe(cluster.num_gpus, cluster.gpus_per_node))
     planner = build_planner(spec)
     executor = (
         CostModelExecutor(cost)
@@ -326,7 +325,7 @@ def run(
     ``run_dir`` or the current directory. With ``results_dir`` set, the run is one cell of an experiment's
     :class:`~experiments.store.results_store.ResultsStore`: a finished cell (same config hash) is read back
     instead of computed again (``recompute``: computed anyway, e.g. a cell finished by other code). Raises
-    :class:`~experiments.config.build.ConfigError` before any work on a bad config, an unreadable trace or a
+    :class:`~experiments.config.errors.ConfigError` before any work on a bad config, an unreadable trace or a
     results directory that cannot be written. ``cfg``: the composed config, checked here once
     (:func:`~experiments.config.checks.check_config`, which builds its run spec), or a run spec checked
     already (a grid cell's, checked when its grid was planned, :func:`experiments.grid.runner.plan_grid`),

@@ -11,7 +11,7 @@ and exit status 2, on every launcher (in-process, ``submitit_local``, Slurm).
 NOTE: without it, a cell's ConfigError would travel back to the sweeping process inside the job's result,
 where Hydra's sweeper re-raises it (``JobReturn.return_value``) and ``run_and_report`` prints it as a
 traceback with exit status 1, after the cells before it have run. Hydra turns an exception raised by a
-callback into a warning, so the refusal leaves as ``SystemExit`` (:func:`experiments.config.build.refuse`),
+callback into a warning, so the refusal leaves as ``SystemExit`` (:func:`experiments.config.errors.refuse`),
 which Hydra lets through.
 
 Failures: a cell that fails while it runs (a full disk, a planner error) is reported by the task function
@@ -36,8 +36,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config.build import ConfigError, refuse
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError, refuse
 from experiments.config.presets import expand
 from experiments.store.run_dir import note_new_dirs
 

@@ -104,6 +104,6 @@ class StepBreakdown:
 METRIC_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(StepBreakdown))
 """The result columns of every run (:class:`StepBreakdown`'s fields, in order)."""
 WHOLE_STEP_COLUMNS: tuple[str, ...] = METRIC_COLUMNS[METRIC_COLUMNS.index("t_head_s") :]
-"""The whole step's and the parallel layout's columns (:mod:`relibra.cost.passes`,
+"""The whole step's and the parallel dimensions' columns (:mod:`relibra.cost.passes`,
 :mod:`relibra.cost.pipeline`, :mod:`relibra.cost.tensor`): 0 where ``simulator.step=moe``, the pass is not run
-or the layout is trivial."""
+or the parallel dimensions are trivial."""

@@ -1,4 +1,4 @@
-"""The parallel layout around the EP group (glossary: parallel layout).
+"""The parallel dimensions around the EP group (glossary: parallel dimensions).
 
 ``cluster.nodes x cluster.gpus_per_node`` is **one pipeline stage's EP group**, ``G`` GPUs, the GPUs every
 planner balances; a planner's plan applies to every stage's layers (each stage balances its own layers
@@ -13,7 +13,7 @@ the expert mesh ``ETP x EP x EDP x PP`` over the same ranks):
 * ``parallel.cp``: context parallelism (Megatron's ``context_parallel_size``) inside the EP group, next
   outward from ``tp`` in Megatron's rank order (``tp-cp-ep-dp-pp``): a TP x CP group is ``tp * cp``
   consecutive GPUs, its CP ranks ``tp`` apart, so a group larger than a node spans ``tp * cp /
-  gpus_per_node`` whole nodes (:meth:`ParallelLayout.describe`). Each sequence is cut into ``2 * cp``
+  gpus_per_node`` whole nodes (:meth:`ParallelDims.describe`). Each sequence is cut into ``2 * cp``
   chunks and CP rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (the load-balanced split of causal
   attention: Megatron-core ``get_batch_on_this_cp_rank``, Transformer Engine
   ``attention/dot_product_attention/context_parallel.py``), then sequence parallelism gives each of its
@@ -26,7 +26,7 @@ the expert mesh ``ETP x EP x EDP x PP`` over the same ranks):
   (Megatron's interleaved 1F1B schedule); :func:`stage_layers` says which layers each stage holds.
 * ``parallel.dp`` replicas of the whole pipeline multiply it.
 
-The run trains on ``dp * pp * G`` GPUs (:meth:`ParallelLayout.world_size`). Megatron's group sizes follow:
+The run trains on ``dp * pp * G`` GPUs (:meth:`ParallelDims.world_size`). Megatron's group sizes follow:
 data parallel ``world / (tp * cp * pp) = dp * G / (tp * cp)`` (:func:`dense_data_parallel`: one rank per TP
 x CP group, the size Megatron divides the global batch by), the dense gradients' reduction group
 ``world / (tp * pp)`` (data parallel with CP, since CP ranks hold the same weights), expert data parallel
@@ -41,7 +41,7 @@ work (the load-balanced split), so it stands for all of them (choice left open: 
 by which positions they hold, which per-sample counts do not record). Megatron's micro-batch is
 ``MBS`` samples per TP x CP group, and a step runs ``GBS / (MBS * data parallel)`` of them
 (:func:`megatron_microbatches`, ``megatron/core/num_microbatches_calculator.py``). The defaults (every
-size 1) are the EP-only layout of earlier releases.
+size 1) are EP only, as in earlier releases.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import numpy as np
 from relibra.attention_span import AttentionSpan
 
 __all__ = [
-    "LAYOUT_KEYS",
-    "ParallelLayout",
+    "PARALLEL_KEYS",
+    "ParallelDims",
     "dense_data_parallel",
     "ep_group_ranks",
     "expert_data_parallel",
@@ -67,7 +67,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
+class ParallelDims:
     """The ``parallel.*`` keys; every default here is the one default."""
 
     dp: int = 1
@@ -90,7 +90,7 @@ class ParallelLayout:
     ``account_for_loss_in_pipeline_split`` (:func:`stage_layers`)."""
     gpus: int | None = None
     """The GPUs the run is meant to train on (``parallel.gpus``; None: not stated). When set it must equal
-    :meth:`world_size`, so a layout whose sizes do not multiply to it is refused."""
+    :meth:`world_size`, so sizes that do not multiply to it are refused."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "cp", "pp", "vpp", "etp"):
@@ -122,7 +122,7 @@ class ParallelLayout:
 
     @property
     def trivial(self) -> bool:
-        """Whether nothing but data parallelism surrounds the EP group (the layout of earlier releases)."""
+        """Whether nothing but data parallelism surrounds the EP group (EP only, as in earlier releases)."""
         return self.tp == 1 and self.cp == 1 and self.pp == 1
 
     @property
@@ -151,78 +151,78 @@ class ParallelLayout:
             f"{n // g} EP groups, each holding {g // self.tp} of its CP ranks"
         )
         return (
-            f"parallel layout: EP group G={g} GPUs per stage (ep={g // self.etp}, {inside}), pp={self.pp} "
-            f"stages x vpp={self.vpp} chunks, dp={self.dp} replicas: {self.dp} x {self.pp} x {g} = "
-            f"{self.world_size(g)} GPUs; data parallel {dense_data_parallel(self, g)}, expert data parallel "
-            f"{expert_data_parallel(self, g)}"
+            f"parallel dimensions: EP group G={g} GPUs per stage (ep={g // self.etp}, {inside}), "
+            f"pp={self.pp} stages x vpp={self.vpp} chunks, dp={self.dp} replicas: "
+            f"{self.dp} x {self.pp} x {g} = {self.world_size(g)} GPUs; data parallel "
+            f"{dense_data_parallel(self, g)}, expert data parallel {expert_data_parallel(self, g)}"
         )
 
 
-LAYOUT_KEYS = tuple(f.name for f in fields(ParallelLayout))
+PARALLEL_KEYS = tuple(f.name for f in fields(ParallelDims))
 """The keys of ``parallel.*``."""
 
 
-def ep_group_ranks(layout: ParallelLayout, g: int) -> int:
+def ep_group_ranks(parallel: ParallelDims, g: int) -> int:
     """Ranks of one TP x CP group that one EP group of ``g`` GPUs holds (module doc): ``tp * cp`` when it
     divides ``g`` (whole groups), ``g`` when ``g`` divides ``tp * cp`` (part of one group, its first ``g``
     ranks); :class:`ValueError` when neither divides the other."""
-    n = layout.group
+    n = parallel.group
     if g % n == 0:
         return n
     if n % g == 0:
         return g
     raise ValueError(
-        f"a TP x CP group of parallel.tp * parallel.cp = {layout.tp} * {layout.cp} = {n} GPUs and the EP "
+        f"a TP x CP group of parallel.tp * parallel.cp = {parallel.tp} * {parallel.cp} = {n} GPUs and the EP "
         f"group of {g} GPUs: neither divides the other, so Megatron's rank mesh would cut TP x CP groups "
         "unevenly over EP groups"
     )
 
 
-def expert_data_parallel(layout: ParallelLayout, ep: int) -> int:
+def expert_data_parallel(parallel: ParallelDims, ep: int) -> int:
     """Megatron's expert-data-parallel size ``world / (etp * ep * pp)``: ``dp`` (``ep = G / etp``)."""
-    world = layout.world_size(ep * layout.etp)
-    return world // (layout.etp * ep * layout.pp)
+    world = parallel.world_size(ep * parallel.etp)
+    return world // (parallel.etp * ep * parallel.pp)
 
 
-def dense_data_parallel(layout: ParallelLayout, g: int) -> int:
+def dense_data_parallel(parallel: ParallelDims, g: int) -> int:
     """Megatron's data-parallel size ``world / (tp * cp * pp)``: ``dp * G / (tp * cp)``, one rank per TP x CP
     group (``megatron/core/parallel_state.py``, ``get_data_parallel_world_size()``, without CP)."""
-    return layout.world_size(g) // (layout.tp * layout.cp * layout.pp)
+    return parallel.world_size(g) // (parallel.tp * parallel.cp * parallel.pp)
 
 
-def megatron_microbatches(global_batch: int, micro_batch: int, layout: ParallelLayout, g: int) -> int:
+def megatron_microbatches(global_batch: int, micro_batch: int, parallel: ParallelDims, g: int) -> int:
     """Micro-batches per step as Megatron computes them: ``GBS / (MBS * data parallel)``
     (``megatron/core/num_microbatches_calculator.py``, ``ConstantNumMicroBatchesCalculator``), which refuses a
     global batch it does not divide (so does this, with :class:`ValueError`)."""
-    per = micro_batch * dense_data_parallel(layout, g)
+    per = micro_batch * dense_data_parallel(parallel, g)
     if global_batch % per:
         raise ValueError(
             f"global batch {global_batch} is not divisible by micro batch {micro_batch} x data parallel "
-            f"{dense_data_parallel(layout, g)}"
+            f"{dense_data_parallel(parallel, g)}"
         )
     return global_batch // per
 
 
-def layer_split_problem(num_layers: int, layout: ParallelLayout) -> str | None:
-    """Why the layers cannot be cut into the layout's model chunks (None: they can)."""
-    chunks = layout.pp * layout.vpp
-    if layout.chunk_layers is not None:
-        if sum(layout.chunk_layers) != num_layers:
+def layer_split_problem(num_layers: int, parallel: ParallelDims) -> str | None:
+    """Why the layers cannot be cut into the model chunks (None: they can)."""
+    chunks = parallel.pp * parallel.vpp
+    if parallel.chunk_layers is not None:
+        if sum(parallel.chunk_layers) != num_layers:
             return (
-                f"parallel.chunk_layers sums to {sum(layout.chunk_layers)} layers but model.num_layers="
+                f"parallel.chunk_layers sums to {sum(parallel.chunk_layers)} layers but model.num_layers="
                 f"{num_layers}"
             )
         return None
     if num_layers % chunks:
         return (
-            f"parallel.pp * parallel.vpp = {layout.pp} * {layout.vpp} = {chunks} model chunks do not divide "
-            f"model.num_layers={num_layers}; give the layers of each chunk with parallel.chunk_layers (as "
-            "Megatron's pipeline_model_parallel_layout does)"
+            f"parallel.pp * parallel.vpp = {parallel.pp} * {parallel.vpp} = {chunks} model chunks do not "
+            f"divide model.num_layers={num_layers}; give the layers of each chunk with parallel.chunk_layers "
+            "(as Megatron's pipeline_model_parallel_layout does)"
         )
     return None
 
 
-def stage_layers(num_layers: int, layout: ParallelLayout) -> np.ndarray:
+def stage_layers(num_layers: int, parallel: ParallelDims) -> np.ndarray:
     """int64 [num_layers]: the pipeline stage of each layer (model order).
 
     The layers are cut into ``pp * vpp`` contiguous model chunks (virtual stages): ``parallel.chunk_layers``
@@ -231,21 +231,21 @@ def stage_layers(num_layers: int, layout: ParallelLayout) -> np.ndarray:
     assignment, ``megatron/core/pipeline_parallel/schedules.py``). The input embedding sits on stage 0 (with
     chunk 0), the LM head and loss on stage ``pp - 1`` (with the last chunk).
     """
-    return layer_chunks(num_layers, layout) % layout.pp
+    return layer_chunks(num_layers, parallel) % parallel.pp
 
 
-def layer_chunks(num_layers: int, layout: ParallelLayout) -> np.ndarray:
+def layer_chunks(num_layers: int, parallel: ParallelDims) -> np.ndarray:
     """int64 [num_layers]: the model chunk (virtual stage, ``0 .. pp * vpp - 1`` in model order) of each
     layer; chunk ``v`` runs on stage ``v mod pp`` (:func:`stage_layers`)."""
-    problem = layer_split_problem(num_layers, layout)
+    problem = layer_split_problem(num_layers, parallel)
     if problem:
         raise ValueError(problem)
-    chunks = layout.pp * layout.vpp
-    sizes = layout.chunk_layers or (num_layers // chunks,) * chunks
+    chunks = parallel.pp * parallel.vpp
+    sizes = parallel.chunk_layers or (num_layers // chunks,) * chunks
     return np.repeat(np.arange(chunks), sizes).astype(np.int64)
 
 
-def rank_span(span: AttentionSpan, layout: ParallelLayout) -> AttentionSpan:
-    """The attention span of one GPU's rank of a sample under ``layout`` (``span`` itself when ``tp * cp =
+def rank_span(span: AttentionSpan, parallel: ParallelDims) -> AttentionSpan:
+    """The attention span of one GPU's rank of a sample under ``parallel`` (``span`` itself when ``tp * cp =
     1``; :meth:`relibra.attention_span.AttentionSpan.split`)."""
-    return span if layout.group == 1 else span.split(layout.group)
+    return span if parallel.group == 1 else span.split(parallel.group)

@@ -154,5 +154,5 @@ def relabel_plan(
 def relabel_for(plan: BatchPlan, ctx: BatchContext) -> BatchPlan:
     """:func:`relabel_plan` against the placement the batch starts from (:func:`previous_home`)."""
     return relabel_plan(
-        plan, previous_home(ctx), ctx.cluster.num_domains, ctx.cluster.domain_gpus, ctx.cost.layout.group
+        plan, previous_home(ctx), ctx.cluster.num_domains, ctx.cluster.domain_gpus, ctx.cost.parallel.group
     )

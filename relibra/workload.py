@@ -51,7 +51,7 @@ from relibra.layout import (
     SampleLayout,
     layout_samples,
 )
-from relibra.parallel import ParallelLayout, ep_group_ranks, rank_span
+from relibra.parallel import ParallelDims, ep_group_ranks, rank_span
 from relibra.planners.protocols import BatchContext
 from relibra.types import SampleCounts, Workload
 
@@ -362,16 +362,16 @@ def build_workload(
 
 def parallel_workload(
     counts: SampleCounts,
-    parallel: ParallelLayout,
+    parallel: ParallelDims,
     num_gpus: int,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
     layout: str = LAYOUTS[0],
     span: AttentionSpan = FULL_CAUSAL,
 ) -> tuple[SampleCounts, Workload]:
-    """Whole samples ``counts`` [S, L, E] under the parallel layout: the ranks the EP group of ``num_gpus``
-    holds (:func:`split_samples` with :func:`relibra.parallel.ep_group_ranks`) and their workload (module
-    doc). Returns (rank counts [S * h, L, E], workload with load [M, L, G, E]); ``counts`` and
+    """Whole samples ``counts`` [S, L, E] under the parallel dimensions: the ranks the EP group of
+    ``num_gpus`` holds (:func:`split_samples` with :func:`relibra.parallel.ep_group_ranks`) and their workload
+    (module doc). Returns (rank counts [S * h, L, E], workload with load [M, L, G, E]); ``counts`` and
     :func:`build_workload` unchanged when ``tp = cp = 1``."""
     held = ep_group_ranks(parallel, num_gpus)
     ranks = split_samples(counts, parallel.tp, parallel.cp, held)

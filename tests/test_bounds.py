@@ -20,7 +20,7 @@ from baselines.balanced import BalancedBound
 from baselines.force_balanced import uniform_routing
 from relibra.cluster import ClusterSpec
 from relibra.cost.model import CostModel
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from relibra.simulator import WHOLE_STEP_COLUMNS, SimResult, simulate
 from relibra.workload import build_workload
 from tests.builders import HOPPER, planner_config, random_counts, tiny_model, training_spec
@@ -213,11 +213,11 @@ def test_the_tiled_floor_is_below_every_split() -> None:
 
 
 @pytest.mark.parametrize(
-    "layout", [ParallelLayout(pp=2, vpp=2), ParallelLayout(tp=2), ParallelLayout(tp=2, pp=2)], ids=str
+    "parallel", [ParallelDims(pp=2, vpp=2), ParallelDims(tp=2), ParallelDims(tp=2, pp=2)], ids=str
 )
 @pytest.mark.parametrize("name", ["megatron", "ultraep", "relibra"])
 def test_planners_do_not_beat_balanced_under_pipeline_and_tensor_parallelism(
-    name: str, layout: ParallelLayout
+    name: str, parallel: ParallelDims
 ) -> None:
     """The same skewed workload with every stage's layers on their own EP group, or tensor parallelism
     inside it: the whole step with full recompute and every RL pass."""
@@ -226,7 +226,7 @@ def test_planners_do_not_beat_balanced_under_pipeline_and_tensor_parallelism(
     cluster = ClusterSpec(nodes=2, gpus_per_node=2, hardware=HOPPER)
     model = tiny_model(num_experts=8, num_layers=4)
     training = training_spec(recompute="full", rl_passes=PASSES[-1])
-    cost = CostModel(cluster, model, training=training, layout=layout)
+    cost = CostModel(cluster, model, training=training, parallel=parallel)
     counts = random_counts(num_samples=16, num_layers=4, num_experts=8, seed=11, skew=2.0)
     cfg = planner_config(name)
     if cfg.get("routing") == "uniform":
@@ -235,8 +235,8 @@ def test_planners_do_not_beat_balanced_under_pipeline_and_tensor_parallelism(
     bal = simulate(BalancedBound(), counts, work, cluster, model, cost)
     res = simulate(instantiate(cfg, _convert_="all"), counts, work, cluster, model, cost)
     check_bounded(name, res, bal)
-    assert (res.metrics["t_bubble_s"] > 0) == (layout.pp > 1)
-    assert (res.metrics["t_tp_comm_s"] > 0) == (layout.tp > 1)
+    assert (res.metrics["t_bubble_s"] > 0) == (parallel.pp > 1)
+    assert (res.metrics["t_tp_comm_s"] > 0) == (parallel.tp > 1)
 
 
 def test_balanced_attention_is_the_mean() -> None:

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from experiments.config.presets import CONF_DIR
 from experiments.config.spec import build_spec
 from experiments.validation.end_to_end import load_rows, row_config, row_workload
 from relibra.attention_span import FULL_CAUSAL, AttentionSpan
-from relibra.parallel import ParallelLayout, dense_data_parallel, ep_group_ranks, megatron_microbatches
+from relibra.parallel import ParallelDims, dense_data_parallel, ep_group_ranks, megatron_microbatches
 from relibra.types import SampleCounts
 from relibra.workload import build_workload, parallel_workload, rank_tokens, split_counts, split_samples
 
@@ -55,7 +55,7 @@ def _modelzoo(seq_len: int, cp: int) -> dict[str, Any]:
 
 
 MODELZOO = [_modelzoo(16384, 1), _modelzoo(32768, 2), _modelzoo(65536, 4), _modelzoo(131072, 8)]
-"""The ModelZoo's 16K, 32K (CP 2), 64K (CP 4: TP x CP 16 GPUs over EP 8) and 128K (CP 8: 32 GPUs) layouts."""
+"""The ModelZoo's 16K, 32K (CP 2), 64K (CP 4: TP x CP 16 GPUs over EP 8) and 128K (CP 8: 32 GPUs) dims."""
 
 
 def _light_counts(samples: int, seq_len: int) -> SampleCounts:
@@ -80,9 +80,11 @@ def test_micro_batches_and_routed_tokens_follow_megatron(row: dict[str, Any]) ->
     want_tokens = mbs * seq // (tp * cp)
     cfg = row_config(row)
     counts, workload = row_workload(cfg, _light_counts(cfg.trace.samples_per_batch, seq))
-    layout, g = cfg.parallel, conf["ep"]
-    assert megatron_microbatches(gbs, mbs, layout, g) == want_mb
-    assert dense_data_parallel(layout, g) * layout.dp == data_parallel * layout.dp  # per pipeline replica
+    parallel, g = cfg.parallel, conf["ep"]
+    assert megatron_microbatches(gbs, mbs, parallel, g) == want_mb
+    assert (
+        dense_data_parallel(parallel, g) * parallel.dp == data_parallel * parallel.dp
+    )  # per pipeline replica
     assert workload.num_microbatches == want_mb
     assert (workload.tokens == want_tokens).all()
     # the EP group holds all of its TP x CP groups' ranks, or g of a wider group's tp * cp
@@ -96,10 +98,10 @@ def test_micro_batches_and_routed_tokens_follow_megatron(row: dict[str, Any]) ->
 
 def test_the_issue_counts_on_modelzoo() -> None:
     """32 micro-batches at 16K (CP 1), 64 at 32K (CP 2), where whole samples per GPU gave 8 and 8."""
-    layouts = [ParallelLayout(tp=4, pp=8, vpp=4, dp=4), ParallelLayout(tp=4, cp=2, pp=8, vpp=4, dp=4)]
-    assert [megatron_microbatches(256, 1, lay, 8) for lay in layouts] == [32, 64]
+    dims = [ParallelDims(tp=4, pp=8, vpp=4, dp=4), ParallelDims(tp=4, cp=2, pp=8, vpp=4, dp=4)]
+    assert [megatron_microbatches(256, 1, par, 8) for par in dims] == [32, 64]
     with pytest.raises(ValueError, match="not divisible"):
-        megatron_microbatches(250, 1, layouts[0], 8)
+        megatron_microbatches(250, 1, dims[0], 8)
 
 
 @pytest.mark.parametrize(("tp", "cp"), [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2), (1, 8)])
@@ -238,13 +240,13 @@ def test_layouts_megatron_refuses_are_refused(overrides: list[str], keys: list[s
 
 
 def test_describe_names_the_nodes_of_a_group_wider_than_a_node() -> None:
-    text = ParallelLayout(tp=4, cp=4).describe(16, 8)
+    text = ParallelDims(tp=4, cp=4).describe(16, 8)
     assert "spans 2 nodes" in text and "CP ranks 4 GPUs apart" in text and "2 consecutive nodes" in text
-    assert "spans" not in ParallelLayout(tp=4, cp=2).describe(8, 8)
+    assert "spans" not in ParallelDims(tp=4, cp=2).describe(8, 8)
 
 
 def test_describe_a_group_wider_than_the_ep_group() -> None:
-    text = ParallelLayout(tp=4, cp=4, dp=2).describe(8, 8)
+    text = ParallelDims(tp=4, cp=4, dp=2).describe(8, 8)
     assert "spans 2 EP groups" in text and "each holding 2 of its CP ranks" in text
 
 
@@ -264,7 +266,7 @@ def test_a_group_wider_than_the_ep_group_holds_its_first_ranks(tp: int, cp: int,
         top_k=k,
     )
     n = tp * cp
-    assert ep_group_ranks(ParallelLayout(tp=tp, cp=cp), g) == g
+    assert ep_group_ranks(ParallelDims(tp=tp, cp=cp), g) == g
     whole = split_samples(counts, tp, cp)
     mine = split_samples(counts, tp, cp, held=g)
     rows = whole.counts.reshape(10, n, num_l, num_e)
@@ -273,7 +275,7 @@ def test_a_group_wider_than_the_ep_group_holds_its_first_ranks(tp: int, cp: int,
     assert (rows.sum(axis=1) == counts.counts).all() and whole.tokens.sum() == lens.sum()
     assert mine.batch_offsets.tolist() == [0, 4 * g, 10 * g]
     # the workload: each micro-batch is one sample (MBS 1) over the whole EP group, rank r on GPU r
-    _, wl = parallel_workload(counts, ParallelLayout(tp=tp, cp=cp), g, samples_per_microbatch=1)
+    _, wl = parallel_workload(counts, ParallelDims(tp=tp, cp=cp), g, samples_per_microbatch=1)
     assert wl.num_microbatches == 10
     assert (wl.sample_gpu.reshape(10, g) == np.arange(g)).all()
     mb = wl.sample_mb.reshape(10, g)
@@ -284,7 +286,7 @@ def test_a_group_wider_than_the_ep_group_holds_its_first_ranks(tp: int, cp: int,
 
 def test_tp_cp_and_ep_groups_that_do_not_nest_are_refused_by_the_workload() -> None:
     with pytest.raises(ValueError, match="neither divides"):
-        ep_group_ranks(ParallelLayout(tp=4, cp=3), 8)
+        ep_group_ranks(ParallelDims(tp=4, cp=3), 8)
 
 
 def test_end_to_end_rows_are_refused_when_cp_disagrees() -> None:
@@ -341,17 +343,17 @@ def test_the_p2p_ring_is_exposed_only_beyond_the_attention_it_hides_behind() -> 
     cluster, model = build_cluster(build_spec(cfg)), build_model(build_spec(cfg))
     hw = cluster.hardware
     tokens = np.full((1, 8), 4096.0)
-    lay = ParallelLayout(tp=2, cp=4)
-    assert cp_exchange_time(cluster, model, ParallelLayout(tp=2), tokens, np.zeros((1, 8)))[0] == 0.0
+    par = ParallelDims(tp=2, cp=4)
+    assert cp_exchange_time(cluster, model, ParallelDims(tp=2), tokens, np.zeros((1, 8)))[0] == 0.0
     send = 4096 * 2 * kv_bytes_per_token(model, 2) / (hw.nvlink_bytes_per_s * hw.nvlink_efficiency)
     send += hw.alltoall_latency_s
     # no attention to hide behind: cp - 1 sends forward, twice the bytes backward
-    bare = cp_exchange_time(cluster, model, lay, tokens, np.zeros((1, 8)))[0]
+    bare = cp_exchange_time(cluster, model, par, tokens, np.zeros((1, 8)))[0]
     assert bare == pytest.approx(3 * (send + 2 * send))
     # attention longer than every send: nothing exposed
-    assert cp_exchange_time(cluster, model, lay, tokens, np.full((1, 8), 1.0))[0] == 0.0
+    assert cp_exchange_time(cluster, model, par, tokens, np.full((1, 8), 1.0))[0] == 0.0
     # a group wider than the NVLink domain rides the rail NIC
-    wide = cp_exchange_time(cluster, model, ParallelLayout(tp=2, cp=8), tokens, np.zeros((1, 8)))[0]
+    wide = cp_exchange_time(cluster, model, ParallelDims(tp=2, cp=8), tokens, np.zeros((1, 8)))[0]
     nic = 4096 * 2 * kv_bytes_per_token(model, 2) / (hw.nic_bytes_per_s * hw.nic_efficiency)
     assert wide == pytest.approx(7 * 3 * (nic + hw.alltoall_latency_s))
     assert kv_bytes_per_token(model, 8) == 2 * 1 * 2 * model.head_dim  # 4 KV heads: one per GPU at tp 8

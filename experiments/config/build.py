@@ -8,13 +8,12 @@ with a fallback here): :class:`ConfigError` and the exit-2 refusal (the checks t
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from hydra.utils import instantiate
 
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
     from experiments.config.spec import RunSpec
 
 __all__ = [
-    "ConfigError",
     "build_cluster",
     "build_cost",
     "build_migration",
@@ -46,25 +44,9 @@ __all__ = [
     "dataset_name",
     "load_counts",
     "read_trace",
-    "refuse",
     "routing",
     "sim_options",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the keys and what would be right."""
-
-
-EXIT_BAD_CONFIG = 2
-"""Exit status of every entry point for a configuration it refuses."""
-
-
-def refuse(exc: ConfigError, where: str = "") -> NoReturn:
-    """Print ``exc`` as one line on stderr (prefixed by the program and ``where``) and exit with status 2."""
-    text = " ".join(str(exc).split())
-    print(f"relibra-run: {where}{text}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_BAD_CONFIG)
 
 
 def build_cluster(spec: RunSpec) -> ClusterSpec:
@@ -113,7 +95,7 @@ def build_cost(spec: RunSpec, cluster: ClusterSpec, model: ModelSpec) -> CostMod
         calibration=calibration,
         training=build_training(spec),
         migration=build_migration(spec, cluster),
-        layout=spec.parallel,
+        parallel=spec.parallel,
     )
 
 

@@ -1,12 +1,12 @@
 """The checks of a run's configuration before any work: :func:`check_config` and one problem collector per
 key family (run-wide keys, the spec dataclasses' numbers, the planner and its stage settings, the cluster's
-NVLink domain and dispatcher, migration and the parallel layout, the whole step, the trace file).
+NVLink domain and dispatcher, migration and the parallel dimensions, the whole step, the trace file).
 
 :func:`check_config` builds the run spec first (:func:`experiments.config.spec.build_spec`: OmegaConf
 refuses unknown keys and values of the wrong type), then runs every collector on the typed spec: ranges,
 choices and the rules that relate keys to each other or to files. Each collector returns the problems it
 finds as one-line strings naming the key; :func:`check_config` gathers them all and raises one
-:class:`~experiments.config.build.ConfigError`, so a user sees every bad key at once. The spec it returns is
+:class:`~experiments.config.errors.ConfigError`, so a user sees every bad key at once. The spec it returns is
 the one every later stage reads, so a config is checked once.
 """
 
@@ -27,16 +27,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from baselines.force_balanced import ROUTINGS
-from experiments.config.build import (
-    ConfigError,
-    build_cluster,
-    build_cost,
-    build_training,
-    read_trace,
-)
+from experiments.config.build import build_cluster, build_cost, build_training, read_trace
+from experiments.config.errors import ConfigError
 from experiments.config.executor_check import _executor_problems
 from experiments.config.input_memory import input_memory_problems
-from experiments.config.layout_check import layout_problems, memory_problems
+from experiments.config.parallel_check import memory_problems, parallel_problems
 from experiments.config.spec import RunSpec, build_spec
 from relibra.cluster import (
     PRECISIONS,
@@ -133,7 +128,7 @@ def _window_problems(spec: RunSpec) -> list[str]:
 
 def _library_problems(spec: RunSpec, named: list[str]) -> list[str]:
     """The library dataclasses' own checks (:class:`~relibra.cluster.ModelSpec`,
-    :class:`~relibra.cluster.HardwareSpec`, :class:`~relibra.parallel.ParallelLayout`): a node they refuse
+    :class:`~relibra.cluster.HardwareSpec`, :class:`~relibra.parallel.ParallelDims`): a node they refuse
     is built unchecked by :func:`~experiments.config.spec.build_spec` so that every check here runs; each
     refusal is added unless a problem in ``named`` already names a key of that node."""
     problems: list[str] = []
@@ -348,7 +343,7 @@ def _comm_problems(spec: RunSpec) -> list[str]:
 
 def _migration_problems(spec: RunSpec) -> list[str]:
     """``parallel.*`` and ``simulator.migration.*`` (with the host link of ``cluster.hardware``)."""
-    problems = layout_problems(spec)
+    problems = parallel_problems(spec)
     if problems:
         return problems
     try:

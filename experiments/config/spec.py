@@ -20,12 +20,12 @@ How a composition becomes a spec:
    carry a ``_target_``;
 5. the dataclasses are built from the composition's own values (so every number is the one the yaml
    gives, bit for bit); the library's own (:class:`~relibra.cluster.ModelSpec`,
-   :class:`~relibra.cluster.HardwareSpec`, :class:`~relibra.parallel.ParallelLayout`,
+   :class:`~relibra.cluster.HardwareSpec`, :class:`~relibra.parallel.ParallelDims`,
    :class:`~relibra.cost.step.TrainingSpec`) run their checks as they are built, and one they refuse is
    kept unchecked so that :func:`experiments.config.checks.check_config` names its refusal beside every
    other problem of the config.
 
-Each refusal is one :class:`~experiments.config.build.ConfigError` line naming the key (the closest known key
+Each refusal is one :class:`~experiments.config.errors.ConfigError` line naming the key (the closest known key
 for an unknown one). The checks of values, ranges and the rules that relate keys to each other or to files
 run afterwards, once, on the spec (:func:`experiments.config.checks.check_config`, which returns the spec
 every stage then reads).
@@ -53,10 +53,10 @@ from typing import Any, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.step import TrainingSpec
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from relibra.simulator import SimOptions
 
 __all__ = [
@@ -217,9 +217,9 @@ class RunSpec:
     control_plane: ControlPlaneNode
     replay: ReplayNode
     simulator: SimulatorNode
-    parallel: ParallelLayout = field(default_factory=ParallelLayout)
-    """``parallel.*``: the layout around the EP group (:class:`relibra.parallel.ParallelLayout` holds the
-    defaults)."""
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    """``parallel.*``: the parallel dimensions around the EP group (:class:`relibra.parallel.ParallelDims`
+    holds the defaults)."""
     results_dir: str | None = None
     run_dir: str | None = None
     experiment_name: str | None = None
@@ -495,7 +495,7 @@ def _make(cls: type, tree: Mapping[str, Any]) -> Any:
 
 
 def _unchecked(cls: type, kwargs: dict[str, Any]) -> Any:
-    """A library dataclass (``ModelSpec``, ``ParallelLayout``, ...) whose own check refused ``kwargs``,
+    """A library dataclass (``ModelSpec``, ``ParallelDims``, ...) whose own check refused ``kwargs``,
     built without that check, so that :func:`experiments.config.checks.check_config` can gather its refusal
     with every other problem of the config (it builds the node again and names why). Never handed to a
     stage: only a checked spec is."""

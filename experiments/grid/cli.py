@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=160)
     presets = args.presets if args.presets is not None else ",".join(SCALES[args.scale])
-    from experiments.config.build import ConfigError
+    from experiments.config.errors import ConfigError
     from experiments.config.presets import presets as known_presets
     from experiments.config.schema import override_problems
 

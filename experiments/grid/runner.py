@@ -233,8 +233,8 @@ def _check_grid(preset: str, configs: list[DictConfig]) -> list[RunSpec | str]:
     problem once (an override such as ``cluster.nodes=-1`` breaks every cell the same way), with how many
     cells it stops. A grid with some good cells runs them; its refused cells are reported as failed, each
     with its reason, when the grid ends (one bad cell must not cost the rest)."""
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
 
     problems: dict[str, int] = {}
     checked: list[RunSpec | str] = []

@@ -203,7 +203,7 @@ def _fit_and_store(path: Path) -> None:
 def _penalty(data: Path | None, sources: str | None) -> int:
     """``--penalty`` (:mod:`experiments.validation.penalty`); exit status 2 with one message for a bad file or
     source."""
-    from experiments.config.build import ConfigError
+    from experiments.config.errors import ConfigError
     from experiments.validation.penalty import (
         DATA_FILE,
         SOURCES,
@@ -242,7 +242,7 @@ def _penalty(data: Path | None, sources: str | None) -> int:
 def _moe_layer(data: Path | None, fit: bool, joint: bool) -> int:
     """``--moe-layer`` (:mod:`experiments.validation.moe_layer`); exit status 2 with one message for a bad
     file."""
-    from experiments.config.build import ConfigError
+    from experiments.config.errors import ConfigError
     from experiments.validation.moe_layer import DATA_FILE, POST_SYNC, fit_layer, layer_table, load_layer_rows
     from relibra.atomic import atomic_write
 

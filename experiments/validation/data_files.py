@@ -1,5 +1,5 @@
 """Reading the measurement files of ``experiments/data`` (end-to-end runs, per-layer rows, penalty pairs):
-one JSON object with a ``rows`` list, refused with one :class:`~experiments.config.build.ConfigError` naming
+one JSON object with a ``rows`` list, refused with one :class:`~experiments.config.errors.ConfigError` naming
 the file otherwise."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 """``experiments/data``: the committed measurement files, each naming its source."""

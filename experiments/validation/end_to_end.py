@@ -13,9 +13,9 @@ placement; the tables' footnote), ``global_batch`` samples of exactly ``seq_len`
 ``micro_batch`` samples per TP x CP group per micro-batch (Megatron's micro-batch: ``GBS / (MBS * data
 parallel)`` micro-batches a step, each GPU routing ``1 / (tp * cp)`` of its group's tokens), the whole step
 (``simulator.step=whole``), the row's ``overrides`` (model, cluster, precision, dispatcher, recompute,
-parallel layout). Rows with PP, TP or CP give their layout as ``parallel.*`` overrides: tokens/s/GPU is then
-the pipeline's tokens over its ``pp * G`` GPUs. Rows with ``needs`` (something the simulator does not have: a
-model) are listed and left out of the errors.
+parallel dimensions). Rows with PP, TP or CP give their parallel dimensions as ``parallel.*`` overrides:
+tokens/s/GPU is then the pipeline's tokens over its ``pp * G`` GPUs. Rows with ``needs`` (something the
+simulator does not have: a model) are listed and left out of the errors.
 """
 
 from __future__ import annotations
@@ -32,15 +32,9 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from baselines.force_balanced import uniform_routing
-from experiments.config.build import (
-    ConfigError,
-    build_cluster,
-    build_cost,
-    build_model,
-    build_planner,
-    sim_options,
-)
+from experiments.config.build import build_cluster, build_cost, build_model, build_planner, sim_options
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from experiments.config.presets import CONF_DIR
 from experiments.config.spec import RunSpec
 from experiments.validation.data_files import DATA_DIR, read_rows_file
@@ -151,7 +145,7 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> RunSpec:
     """The row's composed and checked run spec (its overrides, then ``constants``, then the run's own keys:
     force-balanced, the whole step, the samples of ``seq_len`` tokens one EP group holds in one batch
     (:func:`_samples`), ``MBS`` samples
-    per TP x CP group per micro-batch), its layout checked against the row's ``config``."""
+    per TP x CP group per micro-batch), its parallel dimensions checked against the row's ``config``."""
     conf = row["config"]
     overrides = [
         *row["overrides"],
@@ -166,14 +160,14 @@ def row_config(row: dict[str, Any], constants: Sequence[str] = ()) -> RunSpec:
     ]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="end_to_end"):
         spec = check_config(compose("config", overrides=overrides))
-    layout, g = spec.parallel, spec.cluster.nodes * spec.cluster.gpus_per_node
-    world = layout.world_size(g)
-    given = (world, g, layout.pp, layout.tp, layout.cp)
+    parallel, g = spec.parallel, spec.cluster.nodes * spec.cluster.gpus_per_node
+    world = parallel.world_size(g)
+    given = (world, g, parallel.pp, parallel.tp, parallel.cp)
     if given != (int(conf["gpus"]), int(conf["ep"]), *(int(conf.get(k) or 1) for k in ("pp", "tp", "cp"))):
         raise ValueError(
-            f"row {row['id']}: the overrides give {world} GPUs at EP {g}, PP {layout.pp}, TP {layout.tp}, CP "
-            f"{layout.cp}; the run had {conf['gpus']} at EP {conf['ep']}, PP {conf.get('pp')}, TP "
-            f"{conf.get('tp')}, CP {conf.get('cp')}"
+            f"row {row['id']}: the overrides give {world} GPUs at EP {g}, PP {parallel.pp}, "
+            f"TP {parallel.tp}, CP {parallel.cp}; the run had {conf['gpus']} at EP {conf['ep']}, "
+            f"PP {conf.get('pp')}, TP {conf.get('tp')}, CP {conf.get('cp')}"
         )
     return spec
 
@@ -198,7 +192,7 @@ def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str
     conf = row["config"]
     spec = row_config(row, constants)
     cluster, model = build_cluster(spec), build_model(spec)
-    g, layout = cluster.num_gpus, spec.parallel
+    g, parallel = cluster.num_gpus, spec.parallel
     cost = build_cost(spec, cluster, model)
     counts = _counts(spec.trace.samples_per_batch, int(conf["seq_len"]), model.num_moe_layers,
                      model.num_experts, model.top_k, spec.seed)  # fmt: skip
@@ -206,7 +200,7 @@ def simulate_row(row: dict[str, Any], constants: Sequence[str] = ()) -> dict[str
     result = simulate(build_planner(spec), counts, workload, cluster, model, cost, sim_options(spec, False))
     m = result.metrics
     # NOTE: the simulated batch is one pipeline replica's: its tokens pass through pp stages of G GPUs.
-    out = {"model": m["throughput_tokens_per_s"] / (g * layout.pp), "step_time_s": m["step_time_s"]}
+    out = {"model": m["throughput_tokens_per_s"] / (g * parallel.pp), "step_time_s": m["step_time_s"]}
     out.update({k: float(v) for k, v in m.items() if k.startswith("t_")})
     return out
 

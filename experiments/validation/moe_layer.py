@@ -39,7 +39,8 @@ import numpy as np
 import pandas as pd
 from hydra import compose, initialize_config_dir
 
-from experiments.config.build import ConfigError, build_cluster, build_training
+from experiments.config.build import build_cluster, build_training
+from experiments.config.errors import ConfigError
 from experiments.config.presets import CONF_DIR
 from experiments.config.spec import build_spec
 from experiments.validation.data_files import DATA_DIR, read_rows_file

@@ -3,7 +3,7 @@
 Each row of ``experiments/data/penalty.json`` is a published pair of runs of one configuration, dropless and
 forced-balance (Megatron's ``moe_router_force_load_balancing``), with its measured penalty
 ``forced / dropless - 1`` (the same FLOPs, so the ratio of step times). Every row is a check: nothing is
-fitted to it. A row's layout, micro-batches and whole step are the end-to-end validation's
+fitted to it. A row's parallel dimensions, micro-batches and whole step are the end-to-end validation's
 (:func:`experiments.validation.end_to_end.row_config`,
 :func:`~experiments.validation.end_to_end.row_workload`); the two runs differ only in their routing:
 
@@ -32,14 +32,8 @@ import numpy as np
 import pandas as pd
 
 from baselines.force_balanced import uniform_routing
-from experiments.config.build import (
-    ConfigError,
-    build_cluster,
-    build_cost,
-    build_model,
-    build_planner,
-    sim_options,
-)
+from experiments.config.build import build_cluster, build_cost, build_model, build_planner, sim_options
+from experiments.config.errors import ConfigError
 from experiments.validation.data_files import DATA_DIR, read_rows_file
 from experiments.validation.end_to_end import row_config, row_workload
 from relibra.simulator import simulate

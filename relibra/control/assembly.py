@@ -4,8 +4,8 @@ per-micro-batch loads.
 Pure functions of the batch's samples (in id order) and the settings; the coordinator calls them outside
 its lock (:mod:`relibra.control.plane`).
 
-**Tensor and context parallelism** (the plane's cost model's :class:`~relibra.parallel.ParallelLayout`,
-``cost.layout``): the batch's workload is :func:`relibra.workload.parallel_workload`'s, the simulator's.
+**Tensor and context parallelism** (the plane's cost model's :class:`~relibra.parallel.ParallelDims`,
+``cost.parallel``): the batch's workload is :func:`relibra.workload.parallel_workload`'s, the simulator's.
 With ``tp * cp > 1`` every sample becomes the ``h`` ranks of its TP x CP group the EP group holds (``h = tp
 * cp``, or ``G`` when a group is wider than the EP group: :func:`relibra.parallel.ep_group_ranks`), whole
 samples go to TP x CP groups, and rank ``r`` of a sample runs on GPU ``group * h + r``; the planners see
@@ -26,7 +26,7 @@ from relibra.cluster import ModelSpec
 from relibra.control.config import ControlPlaneConfig
 from relibra.control.jobs import Assembled
 from relibra.layout import SampleLayout
-from relibra.parallel import ParallelLayout, ep_group_ranks
+from relibra.parallel import ParallelDims, ep_group_ranks
 from relibra.trace.format import RoutingTrace
 from relibra.types import SampleCounts
 from relibra.workload import microbatch_loads, parallel_workload, split_samples
@@ -40,7 +40,7 @@ def assemble_batch(
     num_gpus: int,
     config: ControlPlaneConfig,
     model: ModelSpec,
-    parallel: ParallelLayout | None = None,
+    parallel: ParallelDims | None = None,
 ) -> Assembled:
     """The batch laid out by ``config.layout`` (attention work as ``model.attention_span`` counts it) and
     its loads, under ``parallel`` (None: EP only; module doc).
@@ -49,11 +49,11 @@ def assemble_batch(
     1`` the result carries the ranks' counts [Sb * h, L, E] and tokens [Sb * h] the planners see.
     """
     t0 = time.perf_counter()
-    layout = parallel if parallel is not None else ParallelLayout()
-    whole = _whole_samples(counts, sample_tokens, model.top_k, layout)
+    parallel = parallel if parallel is not None else ParallelDims()
+    whole = _whole_samples(counts, sample_tokens, model.top_k, parallel)
     ranks, workload = parallel_workload(
         whole,
-        layout,
+        parallel,
         num_gpus,
         config.samples_per_microbatch,
         config.tokens_per_microbatch,
@@ -61,7 +61,7 @@ def assemble_batch(
         model.attention_span,
     )
     placed = SampleLayout(workload.sample_gpu, workload.sample_mb, workload.mb_batch)
-    split = layout.group > 1
+    split = parallel.group > 1
     return Assembled(
         placed,
         placed.local_mb(),
@@ -76,7 +76,7 @@ def given_layout(
     layout: SampleLayout,
     counts: np.ndarray,
     num_gpus: int,
-    parallel: ParallelLayout | None = None,
+    parallel: ParallelDims | None = None,
     sample_tokens: np.ndarray | None = None,
     top_k: int | None = None,
 ) -> Assembled:
@@ -121,7 +121,7 @@ def given_layout(
 
 
 def _whole_samples(
-    counts: np.ndarray, sample_tokens: np.ndarray, top_k: int, parallel: ParallelLayout
+    counts: np.ndarray, sample_tokens: np.ndarray, top_k: int, parallel: ParallelDims
 ) -> SampleCounts:
     """One batch of whole samples; under ``tp * cp > 1`` checked to hold ``tokens * top_k`` routed slots per
     sample and layer, which the split into ranks keeps (:func:`relibra.workload.split_counts`)."""

@@ -24,10 +24,10 @@ The trainer's calls (docs/control_plane.md, "Control plane (trainer side)")::
 
 Stages of one batch, after :meth:`ControlPlane.seal` (each in full: docs/control_plane.md, "Control plane
 (trainer side)"): workload assembly on the coordinator thread (:mod:`relibra.control.assembly`: samples sorted
-by id, laid out as the simulator lays them out, under the cost model's parallel layout), placement per layer
-(a :class:`StagedReorderer`'s per-layer round, seeded by the batch and the layer's index), ReLibra's locality
-round once every placement is in, and replication per layer on the (regrouped) loads. Tasks run in a pool of
-``workers`` single-process executors, lower layers first; a planner that is not a reorderer/replicator
+by id, laid out as the simulator lays them out, under the cost model's parallel dimensions), placement per
+layer (a :class:`StagedReorderer`'s per-layer round, seeded by the batch and the layer's index), ReLibra's
+locality round once every placement is in, and replication per layer on the (regrouped) loads. Tasks run in a
+pool of ``workers`` single-process executors, lower layers first; a planner that is not a reorderer/replicator
 composition runs as one whole-batch task. With the same seeds the delivered plan equals the serial planner's
 (:class:`~relibra.planners.compose.ComposedPlanner`) exactly, for any worker count.
 
@@ -232,7 +232,7 @@ class ControlPlane:
                     layout,
                     counts[perm],
                     self.cluster.num_gpus,
-                    self.cost.layout,
+                    self.cost.parallel,
                     tokens[perm],
                     self.model.top_k,
                 )
@@ -415,7 +415,7 @@ class ControlPlane:
         if job.given is not None:
             return job.given
         return assemble_batch(
-            job.counts, job.sample_tokens, self.cluster.num_gpus, self.config, self.model, self.cost.layout
+            job.counts, job.sample_tokens, self.cluster.num_gpus, self.config, self.model, self.cost.parallel
         )
 
     def _push(self, task: Task) -> None:
@@ -595,5 +595,5 @@ class ControlPlane:
             job.start(self._assemble(job), self.replica_slots, g, self.per_layer and self._kit.locality)
             if job.locality_pending:
                 job.locality = LocalityStatus.NOT_READY
-        plan, job.report = freeze_plan(job, self.cluster, waited, now, self.cost.layout.group)
+        plan, job.report = freeze_plan(job, self.cluster, waited, now, self.cost.parallel.group)
         return plan

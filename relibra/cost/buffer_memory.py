@@ -4,7 +4,7 @@ Every GPU holds ``r`` replica slots of one expert's bf16 weights each. ReLibra's
 it holds one layer's replicas at a time and is refilled (over NVLink, during that layer's attention) for
 the next, so it costs ``r * expert_bytes`` per GPU whatever the depth. A per-layer buffer (what a static
 redundant-expert scheme needs to keep every layer's extra copies resident) costs ``L * r * expert_bytes``.
-The per-GPU parameter share the paper compares against depends on the parallel layout, so it is an input
+The per-GPU parameter share the paper compares against depends on the parallel dimensions, so it is an input
 (``ep``, ``tp``, ``pp``).
 """
 
@@ -80,7 +80,7 @@ class ReplicaBufferFootprint:
     per_layer_bytes: int
     """``L * r * expert_bytes``: a buffer with every layer's slots resident."""
     per_gpu_param_bytes: float
-    """Parameter bytes per GPU under the given layout."""
+    """Parameter bytes per GPU under the given parallel dimensions."""
 
     @property
     def layer_shared_fraction(self) -> float:
@@ -98,7 +98,7 @@ class ReplicaBufferFootprint:
 def buffer_footprint(
     model: ModelSpec, replica_slots: int, ep: int, tp: int = 1, pp: int = 1
 ) -> ReplicaBufferFootprint:
-    """The buffer accounting of ``model`` with ``r = replica_slots`` under an (ep, tp, pp) layout."""
+    """The buffer accounting of ``model`` with ``r = replica_slots`` under the (ep, tp, pp) given."""
     shared = replica_buffer_bytes(model, replica_slots)
     return ReplicaBufferFootprint(
         model=model.name,

@@ -35,7 +35,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.step import FORWARD_FLOPS_SHARE
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 
 __all__ = ["CP_COMM_TYPE", "cp_exchange_time", "kv_bytes_per_token"]
 
@@ -57,7 +57,7 @@ def kv_bytes_per_token(model: ModelSpec, tp: int) -> float:
 
 
 def cp_exchange_time(
-    cluster: ClusterSpec, model: ModelSpec, layout: ParallelLayout, tokens: np.ndarray, core: np.ndarray
+    cluster: ClusterSpec, model: ModelSpec, parallel: ParallelDims, tokens: np.ndarray, core: np.ndarray
 ) -> np.ndarray:
     """Exposed seconds of one attention layer's ring, fwd + bwd, on the busiest GPU (module doc).
 
@@ -67,15 +67,15 @@ def cp_exchange_time(
         float64 [...] (zeros when ``cp = 1``).
     """
     t = np.asarray(tokens, dtype=np.float64)
-    cp = layout.cp
+    cp = parallel.cp
     if cp == 1:
         return np.zeros(t.shape[:-1])
     hw = cluster.hardware
-    one_domain = layout.group <= cluster.domain_gpus
+    one_domain = parallel.group <= cluster.domain_gpus
     rate = (
         hw.nvlink_bytes_per_s * hw.nvlink_efficiency if one_domain else hw.nic_bytes_per_s * hw.nic_efficiency
     )
-    send = t * layout.tp * kv_bytes_per_token(model, layout.tp) / rate + hw.alltoall_latency_s
+    send = t * parallel.tp * kv_bytes_per_token(model, parallel.tp) / rate + hw.alltoall_latency_s
     step = np.asarray(core, dtype=np.float64) / cp
     fwd = np.maximum(send - FORWARD_FLOPS_SHARE * step, 0.0)
     bwd = np.maximum(BACKWARD_BLOCKS * send - (1.0 - FORWARD_FLOPS_SHARE) * step, 0.0)

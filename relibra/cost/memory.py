@@ -1,4 +1,5 @@
-"""Per-GPU memory of a training step under the parallel layout: the check behind ``simulator.memory_check``.
+"""Per-GPU memory of a training step under the parallel dimensions (the check behind
+``simulator.memory_check``).
 
 For each pipeline stage (:mod:`relibra.parallel`), one GPU holds:
 
@@ -36,7 +37,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.buffer_memory import replica_buffer_bytes
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import ParallelGroups, TrainingSpec
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 
 __all__ = [
     "MEMORY_CHECKS",
@@ -47,7 +48,7 @@ __all__ = [
 ]
 
 MEMORY_CHECKS = ("error", "warn", "off")
-"""Values of ``simulator.memory_check``: refuse a layout that does not fit, warn, or skip the check."""
+"""Values of ``simulator.memory_check``: refuse a configuration that does not fit, warn, or skip the check."""
 BF16_BYTES = 2
 FP32_BYTES = 4
 INPUT_ID_BYTES = 8
@@ -60,7 +61,7 @@ i.e. 4 bytes per token and (hidden + vocabulary) unit."""
 class _Cost(Protocol):
     cluster: ClusterSpec
     model: ModelSpec
-    layout: ParallelLayout
+    parallel: ParallelDims
     training: TrainingSpec | None
     migration: MigrationPayload
 
@@ -154,10 +155,10 @@ def activation_bytes_per_token(
     return float(attn + ffn)
 
 
-def in_flight_microbatches(layout: ParallelLayout, stage: int, microbatches: int) -> float:
+def in_flight_microbatches(parallel: ParallelDims, stage: int, microbatches: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once under 1F1B: ``min(M, pp - stage)``,
     times ``1 + (pp - 1) / (pp * vpp)`` with the interleaved schedule (module doc)."""
-    pp, vpp = layout.pp, layout.vpp
+    pp, vpp = parallel.pp, parallel.vpp
     n = float(min(microbatches, pp - stage))
     if vpp > 1:
         n *= 1.0 + (pp - 1) / (pp * vpp)
@@ -172,12 +173,12 @@ def memory_estimate(
     spec = cost.training
     if spec is None:
         raise ValueError("the memory check needs a TrainingSpec (training.*)")
-    m, lay, pay = cost.model, cost.layout, cost.migration
+    m, par, pay = cost.model, cost.parallel, cost.migration
     groups = cost._groups()
     dp, edp = groups.dp, groups.edp
     buffer = float(replica_buffer_bytes(m, replica_slots))
     best: MemoryEstimate | None = None
-    for s in range(lay.pp):
+    for s in range(par.pp):
         dense, expert = cost.stage_parameters(s)
         nd, nm = cost.stage_layer_counts(s)
         state = pay.master_weight_bytes + pay.optimizer_state_bytes
@@ -191,11 +192,11 @@ def memory_estimate(
                 activation_bytes_per_token(m, "none", moe=nm > 0),
                 activation_bytes_per_token(m, "none", moe=False) if nd else 0.0,
             )
-        flight = in_flight_microbatches(lay, s, microbatches)
+        flight = in_flight_microbatches(par, s, microbatches)
         acts = tokens_per_gpu * (per_token * flight)
         if s == 0:
             acts += tokens_per_gpu * INPUT_ID_BYTES * flight
-        if s == lay.pp - 1:
+        if s == par.pp - 1:
             acts += tokens_per_gpu * LOSS_BYTES_PER_VALUE * (m.hidden + m.vocab)
         est = MemoryEstimate(
             stage=s,

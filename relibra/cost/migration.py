@@ -237,8 +237,8 @@ def migration_payload(
     host_to_device_bytes_per_s: float = 0.0,
 ) -> MigrationPayload:
     """The payload with ``overrides`` (the ``simulator.migration`` config node) applied, a ``None`` value
-    keeping the field's default; ``expert_data_parallel`` from the parallel layout and the host link's rate
-    from the cluster's hardware."""
+    keeping the field's default; ``expert_data_parallel`` from the parallel dimensions and the host link's
+    rate from the cluster's hardware."""
     given = {k: v for k, v in dict(overrides or {}).items() if v is not None}
     settable = {"weight_bytes", "master_weight_bytes", "optimizer_state_bytes", "path", "window_s"}
     unknown = sorted(set(given) - settable)

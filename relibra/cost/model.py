@@ -46,7 +46,7 @@ from relibra.cost.grouped_gemm import (
 )
 from relibra.cost.migration import MigrationPayload
 from relibra.cost.step import TrainingSpec, WholeStepTerms
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 
 BF16_BYTES = 2
 FP8_DISPATCH_VALUE_BYTES = 1.0 + 4.0 / 128
@@ -119,7 +119,7 @@ class CostModel(WholeStepTerms):
         dispatch_value_bytes: float | None = None,
         training: TrainingSpec | None = None,
         migration: MigrationPayload | None = None,
-        layout: ParallelLayout | None = None,
+        parallel: ParallelDims | None = None,
     ) -> None:
         """``calibration``: (tokens [P] increasing, seconds [P]) of one expert's fwd+bwd grouped GEMM.
 
@@ -129,7 +129,7 @@ class CostModel(WholeStepTerms):
         step, no training terms; :mod:`relibra.cost.pricing` then charges none of them).
         ``migration``: what a re-homed expert carries and how (default: :class:`MigrationPayload`'s
         defaults); the simulator and the planners price moves with it (:mod:`relibra.cost.migration`).
-        ``layout``: the parallel layout around the EP group (default: EP only, :mod:`relibra.parallel`);
+        ``parallel``: the parallel dimensions around the EP group (default: EP only, :mod:`relibra.parallel`);
         tensor parallelism needs ``tp`` to divide ``cluster.gpus_per_node`` (its groups ride one node's
         NVLink).
         """
@@ -141,10 +141,10 @@ class CostModel(WholeStepTerms):
             calibration = check_calibration(calibration, model.name)
         self.calibration = calibration
         self.migration = migration if migration is not None else MigrationPayload()
-        self.layout = layout if layout is not None else ParallelLayout()
-        if cluster.gpus_per_node % self.layout.tp:
+        self.parallel = parallel if parallel is not None else ParallelDims()
+        if cluster.gpus_per_node % self.parallel.tp:
             raise ValueError(
-                f"parallel.tp={self.layout.tp} does not divide cluster.gpus_per_node="
+                f"parallel.tp={self.parallel.tp} does not divide cluster.gpus_per_node="
                 f"{cluster.gpus_per_node}: "
                 "a tensor-parallel group rides one node's NVLink"
             )

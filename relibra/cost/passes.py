@@ -56,8 +56,8 @@ def _casts(cost: CostModel, tokens: np.ndarray, tp: int) -> tuple[np.ndarray | N
 
 def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
     """:class:`TokenWork` from the tokens [Mb, G] and causal pairs [Mb, G] each GPU holds."""
-    if not cost.layout.trivial:
-        return _layout_token_work(cost, tokens, pairs)
+    if not cost.parallel.trivial:
+        return _parallel_token_work(cost, tokens, pairs)
     attn_gpu = cost.attention_time(tokens, pairs)  # [Mb, G]
     dense = (attn_gpu + cost.dense_ffn_time(tokens)).max(axis=-1)
     cast_moe, cast_dense = _casts(cost, tokens, 1)
@@ -82,23 +82,25 @@ def token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenW
     )
 
 
-def _layout_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
+def _parallel_token_work(cost: CostModel, tokens: np.ndarray, pairs: np.ndarray) -> TokenWork:
     """:func:`token_work` under tensor, context or pipeline parallelism: the split GEMMs at their
     tensor-parallel group's mean (:func:`relibra.cost.tensor.tp_group_mean`), routers and norms on each GPU's
     own (sequence-parallel) tokens, the tensor-parallel collectives, the context-parallel key-value ring's
     exposed seconds in every layer's attention (:func:`relibra.cost.context.cp_exchange_time`) and the
     pipeline sends."""
-    tp = cost.layout.tp
+    tp = cost.parallel.tp
     attn_gpu = tp_group_mean(cost.attention_time(tokens, pairs), tp)  # [Mb, G / tp]
     core = cost.core_attention_time(pairs)  # [Mb, G]
     # NOTE: context parallelism's exposed key-value ring joins every attention layer (relibra.cost.context).
     ring = (
-        cp_exchange_time(cost.cluster, cost.model, cost.layout, tokens, core) if cost.layout.cp > 1 else 0.0
+        cp_exchange_time(cost.cluster, cost.model, cost.parallel, tokens, core)
+        if cost.parallel.cp > 1
+        else 0.0
     )
     dense = (attn_gpu + tp_group_mean(cost.dense_ffn_time(tokens), tp)).max(axis=-1) + ring
     mb = attn_gpu.shape[0]
     tp_block = tp_block_time(cost.cluster, cost.model, tp, tokens) if tp > 1 else None
-    p2p = p2p_send_time(cost, tokens) if cost.layout.pp > 1 else None
+    p2p = p2p_send_time(cost, tokens) if cost.parallel.pp > 1 else None
     cast_moe, cast_dense = _casts(cost, tokens, tp)
     attn = (attn_gpu.max(axis=-1) + ring)[:, None]
     if cost.training is None or not cost.training.whole:
@@ -174,8 +176,8 @@ def update_pass(
     else:
         rc_comp, rc_comm, rc_dense, sel_dense = np.zeros_like(comp), np.zeros_like(comm), 0.0, None
     comp_u, comm_u = comp + rc_comp, comm + rc_comm
-    if not cost.layout.trivial:
-        return _layout_update(
+    if not cost.parallel.trivial:
+        return _parallel_update(
             cost, work, tw, dense_layers, fixed, (comp_u, comm_u, rc_comp + rc_comm), sel_dense
         )
     moe, exposed = _join(comp_u, comm_u, cost)
@@ -220,7 +222,7 @@ def update_pass(
     if whole:
         total += extra
     parts["t_other_s"] = sum(parts[k] for k in _BALANCE_INDEPENDENT)
-    parts.update(dict.fromkeys(_LAYOUT_PARTS, 0.0))
+    parts.update(dict.fromkeys(_PARALLEL_PARTS, 0.0))
     return PassTimes(total=total, comm_exposed=exposed, parts=parts)
 
 
@@ -296,7 +298,7 @@ def _dense_recompute(spec_recompute: str, dense_mb: np.ndarray, sel_dense: np.nd
     return np.zeros_like(dense_mb)
 
 
-def _layout_update(
+def _parallel_update(
     cost: CostModel,
     work: LayerWork,
     tw: TokenWork,
@@ -317,7 +319,7 @@ def _layout_update(
     whole = spec is not None and spec.whole
     recompute = spec.recompute if (spec is not None and whole) else "none"
     comp_u, comm_u, rc_moe = moe_work
-    lay = cost.layout
+    par = cost.parallel
     tp_block = tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)
     p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
     dense_mb = tw.dense + tw.norm + 2.0 * tp_block  # [Mb]: one dense layer (attention and FFN blocks)
@@ -331,7 +333,7 @@ def _layout_update(
         comm=comm_u,
         dense=(dense_mb if whole else tw.dense + 2.0 * tp_block) + rc_dense,
         head=head,
-        p2p=2.0 * lay.vpp * p2p,
+        p2p=2.0 * par.vpp * p2p,
         spread=sum(fixed) + launch,
         overlap=cost.cluster.ep_overlap,
         contention=cost.cluster.comm_sm_share,
@@ -344,7 +346,7 @@ def _layout_update(
             *_exposed_collectives(cost, spec, stage, first_mb, last_mb, share),
         )
 
-    st = pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp, per_step if whole else None)
+    st = pipelined(cost.chunk_of_layer(), dense_layers, par.pp, par.vpp, sp, per_step if whole else None)
     comm = work.comm
     exposed = st.comm_exposed
     if recompute != "none" and exposed > 0:
@@ -362,7 +364,7 @@ def _layout_update(
             t_recompute_s=float(rc_moe.sum()) + dense_layers * float(rc_dense.sum()),
             t_launch_s=launch,
             # NOTE: every stage's optimizer runs at once; the longest is plan-independent.
-            t_optimizer_s=max(cost.optimizer_time(s) for s in range(lay.pp)),
+            t_optimizer_s=max(cost.optimizer_time(s) for s in range(par.pp)),
             t_grad_reduce_s=grad_reduce,
             t_param_gather_s=param_gather,
         )
@@ -375,9 +377,9 @@ def _layout_update(
     return PassTimes(total=st.total, comm_exposed=exposed, parts=parts)
 
 
-_LAYOUT_PARTS = ("t_bubble_s", "t_p2p_s", "t_tp_comm_s")
-"""The layout's parts (0 without tensor or pipeline parallelism): the slowest stage's bubble and pipeline
-sends, and the tensor-parallel collectives of every layer."""
+_PARALLEL_PARTS = ("t_bubble_s", "t_p2p_s", "t_tp_comm_s")
+"""The parallel dimensions' parts (0 without tensor or pipeline parallelism): the slowest stage's bubble and
+pipeline sends, and the tensor-parallel collectives of every layer."""
 
 
 _UPDATE_PARTS = (
@@ -401,9 +403,10 @@ _BALANCE_INDEPENDENT = (
     "t_grad_reduce_s",
     "t_param_gather_s",
 )
-"""The parts no plan changes (``t_other_s`` is their sum): they follow the model, the layout's tokens per GPU
-and the cluster. Permutation and the expert GEMMs' FP8 casts (in ``t_fp8_cast_s`` with the dense GEMMs' casts)
-follow the plan's ``assign``; recompute repeats plan-priced work."""
+"""The parts no plan changes (``t_other_s`` is their sum): they follow the model, the tokens per GPU (sample
+layout and parallel dimensions) and the cluster. Permutation and the expert GEMMs' FP8 casts (in
+``t_fp8_cast_s`` with the dense GEMMs' casts) follow the plan's ``assign``; recompute repeats plan-priced
+work."""
 
 
 def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: int, fixed: float) -> float:
@@ -412,8 +415,8 @@ def forward_pass(cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: 
     f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
     comp = (work.compute + tw.attn) * f + (work.permute + tw.router[:, None] + tw.norm[:, None]) * h
     comp, dense_cast = _with_casts(comp, work, tw, share=h)
-    if not cost.layout.trivial:
-        return _layout_forward(cost, work, tw, dense_layers, fixed, comp)
+    if not cost.parallel.trivial:
+        return _parallel_forward(cost, work, tw, dense_layers, fixed, comp)
     moe, _ = _join(comp, work.comm * 0.5, cost)
     dense = dense_layers * float((tw.dense * f + tw.norm * h + dense_cast).sum())
     total = moe + fixed + dense
@@ -427,14 +430,14 @@ FORWARD_TP_SHARE = 2.0 / 3.0
 output reduce-scatter of :data:`relibra.cost.tensor.TP_EXPOSED_COLLECTIVES`)."""
 
 
-def _layout_forward(
+def _parallel_forward(
     cost: CostModel, work: LayerWork, tw: TokenWork, dense_layers: int, fixed: float, comp: np.ndarray
 ) -> float:
     """:func:`forward_pass` through the pipeline (``vpp`` sends per stage and micro-batch, the same bubble)
     and with tensor parallelism's forward collectives."""
     whole = cost.training is not None and cost.training.whole
     f, h = FORWARD_FLOPS_SHARE, FORWARD_BYTES_SHARE
-    lay = cost.layout
+    par = cost.parallel
     tp_fwd = (tw.tp_block if tw.tp_block is not None else np.zeros_like(tw.dense)) * FORWARD_TP_SHARE
     p2p = tw.p2p if tw.p2p is not None else np.zeros_like(tw.dense)
     sp = StagePass(
@@ -442,9 +445,9 @@ def _layout_forward(
         comm=work.comm * 0.5,
         dense=tw.dense * f + tw.norm * h + 2.0 * tp_fwd + _dense_casts(tw, h),
         head=(tw.head_forward + tp_fwd) if whole else np.zeros_like(tw.dense),
-        p2p=lay.vpp * p2p,
+        p2p=par.vpp * p2p,
         spread=fixed + (cost.launch_time(comp.shape[0], 1.0) if whole else 0.0),
         overlap=cost.cluster.ep_overlap,
         contention=cost.cluster.comm_sm_share,
     )
-    return pipelined(cost.chunk_of_layer(), dense_layers, lay.pp, lay.vpp, sp).total
+    return pipelined(cost.chunk_of_layer(), dense_layers, par.pp, par.vpp, sp).total

@@ -34,7 +34,7 @@ import numpy as np
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.overlap import overlapped_time
 from relibra.cost.schedule import simulate_schedule
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 
 __all__ = ["StagePass", "StageTimes", "bubble_fraction", "p2p_send_time", "pipelined"]
 
@@ -50,7 +50,7 @@ class _Cost(Protocol):
 
     cluster: ClusterSpec
     model: ModelSpec
-    layout: ParallelLayout
+    parallel: ParallelDims
 
 
 def bubble_fraction(pp: int, vpp: int, microbatches: int) -> float:
@@ -67,7 +67,7 @@ def p2p_send_time(cost: _Cost, tokens: np.ndarray) -> np.ndarray:
     ``alltoall_latency_s``.
     """
     c, hw = cost.cluster, cost.cluster.hardware
-    one_domain = c.nvl_domain is not None and c.nvl_domain >= c.num_gpus * cost.layout.pp
+    one_domain = c.nvl_domain is not None and c.nvl_domain >= c.num_gpus * cost.parallel.pp
     rate = (
         hw.nvlink_bytes_per_s * hw.nvlink_efficiency if one_domain else hw.nic_bytes_per_s * hw.nic_efficiency
     )
@@ -193,7 +193,7 @@ def pipelined(
 
 def _one_stage_busy(sp: StagePass, moe_chunk: np.ndarray, dense_chunk: np.ndarray, num_moe: int) -> float:
     """The busy seconds of a one-stage pass (``pp = 1``), summed as before the schedule was run (so
-    tensor-parallel layouts without a pipeline keep their bits): the MoE layers joined as the cluster says,
+    tensor parallelism without a pipeline keep their bits): the MoE layers joined as the cluster says,
     the dense layers, the head, the sends and the spread."""
     moe, _ = _join(sp.comp, sp.comm, sp.overlap, sp.contention)
     nd = len(dense_chunk)

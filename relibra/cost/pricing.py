@@ -157,7 +157,7 @@ def price_plan(plan: BatchPlan, ctx: BatchContext, cost: CostModel, prev_home: n
         ctx.sample_mb,
         ctx.num_microbatches,
         ctx.num_gpus,
-        rank_span(ctx.model.attention_span, ctx.cost.layout),
+        rank_span(ctx.model.attention_span, ctx.cost.parallel),
     )
     return Priced(
         br=br,
@@ -257,11 +257,11 @@ def attention_window(ctx: BatchContext, sample_gpu: np.ndarray) -> np.ndarray:
         ctx.sample_mb,
         ctx.num_microbatches,
         ctx.num_gpus,
-        rank_span(ctx.model.attention_span, ctx.cost.layout),
+        rank_span(ctx.model.attention_span, ctx.cost.parallel),
     )
     attn = ctx.cost.attention_time(tokens, pairs)
-    if ctx.cost.layout.tp > 1:  # a tensor-parallel group's mean (relibra.cost.tensor)
-        attn = tp_group_mean(attn, ctx.cost.layout.tp)
+    if ctx.cost.parallel.tp > 1:  # a tensor-parallel group's mean (relibra.cost.tensor)
+        attn = tp_group_mean(attn, ctx.cost.parallel.tp)
     return np.asarray(attn.max(axis=-1), dtype=np.float64)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.migration import MigrationPayload
-from relibra.parallel import ParallelLayout, layer_chunks, stage_layers
+from relibra.parallel import ParallelDims, layer_chunks, stage_layers
 
 __all__ = [
     "CUDA_GRAPHS",
@@ -260,7 +260,7 @@ class ParallelGroups:
 
 
 def parallel_groups(
-    cluster: ClusterSpec, replicas: int = 1, layout: ParallelLayout | None = None
+    cluster: ClusterSpec, replicas: int = 1, parallel: ParallelDims | None = None
 ) -> ParallelGroups:
     """The one definition of the gradient groups around one stage's EP group.
 
@@ -269,9 +269,9 @@ def parallel_groups(
     nodes. Megatron's dense data-parallel group is ``world / (tp * pp) = replicas * G / tp`` ranks, which
     span every node of the stage in every replica; with EP = G each expert lives on one GPU of each
     replica's stage: ``edp = world / (etp * ep * pp) = replicas`` (1: expert gradients need no reduction),
-    a group whose ranks sit on ``replicas`` different nodes. ``layout`` None: ``tp = pp = 1``.
+    a group whose ranks sit on ``replicas`` different nodes. ``parallel`` None: ``tp = pp = 1``.
     """
-    tp = 1 if layout is None else layout.tp
+    tp = 1 if parallel is None else parallel.tp
     return ParallelGroups(
         dp=replicas * cluster.num_gpus // tp,
         edp=replicas,
@@ -288,8 +288,8 @@ class WholeStepTerms:
     training: TrainingSpec | None
     migration: MigrationPayload
     """Read for ``expert_data_parallel`` (``parallel.dp``), the replicas the gradient groups span."""
-    layout: ParallelLayout
-    """The parallel layout around the EP group (:mod:`relibra.parallel`)."""
+    parallel: ParallelDims
+    """The parallel dimensions around the EP group (:mod:`relibra.parallel`)."""
 
     # ----------------------------------------------------------------- rates
     def _spec(self) -> TrainingSpec:
@@ -298,17 +298,17 @@ class WholeStepTerms:
         return self.training
 
     def _groups(self) -> ParallelGroups:
-        return parallel_groups(self.cluster, self.migration.expert_data_parallel, self.layout)
+        return parallel_groups(self.cluster, self.migration.expert_data_parallel, self.parallel)
 
     def stage_of_layer(self) -> np.ndarray:
         """int64 [num_layers]: the pipeline stage of each layer, dense layers first (model order; the
         models' dense layers lead, ``first_k_dense_replace``)."""
-        return stage_layers(self.model.num_layers, self.layout)
+        return stage_layers(self.model.num_layers, self.parallel)
 
     def chunk_of_layer(self) -> np.ndarray:
         """int64 [num_layers]: the model chunk (virtual stage) of each layer, model order
         (:func:`relibra.parallel.layer_chunks`)."""
-        return layer_chunks(self.model.num_layers, self.layout)
+        return layer_chunks(self.model.num_layers, self.parallel)
 
     def stage_layer_counts(self, stage: int) -> tuple[int, int]:
         """(dense, MoE) layers pipeline stage ``stage`` holds."""
@@ -324,11 +324,11 @@ class WholeStepTerms:
         embedding on stage 0 and the LM head on the last stage) over ``tp``, the replicated ones (norms,
         routers, the final norm on the last stage) whole, as Megatron shards them
         (``megatron/training/theoretical_memory_usage.py``). Expert: ``E / G`` experts of each MoE layer.
-        With every layout size 1 these are :attr:`ModelSpec.dense_params` and every MoE layer's experts.
+        With every parallel size 1 these are :attr:`ModelSpec.dense_params` and every MoE layer's experts.
         """
-        m, lay = self.model, self.layout
+        m, par = self.model, self.parallel
         nd, nm = self.stage_layer_counts(stage)
-        first, last = stage == 0, stage == lay.pp - 1
+        first, last = stage == 0, stage == par.pp - 1
         sharded = (
             m.attention_params * (nd + nm)
             + 3 * m.hidden * m.shared_ffn * m.shared_experts * nm
@@ -336,7 +336,7 @@ class WholeStepTerms:
             + m.vocab * m.hidden * (int(first) + int(last))
         )
         replicated = 2 * m.hidden * (nd + nm) + m.hidden * int(last) + m.hidden * m.num_experts * nm
-        dense = float(sharded + replicated) if lay.tp == 1 else sharded / lay.tp + replicated
+        dense = float(sharded + replicated) if par.tp == 1 else sharded / par.tp + replicated
         expert = float(nm * m.num_experts // self.cluster.num_gpus * m.expert_params)
         return dense, expert
 

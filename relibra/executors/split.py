@@ -33,7 +33,7 @@ exact rounding decomposes into alternating paths that start at over-full copies 
 ones. The result is deterministic: every rank computes the same matrix from the same ``load`` and
 ``assign``.
 
-Slots are then taken in token order by :func:`relibra.executors.torch_moe.dispatch_layout` and the
+Slots are then taken in token order by :func:`relibra.executors.torch_moe.dispatch_counts` and the
 Megatron adapter's router: the first ``n[j, 0]`` of source ``j``'s tokens of ``e`` go to GPU 0, the next
 ``n[j, 1]`` to GPU 1, and so on.
 """

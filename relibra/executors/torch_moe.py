@@ -42,12 +42,12 @@ from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slo
 from relibra.executors.split import split_counts
 
 __all__ = [
-    "DispatchLayout",
+    "DispatchCounts",
     "EPMoEModel",
     "ExpertShape",
     "MicroBatchPlan",
     "dense_init",
-    "dispatch_layout",
+    "dispatch_counts",
     "expert_ffn",
     "expert_init",
     "reference_forward",
@@ -165,8 +165,13 @@ def reference_forward(
 
 # ------------------------------------------------------------------------------------------ dispatch
 @dataclass(frozen=True)
-class DispatchLayout:
-    """Where one rank's slots go and how its received rows group by expert, for one (micro-batch, layer)."""
+class DispatchCounts:
+    """Where one rank's slots go and how its received rows group by expert, for one (micro-batch, layer).
+
+    DeepEP calls the counts part of this the dispatch layout: ``Buffer.get_dispatch_layout`` (DeepEP
+    ``deep_ep/buffer.py``) returns the tokens sent to each rank and to each expert before its dispatch; here
+    the splits count rows (token-expert slots), and the index tensors say which rows and in what order.
+    """
 
     send_token: torch.Tensor
     """long [T * k]: token of each sent row (rows ordered by destination GPU, expert, token)."""
@@ -184,10 +189,10 @@ class DispatchLayout:
     """(expert, rows) of each expert this rank computes, in grouped order (rows > 0)."""
 
 
-def dispatch_layout(
+def dispatch_counts(
     routes: np.ndarray, split: np.ndarray, rank: int, device: torch.device | str = "cpu"
-) -> DispatchLayout:
-    """routes [T, k] of this rank for one layer, split [G, E, G] (:func:`split_counts`) -> its layout
+) -> DispatchCounts:
+    """routes [T, k] of this rank for one layer, split [G, E, G] (:func:`split_counts`) -> its dispatch counts
     (index tensors on ``device``)."""
     num_gpus, num_experts, _ = split.shape
     k = routes.shape[1]
@@ -207,7 +212,7 @@ def dispatch_layout(
     group = np.argsort(recv_expert, kind="stable")
     rows = from_src.sum(axis=0)
     as_long = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
-    return DispatchLayout(
+    return DispatchCounts(
         send_token=as_long(send_slots // k),
         send_inverse=as_long(np.argsort(send_slots)),
         send_splits=[int(v) for v in mine.sum(axis=0)],
@@ -376,12 +381,12 @@ class EPMoEModel(nn.Module):
                 self.redundant[layer], copies, self.experts[layer], self.slot_of(layer), REDUNDANT_TAG_BASE
             ).wait()
 
-    def _segments(self, layer: int, layout: DispatchLayout, plan: MicroBatchPlan) -> tuple:
+    def _segments(self, layer: int, dispatch: DispatchCounts, plan: MicroBatchPlan) -> tuple:
         slot_of = self.slot_of(layer)
         reps = [] if plan.replicas is None else list(plan.replicas[layer, self.rank])
         red = [] if plan.redundant is None else list(plan.redundant[layer, self.rank])
         segments = []
-        for e, rows in layout.expert_rows:
+        for e, rows in dispatch.expert_rows:
             if e in slot_of:
                 segments.append((e, rows, 0, slot_of[e]))
             elif e in reps:
@@ -424,10 +429,10 @@ class EPMoEModel(nn.Module):
             waited = fill.wait()
             t0 = time.perf_counter()
             split = split_counts(plan.load[layer], plan.assign[layer])
-            layout = dispatch_layout(routes[:, layer], split, self.rank, self.device)
+            dispatch = dispatch_counts(routes[:, layer], split, self.rank, self.device)
             spec = _ComputeSpec(
                 shape=self.shape,
-                segments=self._segments(layer, layout, plan),
+                segments=self._segments(layer, dispatch, plan),
                 buffer=self.buffer,
                 replica_copies=rep_copies,
                 redundant=self.redundant[layer],
@@ -435,23 +440,23 @@ class EPMoEModel(nn.Module):
                 slot_of=slot_of,
             )
             x_recv = _AllToAll.apply(
-                a.index_select(0, layout.send_token),
-                layout.send_splits,
-                layout.recv_splits,
+                a.index_select(0, dispatch.send_token),
+                dispatch.send_splits,
+                dispatch.recv_splits,
                 timer,
                 key,
                 "dispatch",
             )
-            y = _ExpertCompute.apply(x_recv.index_select(0, layout.group_order), self.experts[layer], spec)
+            y = _ExpertCompute.apply(x_recv.index_select(0, dispatch.group_order), self.experts[layer], spec)
             y_back = _AllToAll.apply(
-                y.index_select(0, layout.group_inverse),
-                layout.recv_splits,
-                layout.send_splits,
+                y.index_select(0, dispatch.group_inverse),
+                dispatch.recv_splits,
+                dispatch.send_splits,
                 timer,
                 key,
                 "combine",
             )
-            h = a + _combine(y_back.index_select(0, layout.send_inverse), probs)
+            h = a + _combine(y_back.index_select(0, dispatch.send_inverse), probs)
             if timer is not None:
                 timer.forward[key] = time.perf_counter() - t0
                 timer.fill_wait[key] = waited

@@ -5,7 +5,7 @@ still reads a logical checkpoint (``E`` experts per layer) and, in RL, pushes lo
 rollout engine after every update (verl's ``export_weights`` / ``export_hf_weights``, slime's weight
 sync). The weight converters of those trainers (mbridge, Megatron-Bridge) name a local expert row by a
 global id, ``rank * experts_per_rank + row``. Built on a physical model, ``experts_per_rank`` is
-``E / G + r``, so that id is the row's *physical id* (:class:`~relibra.megatron.physical.PhysicalLayout`:
+``E / G + r``, so that id is the row's *physical id* (:class:`~relibra.megatron.physical.PhysicalExpertMap`:
 rank ``g`` owns ``g * (E / G + r) ...``). This module maps such names back to logical experts:
 
 * :func:`logical_expert` / :func:`logical_name`: physical id -> logical expert through the current
@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 
 __all__ = [
     "HF_MIXTRAL_EXPERTS",
@@ -97,23 +97,25 @@ def moe_index(layer: int, moe_layers: Sequence[int] | None, num_layers: int) -> 
         raise ExpertSyncError(f"layer {layer} holds routed experts but is not in moe_layers") from None
 
 
-def logical_expert(layout: PhysicalLayout, phy2log: np.ndarray, moe_layer: int, physical: int) -> int | None:
+def logical_expert(
+    expert_map: PhysicalExpertMap, phy2log: np.ndarray, moe_layer: int, physical: int
+) -> int | None:
     """Logical expert in physical expert ``physical`` of MoE layer ``moe_layer``; ``None`` for a replica
     slot. phy2log int [L, G, E / G]."""
-    if not 0 <= physical < layout.num_physical:
+    if not 0 <= physical < expert_map.num_physical:
         raise ExpertSyncError(
-            f"physical expert {physical}: the layout has {layout.num_physical} (E {layout.num_experts} + "
-            f"G {layout.num_gpus} x r {layout.replica_slots})"
+            f"physical expert {physical}: the expert map has {expert_map.num_physical} "
+            f"(E {expert_map.num_experts} + G {expert_map.num_gpus} x r {expert_map.replica_slots})"
         )
-    gpu, row = divmod(physical, layout.slots_per_gpu)
-    if row >= layout.experts_per_gpu:
+    gpu, row = divmod(physical, expert_map.slots_per_gpu)
+    if row >= expert_map.experts_per_gpu:
         return None
     return int(phy2log[moe_layer, gpu, row])
 
 
 def logical_name(
     name: str,
-    layout: PhysicalLayout,
+    expert_map: PhysicalExpertMap,
     phy2log: np.ndarray,
     naming: ExpertNaming = HF_MLP_EXPERTS,
     moe_layers: Sequence[int] | None = None,
@@ -125,13 +127,13 @@ def logical_name(
     if m is None:
         return name
     moe_layer = moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
-    expert = logical_expert(layout, phy2log, moe_layer, int(m["expert"]))
+    expert = logical_expert(expert_map, phy2log, moe_layer, int(m["expert"]))
     return None if expert is None else naming.with_expert(m, expert)
 
 
 def to_logical(
     weights: Iterable[tuple[str, T]],
-    layout: PhysicalLayout,
+    expert_map: PhysicalExpertMap,
     phy2log: np.ndarray,
     naming: ExpertNaming = HF_MLP_EXPERTS,
     moe_layers: Sequence[int] | None = None,
@@ -147,13 +149,13 @@ def to_logical(
             yield name, tensor
             continue
         moe_layer = moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
-        expert = logical_expert(layout, phy2log, moe_layer, int(m["expert"]))
+        expert = logical_expert(expert_map, phy2log, moe_layer, int(m["expert"]))
         if expert is None:
             continue
         seen.setdefault((int(m["layer"]), naming.with_expert(m, -1)), []).append(expert)
         yield naming.with_expert(m, expert), tensor
     for (layer, kind), experts in seen.items():
-        got = np.bincount(np.asarray(experts), minlength=layout.num_experts)
+        got = np.bincount(np.asarray(experts), minlength=expert_map.num_experts)
         if (got != 1).any():
             missing = np.flatnonzero(got == 0).tolist()
             doubled = np.flatnonzero(got > 1).tolist()

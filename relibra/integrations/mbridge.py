@@ -22,8 +22,8 @@ everything else mbridge's own:
   :class:`~relibra.integrations.expert_names.ExpertSyncError` otherwise): the weights a trainer pushes to
   its rollout engine are the logical model's.
 
-Both expert layouts map to mbridge's grouped names: ``...mlp.experts.linear_fc1.weight{row}`` (TE's
-grouped GEMM, what mbridge's model provider builds) and
+Both ways of holding the experts map to mbridge's grouped names: ``...mlp.experts.linear_fc1.weight{row}``
+(TE's grouped GEMM, what mbridge's model provider builds) and
 ``...mlp.experts.local_experts.{row}.linear_fc1.weight`` (Megatron's ``SequentialMLP``, what the adapter
 runs on CPU). ReLibra's router wrapper's parameters (``router.logical.weight``) are named as Megatron's
 router's.
@@ -56,7 +56,7 @@ from relibra.integrations.expert_names import (
     to_logical,
 )
 from relibra.megatron.adapter import MegatronPlanAdapter
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 
 __all__ = [
     "PhysicalExpertNames",
@@ -77,7 +77,7 @@ _GROUPED = re.compile(
 
 def global_expert_names(
     names: Mapping[str, str],
-    layout: PhysicalLayout,
+    expert_map: PhysicalExpertMap,
     phy2log: np.ndarray,
     ep_rank: int,
     *,
@@ -90,8 +90,8 @@ def global_expert_names(
     (``phy2log [L, G, E / G]``), replica slots left out. ``load=False``: each row -> the grouped name of its
     local row index (mbridge's export adds ``ep_rank * (E / G + r)``). Router wrapper names -> Megatron's
     router names; other names unchanged."""
-    if not 0 <= ep_rank < layout.num_gpus:
-        raise ExpertSyncError(f"ep_rank {ep_rank}: the layout has {layout.num_gpus} EP ranks")
+    if not 0 <= ep_rank < expert_map.num_gpus:
+        raise ExpertSyncError(f"ep_rank {ep_rank}: the expert map has {expert_map.num_gpus} EP ranks")
     out: dict[str, str] = {}
     for local, name in names.items():
         m = _SEQUENTIAL.fullmatch(name) or _GROUPED.fullmatch(name)
@@ -99,26 +99,27 @@ def global_expert_names(
             out[local] = strip_router_wrapper(name)
             continue
         row = int(m["row"])
-        if row >= layout.slots_per_gpu:
+        if row >= expert_map.slots_per_gpu:
             raise ExpertSyncError(
                 f"{local}: local expert row {row}, but a rank of the physical model holds "
-                f"{layout.slots_per_gpu} (E / G {layout.experts_per_gpu} + r {layout.replica_slots}); is the "
-                "model built with num_moe_experts = E + G * r?"
+                f"{expert_map.slots_per_gpu} (E / G {expert_map.experts_per_gpu} + r "
+                f"{expert_map.replica_slots}); is the model built with num_moe_experts = E + G * r?"
             )
         if not load:
             out[local] = f"{m['prefix']}.{m['part']}.weight{row}"
             continue
-        if row >= layout.experts_per_gpu:
+        if row >= expert_map.experts_per_gpu:
             continue  # a replica slot: filled from the home rows, not read from the checkpoint
         moe = moe_index(int(m["layer"]), moe_layers, phy2log.shape[0])
         out[local] = f"{m['prefix']}.{m['part']}.weight{int(phy2log[moe, ep_rank, row])}"
     return out
 
 
-def replicating_layer_spec(spec: Any, layout: PhysicalLayout) -> Any:
+def replicating_layer_spec(spec: Any, expert_map: PhysicalExpertMap) -> Any:
     """A copy of a Megatron decoder block spec (``TransformerBlockSubmodules``, as
     ``get_gpt_decoder_block_spec`` returns) or of one layer's ``ModuleSpec`` in which every MoE layer's
-    router is :func:`~relibra.megatron.router.replicating_router` of ``layout``; ``spec`` is left as it was.
+    router is :func:`~relibra.megatron.router.replicating_router` of ``expert_map``; ``spec`` is left as it
+    was.
 
     Refuses a spec with no MoE layer (nothing to replicate) and one whose MoE experts are not per-row
     modules (``moe_grouped_gemm``: the adapter binds each replica slot to a row of its own)."""
@@ -143,7 +144,7 @@ def replicating_layer_spec(spec: Any, layout: PhysicalLayout) -> Any:
                 f"layer spec {i}: MoE experts are {getattr(kind, '__name__', kind)}, not SequentialMLP; "
                 "build the physical model with moe_grouped_gemm=False"
             )
-        mlp.submodules.router = replicating_router(layout)
+        mlp.submodules.router = replicating_router(expert_map)
         moe += 1
     if moe == 0:
         raise ExpertSyncError("the layer spec has no MoE layer: nothing for the replicating router to wrap")
@@ -154,7 +155,7 @@ class PhysicalExpertNames:
     """Mixin over an mbridge ``Bridge`` class (placed first in the bases): the physical model's expert names
     on load and export (module doc). Set up by :func:`physical_bridge`."""
 
-    relibra_layout: PhysicalLayout
+    relibra_expert_map: PhysicalExpertMap
     relibra_phy2log: Callable[[], np.ndarray]
     relibra_moe_layers: tuple[int, ...] | None
     relibra_naming: ExpertNaming
@@ -165,30 +166,30 @@ class PhysicalExpertNames:
     ) -> dict[str, str]:
         names = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)  # type: ignore[misc]
         return global_expert_names(
-            names, self.relibra_layout, self.relibra_phy2log(), int(self.mpu.ep_rank), load=consider_ep,
+            names, self.relibra_expert_map, self.relibra_phy2log(), int(self.mpu.ep_rank), load=consider_ep,
             moe_layers=self.relibra_moe_layers,
         )  # fmt: skip
 
     def _get_transformer_layer_spec(self, vp_stage: int | None = None) -> Any:
         spec = super()._get_transformer_layer_spec(vp_stage)  # type: ignore[misc]
-        return replicating_layer_spec(spec, self.relibra_layout)
+        return replicating_layer_spec(spec, self.relibra_expert_map)
 
     def export_weights(self, models: list[Any]) -> Iterator[tuple[str, Any]]:
         phy2log = np.array(self.relibra_phy2log(), copy=True)  # the placement as the export starts
         stream = super().export_weights(models)  # type: ignore[misc]
-        layout, naming, moe_layers = self.relibra_layout, self.relibra_naming, self.relibra_moe_layers
-        yield from to_logical(stream, layout, phy2log, naming, moe_layers)
+        expert_map, naming, moe_layers = self.relibra_expert_map, self.relibra_naming, self.relibra_moe_layers
+        yield from to_logical(stream, expert_map, phy2log, naming, moe_layers)
 
 
 def physical_bridge(
     bridge: Any,
-    layout: PhysicalLayout,
+    expert_map: PhysicalExpertMap,
     phy2log: np.ndarray | Callable[[], np.ndarray],
     moe_layers: Sequence[int] | None = None,
     naming: ExpertNaming = HF_MLP_EXPERTS,
 ) -> Any:
     """A copy of mbridge ``bridge`` (built from the logical Hugging Face config) that loads and exports the
-    physical model of ``layout`` (module doc); ``bridge`` itself is left as it was.
+    physical model of ``expert_map`` (module doc); ``bridge`` itself is left as it was.
 
     ``phy2log``: the placement, ``int [L, G, E / G]``, or a function returning the current one (e.g.
     ``lambda: adapter.phy2log``, so that load and export follow every plan). ``moe_layers``: the
@@ -197,14 +198,15 @@ def physical_bridge(
     The copy's config counts ``E + G * r`` experts without grouped GEMM, and its layer spec has the
     replicating router, so ``get_model`` builds the physical model (module doc)."""
     config, mpu = bridge.config, bridge.mpu
-    if int(config.num_moe_experts) != layout.num_experts:
+    if int(config.num_moe_experts) != expert_map.num_experts:
         raise ExpertSyncError(
-            f"bridge config num_moe_experts={config.num_moe_experts}, but the layout has "
-            f"E={layout.num_experts} logical experts; build the bridge from the logical checkpoint's config"
+            f"bridge config num_moe_experts={config.num_moe_experts}, but the expert map has "
+            f"E={expert_map.num_experts} logical experts; build the bridge from the logical checkpoint's "
+            "config"
         )
-    if int(mpu.ep_size) != layout.num_gpus:
+    if int(mpu.ep_size) != expert_map.num_gpus:
         raise ExpertSyncError(
-            f"bridge ep_size={mpu.ep_size}, but the layout has G={layout.num_gpus} EP ranks"
+            f"bridge ep_size={mpu.ep_size}, but the expert map has G={expert_map.num_gpus} EP ranks"
         )
     if int(mpu.etp_size) != 1:
         raise ExpertSyncError(f"bridge etp_size={mpu.etp_size}: expert tensor parallelism is not supported")
@@ -213,16 +215,16 @@ def physical_bridge(
     out = cls.__new__(cls)
     out.__dict__.update(bridge.__dict__)  # a shallow copy of the bridge's state, under the new class
     out.config = copy.copy(config)
-    out.config.num_moe_experts = layout.num_physical
+    out.config.num_moe_experts = expert_map.num_physical
     out.config.moe_grouped_gemm = False
-    out.relibra_layout = layout
+    out.relibra_expert_map = expert_map
     out.relibra_phy2log = phy2log if callable(phy2log) else (lambda: phy2log)
     out.relibra_moe_layers = None if moe_layers is None else tuple(int(x) for x in moe_layers)
     out.relibra_naming = naming
     return out
 
 
-def physical_adapter(models: Sequence[Any], layout: PhysicalLayout) -> MegatronPlanAdapter:
+def physical_adapter(models: Sequence[Any], expert_map: PhysicalExpertMap) -> MegatronPlanAdapter:
     """The :class:`~relibra.megatron.adapter.MegatronPlanAdapter` over the MoE layers of the model chunks
     ``models`` that a :func:`physical_bridge`'s ``get_model`` built (or its model provider), wrapped or not
     (Megatron's DDP, FSDP and ``Float16Module`` are unwrapped), in layer order across the chunks.
@@ -241,4 +243,4 @@ def physical_adapter(models: Sequence[Any], layout: PhysicalLayout) -> MegatronP
     ]
     if not layers:
         raise ExpertSyncError("the model chunks hold no MoE layer (decoder.layers[*].mlp)")
-    return MegatronPlanAdapter(layers, layout)
+    return MegatronPlanAdapter(layers, expert_map)

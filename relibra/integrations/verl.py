@@ -337,10 +337,10 @@ class VerlReLibraHook:
                     "on every GPU: plan without it (reorder=AnnealConfig(locality=False), "
                     "planner=relibra_no_locality)"
                 )
-        if cost is not None and cost.layout.group > 1:
+        if cost is not None and cost.parallel.group > 1:
             raise VerlConfigError(
-                f"the cost model prices parallel.tp={cost.layout.tp} x parallel.cp={cost.layout.cp}, but the "
-                f"hook lays whole samples on GPUs ({MEGATRON}.tensor_model_parallel_size and "
+                f"the cost model prices parallel.tp={cost.parallel.tp} x parallel.cp={cost.parallel.cp}, but "
+                f"the hook lays whole samples on GPUs ({MEGATRON}.tensor_model_parallel_size and "
                 "context_parallel_size > 1 are not supported yet): price the plans with tp = cp = 1"
             )
         if cluster.num_gpus != settings.num_gpus:

@@ -52,7 +52,7 @@ from relibra.integrations.verl import (
     _get,
     check_verl_config,
 )
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 
 __all__ = [
     "STEP_KEY",
@@ -180,11 +180,11 @@ def relibra_actor_worker(base: type, hook_of: Callable[[Any], VerlActorHook | No
 
 
 def relibra_megatron_engine(
-    base: type, layout_of: Callable[[Any], PhysicalLayout], moe_layers: Sequence[int] | None = None
+    base: type, expert_map_of: Callable[[Any], PhysicalExpertMap], moe_layers: Sequence[int] | None = None
 ) -> type:
     """A subclass of verl's Megatron engine ``base`` that builds the physical model (module doc).
 
-    ``layout_of(engine)``: the rank's :class:`~relibra.megatron.physical.PhysicalLayout` (``E`` of the
+    ``expert_map_of(engine)``: the rank's :class:`~relibra.megatron.physical.PhysicalExpertMap` (``E`` of the
     checkpoint, ``G`` = the engine's EP size, ``r`` replica slots), read when the config is built.
     ``moe_layers``: the checkpoint layer of each MoE layer when dense layers come first (None: every layer
     is a MoE layer), as :func:`~relibra.integrations.mbridge.physical_bridge` takes it.
@@ -201,7 +201,7 @@ def relibra_megatron_engine(
                 f"{MEGATRON}.vanilla_mbridge=false: ReLibra builds and loads the physical model through "
                 "mbridge only (Megatron-Bridge's load_hf_weights is not wired); set it to true"
             )
-        layout = self.relibra_layout = layout_of(self)
+        expert_map = self.relibra_expert_map = expert_map_of(self)
         self.relibra_adapter = None
 
         def placement() -> Any:
@@ -210,15 +210,15 @@ def relibra_megatron_engine(
             adapter = self.relibra_adapter
             if adapter is None:
                 count = int(self.bridge.config.num_layers) if moe_layers is None else len(moe_layers)
-                return layout.static_phy2log(count)
+                return expert_map.static_phy2log(count)
             return adapter.phy2log
 
-        self.bridge = physical_bridge(self.bridge, layout, placement, moe_layers)
+        self.bridge = physical_bridge(self.bridge, expert_map, placement, moe_layers)
         self.tf_config = self.bridge.config
 
     def _build_megatron_module(self: Any) -> Any:
         module = build_module(self)
-        self.relibra_adapter = physical_adapter(module, self.relibra_layout)
+        self.relibra_adapter = physical_adapter(module, self.relibra_expert_map)
         return module
 
     return type(

@@ -57,7 +57,7 @@ from relibra.executors.reorder_ops import promoted_dtype
 from relibra.executors.replica_buffer import ReplicaBuffer, SlotCopies, fill_slots, reduce_slot_grads
 from relibra.executors.split import split_counts
 from relibra.megatron.optimizer_state import main_grad, row_state_tensors
-from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
+from relibra.megatron.physical import PhysicalExpertMap, log2phy, next_phy2log, slot_table
 from relibra.megatron.router import ReplicatingRouter
 from relibra.types import BatchPlan
 
@@ -139,14 +139,14 @@ class MegatronPlanAdapter:
     Every rank of the EP group (the default process group) builds its adapter at the same time.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], layout: PhysicalLayout) -> None:
-        if not dist.is_initialized() or dist.get_world_size() != layout.num_gpus:
+    def __init__(self, layers: Sequence[nn.Module], expert_map: PhysicalExpertMap) -> None:
+        if not dist.is_initialized() or dist.get_world_size() != expert_map.num_gpus:
             raise ValueError(
                 f"the adapter needs torch.distributed initialised with world size = EP size = "
-                f"{layout.num_gpus}"
+                f"{expert_map.num_gpus}"
             )
         self.layers: list[Any] = list(layers)
-        self.layout = layout
+        self.expert_map = expert_map
         self.rank = dist.get_rank()
         for i, layer in enumerate(self.layers):
             if not isinstance(layer.router, ReplicatingRouter):
@@ -154,17 +154,17 @@ class MegatronPlanAdapter:
                     f"layer {i}: router is {type(layer.router).__name__}; build it with replicating_router"
                 )
             got = len(layer.experts.local_experts)
-            if got != layout.slots_per_gpu:
+            if got != expert_map.slots_per_gpu:
                 raise ValueError(
-                    f"layer {i} has {got} local experts; expected E / G + r = {layout.slots_per_gpu}"
+                    f"layer {i} has {got} local experts; expected E / G + r = {expert_map.slots_per_gpu}"
                 )
-        self.phy2log = layout.static_phy2log(len(self.layers))
+        self.phy2log = expert_map.static_phy2log(len(self.layers))
         """int64 [L, G, E / G]: the logical expert in each home row."""
         fc1, fc2 = _expert_params(self.layers[0].experts.local_experts[0])
         self._shapes = (fc1.shape, fc2.shape)
         self.params_per_expert = fc1.numel() + fc2.numel()
         self.buffer = ReplicaBuffer(
-            layout.replica_slots, self.params_per_expert, dtype=fc1.dtype, device=fc1.device
+            expert_map.replica_slots, self.params_per_expert, dtype=fc1.dtype, device=fc1.device
         )
         """The layer-shared replica buffer, on the rows' device and in their dtype; every layer's replica
         slots are views of its rows."""
@@ -179,15 +179,15 @@ class MegatronPlanAdapter:
     @property
     def home(self) -> np.ndarray:
         """int64 [L, E]: home rank of each logical expert."""
-        out = np.empty((len(self.layers), self.layout.num_experts), dtype=np.int64)
-        gpu = np.broadcast_to(np.arange(self.layout.num_gpus)[:, None], self.phy2log.shape[1:])
+        out = np.empty((len(self.layers), self.expert_map.num_experts), dtype=np.int64)
+        gpu = np.broadcast_to(np.arange(self.expert_map.num_gpus)[:, None], self.phy2log.shape[1:])
         for layer in range(len(self.layers)):
             out[layer, self.phy2log[layer].reshape(-1)] = gpu.reshape(-1)
         return out
 
     def home_rows(self, layer: int) -> list[Any]:
         """This rank's home-row expert MLPs of ``layer`` (row ``i`` holds ``phy2log[layer, rank, i]``)."""
-        return list(self.layers[layer].experts.local_experts[: self.layout.experts_per_gpu])
+        return list(self.layers[layer].experts.local_experts[: self.expert_map.experts_per_gpu])
 
     def grads_in_ddp_buffers(self) -> bool:
         """Whether the home rows' gradients live in Megatron DDP's buffers (``main_grad``): a training
@@ -197,7 +197,7 @@ class MegatronPlanAdapter:
 
     def replica_slots(self, layer: int) -> list[Any]:
         """This rank's replica-slot MLPs of ``layer`` (views of the layer-shared buffer)."""
-        return list(self.layers[layer].experts.local_experts[self.layout.experts_per_gpu :])
+        return list(self.layers[layer].experts.local_experts[self.expert_map.experts_per_gpu :])
 
     def replica_parameters(self) -> list[torch.nn.Parameter]:
         """Parameters backed by the replica buffer: leave them out of the optimizer."""
@@ -256,7 +256,7 @@ class MegatronPlanAdapter:
                 fc2.data = self.buffer.weights[s, n1:].view(self._shapes[1])
 
     def _sync_routers(self) -> None:
-        table = log2phy(self.layout, self.phy2log)
+        table = log2phy(self.expert_map, self.phy2log)
         for layer, module in enumerate(self.layers):
             module.router.log2phy = torch.as_tensor(table[layer], dtype=torch.long)
 
@@ -279,21 +279,21 @@ class MegatronPlanAdapter:
             raise ValueError(
                 "plan.home differs from the model's placement; call apply_placement(plan.home) first"
             )
-        num_layers, r = len(self.layers), self.layout.replica_slots
-        if plan.assign.shape[1:] != (num_layers, self.layout.num_experts, self.layout.num_gpus):
+        num_layers, r = len(self.layers), self.expert_map.replica_slots
+        if plan.assign.shape[1:] != (num_layers, self.expert_map.num_experts, self.expert_map.num_gpus):
             raise ValueError(
                 f"plan.assign[m] has shape {plan.assign.shape[1:]}; expected [L, E, G] = "
-                f"{(num_layers, self.layout.num_experts, self.layout.num_gpus)}"
+                f"{(num_layers, self.expert_map.num_experts, self.expert_map.num_gpus)}"
             )
         if plan.replicas is not None and plan.replicas.shape[-1] > r:
             raise ValueError(
                 f"plan.replicas has {plan.replicas.shape[-1]} slots per rank; the model has r = {r}"
             )
-        home_phys = log2phy(self.layout, self.phy2log)
+        home_phys = log2phy(self.expert_map, self.phy2log)
         for layer in range(num_layers):
             split = split_counts(plan.load[m, layer], plan.assign[m, layer])[self.rank]  # [E, G]
             replicas = None if plan.replicas is None else np.asarray(plan.replicas[m, layer])
-            table = slot_table(self.layout, home_phys[layer], plan.home[layer], replicas, split)
+            table = slot_table(self.expert_map, home_phys[layer], plan.home[layer], replicas, split)
             copies = (
                 SlotCopies((), ())
                 if replicas is None
@@ -325,7 +325,7 @@ class MegatronPlanAdapter:
                     slot_grads[s, part] = grad.reshape(-1)
         if copies.empty:
             return
-        acc = slot_grads.new_zeros((self.layout.experts_per_gpu, self.params_per_expert))
+        acc = slot_grads.new_zeros((self.expert_map.experts_per_gpu, self.params_per_expert))
         reduce_slot_grads(slot_grads, copies, acc, self.slot_of(layer), tag_base=REDUCE_TAG_BASE)
         for row in sorted({self.slot_of(layer)[e] for _, _, e in copies.send}):
             fc1, fc2 = _expert_params(self.home_rows(layer)[row])
@@ -338,7 +338,7 @@ class MegatronPlanAdapter:
             if step is None:
                 return None
             self._fill(layer, step.copies)
-            if not torch.is_grad_enabled() or self.layout.replica_slots == 0:
+            if not torch.is_grad_enabled() or self.expert_map.replica_slots == 0:
                 return None
             key = "hidden_states"
             x = kwargs[key] if key in kwargs else args[0]
@@ -375,10 +375,10 @@ class MegatronPlanAdapter:
         cannot move is refused (``OptimizerStateError``) before any expert moves.
         """
         new_home = np.asarray(new_home, dtype=np.int64)
-        if new_home.shape != (len(self.layers), self.layout.num_experts):
+        if new_home.shape != (len(self.layers), self.expert_map.num_experts):
             raise ValueError(
                 f"new_home has shape {new_home.shape}; expected [L, E] = "
-                f"{(len(self.layers), self.layout.num_experts)}"
+                f"{(len(self.layers), self.expert_map.num_experts)}"
             )
         old = self.phy2log
         new = next_phy2log(old, new_home)
@@ -418,7 +418,7 @@ class MegatronPlanAdapter:
         # rows' device; every rank lists the same tensors for a row, so both ends agree on both.
         send = {e: _pack(self._row_tensors(rows[old_row[e]], optimizer)) for e in outgoing}
         recv = {e: _empty_pack(self._row_tensors(rows[new_row[e]], optimizer)) for e in incoming}
-        tag = MOVE_TAG_BASE + layer * self.layout.num_experts
+        tag = MOVE_TAG_BASE + layer * self.expert_map.num_experts
         ops = [dist.P2POp(dist.isend, send[e], int(new_home[e]), tag=tag + e) for e in outgoing]
         ops += [dist.P2POp(dist.irecv, recv[e], int(old_home[e]), tag=tag + e) for e in incoming]
         for work in dist.batch_isend_irecv(ops) if ops else []:

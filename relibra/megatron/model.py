@@ -9,7 +9,7 @@ experts from the same random numbers. So experts are initialised per global expe
 (:func:`expert_weights`, the same self-identifying weights as ``relibra.executors.torch_moe.expert_init``),
 and the router and mixing weights from seeds that every rank shares.
 
-The expert flat layout: ``fc1 [2F, H]`` (gate rows, then up rows) then ``fc2 [H, F]``.
+The expert's flat parameter order: ``fc1 [2F, H]`` (gate rows, then up rows) then ``fc2 [H, F]``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from relibra.executors.torch_moe import ExpertShape, expert_init
 from relibra.megatron.adapter import MegatronPlanAdapter
 from relibra.megatron.cpu_patches import apply_cpu_patches
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 from relibra.megatron.router import replicating_router
 
 __all__ = ["TinyMoEModel", "TinyMoESpec", "expert_weights", "init_expert_parallel", "moe_config"]
@@ -88,7 +88,7 @@ def expert_weights(spec: TinyMoESpec, layer: int, expert: int) -> torch.Tensor:
     return expert_init(layer, expert, spec.expert_shape, spec.seed)
 
 
-def _build_moe_layer(config: Any, layout: PhysicalLayout | None) -> nn.Module:
+def _build_moe_layer(config: Any, expert_map: PhysicalExpertMap | None) -> nn.Module:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -99,9 +99,9 @@ def _build_moe_layer(config: Any, layout: PhysicalLayout | None) -> nn.Module:
         module=SequentialMLP,
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
     )
-    if layout is None:
+    if expert_map is None:
         return MoELayer(config, MoESubmodules(experts=experts))
-    return MoELayer(config, MoESubmodules(experts=experts, router=replicating_router(layout)))
+    return MoELayer(config, MoESubmodules(experts=experts, router=replicating_router(expert_map)))
 
 
 class TinyMoEModel(nn.Module):
@@ -119,12 +119,14 @@ class TinyMoEModel(nn.Module):
         super().__init__()
         self.spec = spec
         RouterReplay.clear_global_router_replay_instances()
-        self.layout = (
-            None if replica_slots is None else PhysicalLayout(spec.num_experts, ep_size, replica_slots)
+        self.expert_map = (
+            None if replica_slots is None else PhysicalExpertMap(spec.num_experts, ep_size, replica_slots)
         )
-        num = spec.num_experts if self.layout is None else self.layout.num_physical
+        num = spec.num_experts if self.expert_map is None else self.expert_map.num_physical
         config = moe_config(spec, num, ep_size)
-        self.moe: Any = nn.ModuleList([_build_moe_layer(config, self.layout) for _ in range(spec.num_layers)])
+        self.moe: Any = nn.ModuleList(
+            [_build_moe_layer(config, self.expert_map) for _ in range(spec.num_layers)]
+        )
         gen = torch.Generator().manual_seed(spec.seed * 7_919 + 1)
         h = spec.hidden
         self.mix = nn.Parameter(torch.randn(spec.num_layers, h, h, generator=gen) / h)
@@ -132,7 +134,7 @@ class TinyMoEModel(nn.Module):
             for router in self.routers:
                 router.weight.copy_(torch.randn(spec.num_experts, h, generator=gen) / h**0.5)
         self.adapter: MegatronPlanAdapter | None = None
-        if self.layout is None:
+        if self.expert_map is None:
             rank, per_gpu = torch.distributed.get_rank(), spec.num_experts // ep_size
             layers: list[Any] = list(self.moe)
             for layer, module in enumerate(layers):
@@ -143,7 +145,7 @@ class TinyMoEModel(nn.Module):
                         fc1.copy_(flat[: fc1.numel()].view_as(fc1))
                         fc2.copy_(flat[fc1.numel() :].view_as(fc2))
         else:
-            self.adapter = MegatronPlanAdapter(list(self.moe), self.layout)
+            self.adapter = MegatronPlanAdapter(list(self.moe), self.expert_map)
             for layer in range(spec.num_layers):
                 self.adapter.load_expert_weights(layer, functools.partial(expert_weights, spec, layer))
 

@@ -1,4 +1,4 @@
-"""The physical expert layout the Megatron adapter gives the dispatcher: ``E / G`` home rows then ``r``
+"""The physical expert map the Megatron adapter gives the dispatcher: ``E / G`` home rows then ``r``
 replica slots per rank, ``phy2log`` / ``log2phy`` and the per-(micro-batch, layer) slot table (the
 glossary and a worked example are in :mod:`relibra.megatron.adapter`)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class PhysicalLayout:
+class PhysicalExpertMap:
     """How ``E`` logical experts, ``G`` ranks and ``r`` replica slots map onto Megatron's physical experts."""
 
     num_experts: int
@@ -52,11 +52,11 @@ class PhysicalLayout:
         return np.broadcast_to(per_gpu, (num_layers, *per_gpu.shape)).copy()
 
 
-def log2phy(layout: PhysicalLayout, phy2log: np.ndarray) -> np.ndarray:
+def log2phy(expert_map: PhysicalExpertMap, phy2log: np.ndarray) -> np.ndarray:
     """phy2log [L, G, E / G] -> int64 [L, E]: physical id of each expert's home row."""
     num_layers, g, n = phy2log.shape
-    out = np.empty((num_layers, layout.num_experts), dtype=np.int64)
-    ids = np.asarray(layout.home_id(np.arange(g)[:, None], np.arange(n)[None, :]))  # [G, n]
+    out = np.empty((num_layers, expert_map.num_experts), dtype=np.int64)
+    ids = np.asarray(expert_map.home_id(np.arange(g)[:, None], np.arange(n)[None, :]))  # [G, n]
     np.put_along_axis(
         out, phy2log.reshape(num_layers, -1), np.broadcast_to(ids.reshape(-1), (num_layers, g * n)), 1
     )
@@ -83,7 +83,7 @@ def next_phy2log(phy2log: np.ndarray, new_home: np.ndarray) -> np.ndarray:
 
 
 def slot_table(
-    layout: PhysicalLayout,
+    expert_map: PhysicalExpertMap,
     home_phys: np.ndarray,
     home: np.ndarray,
     replicas: np.ndarray | None,
@@ -100,7 +100,7 @@ def slot_table(
     phys = np.broadcast_to(np.asarray(home_phys, dtype=np.int64)[:, None], (e_total, g_total)).copy()
     if replicas is not None:
         gpu, slot = np.nonzero(replicas >= 0)
-        phys[replicas[gpu, slot], gpu] = layout.replica_id(gpu, slot)
+        phys[replicas[gpu, slot], gpu] = expert_map.replica_id(gpu, slot)
     held = np.asarray(home)[:, None] == np.arange(g_total)
     if replicas is not None:
         held[replicas[gpu, slot], gpu] = True

@@ -7,7 +7,7 @@ Recorded routes of each sample (``[T_s, L, k]``, :func:`relibra.megatron.replay.
 :func:`microbatch_samples` which samples each rank trains in each micro-batch (the plan may move samples
 between GPUs) and replays their routes in that order.
 
-**Tensor and context parallelism** (``parallel``, a :class:`~relibra.parallel.ParallelLayout`; default EP
+**Tensor and context parallelism** (``parallel``, a :class:`~relibra.parallel.ParallelDims`; default EP
 only, every array as before): the workload is :func:`relibra.workload.parallel_workload`'s, as the
 simulator's: every sample becomes the ``h`` ranks of its TP x CP group the EP group holds (``h = tp * cp``,
 or ``G`` when the group is wider than the EP group: :func:`relibra.parallel.ep_group_ranks`), whole samples
@@ -35,7 +35,7 @@ import numpy as np
 
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.model import CostModel
-from relibra.parallel import ParallelLayout, ep_group_ranks
+from relibra.parallel import ParallelDims, ep_group_ranks
 from relibra.planners.protocols import BatchContext, Planner
 from relibra.types import BatchPlan
 
@@ -99,14 +99,14 @@ def routes_context(
     model: ModelSpec,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
-    parallel: ParallelLayout | None = None,
+    parallel: ParallelDims | None = None,
 ) -> BatchContext:
     """Recorded routes of one batch's samples (int ``[T_s, L, k]`` each, in sample order) -> its context.
 
     Routes -> trace -> counts -> workload (:func:`relibra.workload.parallel_workload`: samples balanced over
     ``cluster.num_gpus``, micro-batches of ``samples_per_microbatch`` samples or ``tokens_per_microbatch``
     tokens per GPU; per TP x CP group under ``parallel``) -> batch context 0, priced by a cost model of
-    ``parallel`` (None: :class:`~relibra.parallel.ParallelLayout`'s defaults, EP only). Under ``tp * cp > 1``
+    ``parallel`` (None: :class:`~relibra.parallel.ParallelDims`'s defaults, EP only). Under ``tp * cp > 1``
     the context's rows are ranks (module doc): ``counts`` int32 [S * h, L, E] the exact counts of each rank's
     tokens, ``sample_tokens`` int64 [S * h] :func:`relibra.workload.rank_tokens`' for the ranks held.
     """
@@ -114,7 +114,7 @@ def routes_context(
     from relibra.simulator import batch_context
     from relibra.workload import microbatch_loads, parallel_workload
 
-    layout = parallel if parallel is not None else ParallelLayout()
+    parallel = parallel if parallel is not None else ParallelDims()
     trace = routes_to_trace(sample_routes, model.num_experts, model=model.name)
     if trace.num_layers != model.num_layers or trace.top_k != model.top_k:
         raise ValueError(
@@ -122,17 +122,17 @@ def routes_context(
             f"L={model.num_layers}, k={model.top_k}"
         )
     g = cluster.num_gpus
-    cost = CostModel(cluster, model, layout=layout)
+    cost = CostModel(cluster, model, parallel=parallel)
     ranks, workload = parallel_workload(
         trace.to_counts(),
-        layout,
+        parallel,
         g,
         samples_per_microbatch,
         tokens_per_microbatch,
         span=model.attention_span,
     )
-    if layout.group > 1:
-        exact = _rank_counts(sample_routes, layout, ep_group_ranks(layout, g), model.num_experts)
+    if parallel.group > 1:
+        exact = _rank_counts(sample_routes, parallel, ep_group_ranks(parallel, g), model.num_experts)
         ranks = replace(ranks, counts=exact)
         load = microbatch_loads(exact, workload.sample_gpu, workload.sample_mb, workload.num_microbatches, g)
         workload = replace(workload, load=load)
@@ -146,7 +146,7 @@ def plan_routes(
     model: ModelSpec,
     samples_per_microbatch: int | None = None,
     tokens_per_microbatch: int | None = None,
-    parallel: ParallelLayout | None = None,
+    parallel: ParallelDims | None = None,
 ) -> tuple[BatchPlan, BatchContext]:
     """:func:`routes_context`, then ``planner.plan``: the batch plan and the context it was planned from."""
     ctx = routes_context(
@@ -161,7 +161,7 @@ def microbatch_samples(
     rank: int,
     m: int,
     *,
-    parallel: ParallelLayout | None = None,
+    parallel: ParallelDims | None = None,
     num_gpus: int | None = None,
 ) -> np.ndarray:
     """The samples GPU ``rank`` of the EP group trains in micro-batch ``m``, ascending: int64 ``[n]``.
@@ -181,19 +181,19 @@ def microbatch_samples(
             f"sample_gpu {sample_gpu.shape} and sample_mb {sample_mb.shape}: expected two arrays of shape [S]"
         )
     rows = np.flatnonzero((sample_gpu == rank) & (sample_mb == m)).astype(np.int64)
-    layout = parallel if parallel is not None else ParallelLayout()
-    if layout.group == 1:
+    parallel = parallel if parallel is not None else ParallelDims()
+    if parallel.group == 1:
         return rows
     if num_gpus is None:
         raise ValueError(
-            f"microbatch_samples: parallel.tp * parallel.cp = {layout.group} > 1 needs num_gpus (the EP "
+            f"microbatch_samples: parallel.tp * parallel.cp = {parallel.group} > 1 needs num_gpus (the EP "
             "group's G) to tell a sample's ranks apart"
         )
-    held = ep_group_ranks(layout, num_gpus)
+    held = ep_group_ranks(parallel, num_gpus)
     if sample_gpu.size % held:
         raise ValueError(
             f"sample_gpu has {sample_gpu.size} rows, not whole samples of {held} ranks (parallel.tp * "
-            f"parallel.cp = {layout.group} over an EP group of {num_gpus} GPUs)"
+            f"parallel.cp = {parallel.group} over an EP group of {num_gpus} GPUs)"
         )
     wrong = rows[rows % held != rank % held]
     if wrong.size:
@@ -205,7 +205,7 @@ def microbatch_samples(
     return rows // held
 
 
-def group_rank(gpu: int, parallel: ParallelLayout, num_gpus: int, ep_group: int = 0) -> int:
+def group_rank(gpu: int, parallel: ParallelDims, num_gpus: int, ep_group: int = 0) -> int:
     """The rank (``cp_rank * tp + tp_rank``) in its TP x CP group of GPU ``gpu`` of an EP group of
     ``num_gpus`` GPUs: ``gpu mod tp * cp`` when the EP group holds whole groups; when a group is wider
     (:func:`relibra.parallel.ep_group_ranks`), GPU ``gpu`` of the ``ep_group``-th of the ``tp * cp / G`` EP
@@ -220,7 +220,7 @@ def group_rank(gpu: int, parallel: ParallelLayout, num_gpus: int, ep_group: int 
     return ep_group * held + gpu % held
 
 
-def rank_token_ranges(sample_tokens: np.ndarray, parallel: ParallelLayout) -> np.ndarray:
+def rank_token_ranges(sample_tokens: np.ndarray, parallel: ParallelDims) -> np.ndarray:
     """int64 [S, tp * cp, 2, 2]: the token ranges ``[start, stop)`` of each sample that each rank of its TP x
     CP group holds (rank ``cp_rank * tp + tp_rank``), at most two per rank, in the order the rank holds them.
 
@@ -252,7 +252,7 @@ def rank_token_ranges(sample_tokens: np.ndarray, parallel: ParallelLayout) -> np
 
 
 def rank_routes(
-    sample_routes: Sequence[np.ndarray], samples: np.ndarray, parallel: ParallelLayout, rank: int
+    sample_routes: Sequence[np.ndarray], samples: np.ndarray, parallel: ParallelDims, rank: int
 ) -> np.ndarray:
     """The routes rank ``rank`` of a TP x CP group replays for ``samples`` (from :func:`microbatch_samples`):
     each sample's :func:`rank_token_ranges` of that rank, concatenated in sample order, int64 [T', L, k]
@@ -270,7 +270,7 @@ def rank_routes(
 
 
 def _rank_counts(
-    sample_routes: Sequence[np.ndarray], parallel: ParallelLayout, held: int, num_experts: int
+    sample_routes: Sequence[np.ndarray], parallel: ParallelDims, held: int, num_experts: int
 ) -> np.ndarray:
     """int32 [S * held, L, E]: the exact expert counts of the tokens the first ``held`` ranks of each sample
     hold (:func:`rank_token_ranges`), rank ``r`` of sample ``s`` at row ``s * held + r``."""

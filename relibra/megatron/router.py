@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from relibra.megatron.compat import megatron_api
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 
 __all__ = ["ReplicatingRouter", "replicating_router"]
 
@@ -25,11 +25,11 @@ class ReplicatingRouter(nn.Module):
     (:meth:`set_table`), each token goes to the copy the plan's split gives it.
     """
 
-    def __init__(self, logical: nn.Module, layout: PhysicalLayout) -> None:
+    def __init__(self, logical: nn.Module, expert_map: PhysicalExpertMap) -> None:
         super().__init__()
         self.logical: Any = logical
-        self.layout = layout
-        self.log2phy = torch.arange(layout.num_experts, dtype=torch.long)
+        self.expert_map = expert_map
+        self.log2phy = torch.arange(expert_map.num_experts, dtype=torch.long)
         """long [E]: physical id of each expert's home row (set by the adapter)."""
         self.table: tuple[torch.Tensor, torch.Tensor] | None = None
         """(phys [E, G], bound [E, G]) of :func:`slot_table` for the current micro-batch, or None."""
@@ -65,12 +65,12 @@ class ReplicatingRouter(nn.Module):
             copy_idx = (rank_in_expert.unsqueeze(-1) >= bound.unsqueeze(0)).sum(dim=-1)  # [T, E]
             copy_idx = copy_idx.clamp_(max=bound.shape[1] - 1)
             phys = table.gather(1, copy_idx.T).T  # [T, E]
-        routing_map = mask.new_zeros((t, self.layout.num_physical)).scatter(1, phys, mask)
-        phys_probs = probs.new_zeros((t, self.layout.num_physical)).scatter(1, phys, probs)
+        routing_map = mask.new_zeros((t, self.expert_map.num_physical)).scatter(1, phys, mask)
+        phys_probs = probs.new_zeros((t, self.expert_map.num_physical)).scatter(1, phys, probs)
         return phys_probs, routing_map
 
 
-def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRouter]:
+def replicating_router(expert_map: PhysicalExpertMap) -> Callable[..., ReplicatingRouter]:
     """A router builder for ``MoESubmodules(router=...)``: a logical ``TopKRouter`` over ``E`` experts
     (the layer's config copied with ``num_moe_experts = E``) wrapped in a :class:`ReplicatingRouter`.
 
@@ -82,15 +82,15 @@ def replicating_router(layout: PhysicalLayout) -> Callable[..., ReplicatingRoute
     api = megatron_api()
 
     def build(*, config: Any, pg_collection: Any = None, is_mtp_layer: bool = False) -> ReplicatingRouter:
-        if config.num_moe_experts != layout.num_physical:
+        if config.num_moe_experts != expert_map.num_physical:
             raise ValueError(
                 f"the MoE layer's config has num_moe_experts={config.num_moe_experts}; a replicating layer "
                 "needs "
-                f"the physical count E + G * r = {layout.num_physical}"
+                f"the physical count E + G * r = {expert_map.num_physical}"
             )
         logical = copy.deepcopy(config)
-        logical.num_moe_experts = layout.num_experts
+        logical.num_moe_experts = expert_map.num_experts
         mtp = {"is_mtp_layer": is_mtp_layer} if api.router_builder_takes_is_mtp_layer else {}
-        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection, **mtp), layout)
+        return ReplicatingRouter(TopKRouter(config=logical, pg_collection=pg_collection, **mtp), expert_map)
 
     return build

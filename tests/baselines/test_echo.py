@@ -182,8 +182,8 @@ def test_pricing_terms() -> None:
 
 
 def test_refusals() -> None:
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
 
     with pytest.raises(ValueError, match=r"planner\.replica_slots=0"):
         EchoPlanner(replica_slots=0)

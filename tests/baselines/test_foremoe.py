@@ -192,8 +192,8 @@ def test_cli_refuses_bad_settings_exit_2_one_line(override: str, named: str, tmp
 
 
 def test_refusals() -> None:
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
 
     with pytest.raises(ValueError, match=r"planner\.redundant_slots"):
         ForeMoEPlanner(redundant_slots=1)

@@ -12,7 +12,7 @@ from baselines.lplb import (
     LplbPlanner,
     exact_split,
     ipm_split,
-    lplb_layout,
+    lplb_placement,
     max_load,
     redundant_to_original,
     topology_edges,
@@ -75,18 +75,18 @@ def test_at_most_two_copies_and_hottest_replicated(topology: str) -> None:
     rng = np.random.default_rng(0)
     weight = rng.random((4, 32))
     r2o = redundant_to_original(topology, 2, 4) if topology != "cube" else redundant_to_original("cube", 1, 8)
-    layout = lplb_layout(weight, r2o, 2, 2 if topology != "cube" else 1)
+    placement = lplb_placement(weight, r2o, 2, 2 if topology != "cube" else 1)
     for l in range(4):
-        copies = np.bincount(layout.redundant[l].ravel(), minlength=32)
+        copies = np.bincount(placement.redundant[l].ravel(), minlength=32)
         assert copies.max() <= 1  # one redundant copy at most -> two copies in all
-        for p, e in enumerate(layout.edge_expert[l]):
-            assert layout.home[l, e] == layout.orig_gpu[p]  # each edge starts at the original
-            assert layout.copy_gpu[p] != layout.orig_gpu[p]
+        for p, e in enumerate(placement.edge_expert[l]):
+            assert placement.home[l, e] == placement.orig_gpu[p]  # each edge starts at the original
+            assert placement.copy_gpu[p] != placement.orig_gpu[p]
         # each GPU's two heaviest experts are the ones copied
         for g in range(8):
-            mine = np.flatnonzero(layout.home[l] == g)
+            mine = np.flatnonzero(placement.home[l] == g)
             hot = set(mine[np.argsort(-weight[l, mine])[:2]])
-            assert hot == set(layout.edge_expert[l][layout.orig_gpu == g])
+            assert hot == set(placement.edge_expert[l][placement.orig_gpu == g])
 
 
 # ------------------------------------------------------------------------------------ the LP
@@ -152,7 +152,7 @@ def test_history_mode_places_from_history() -> None:
     check_plan(plan, a, replica_slots=0, redundant_slots=2, replicas_in_home_node=False)
     assert not np.array_equal(plan.home, oracle.home)
     r2o = redundant_to_original("torus", 2, 4)
-    want = lplb_layout(history_weight(a.history, 10, a.load.shape[1::2]), r2o, 2, 2)
+    want = lplb_placement(history_weight(a.history, 10, a.load.shape[1::2]), r2o, 2, 2)
     np.testing.assert_array_equal(plan.home, want.home)
     np.testing.assert_array_equal(plan.redundant, want.redundant)
 
@@ -182,8 +182,8 @@ def test_cluster_problems_name_what_plan_would_refuse() -> None:
 
 
 def test_config_check_refuses_lplb_at_deepseek_v3_ep256() -> None:
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
     from tests.builders import cfg
 
     with pytest.raises(ConfigError, match=r"planner\.redundant_slots=2 must be a multiple"):

@@ -108,8 +108,8 @@ def test_pricing_charges_the_critical_path() -> None:
 
 
 def test_entry_point_refuses_too_few_slots(capsys) -> None:
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
 
     c = cfg("planner=moonep", "planner.replica_slots=2", "cluster.nodes=1")  # 128 experts / 8 GPUs = 16
     with pytest.raises(ConfigError, match=r"planner\.replica_slots=2 is below model\.num_experts / G"):

@@ -16,7 +16,7 @@ from relibra.cost.model import CostModel
 from relibra.integrations.verl import VerlConfigError, VerlReLibraHook, VerlSettings
 from relibra.invariants import check_plan
 from relibra.layout import SampleLayout, layout_samples
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from relibra.planners.compose import relibra, relibra_replicate_only
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.simulator import batch_context
@@ -25,8 +25,8 @@ from relibra.workload import microbatch_loads, parallel_workload, rank_tokens
 from tests.builders import HOPPER, random_counts, tiny_model
 
 LAYERS, EXPERTS, SLOTS = 3, 8, 2
-TP2_CP2 = ParallelLayout(tp=2, cp=2)
-TP4_CP4 = ParallelLayout(tp=4, cp=4)
+TP2_CP2 = ParallelDims(tp=2, cp=2)
+TP4_CP4 = ParallelDims(tp=4, cp=4)
 """Wider than the EP group of 8: it holds ranks 0 .. 7 of each sample (CP ranks 0 and 1)."""
 
 
@@ -36,10 +36,10 @@ def _batch(num_samples: int = 24, seed: int = 0) -> SampleCounts:
     return random_counts(num_samples, LAYERS, EXPERTS, num_batches=1, seed=seed)
 
 
-def _setup(parallel: ParallelLayout | None = None):
+def _setup(parallel: ParallelDims | None = None):
     cluster = ClusterSpec(nodes=1, gpus_per_node=8, hardware=HOPPER)
     model = tiny_model(num_experts=EXPERTS, num_layers=LAYERS)
-    return cluster, model, CostModel(cluster, model, layout=parallel)
+    return cluster, model, CostModel(cluster, model, parallel=parallel)
 
 
 @pytest.mark.parametrize("layout", ["balanced", "contiguous"])
@@ -61,7 +61,7 @@ def test_ep_only_is_unchanged(layout: str, spm: int | None) -> None:
     before_load = microbatch_loads(
         counts.counts, before.sample_gpu, before.local_mb(), before.num_microbatches, cluster.num_gpus
     )
-    for parallel in (None, ParallelLayout()):
+    for parallel in (None, ParallelDims()):
         asm = assemble_batch(counts.counts, counts.tokens, cluster.num_gpus, config, model, parallel)
         for name in ("sample_gpu", "sample_mb", "mb_batch"):
             np.testing.assert_array_equal(getattr(asm.layout, name), getattr(before, name), err_msg=name)
@@ -73,7 +73,7 @@ def test_ep_only_is_unchanged(layout: str, spm: int | None) -> None:
         assert given.layout is before and given.counts is None
 
 
-def _assert_ranks_on_groups(asm, counts: SampleCounts, parallel: ParallelLayout, g: int) -> None:
+def _assert_ranks_on_groups(asm, counts: SampleCounts, parallel: ParallelDims, g: int) -> None:
     """Every sample's ranks on one TP x CP group in rank order, in one micro-batch; tokens conserved; each
     GPU's tokens as rank_tokens says."""
     n = parallel.group
@@ -102,7 +102,7 @@ def _assert_ranks_on_groups(asm, counts: SampleCounts, parallel: ParallelLayout,
 
 
 @pytest.mark.parametrize("parallel", [TP2_CP2, TP4_CP4], ids=["tp2cp2", "tp4cp4"])
-def test_samples_stay_on_their_groups_as_the_simulator_lays_them(parallel: ParallelLayout) -> None:
+def test_samples_stay_on_their_groups_as_the_simulator_lays_them(parallel: ParallelDims) -> None:
     counts = _batch()
     cluster, model, _ = _setup(parallel)
     config = ControlPlaneConfig(workers=0, samples_per_microbatch=1)
@@ -150,7 +150,7 @@ def test_counts_without_whole_routed_slots_are_refused_under_tp_cp() -> None:
 
 
 @pytest.mark.parametrize("parallel", [TP2_CP2, TP4_CP4], ids=["tp2cp2", "tp4cp4"])
-def test_the_plane_plans_the_ranks_as_the_serial_planner(parallel: ParallelLayout) -> None:
+def test_the_plane_plans_the_ranks_as_the_serial_planner(parallel: ParallelDims) -> None:
     counts = _batch()
     cluster, model, cost = _setup(parallel)
     ranks, workload = parallel_workload(

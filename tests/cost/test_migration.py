@@ -10,7 +10,7 @@ from experiments.config.spec import build_spec
 from relibra.cluster import ClusterSpec
 from relibra.cost.migration import MigrationPayload, migration_cost, migration_payload, receive_seconds
 from relibra.cost.model import CostModel
-from relibra.parallel import ParallelLayout, expert_data_parallel
+from relibra.parallel import ParallelDims, expert_data_parallel
 from relibra.planners.protocols import static_placement
 from tests.builders import HOPPER, cfg, tiny_model
 
@@ -20,7 +20,7 @@ H2D = 40e9
 @pytest.mark.parametrize(("d", "want"), [(1, 14.0), (2, 8.0), (8, 3.5)])
 def test_each_destination_receives_2_plus_12_over_d_bytes_per_param(d: int, want: float) -> None:
     assert MigrationPayload(expert_data_parallel=d).bytes_per_param == want
-    assert expert_data_parallel(ParallelLayout(dp=d), ep=16) == d
+    assert expert_data_parallel(ParallelDims(dp=d), ep=16) == d
     c = cfg(f"parallel.dp={d}")
     cluster = build_cluster(build_spec(c))
     assert build_cost(build_spec(c), cluster, build_model(build_spec(c))).migration.bytes_per_param == want
@@ -100,6 +100,6 @@ def test_bad_values_name_their_key() -> None:
     with pytest.raises(ValueError, match=r"host_to_device_bytes_per_s > 0"):
         MigrationPayload(path="reload")
     with pytest.raises(ValueError, match=r"parallel\.dp"):
-        ParallelLayout(dp=0)
+        ParallelDims(dp=0)
     with pytest.raises(ValueError, match=r"unknown keys \['optimizer_shards'\]"):
         migration_payload({"optimizer_shards": 2})

@@ -14,7 +14,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.memory import activation_bytes_per_token
 from relibra.cost.model import CostModel
 from relibra.cost.passes import token_work, update_pass
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from tests.builders import HOPPER
 from tests.cost.test_recompute import NO_FIXED, _work
 from tests.cost.test_step import DENSE, MODEL, SPEC
@@ -91,7 +91,7 @@ def test_activations_keep_the_latents_and_mla_up_proj_drops_the_heads() -> None:
 
 def test_mla_up_proj_recompute_repeats_the_up_projections_forward_every_layer() -> None:
     training = replace(SPEC, recompute="selective", recompute_modules=("mla_up_proj",))
-    c = CostModel(ClusterSpec(2, 2, HOPPER), DSV3, training=training, layout=ParallelLayout())
+    c = CostModel(ClusterSpec(2, 2, HOPPER), DSV3, training=training, parallel=ParallelDims())
     tokens, pairs = np.array([[1000.0, 3000.0, 2000.0, 0.0]]), np.array([[5e5, 4e6, 2e6, 0.0]])
     tw = token_work(c, tokens, pairs)
     assert tw.mla_up is not None

@@ -485,8 +485,8 @@ def test_locality_round_never_worse_under_overlap(dispatcher):
 def test_entry_point_accepts_the_lp_split_under_overlap():
     from hydra import compose, initialize_config_dir
 
-    from experiments.config.build import ConfigError
     from experiments.config.checks import check_config
+    from experiments.config.errors import ConfigError
     from experiments.config.presets import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

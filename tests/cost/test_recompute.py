@@ -14,7 +14,7 @@ from relibra.cluster import ClusterSpec
 from relibra.cost.memory import activation_bytes_per_token
 from relibra.cost.model import CostModel
 from relibra.cost.passes import LayerWork, TokenWork, token_work, update_pass
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from tests.builders import HOPPER
 from tests.cost.test_step import DENSE, HBM, MODEL, SPEC
 from tests.cost.test_step import _work as step_work
@@ -36,9 +36,9 @@ def _work() -> tuple[LayerWork, TokenWork]:
     return work, tw
 
 
-def _cost(modules: tuple[str, ...], layout: ParallelLayout | None = None, **spec: object) -> CostModel:
+def _cost(modules: tuple[str, ...], parallel: ParallelDims | None = None, **spec: object) -> CostModel:
     training = replace(SPEC, recompute="selective", recompute_modules=modules, **spec)  # type: ignore[arg-type]
-    return CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=training, layout=layout or ParallelLayout())
+    return CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=training, parallel=parallel or ParallelDims())
 
 
 # activation_share of MODEL: SwiGLU's forward, 500 x 3 of the permutation's 1000 x 8 + 500 x 8 values
@@ -55,19 +55,19 @@ HAND = {
 }
 
 
-@pytest.mark.parametrize("layout", [None, ParallelLayout(pp=3)])
+@pytest.mark.parametrize("parallel", [None, ParallelDims(pp=3)])
 @pytest.mark.parametrize("modules", list(HAND))
 def test_each_module_repeats_its_forward_by_hand(
-    modules: tuple[str, ...], layout: ParallelLayout | None
+    modules: tuple[str, ...], parallel: ParallelDims | None
 ) -> None:
     work, tw = _work()
-    got = update_pass(_cost(modules, layout), work, tw, 1, NO_FIXED)
+    got = update_pass(_cost(modules, parallel), work, tw, 1, NO_FIXED)
     assert got.parts["t_recompute_s"] == pytest.approx(HAND[modules], rel=1e-12)
-    none = update_pass(_cost((), layout), work, tw, 1, NO_FIXED)
+    none = update_pass(_cost((), parallel), work, tw, 1, NO_FIXED)
     assert none.parts["t_recompute_s"] == 0.0
     # under the pipeline the dense layer's stage (stage 0 of 3) is not the slowest, so mlp may not show
-    assert got.total > none.total if layout is None else got.total >= none.total
-    if layout is None and modules != ("moe",):  # nothing overlapped: the update grows by exactly that
+    assert got.total > none.total if parallel is None else got.total >= none.total
+    if parallel is None and modules != ("moe",):  # nothing overlapped: the update grows by exactly that
         assert got.total - none.total == pytest.approx(HAND[modules], rel=1e-9)
 
 

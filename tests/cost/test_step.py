@@ -13,7 +13,7 @@ from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.model import CostModel
 from relibra.cost.passes import LayerWork, TokenWork, forward_pass, update_pass
 from relibra.cost.step import TrainingSpec, parallel_groups
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from tests.builders import HOPPER
 
 MODEL = ModelSpec(
@@ -193,9 +193,11 @@ def test_host_time_widens_each_stages_window_by_its_share_of_the_moe_layers() ->
     """Two stages, the dense layer and one MoE layer on the first, the other MoE layer on the second: the
     slowest stage's (the first's) window grows by its half of the MoE layers' host time, h per direction."""
     work, tw = _tiny_work()
-    layout = ParallelLayout(pp=2, chunk_layers=(2, 1))
+    parallel = ParallelDims(pp=2, chunk_layers=(2, 1))
     models = [
-        CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=replace(SPEC, host_overhead_s=h), layout=layout)
+        CostModel(
+            ClusterSpec(2, 2, HOPPER), MODEL, training=replace(SPEC, host_overhead_s=h), parallel=parallel
+        )
         for h in (0.0, 1e-5)
     ]
     got = [update_pass(c, work, tw, 1, (0.0, 0.0, 0.0, 0.0)).parts for c in models]
@@ -204,8 +206,8 @@ def test_host_time_widens_each_stages_window_by_its_share_of_the_moe_layers() ->
     assert got[1]["t_param_gather_s"] == pytest.approx(got[0]["t_param_gather_s"] - 1e-5, rel=1e-9)
 
 
-@pytest.mark.parametrize("layout", [None, ParallelLayout(pp=3)])
-def test_fp8_casts_join_the_update_and_forward_by_hand(layout: ParallelLayout | None) -> None:
+@pytest.mark.parametrize("parallel", [None, ParallelDims(pp=3)])
+def test_fp8_casts_join_the_update_and_forward_by_hand(parallel: ParallelDims | None) -> None:
     """Hand-chosen casts: each MoE layer's expert casts [Mb, L] and dense ones [Mb], each dense layer's.
     The update's ``t_fp8_cast_s`` sums them, and the update prices them as that much more per-layer work
     (the same seconds as the permutation and the dense layers carrying them), with and without a pipeline
@@ -217,7 +219,7 @@ def test_fp8_casts_join_the_update_and_forward_by_hand(layout: ParallelLayout | 
     casting_tw = replace(tw, cast_moe=cast_moe, cast_dense=cast_dense)
     casting = replace(work, cast=cast)
     spec = replace(SPEC, overlap_grad_reduce=False, overlap_param_gather=False)
-    c = CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=spec, layout=layout or ParallelLayout())
+    c = CostModel(ClusterSpec(2, 2, HOPPER), MODEL, training=spec, parallel=parallel or ParallelDims())
     total = cast.sum() + 0.005 * 2 * 2 + 0.007 * 2 * 1
     plain = update_pass(c, work, tw, 1, (0.0, 0.0, 0.0, 0.0))
     got = update_pass(c, casting, casting_tw, 1, (0.0, 0.0, 0.0, 0.0))
@@ -231,7 +233,7 @@ def test_fp8_casts_join_the_update_and_forward_by_hand(layout: ParallelLayout | 
         (0.0, 0.0, 0.0, 0.0),
     )
     assert got.total == pytest.approx(carried.total, rel=1e-12) and got.total > plain.total
-    if layout is None:
+    if parallel is None:
         assert got.total - plain.total == pytest.approx(total, rel=1e-9)
         fwd_plain, fwd = forward_pass(c, work, tw, 1, 0.0), forward_pass(c, casting, casting_tw, 1, 0.0)
         assert fwd - fwd_plain == pytest.approx(0.5 * total, rel=1e-9)

@@ -45,7 +45,7 @@ from relibra.megatron.compat import (
     megatron_api,
 )
 from relibra.megatron.cpu_patches import applied_patches, cpu_patches, patches_for
-from relibra.megatron.physical import PhysicalLayout, log2phy, next_phy2log, slot_table
+from relibra.megatron.physical import PhysicalExpertMap, log2phy, next_phy2log, slot_table
 from relibra.megatron.planning import load_hardware, microbatch_samples, plan_routes, planning_specs
 from relibra.megatron.router import ReplicatingRouter
 from relibra.planners.compose import ComposedPlanner, relibra, relibra_replicate_only
@@ -62,7 +62,8 @@ NUM_LAYERS, HIDDEN, FFN, NUM_EXPERTS, TOP_K = 2, 16, 8, 8, 2
 NUM_MB = 2
 ATOL = 2e-5
 RTOL = 1e-5
-"""Float32 summation order differs between the layouts (grads of hot experts sum hundreds of tokens)."""
+"""Float32 summation order differs between the plain and the physical model (grads of hot experts sum
+hundreds of tokens)."""
 REPO = Path(__file__).resolve().parents[2]
 PLANNED: dict[str, Callable[..., ComposedPlanner]] = {
     "relibra": relibra,
@@ -240,7 +241,7 @@ def run_rank(rank: int, world: int, batches, inputs, plans, trace_path: str) -> 
     out["buffer_fills"] = relib.adapter.buffer.fills
     # The physical model's experts as a weight converter names them (mbridge, Megatron-Bridge: global id
     # = rank * local rows + row, local rows = E / G + r here), gathered over the EP group as their export is.
-    slots = relib.layout.slots_per_gpu
+    slots = relib.expert_map.slots_per_gpu
     named = [
         (f"decoder.layers.{layer}.mlp.experts.{rank * slots + i}.{part}.weight",
          getattr(mlp, part).weight.detach().numpy().copy())
@@ -386,7 +387,7 @@ def test_weight_grads_match_plain_layer(run, batch: int) -> None:  # type: ignor
         relib = _merged([r["relibra"][batch][2]["experts"][layer] for r in ranks])
         assert sum(np.abs(g).sum() > 0 for g in plain.values()) >= NUM_EXPERTS // 2
         for e in range(NUM_EXPERTS):
-            # NOTE: a gradient sums hundreds of tokens' fp32 products in another order under each layout, so
+            # NOTE: a gradient sums hundreds of tokens' fp32 products in another order in each model, so
             # its rounding scales with its largest entry; a lost or doubled token would differ by far more.
             scale = max(1.0, float(np.abs(plain[e]).max()))
             np.testing.assert_allclose(
@@ -447,14 +448,14 @@ def test_export_of_the_physical_model_is_the_logical_model(run) -> None:  # type
     once, with the weights the adapter holds for it (which match the plain model's:
     test_weights_after_adam_step_match_plain_layer); named through the static placement it would not."""
     _, _, ranks = run
-    layout = PhysicalLayout(NUM_EXPERTS, WORLD, R)
+    expert_map = PhysicalExpertMap(NUM_EXPERTS, WORLD, R)
     phy2log = ranks[0]["phy2log"]
     assert all(np.array_equal(r["phy2log"], phy2log) for r in ranks)
-    assert not np.array_equal(phy2log, layout.static_phy2log(NUM_LAYERS))  # the plans moved experts
+    assert not np.array_equal(phy2log, expert_map.static_phy2log(NUM_LAYERS))  # the plans moved experts
     trained = [_merged([r["weights"][-1]["relibra"][layer] for r in ranks]) for layer in range(NUM_LAYERS)]
     pairs = ranks[0]["exported"]
-    assert len(pairs) == NUM_LAYERS * layout.num_physical * 2  # replica slots exported too
-    logical = dict(to_logical(pairs, layout, phy2log, MCORE_EXPERTS))
+    assert len(pairs) == NUM_LAYERS * expert_map.num_physical * 2  # replica slots exported too
+    logical = dict(to_logical(pairs, expert_map, phy2log, MCORE_EXPERTS))
     assert len(logical) == NUM_LAYERS * NUM_EXPERTS * 2
     for layer in range(NUM_LAYERS):
         for e in range(NUM_EXPERTS):
@@ -463,7 +464,7 @@ def test_export_of_the_physical_model_is_the_logical_model(run) -> None:  # type
                 [logical[f"{name}.{p}.weight"].ravel() for p in ("linear_fc1", "linear_fc2")]
             )
             np.testing.assert_array_equal(flat, trained[layer][e].ravel(), err_msg=name)
-    static = dict(to_logical(pairs, layout, layout.static_phy2log(NUM_LAYERS), MCORE_EXPERTS))
+    static = dict(to_logical(pairs, expert_map, expert_map.static_phy2log(NUM_LAYERS), MCORE_EXPERTS))
     assert any(not np.array_equal(static[k], logical[k]) for k in logical), (
         "the static placement would name the moved experts' weights wrongly"
     )
@@ -484,10 +485,10 @@ def test_record_trace_replay_round_trip(run) -> None:  # type: ignore[no-untyped
 
 # --------------------------------------------------------------------------------- local unit checks
 def test_log2phy_and_next_phy2log() -> None:
-    layout = PhysicalLayout(num_experts=8, num_gpus=4, replica_slots=1)
-    assert layout.num_physical == 12 and layout.slots_per_gpu == 3
-    p2l = layout.static_phy2log(1)
-    np.testing.assert_array_equal(log2phy(layout, p2l)[0], [0, 1, 3, 4, 6, 7, 9, 10])
+    expert_map = PhysicalExpertMap(num_experts=8, num_gpus=4, replica_slots=1)
+    assert expert_map.num_physical == 12 and expert_map.slots_per_gpu == 3
+    p2l = expert_map.static_phy2log(1)
+    np.testing.assert_array_equal(log2phy(expert_map, p2l)[0], [0, 1, 3, 4, 6, 7, 9, 10])
     new_home = np.array([[1, 0, 0, 2, 2, 3, 3, 1]])
     nxt = next_phy2log(p2l, new_home)
     # Kept experts keep their rows (1 on rank 0, 4 on rank 2, 6 on rank 3); incoming ones fill the freed rows,
@@ -498,18 +499,18 @@ def test_log2phy_and_next_phy2log() -> None:
 
 
 def test_slot_table_refuses_copies_the_plan_does_not_hold() -> None:
-    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)
+    expert_map = PhysicalExpertMap(num_experts=4, num_gpus=2, replica_slots=1)
     home = np.array([0, 0, 1, 1])
-    home_phys = log2phy(layout, layout.static_phy2log(1))[0]  # [0, 1, 3, 4]
+    home_phys = log2phy(expert_map, expert_map.static_phy2log(1))[0]  # [0, 1, 3, 4]
     replicas = np.array([[-1], [0]])  # rank 1's slot holds expert 0
     split = np.array([[2, 3], [1, 0], [0, 4], [0, 1]])
-    phys, bound = slot_table(layout, home_phys, home, replicas, split)
+    phys, bound = slot_table(expert_map, home_phys, home, replicas, split)
     assert phys[0, 1] == 5 and phys[0, 0] == 0
     np.testing.assert_array_equal(bound[:, -1], split.sum(axis=1))
     bad = split.copy()
     bad[1, 1] = 2
     with pytest.raises(ValueError, match="expert 1 to rank 1"):
-        slot_table(layout, home_phys, home, replicas, bad)
+        slot_table(expert_map, home_phys, home, replicas, bad)
 
 
 class _FixedRouter(torch.nn.Module):
@@ -527,15 +528,15 @@ class _FixedRouter(torch.nn.Module):
 
 
 def test_replicating_router_splits_tokens_in_token_order() -> None:
-    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)
+    expert_map = PhysicalExpertMap(num_experts=4, num_gpus=2, replica_slots=1)
     routes = np.array([[0, 1], [0, 2], [3, 0], [0, 1], [2, 0]])  # expert 0 on tokens 0..4
-    router = ReplicatingRouter(_FixedRouter(routes, 4), layout)
-    home_phys = log2phy(layout, layout.static_phy2log(1))[0]
+    router = ReplicatingRouter(_FixedRouter(routes, 4), expert_map)
+    home_phys = log2phy(expert_map, expert_map.static_phy2log(1))[0]
     split = np.array(
         [[3, 2], [2, 0], [0, 2], [0, 1]]
     )  # expert 0: first 3 tokens home, last 2 on rank 1's slot
     replicas = np.array([[-1], [0]])
-    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, split))
+    router.set_table(slot_table(expert_map, home_phys, np.array([0, 0, 1, 1]), replicas, split))
     probs, mask = router(torch.zeros(5, 1, 8))
     assert mask.shape == (5, 6) and (mask.sum(dim=1) == 2).all()
     np.testing.assert_array_equal(mask[:, 0].numpy(), [1, 1, 1, 0, 0])
@@ -543,7 +544,7 @@ def test_replicating_router_splits_tokens_in_token_order() -> None:
     assert torch.equal(probs.sum(dim=1), router.logical.probs.sum(dim=1))
     more = split.copy()
     more[0, 0] += 1  # the plan counted one more token of expert 0 than these routes hold
-    router.set_table(slot_table(layout, home_phys, np.array([0, 0, 1, 1]), replicas, more))
+    router.set_table(slot_table(expert_map, home_phys, np.array([0, 0, 1, 1]), replicas, more))
     with pytest.raises(ValueError, match="replay the routes the plan was made from"):
         router(torch.zeros(5, 1, 8))
 
@@ -609,7 +610,7 @@ def test_unproven_release_is_refused_before_a_layer_is_built(monkeypatch: pytest
     refused = re.escape("megatron-core 0.18.0 is installed")
     try:
         with pytest.raises(UnsupportedMegatronVersion, match=refused):
-            replicating_router(PhysicalLayout(NUM_EXPERTS, WORLD, R))
+            replicating_router(PhysicalExpertMap(NUM_EXPERTS, WORLD, R))
         with pytest.raises(UnsupportedMegatronVersion, match=refused), cpu_patches(force=True):
             pass
     finally:

@@ -21,7 +21,7 @@ from relibra.megatron.planning import (
     routes_context,
 )
 from relibra.megatron.replay import routes_to_trace
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from relibra.planners.compose import relibra
 from relibra.planners.reorder.config import AnnealConfig
 from relibra.simulator import batch_context
@@ -29,10 +29,11 @@ from relibra.workload import build_workload, parallel_workload, rank_tokens
 from tests.builders import HOPPER
 
 G, LAYERS, EXPERTS, TOP_K = 8, 3, 16, 2
-TP2_CP2 = ParallelLayout(tp=2, cp=2)
-TP4_CP4 = ParallelLayout(tp=4, cp=4)
-"""Wider than the EP group of 8 (Megatron-MoE-ModelZoo's 64K layout): it holds ranks 0 .. 7, CP ranks 0, 1."""
-LAYOUTS = [ParallelLayout(tp=2), ParallelLayout(cp=2), TP2_CP2, ParallelLayout(tp=2, cp=4), TP4_CP4]
+TP2_CP2 = ParallelDims(tp=2, cp=2)
+TP4_CP4 = ParallelDims(tp=4, cp=4)
+"""Wider than the EP group of 8 (Megatron-MoE-ModelZoo's 64K parallel dimensions): it holds ranks 0 .. 7, CP
+ranks 0, 1."""
+PARALLEL_CASES = [ParallelDims(tp=2), ParallelDims(cp=2), TP2_CP2, ParallelDims(tp=2, cp=4), TP4_CP4]
 
 
 def _routes(num_samples: int = 12, seed: int = 0) -> list[np.ndarray]:
@@ -49,7 +50,7 @@ def _specs():
     return planning_specs(HOPPER, G, LAYERS, EXPERTS, TOP_K)
 
 
-def _replayed(routes, ctx, parallel: ParallelLayout, m: int, gpu: int, ep_group: int = 0) -> np.ndarray:
+def _replayed(routes, ctx, parallel: ParallelDims, m: int, gpu: int, ep_group: int = 0) -> np.ndarray:
     """The routes GPU ``gpu`` replays in micro-batch ``m``."""
     samples = microbatch_samples(ctx.sample_gpu, ctx.sample_mb, gpu, m, parallel=parallel, num_gpus=G)
     return rank_routes(routes, samples, parallel, group_rank(gpu, parallel, G, ep_group))
@@ -68,13 +69,13 @@ def test_ep_only_is_unchanged(spm: int | None) -> None:
     counts = routes_to_trace(routes, EXPERTS, model=model.name).to_counts()
     workload = build_workload(counts, G, spm, span=model.attention_span)
     before = batch_context(counts, workload, 0, cluster, model, CostModel(cluster, model))
-    for parallel in (None, ParallelLayout()):
+    for parallel in (None, ParallelDims()):
         ctx = routes_context(routes, cluster, model, spm, parallel=parallel)
         for name in ("counts", "sample_tokens", "sample_gpu", "sample_mb", "load"):
             got, want = getattr(ctx, name), getattr(before, name)
             np.testing.assert_array_equal(got, want, err_msg=name)
             assert got.dtype == want.dtype, name
-        assert ctx.cost.layout == ParallelLayout() and ctx.seed == before.seed
+        assert ctx.cost.parallel == ParallelDims() and ctx.seed == before.seed
         for m in range(ctx.num_microbatches):
             for gpu in range(G):
                 plain = microbatch_samples(ctx.sample_gpu, ctx.sample_mb, gpu, m)
@@ -82,7 +83,7 @@ def test_ep_only_is_unchanged(spm: int | None) -> None:
                     microbatch_samples(ctx.sample_gpu, ctx.sample_mb, gpu, m, parallel=parallel), plain
                 )
                 np.testing.assert_array_equal(
-                    rank_routes(routes, plain, ParallelLayout(), 0),
+                    rank_routes(routes, plain, ParallelDims(), 0),
                     np.concatenate([np.zeros((0, LAYERS, TOP_K), np.int64)] + [routes[s] for s in plain]),
                 )
 
@@ -90,23 +91,23 @@ def test_ep_only_is_unchanged(spm: int | None) -> None:
 def test_rank_token_ranges_by_hand() -> None:
     # cp 2, t 8: chunks [0,2) [2,4) [4,6) [6,8); CP rank 0 holds chunks 0 and 3, CP rank 1 chunks 1 and 2
     np.testing.assert_array_equal(
-        rank_token_ranges(np.array([8]), ParallelLayout(cp=2))[0],
+        rank_token_ranges(np.array([8]), ParallelDims(cp=2))[0],
         [[[0, 2], [6, 8]], [[2, 4], [4, 6]]],
     )
     # tp 3, cp 2, t 12: CP rank 0 holds [0,3) + [9,12); its TP ranks 2 tokens each, the middle one straddles
-    got = rank_token_ranges(np.array([12]), ParallelLayout(tp=3, cp=2))[0]
+    got = rank_token_ranges(np.array([12]), ParallelDims(tp=3, cp=2))[0]
     np.testing.assert_array_equal(got[0], [[0, 2], [9, 9]])
     np.testing.assert_array_equal(got[1], [[2, 3], [9, 10]])
     np.testing.assert_array_equal(got[2], [[3, 3], [10, 12]])
     np.testing.assert_array_equal(got[3], [[3, 5], [6, 6]])  # CP rank 1: [3,6) + [6,9)
     # tp 2 without CP: halves of the sample, the second range empty
     np.testing.assert_array_equal(
-        rank_token_ranges(np.array([7]), ParallelLayout(tp=2))[0], [[[0, 3], [7, 7]], [[3, 7], [7, 7]]]
+        rank_token_ranges(np.array([7]), ParallelDims(tp=2))[0], [[[0, 3], [7, 7]], [[3, 7], [7, 7]]]
     )
 
 
-@pytest.mark.parametrize("parallel", LAYOUTS, ids=lambda p: f"tp{p.tp}cp{p.cp}")
-def test_rank_token_ranges_tile_each_sample_as_rank_tokens_counts(parallel: ParallelLayout) -> None:
+@pytest.mark.parametrize("parallel", PARALLEL_CASES, ids=lambda p: f"tp{p.tp}cp{p.cp}")
+def test_rank_token_ranges_tile_each_sample_as_rank_tokens_counts(parallel: ParallelDims) -> None:
     tokens = np.arange(0, 70, dtype=np.int64)
     ranges = rank_token_ranges(tokens, parallel)  # [S, n, 2, 2]
     lengths = (ranges[..., 1] - ranges[..., 0]).sum(-1)
@@ -120,7 +121,7 @@ def test_rank_token_ranges_tile_each_sample_as_rank_tokens_counts(parallel: Para
 @pytest.mark.parametrize("parallel", [TP2_CP2, TP4_CP4], ids=["tp2cp2", "tp4cp4"])
 @pytest.mark.parametrize("spm", [1, 2])
 def test_samples_stay_on_their_groups_and_each_gpu_replays_its_chunk(
-    parallel: ParallelLayout, spm: int
+    parallel: ParallelDims, spm: int
 ) -> None:
     routes = _routes()
     lengths = np.array([len(r) for r in routes], dtype=np.int64)
@@ -128,8 +129,9 @@ def test_samples_stay_on_their_groups_and_each_gpu_replays_its_chunk(
     ctx = routes_context(routes, cluster, model, spm, parallel=parallel)
     n, held = parallel.group, min(parallel.group, G)
     num_s = len(routes)
-    assert ctx.cost.layout == parallel and ctx.counts.shape == (num_s * held, LAYERS, EXPERTS)
-    # the simulator's layout and tokens (parallel_workload), each sample's ranks on one group in rank order
+    assert ctx.cost.parallel == parallel and ctx.counts.shape == (num_s * held, LAYERS, EXPERTS)
+    # the simulator's sample layout and tokens (parallel_workload), each sample's ranks on one group in rank
+    # order
     sim_counts, sim = parallel_workload(
         routes_to_trace(routes, EXPERTS, model=model.name).to_counts(), parallel, G, spm,
         span=model.attention_span,
@@ -206,4 +208,4 @@ def test_bad_calls_name_the_problem() -> None:
     with pytest.raises(ValueError, match=r"a rank in \[0, 4\)"):
         rank_routes(routes, np.array([0]), TP2_CP2, 4)
     with pytest.raises(ValueError, match="neither divides the other"):
-        routes_context(routes, cluster, model, 1, parallel=ParallelLayout(tp=2, cp=3))
+        routes_context(routes, cluster, model, 1, parallel=ParallelDims(tp=2, cp=3))

@@ -77,7 +77,7 @@ def test_errors_are_the_check_rows_median_and_worst() -> None:
     table = pd.DataFrame(
         {
             "role": ["check", "check", "check", "calibration", "check"],
-            "needs": ["", "", "", "", "parallel_layout"],
+            "needs": ["", "", "", "", "parallel_dims"],
             "ratio": [1.1, 0.8, 1.05, 2.0, float("nan")],
         }
     )

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from tests.builders import REPO, cfg
 
 R = [
@@ -223,7 +223,7 @@ def test_a_malformed_preset_a_run_uses_is_one_message_naming_the_file(
 def test_chunk_layers_that_is_not_a_list_names_the_key_and_the_list_expected(value) -> None:
     with pytest.raises(ConfigError) as err:
         check_config(cfg(*R, f"parallel.chunk_layers={value}"))
-    # NOTE: the run spec's type (relibra.parallel.ParallelLayout.chunk_layers: tuple[int, ...]) refuses it
+    # NOTE: the run spec's type (relibra.parallel.ParallelDims.chunk_layers: tuple[int, ...]) refuses it
     assert "parallel.chunk_layers=" in str(err.value) and "must be a list of integers" in str(err.value)
     assert "not iterable" not in str(err.value)
 

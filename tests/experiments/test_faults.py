@@ -20,8 +20,8 @@ import pandas as pd
 import pytest
 
 import experiments.run as run_module
-from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from experiments.config.spec import build_spec
 from experiments.run import run
 from experiments.store.keys import cell_key

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import presets as grid_module
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.config.presets import cells, compose_cell, compose_cells, expand
 from experiments.config.spec import RunSpec, build_spec
 from experiments.grid.runner import QUICK_FIELD_PRESETS, QUICK_PRESETS

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.validation.cli import main as validate_main
 from experiments.validation.moe_layer import (
     DATA_FILE,

@@ -1,4 +1,4 @@
-"""The peer presets' trace files (experiments.grid.peer_traces) and their layouts' memory."""
+"""The peer presets' trace files (experiments.grid.peer_traces) and their parallel dimensions' memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from experiments.config.build import build_cluster, build_cost, build_model, build_workload_for, load_counts
-from experiments.config.layout_check import memory_problems, workload_memory_problems
+from experiments.config.parallel_check import memory_problems, workload_memory_problems
 from experiments.config.presets import cells, compose_cells
 from experiments.config.spec import build_spec
 from experiments.grid.peer_traces import PEER_DIR, peer_args, prepare_peer_traces
@@ -38,7 +38,8 @@ def test_each_trace_is_written_once_and_a_stale_one_again(tmp_path: Path) -> Non
     ("model", "ep"), [(m, e) for m in ("qwen3-30b-a3b", "deepseek-v3") for e in ("small", "large")]
 )
 def test_every_peer_shape_fits_memory_with_its_tokens(model: str, ep: str, tmp_path: Path) -> None:
-    """The preset's layouts (DeepSeek-V3: 8 stages, 2 replicas) at 1024 tokens per rank, one step."""
+    """The preset's parallel dimensions (DeepSeek-V3: 8 stages, 2 replicas) at 1024 tokens per rank, one
+    step."""
     shape = [f"model={model}", f"peer.ep={ep}", "peer.workload=W0_balanced", "peer.steps=1"]
     override = prepare_peer_traces("peer", tmp_path, shape, log=lambda _: None)
     cell = cells("peer", [*shape, override, "planner=megatron", "simulator.memory_check=error"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.validation.cli import main as validate_main
 from experiments.validation.penalty import (
     SHARED,

@@ -39,7 +39,7 @@ PLANNERS = {
 
 MEMORY = "simulator.memory_check=warn"
 """The presets' cells are composed and run here for everything but their memory, which
-tests/experiments/test_layout_check.py checks (some of the paper's shapes do not fit, NOT_FITTING there)."""
+tests/experiments/test_parallel_check.py checks (some of the paper's shapes do not fit, NOT_FITTING there)."""
 
 
 def tiny(cfg_nodes: int) -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from experiments.config.spec import build_spec
 from experiments.inputs import cell_inputs, replay_mismatch, trained_inputs
 from experiments.run import compute

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments import inputs
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.grid import cli, runner
 from experiments.grid.jobs import CellJob, CellOutcome
 from experiments.store.results_store import ResultsStore

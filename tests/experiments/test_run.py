@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 from hydra.utils import instantiate
 
-from experiments.config.build import ConfigError, build_cluster, build_model
+from experiments.config.build import build_cluster, build_model
+from experiments.config.errors import ConfigError
 from experiments.config.spec import build_spec
 from experiments.run import run
 from relibra.plan_dump import check_plan_dump

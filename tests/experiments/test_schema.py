@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from experiments.config.build import ConfigError
 from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 from experiments.config.schema import _leaves, config_schema, override_problems
 from tests.builders import cfg
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config.build import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.config.presets import CONF_DIR, cells, compose_cells
 from experiments.config.spec import build_spec
 from experiments.grid.runner import QUICK_PRESETS
 from experiments.store.keys import cell_key
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.step import TrainingSpec
-from relibra.parallel import ParallelLayout
+from relibra.parallel import ParallelDims
 from relibra.simulator import SimOptions
 from tests.builders import cfg
 
@@ -42,7 +42,7 @@ def test_every_option_of_every_group_builds_a_spec(group: str) -> None:
 def test_the_spec_is_typed_frozen_and_built_from_the_library_dataclasses() -> None:
     spec = build_spec(cfg("planner=relibra", "workload.rl_passes=[recompute,update]"))
     assert isinstance(spec.model, ModelSpec) and isinstance(spec.cluster.hardware, HardwareSpec)
-    assert isinstance(spec.parallel, ParallelLayout) and isinstance(spec.training, TrainingSpec)
+    assert isinstance(spec.parallel, ParallelDims) and isinstance(spec.training, TrainingSpec)
     assert spec.workload.rl_passes == ("recompute", "update")
     assert spec.training.recompute_modules == ("core_attn",)
     assert spec.planner.target == "relibra.planners.compose.relibra" and spec.planner.name == "relibra"
@@ -60,7 +60,7 @@ def test_a_key_the_composition_leaves_out_takes_its_one_default() -> None:
     assert spec.simulator.history_window == SimOptions.history_window == 4
     assert spec.simulator.check_plans is SimOptions.check_plans is False
     assert spec.cluster.dispatcher == ClusterSpec.dispatcher == "alltoall"
-    assert spec.model.vocab == 151936 and spec.parallel == ParallelLayout()
+    assert spec.model.vocab == 151936 and spec.parallel == ParallelDims()
 
 
 def test_the_composed_config_is_kept_as_plain_data_for_the_store() -> None:

@@ -79,7 +79,7 @@ def test_extract_profile_ties_kernels_to_annotations(tmp_path):
                          ("dispatch(B)", 800), ("combine(B)", 1000))
     ]  # fmt: skip
     gemm = "void cutlass::device_kernel<dpsk::grouped_gemm::cuda::m_grouped_fp8_ptp128c::GemmKernel>"
-    kernels = [
+    launched = [
         ("void dpsk::ep::internode::dispatch<false, 8, false, 8>(int4*)", 10, 40.0),
         (
             gemm,
@@ -102,7 +102,7 @@ def test_extract_profile_ties_kernels_to_annotations(tmp_path):
         ("void other_kernel()", 1020, 99.0),
     ]
     events = list(ann)
-    for i, (name, ts, dur) in enumerate(kernels):
+    for i, (name, ts, dur) in enumerate(launched):
         events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
                        "tid": 1, "args": {"correlation": i}})  # fmt: skip
         events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts + 5000, "dur": dur,

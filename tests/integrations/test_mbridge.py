@@ -28,7 +28,7 @@ pytest.importorskip(
 from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertSyncError
 from relibra.integrations.mbridge import global_expert_names, physical_bridge
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 
 pytestmark = pytest.mark.megatron
 
@@ -101,7 +101,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
         plain_load = "loaded"
     except (KeyError, NotImplementedError) as exc:
         plain_load = f"{type(exc).__name__}: {exc}"
-    phys = physical_bridge(bridge, adapter.layout, lambda: adapter.phy2log)
+    phys = physical_bridge(bridge, adapter.expert_map, lambda: adapter.phy2log)
     phys.load_weights([model], ckpt_dir)
     rows = {
         layer: {
@@ -138,13 +138,13 @@ def run() -> tuple[dict[str, torch.Tensor], list[dict]]:
 
 def test_load_puts_each_logical_expert_in_its_home_row(run) -> None:  # type: ignore[no-untyped-def]
     ckpt, ranks = run
-    layout = PhysicalLayout(NUM_EXPERTS, WORLD, R)
+    expert_map = PhysicalExpertMap(NUM_EXPERTS, WORLD, R)
     phy2log = ranks[0]["phy2log"]
-    assert not np.array_equal(phy2log, layout.static_phy2log(NUM_LAYERS)), "the placement must have moved"
+    assert not np.array_equal(phy2log, expert_map.static_phy2log(NUM_LAYERS)), "the placement must have moved"
     for rank, r in enumerate(ranks):
         np.testing.assert_array_equal(r["phy2log"], phy2log)
         for layer in range(NUM_LAYERS):
-            for row in range(layout.experts_per_gpu):
+            for row in range(expert_map.experts_per_gpu):
                 e = int(phy2log[layer, rank, row])
                 hf = f"model.layers.{layer}.mlp.experts.{e}"
                 want_fc1 = torch.cat([ckpt[f"{hf}.gate_proj.weight"], ckpt[f"{hf}.up_proj.weight"]])
@@ -175,28 +175,30 @@ def test_unwrapped_bridge_cannot_load_the_physical_model(run) -> None:  # type: 
 
 # ---------------------------------------------------------------------------------- name map alone
 def test_global_names_of_rows_replicas_and_router() -> None:
-    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)  # rows per rank: 2 home + 1 slot
+    expert_map = PhysicalExpertMap(
+        num_experts=4, num_gpus=2, replica_slots=1
+    )  # rows per rank: 2 home + 1 slot
     phy2log = np.array([[[3, 0], [1, 2]]])  # [L=1, G, E / G]
     p = "decoder.layers.0.mlp"
     rows = [f"{p}.experts.local_experts.{i}.linear_fc{k}.weight" for i in range(3) for k in (1, 2)]
     names = {n: n for n in rows}
     names[f"{p}.router.logical.weight"] = f"{p}.router.logical.weight"
-    load = global_expert_names(names, layout, phy2log, ep_rank=1, load=True)
+    load = global_expert_names(names, expert_map, phy2log, ep_rank=1, load=True)
     assert load[f"{p}.experts.local_experts.0.linear_fc1.weight"] == f"{p}.experts.linear_fc1.weight1"
     assert load[f"{p}.experts.local_experts.1.linear_fc2.weight"] == f"{p}.experts.linear_fc2.weight2"
     assert not any("local_experts.2." in k for k in load), "a replica slot is not read from the checkpoint"
     assert load[f"{p}.router.logical.weight"] == f"{p}.router.weight"
-    export = global_expert_names(names, layout, phy2log, ep_rank=1, load=False)
+    export = global_expert_names(names, expert_map, phy2log, ep_rank=1, load=False)
     assert export[f"{p}.experts.local_experts.2.linear_fc1.weight"] == f"{p}.experts.linear_fc1.weight2"
     grouped = {f"{p}.experts.linear_fc1.weight1": f"{p}.experts.linear_fc1.weight1"}
-    assert global_expert_names(grouped, layout, phy2log, 0, load=True) == {
+    assert global_expert_names(grouped, expert_map, phy2log, 0, load=True) == {
         f"{p}.experts.linear_fc1.weight1": f"{p}.experts.linear_fc1.weight0"
     }
     with pytest.raises(ExpertSyncError, match="local expert row 3"):
-        global_expert_names({f"{p}.experts.linear_fc1.weight3": f"{p}.experts.linear_fc1.weight3"}, layout,
-                            phy2log, 0, load=True)  # fmt: skip
+        global_expert_names({f"{p}.experts.linear_fc1.weight3": f"{p}.experts.linear_fc1.weight3"},
+                            expert_map, phy2log, 0, load=True)  # fmt: skip
     with pytest.raises(ExpertSyncError, match="ep_rank 2"):
-        global_expert_names(names, layout, phy2log, 2, load=True)
+        global_expert_names(names, expert_map, phy2log, 2, load=True)
 
 
 def test_physical_bridge_refuses_a_bridge_of_another_shape() -> None:
@@ -209,13 +211,13 @@ def test_physical_bridge_refuses_a_bridge_of_another_shape() -> None:
     class _Bridge:
         config, mpu = _Cfg(), _Mpu()
 
-    layout = PhysicalLayout(num_experts=4, num_gpus=2, replica_slots=1)
+    expert_map = PhysicalExpertMap(num_experts=4, num_gpus=2, replica_slots=1)
     with pytest.raises(ExpertSyncError, match="num_moe_experts=6"):
-        physical_bridge(_Bridge(), layout, layout.static_phy2log(1))
+        physical_bridge(_Bridge(), expert_map, expert_map.static_phy2log(1))
     _Cfg.num_moe_experts = 4
     _Mpu.etp_size = 2
     with pytest.raises(ExpertSyncError, match="etp_size=2"):
-        physical_bridge(_Bridge(), layout, layout.static_phy2log(1))
+        physical_bridge(_Bridge(), expert_map, expert_map.static_phy2log(1))
     _Mpu.etp_size, _Mpu.ep_size = 1, 4
     with pytest.raises(ExpertSyncError, match="ep_size=4"):
-        physical_bridge(_Bridge(), layout, layout.static_phy2log(1))
+        physical_bridge(_Bridge(), expert_map, expert_map.static_phy2log(1))

@@ -35,7 +35,7 @@ pytest.importorskip(
 
 from relibra.executors.torch_executor import launch
 from relibra.integrations.expert_names import ExpertSyncError
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config, replica_plan
 
 pytestmark = pytest.mark.megatron
@@ -101,7 +101,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
     init_expert_parallel(world)
     cpu_stand_ins()
     engine_cls = relibra_megatron_engine(
-        _VerlMegatronEngine, lambda engine: PhysicalLayout(NUM_EXPERTS, world, R)
+        _VerlMegatronEngine, lambda engine: PhysicalExpertMap(NUM_EXPERTS, world, R)
     )
     engine = engine_cls(ckpt_dir)
     engine._build_tf_config()
@@ -159,7 +159,7 @@ def run_rank(rank: int, world: int, ckpt_dir: str) -> dict:  # type: ignore[no-u
     dense.decoder = torch.nn.Module()
     dense.decoder.layers = torch.nn.ModuleList()
     try:
-        physical_adapter([dense], adapter.layout)
+        physical_adapter([dense], adapter.expert_map)
         empty = "accepted"
     except ExpertSyncError as exc:
         empty = f"{type(exc).__name__}: {exc}"
@@ -225,7 +225,9 @@ def test_engine_refuses_verls_megatron_bridge_path() -> None:
     from relibra.integrations.verl import VerlConfigError
     from relibra.integrations.verl_trainer import relibra_megatron_engine
 
-    engine = relibra_megatron_engine(_MegatronBridgeEngine, lambda e: PhysicalLayout(NUM_EXPERTS, WORLD, R))
+    engine = relibra_megatron_engine(
+        _MegatronBridgeEngine, lambda e: PhysicalExpertMap(NUM_EXPERTS, WORLD, R)
+    )
     with pytest.raises(VerlConfigError, match=r"actor\.megatron\.vanilla_mbridge=false"):
         engine()._build_tf_config()
 
@@ -249,18 +251,18 @@ def test_replicating_spec_refuses_a_spec_without_moe_layers_or_with_grouped_expe
     from relibra.integrations.mbridge import replicating_layer_spec
     from relibra.megatron.router import replicating_router
 
-    layout = PhysicalLayout(NUM_EXPERTS, WORLD, R)
+    expert_map = PhysicalExpertMap(NUM_EXPERTS, WORLD, R)
     with pytest.raises(ExpertSyncError, match="no MoE layer"):
-        replicating_layer_spec(get_gpt_layer_local_spec(), layout)
+        replicating_layer_spec(get_gpt_layer_local_spec(), expert_map)
     moe = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    out = replicating_layer_spec(moe, layout)
+    out = replicating_layer_spec(moe, expert_map)
     assert out.submodules.mlp.submodules.experts.module is SequentialMLP
-    assert out.submodules.mlp.submodules.router.__qualname__ == replicating_router(layout).__qualname__
+    assert out.submodules.mlp.submodules.router.__qualname__ == replicating_router(expert_map).__qualname__
     assert moe.submodules.mlp.submodules.router is not out.submodules.mlp.submodules.router  # a copy
-    grouped = replicating_layer_spec(moe, layout)
+    grouped = replicating_layer_spec(moe, expert_map)
     grouped.submodules.mlp.submodules.experts = ModuleSpec(module=TEGroupedMLP)
     with pytest.raises(ExpertSyncError, match="not SequentialMLP"):
-        replicating_layer_spec(grouped, layout)
+        replicating_layer_spec(grouped, expert_map)
 
 
 def test_replicated_backward_gives_the_checkpoints_gradients(run) -> None:  # type: ignore[no-untyped-def]

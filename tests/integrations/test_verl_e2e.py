@@ -49,11 +49,11 @@ MICRO, PROMPTS, N = 2, 8, 2
 MAX_PROMPT, MAX_RESPONSE, VOCAB = 16, 40, 64
 ATOL, RTOL = 2e-5, 1e-5
 GRAD_RTOL = 1e-4
-"""Float32 summation order differs between the layouts; a hot expert's weight gradient sums about 500
-tokens' contributions (the rollout's shared direction makes a few experts hot), so it is compared at a
-relative 1e-4 (measured: 5e-5 at most), and an entry's rounding error follows the sizes of the terms it sums,
-not its own: an entry near zero in a gradient whose largest entries are about 200 is compared at 1e-4 of
-that largest entry (seen: -0.83096 against -0.83107 in a fresh verl venv, 2026-12-03)."""
+"""Float32 summation order differs between the plain and the physical model; a hot expert's weight gradient
+sums about 500 tokens' contributions (the rollout's shared direction makes a few experts hot), so it is
+compared at a relative 1e-4 (measured: 5e-5 at most), and an entry's rounding error follows the sizes of the
+terms it sums, not its own: an entry near zero in a gradient whose largest entries are about 200 is compared
+at 1e-4 of that largest entry (seen: -0.83096 against -0.83107 in a fresh verl venv, 2026-12-03)."""
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -42,7 +42,7 @@ pytest.importorskip("verl", reason="verl is not installed: pip install '.[verl]'
 pytest.importorskip("mbridge", reason="mbridge is not installed: pip install '.[mbridge]'")
 
 from relibra.executors.torch_executor import launch
-from relibra.megatron.physical import PhysicalLayout
+from relibra.megatron.physical import PhysicalExpertMap
 from tests.integrations.mbridge_builders import CPU_OFF, cpu_stand_ins, qwen3_moe_config, replica_plan
 
 pytestmark = pytest.mark.verl
@@ -66,7 +66,7 @@ def _engine(ckpt_dir: str, forward_only: bool, distributed_optimizer: bool = Tru
 
     from relibra.integrations.verl_trainer import relibra_megatron_engine
 
-    cls = relibra_megatron_engine(MegatronEngine, lambda e: PhysicalLayout(NUM_EXPERTS, WORLD, R))
+    cls = relibra_megatron_engine(MegatronEngine, lambda e: PhysicalExpertMap(NUM_EXPERTS, WORLD, R))
     engine_config = McoreEngineConfig(
         expert_model_parallel_size=WORLD, sequence_parallel=False, vanilla_mbridge=True,
         forward_only=forward_only, dtype="bfloat16", use_distributed_optimizer=distributed_optimizer,

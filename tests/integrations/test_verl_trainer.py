@@ -234,10 +234,10 @@ def test_engine_subclass_extends_the_steps_verls_megatron_engine_runs() -> None:
 
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine, MegatronEngineWithLMHead
 
-    from relibra.megatron.physical import PhysicalLayout
+    from relibra.megatron.physical import PhysicalExpertMap
 
     for base in (MegatronEngine, MegatronEngineWithLMHead):
-        cls = relibra_megatron_engine(base, lambda engine: PhysicalLayout(8, 2, 1))
+        cls = relibra_megatron_engine(base, lambda engine: PhysicalExpertMap(8, 2, 1))
         assert issubclass(cls, base) and cls.__name__ == f"ReLibra{base.__name__}"
         assert cls._build_tf_config is not base._build_tf_config
         assert cls._build_megatron_module is not base._build_megatron_module

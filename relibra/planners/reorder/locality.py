@@ -223,7 +223,7 @@ def locality_round(
     """
     if not 0 < tolerance <= 1:
         raise ValueError(f"locality tolerance={tolerance}; expected a value in (0, 1]")
-    if ctx.cost.layout.group > 1:
+    if ctx.cost.parallel.group > 1:
         # NOTE: a sample's rows are the ranks of one TP x CP group (relibra.workload); the climb moves one row
         # at a time, which would split a group, so under tp * cp > 1 nothing moves (docs/parallel.md).
         return np.asarray(ctx.sample_gpu, dtype=np.int32), {"locality_moved_samples": 0.0}

@@ -1,6 +1,6 @@
-"""The layout's keys and the memory check refuse before any work, with one message naming the keys (exit 2),
+"""The parallel keys and the memory check refuse before any work, with one message naming the keys (exit 2),
 and every experiment preset's cells are checked against the GPU's memory
-(experiments/config/layout_check.py)."""
+(experiments/config/parallel_check.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from experiments.config.build import (
-    ConfigError,
-    build_cluster,
-    build_cost,
-    build_model,
-    build_workload_for,
-    load_counts,
-)
+from experiments.config.build import build_cluster, build_cost, build_model, build_workload_for, load_counts
 from experiments.config.checks import check_config
-from experiments.config.layout_check import memory_problems, workload_memory_problems
+from experiments.config.errors import ConfigError
+from experiments.config.parallel_check import memory_problems, workload_memory_problems
 from experiments.config.presets import CONF_DIR, cells, compose_cells, presets
 from experiments.config.spec import build_spec
 
@@ -30,7 +24,7 @@ SMALL = ["trace.num_batches=1", "trace.samples_per_batch=64", "trace.max_tokens=
 
 
 def _cfg(*overrides: str):
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="layout"):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3", job_name="parallel"):
         return compose("config", overrides=[*SMALL, *overrides])
 
 
@@ -106,8 +100,8 @@ def test_the_cli_refuses_a_layout_with_exit_status_2(tmp_path: Path) -> None:
 
 NOT_FITTING: set[tuple[str, int, str]] = set()
 """(model, EP group, GPU) of preset cells whose estimate exceeds the GPU's memory: none, with the presets'
-layouts (full recompute, and pipeline stages and replicas where the model needs them: common/paper_scale.yaml,
-nvl72.yaml; docs/spine.md)."""
+parallel dimensions (full recompute, and pipeline stages and replicas where the model needs them:
+common/paper_scale.yaml, nvl72.yaml; docs/spine.md)."""
 MEMORY_KEYS = ("model", "cluster", "workload", "trace", "training", "parallel")
 
 

@@ -1,6 +1,6 @@
-"""The parallel layout's terms by hand: the pipeline's bubble and sends, tensor parallelism's collectives and
-split GEMMs, the stage split, and the per-GPU memory estimate (relibra/parallel.py, relibra/cost/pipeline.py,
-relibra/cost/tensor.py, relibra/cost/memory.py)."""
+"""The parallel dimensions' terms by hand: the pipeline's bubble and sends, tensor parallelism's collectives
+and split GEMMs, the stage split, and the per-GPU memory estimate (relibra/parallel.py,
+relibra/cost/pipeline.py, relibra/cost/tensor.py, relibra/cost/memory.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from relibra.cost.pipeline import StagePass, bubble_fraction, p2p_send_time, pip
 from relibra.cost.schedule import simulate_schedule
 from relibra.cost.tensor import tp_block_time, tp_group_mean
 from relibra.parallel import (
-    ParallelLayout,
+    ParallelDims,
     dense_data_parallel,
     expert_data_parallel,
     layer_chunks,
@@ -40,9 +40,9 @@ def test_bubble_is_pp_minus_one_over_vpp_microbatches() -> None:
 def test_the_pass_runs_each_stage_chunk_and_micro_batch_through_the_schedule() -> None:
     # 4 layers (1 dense first, 3 MoE), pp = 2, vpp = 2: chunks of 1 layer, chunk c on stage c mod 2:
     # stage 0 holds the dense layer (chunk 0) and MoE layer 1 (chunk 2), stage 1 MoE layers 0 and 2.
-    layout = ParallelLayout(pp=2, vpp=2)
-    assert stage_layers(4, layout).tolist() == [0, 1, 0, 1]
-    chunks = layer_chunks(4, layout)
+    parallel = ParallelDims(pp=2, vpp=2)
+    assert stage_layers(4, parallel).tolist() == [0, 1, 0, 1]
+    chunks = layer_chunks(4, parallel)
     assert chunks.tolist() == [0, 1, 2, 3]
     comp = np.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])  # [Mb = 2, L = 3]
     comm = np.full((2, 3), 0.5)
@@ -69,8 +69,8 @@ def test_the_pass_runs_each_stage_chunk_and_micro_batch_through_the_schedule() -
 
 def test_equal_micro_batches_price_the_bubble_formula() -> None:
     """Balanced stages and micro-batches: the schedule's pass is the busy seconds times 1 + bubble."""
-    layout = ParallelLayout(pp=2, vpp=1)
-    chunks = layer_chunks(4, layout)  # layers 0-1 on stage 0, 2-3 on stage 1
+    parallel = ParallelDims(pp=2, vpp=1)
+    chunks = layer_chunks(4, parallel)  # layers 0-1 on stage 0, 2-3 on stage 1
     mb = 4
     sp = StagePass(
         comp=np.full((mb, 4), 1.0), comm=np.zeros((mb, 4)), dense=np.zeros(mb), head=np.zeros(mb),
@@ -81,10 +81,10 @@ def test_equal_micro_batches_price_the_bubble_formula() -> None:
 
 
 def test_pipeline_send_and_tensor_parallel_collectives_by_hand() -> None:
-    cost = CostModel(ClusterSpec(2, 4, HOPPER), MODEL, layout=ParallelLayout(tp=2, pp=2))
+    cost = CostModel(ClusterSpec(2, 4, HOPPER), MODEL, parallel=ParallelDims(tp=2, pp=2))
     tokens = np.array([[100, 300, 200, 200, 50, 50, 50, 50]])
     assert p2p_send_time(cost, tokens)[0] == pytest.approx(300 * 1000 * 2 / NIC + LAT, rel=1e-12)
-    one_domain = CostModel(ClusterSpec(2, 4, HOPPER, nvl_domain=16), MODEL, layout=ParallelLayout(pp=2))
+    one_domain = CostModel(ClusterSpec(2, 4, HOPPER, nvl_domain=16), MODEL, parallel=ParallelDims(pp=2))
     assert p2p_send_time(one_domain, tokens)[0] == pytest.approx(300 * 1000 * 2 / NVL + LAT, rel=1e-12)
     # 3 exposed ring collectives, each (tp - 1) shards of the largest shard, plus the latency
     block = tp_block_time(cost.cluster, MODEL, 2, tokens)
@@ -99,7 +99,7 @@ def test_tensor_parallel_attention_is_the_group_mean() -> None:
     from relibra.cost.passes import token_work
 
     cluster = ClusterSpec(1, 4, HOPPER)
-    tp = CostModel(cluster, MODEL, training=training_spec(), layout=ParallelLayout(tp=2))
+    tp = CostModel(cluster, MODEL, training=training_spec(), parallel=ParallelDims(tp=2))
     ep = CostModel(cluster, MODEL, training=training_spec())
     tokens = np.array([[400, 0, 100, 100]])
     pairs = tokens * (tokens + 1) / 2.0
@@ -111,18 +111,18 @@ def test_tensor_parallel_attention_is_the_group_mean() -> None:
 
 
 def test_layers_split_into_chunks_and_stage_parameters() -> None:
-    lay = ParallelLayout(pp=8, vpp=4, chunk_layers=(2, *(3,) * 30, 2))  # Qwen3-235B's 94 layers, 32 chunks
+    lay = ParallelDims(pp=8, vpp=4, chunk_layers=(2, *(3,) * 30, 2))  # Qwen3-235B's 94 layers, 32 chunks
     stage = stage_layers(94, lay)
     assert np.bincount(stage).tolist() == [11, 12, 12, 12, 12, 12, 12, 11]  # chunk 31 on stage 7
     with pytest.raises(
         ValueError, match=r"parallel.pp \* parallel.vpp = 8 \* 4 = 32 model chunks do not divide"
     ):
-        stage_layers(94, ParallelLayout(pp=8, vpp=4))
+        stage_layers(94, ParallelDims(pp=8, vpp=4))
     with pytest.raises(ValueError, match=r"parallel\.chunk_layers"):
-        ParallelLayout(pp=2, chunk_layers=(2, 2, 2))
+        ParallelDims(pp=2, chunk_layers=(2, 2, 2))
     # stage parameters: 4 layers (1 dense) over pp = 2 (2 layers each) and tp = 2
     cost = CostModel(
-        ClusterSpec(1, 4, HOPPER), MODEL, training=training_spec(), layout=ParallelLayout(tp=2, pp=2)
+        ClusterSpec(1, 4, HOPPER), MODEL, training=training_spec(), parallel=ParallelDims(tp=2, pp=2)
     )
     attn = 1000 * (40 + 2 * 20) + 40 * 1000
     d0, e0 = cost.stage_parameters(0)  # the dense layer and MoE layer 0, the embedding
@@ -136,21 +136,21 @@ def test_layers_split_into_chunks_and_stage_parameters() -> None:
 
 
 def test_megatron_group_sizes() -> None:
-    lay = ParallelLayout(dp=2, tp=2, pp=8)
+    lay = ParallelDims(dp=2, tp=2, pp=8)
     assert lay.world_size(32) == 512
     assert dense_data_parallel(lay, 32) == 32 and expert_data_parallel(lay, 32) == 2
     with pytest.raises(ValueError, match=r"parallel\.etp=2"):
-        ParallelLayout(etp=2)
+        ParallelDims(etp=2)
     with pytest.raises(ValueError, match=r"parallel\.vpp=2 needs parallel\.pp > 1"):
-        ParallelLayout(vpp=2)
+        ParallelDims(vpp=2)
     with pytest.raises(ValueError, match=r"parallel\.tp=3 does not divide cluster\.gpus_per_node=8"):
-        CostModel(ClusterSpec(1, 8, HOPPER), MODEL, layout=ParallelLayout(tp=3))
+        CostModel(ClusterSpec(1, 8, HOPPER), MODEL, parallel=ParallelDims(tp=3))
 
 
 def test_memory_estimate_by_hand() -> None:
     """EP 4 on one node, pp = 2, tp = 2, no recompute: every byte of the busiest stage by hand."""
     spec = training_spec(recompute="none")
-    cost = CostModel(ClusterSpec(1, 4, HOPPER), MODEL, training=spec, layout=ParallelLayout(tp=2, pp=2))
+    cost = CostModel(ClusterSpec(1, 4, HOPPER), MODEL, training=spec, parallel=ParallelDims(tp=2, pp=2))
     tokens, mbs = 1000.0, 8
     est = memory_estimate(cost, tokens, mbs, replica_slots=1)
     h, q, kv, e, k, f = 1000, 40, 20, 8, 2, 500
@@ -164,18 +164,19 @@ def test_memory_estimate_by_hand() -> None:
     for s in (0, 1):
         d, x = cost.stage_parameters(s)
         layers = (attn + dense) + (attn + moe) if s == 0 else 2 * (attn + moe)
-        acts = tokens * layers * in_flight_microbatches(cost.layout, s, mbs)
+        acts = tokens * layers * in_flight_microbatches(cost.parallel, s, mbs)
         acts += tokens * 8 * 2 if s == 0 else tokens * 4 * (h + 5000)
         total = (d + x) * (2 + 2) + 12 * (d / dp + x / 1) + acts + 3 * h * f * 2
         stages.append(total)
     assert (
-        in_flight_microbatches(cost.layout, 0, mbs) == 2 and in_flight_microbatches(cost.layout, 1, mbs) == 1
+        in_flight_microbatches(cost.parallel, 0, mbs) == 2
+        and in_flight_microbatches(cost.parallel, 1, mbs) == 1
     )
     assert est.total == pytest.approx(max(stages), rel=1e-12)
     assert est.stage == int(np.argmax(stages))
     # interleaving: Megatron's penalty 1 + (pp - 1) / (pp * vpp); fewer micro-batches than stages
-    assert in_flight_microbatches(ParallelLayout(pp=4, vpp=2), 0, 100) == pytest.approx(4 * (1 + 3 / 8))
-    assert in_flight_microbatches(ParallelLayout(pp=4), 0, 2) == 2
+    assert in_flight_microbatches(ParallelDims(pp=4, vpp=2), 0, 100) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight_microbatches(ParallelDims(pp=4), 0, 2) == 2
     # recompute: selective keeps no core-attention output, full only each layer's input (plus one layer)
     assert activation_bytes_per_token(MODEL, "selective", moe=True) == attn + moe - 2 * q
     assert activation_bytes_per_token(MODEL, "full", moe=True) == 2 * h
