@@ -65,6 +65,36 @@ def hand_hardware(
     )
 
 
+ROUND_RATES_HW = HardwareSpec(
+    name="hand",
+    bf16_flops=1e12,
+    hbm_bytes_per_s=1e12,
+    nvlink_bytes_per_s=200e9,
+    nic_bytes_per_s=20e9,
+    gemm_efficiency=0.5,
+    gemm_half_tokens=10.0,
+    attention_efficiency=0.5,
+    alltoall_latency_s=1e-6,
+    nvlink_efficiency=0.5,  # effective 100 GB/s
+    nic_efficiency=0.5,  # effective 10 GB/s
+)
+"""Round rates for hand-computed seconds: NVLink 100 GB/s and the NIC 10 GB/s effective, 1 TFLOP/s peak,
+no host link (``host_to_device_bytes_per_s`` 0; ``replace`` it where a test needs one)."""
+ROUND_NVL = 100e9
+ROUND_NIC = 10e9
+
+TINY_CELL = [
+    "model=olmoe-1b-7b",
+    "trace.num_batches=1",
+    "trace.samples_per_batch=8",
+    "trace.max_tokens=64",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=4",
+]
+"""Overrides of a cell small enough to compose, check and run in a test (OLMoE, one batch of 8 samples of
+at most 64 tokens, 4 GPUs)."""
+
+
 def training_spec(**overrides: Any) -> TrainingSpec:
     """The :class:`TrainingSpec` of ``experiments/conf/training/megatron.yaml`` (the one place its constants
     are written), with ``overrides`` (``step``, ``rl_passes``, ``recompute``, ...)."""

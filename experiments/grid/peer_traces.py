@@ -58,15 +58,7 @@ def _is_current(path: Path, args: PeerArgs) -> bool:
     except TraceFormatError:
         return False
     said = meta.get("peer") or {}
-    want = {
-        "workload": args.workload,
-        "seed": args.seed,
-        "steps": args.steps,
-        "tokens_per_rank": args.tokens,
-        "ep": args.ep,
-        "layer_seeds": args.layer_seeds,
-    }
-    return meta.get("model") == args.model.name and all(said.get(k) == v for k, v in want.items())
+    return meta.get("model") == args.model.name and all(said.get(k) == v for k, v in args.identity().items())
 
 
 def prepare_peer_traces(

@@ -216,6 +216,18 @@ class PeerArgs:
     layer_seeds: bool = False
     """Draw layer ``l`` with seed ``seed + l * LAYER_SEED_STRIDE`` (False: every layer routed alike)."""
 
+    def identity(self) -> dict[str, object]:
+        """What a trace file's ``meta["peer"]`` records of these arguments (and what says a stored file is
+        theirs): workload, seed, steps, tokens per rank, EP ranks and whether layers draw apart."""
+        return {
+            "workload": self.workload,
+            "seed": self.seed,
+            "steps": self.steps,
+            "tokens_per_rank": self.tokens,
+            "ep": self.ep,
+            "layer_seeds": self.layer_seeds,
+        }
+
     def problems(self) -> list[str]:
         """Every reason these arguments cannot make a trace, each naming its option."""
         out = []
@@ -278,12 +290,7 @@ def peer_trace(args: PeerArgs) -> RoutingTrace:
         "source": f"megatron-lm-pr7488@{PEER_COMMIT[:8]}",
         "dataset": args.workload,
         "peer": {
-            "workload": args.workload,
-            "seed": args.seed,
-            "steps": args.steps,
-            "tokens_per_rank": args.tokens,
-            "ep": args.ep,
-            "layer_seeds": args.layer_seeds,
+            **args.identity(),
             "layer_seed_stride": LAYER_SEED_STRIDE if args.layer_seeds else None,
             "checksum": fingerprint(
                 args.workload, shape.num_experts, shape.top_k, args.tokens, args.steps, args.seed, args.ep

@@ -14,22 +14,11 @@ import pytest
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.calibration import load_calibration
 from relibra.cost.model import CostModel
+from tests.builders import ROUND_NIC, ROUND_NVL, ROUND_RATES_HW
 
-HW = HardwareSpec(
-    name="hand",
-    bf16_flops=1e12,
-    hbm_bytes_per_s=1e12,
-    nvlink_bytes_per_s=200e9,
-    nic_bytes_per_s=20e9,
-    gemm_efficiency=0.5,
-    gemm_half_tokens=10.0,
-    attention_efficiency=0.5,
-    alltoall_latency_s=1e-6,
-    nvlink_efficiency=0.5,  # effective 100 GB/s
-    nic_efficiency=0.5,  # effective 10 GB/s
-)
-NVL = 100e9
-NIC = 10e9
+HW = ROUND_RATES_HW
+NVL = ROUND_NVL
+NIC = ROUND_NIC
 MODEL = ModelSpec(
     name="hand",
     num_layers=1,

@@ -11,30 +11,20 @@ s, the gradient return behind ``2 A / 3 = 4.8e-10`` s.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, ModelSpec
 from relibra.cost.migration import MigrationPayload, migration_cost
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import redundant_sync_time
 from relibra.cost.transfers import TRANSFER_KINDS, Transfer, plan_transfers, price_transfers, refill_exposed
 from relibra.types import BatchPlan, OnlineCopies
+from tests.builders import ROUND_RATES_HW
 
-HW = HardwareSpec(
-    name="hand",
-    bf16_flops=1e12,
-    hbm_bytes_per_s=1e12,
-    nvlink_bytes_per_s=200e9,
-    nic_bytes_per_s=20e9,
-    gemm_efficiency=0.5,
-    gemm_half_tokens=10.0,
-    attention_efficiency=0.5,
-    alltoall_latency_s=1e-6,
-    nvlink_efficiency=0.5,  # effective 100 GB/s
-    nic_efficiency=0.5,  # effective 10 GB/s
-    host_to_device_bytes_per_s=64e9,
-)
+HW = replace(ROUND_RATES_HW, host_to_device_bytes_per_s=64e9)
 MODEL = ModelSpec(
     name="hand",
     num_layers=1,

@@ -26,16 +26,7 @@ from experiments.config.spec import build_spec
 from experiments.run import run
 from experiments.store.keys import cell_key
 from experiments.store.results_store import ResultsStore
-from tests.builders import REPO, cfg, file_cfg
-
-TINY = [
-    "model=olmoe-1b-7b",
-    "trace.num_batches=1",
-    "trace.samples_per_batch=8",
-    "trace.max_tokens=64",
-    "cluster.nodes=1",
-    "cluster.gpus_per_node=4",
-]
+from tests.builders import REPO, TINY_CELL, cfg, file_cfg
 
 
 def _trace_arrays(num_experts: int = 64) -> dict[str, np.ndarray]:
@@ -157,7 +148,7 @@ def test_bad_trace_content_is_a_config_error_naming_the_array(case, tmp_path, no
 )
 def test_bad_key_is_one_line_naming_it(override, key, tmp_path, no_compute) -> None:
     with pytest.raises(ConfigError) as err:
-        run(cfg(*TINY, override), run_dir=tmp_path / "run")
+        run(cfg(*TINY_CELL, override), run_dir=tmp_path / "run")
     assert key in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not (tmp_path / "run").exists()
 
@@ -180,7 +171,7 @@ def test_bad_key_is_one_line_naming_it(override, key, tmp_path, no_compute) -> N
 )  # fmt: skip
 def test_bad_setting_is_refused_before_any_work(overrides, message, tmp_path, no_compute) -> None:
     with pytest.raises(ConfigError) as err:
-        run(cfg(*TINY, *overrides), run_dir=tmp_path / "run")
+        run(cfg(*TINY_CELL, *overrides), run_dir=tmp_path / "run")
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
     assert not (tmp_path / "run").exists()
 
@@ -189,10 +180,10 @@ def test_torch_executor_refuses_a_model_too_large_for_the_host(tmp_path, no_comp
     from relibra.executors import budget
 
     monkeypatch.setattr(budget, "available_host_bytes", lambda: 8 * 2**30)  # a host with 8 GiB free
-    c = cfg(*TINY, "executor=torch", "executor.hidden=null", "executor.moe_ffn=null")
+    c = cfg(*TINY_CELL, "executor=torch", "executor.hidden=null", "executor.moe_ffn=null")
     with pytest.raises(ConfigError, match=r"needs at least 100\.1 GiB \(4 ranks of 25\.0 GiB.*has 8\.0 GiB"):
         run(c, run_dir=tmp_path / "run")
-    validate_ok = cfg(*TINY, "executor=torch")  # the default small shape fits
+    validate_ok = cfg(*TINY_CELL, "executor=torch")  # the default small shape fits
     from experiments.config.checks import check_config
 
     check_config(validate_ok)
@@ -205,7 +196,7 @@ def test_torch_executor_refuses_a_run_over_its_time_limit(tmp_path, monkeypatch)
     started = []
     monkeypatch.setattr(torch_executor, "launch", lambda *a, **k: started.append(a))
     with pytest.raises(ConfigError) as err:
-        run(cfg(*TINY, "executor=torch"), run_dir=tmp_path / "run")
+        run(cfg(*TINY_CELL, "executor=torch"), run_dir=tmp_path / "run")
     text = str(err.value)
     assert text.startswith("executor.max_time_s=600: the torch executor run is estimated at ")
     assert "\n" not in text
@@ -217,13 +208,13 @@ def test_nccl_without_a_gpu_is_refused(tmp_path, no_compute) -> None:
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA GPUs: nccl is allowed")
     with pytest.raises(ConfigError, match=r"executor.backend=nccl needs one CUDA GPU per rank \(4\)"):
-        run(cfg(*TINY, "executor=torch", "executor.backend=nccl"), run_dir=tmp_path / "run")
+        run(cfg(*TINY_CELL, "executor=torch", "executor.backend=nccl"), run_dir=tmp_path / "run")
 
 
 def test_tokens_per_microbatch_zero_is_refused(tmp_path, no_compute) -> None:
     overrides = ["workload.samples_per_microbatch=null", "workload.tokens_per_microbatch=0"]
     with pytest.raises(ConfigError, match=r"workload\.tokens_per_microbatch=0: must be >= 1"):
-        run(cfg(*TINY, *overrides), run_dir=tmp_path)
+        run(cfg(*TINY_CELL, *overrides), run_dir=tmp_path)
 
 
 def test_read_only_results_dir_is_refused_before_computing(tmp_path, no_compute) -> None:
@@ -237,7 +228,7 @@ def test_read_only_results_dir_is_refused_before_computing(tmp_path, no_compute)
             pytest.skip("cannot make a folder read-only for this user here (root without chattr)")
     try:
         with pytest.raises(ConfigError, match=rf"results_dir={store}: .*not writable"):
-            run(cfg(*TINY, f"+results_dir={store}"), run_dir=tmp_path / "run")
+            run(cfg(*TINY_CELL, f"+results_dir={store}"), run_dir=tmp_path / "run")
     finally:
         if immutable:
             subprocess.run(["chattr", "-i", str(store)], check=True)
@@ -276,7 +267,7 @@ def test_multirun_with_one_bad_cell_is_refused_before_any_cell_runs(tmp_path) ->
     store, sweep = tmp_path / "store", tmp_path / "sweep"
     proc = _cli(
         "--multirun",
-        *TINY,
+        *TINY_CELL,
         "planner=megatron",
         "planner.replica_slots=0,999",
         f"+results_dir={store}",
@@ -290,12 +281,12 @@ def test_multirun_with_one_bad_cell_is_refused_before_any_cell_runs(tmp_path) ->
 
 def test_reused_cell_replaces_an_earlier_runs_files_and_says_what_it_lacks(tmp_path) -> None:
     store = tmp_path / "store"
-    first = run(cfg(*TINY, "planner=megatron", f"+results_dir={store}"), run_dir=tmp_path / "a")
+    first = run(cfg(*TINY_CELL, "planner=megatron", f"+results_dir={store}"), run_dir=tmp_path / "a")
     # the directory held a run of another planner, with its plan dump
     other = tmp_path / "b"
-    run(cfg(*TINY, "planner=eplb", "dump_plans=true"), run_dir=other)
+    run(cfg(*TINY_CELL, "planner=eplb", "dump_plans=true"), run_dir=other)
     assert (other / "plans.npz").exists()
-    again = run(cfg(*TINY, "planner=megatron", f"+results_dir={store}"), run_dir=other)
+    again = run(cfg(*TINY_CELL, "planner=megatron", f"+results_dir={store}"), run_dir=other)
     pd.testing.assert_frame_equal(again, first)
     assert not (other / "plans.npz").exists()  # the old run's plans are not left beside the new results
     summary = json.loads((other / "summary.json").read_text())
@@ -305,13 +296,13 @@ def test_reused_cell_replaces_an_earlier_runs_files_and_says_what_it_lacks(tmp_p
     assert summary["reused_from"].startswith(str(store / "cells"))
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["reused_from"] is None
     stored = ResultsStore(store).read_per_layer(
-        cell_key(cfg(*TINY, "planner=megatron", f"+results_dir={store}"))
+        cell_key(cfg(*TINY_CELL, "planner=megatron", f"+results_dir={store}"))
     )
     pd.testing.assert_frame_equal(pd.read_parquet(other / "per_layer.parquet"), stored)
 
 
 def test_reused_cell_with_dump_plans_says_the_plans_were_not_produced(tmp_path) -> None:
-    c = cfg(*TINY, "planner=megatron", "dump_plans=true", f"+results_dir={tmp_path / 'store'}")
+    c = cfg(*TINY_CELL, "planner=megatron", "dump_plans=true", f"+results_dir={tmp_path / 'store'}")
     run(c, run_dir=tmp_path / "a")
     assert (tmp_path / "a" / "plans.npz").exists()
     run(c, run_dir=tmp_path / "b")
@@ -353,7 +344,7 @@ def test_wandb_online_without_a_network_waits_once_and_keeps_results(
     monkeypatch.setenv("WANDB_BASE_URL", blackhole)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    overrides = [*TINY, "logger=wandb", "logger.init_timeout_s=2"]
+    overrides = [*TINY_CELL, "logger=wandb", "logger.init_timeout_s=2"]
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="W&B logging failed, local results are intact") as first:
         run(cfg(*overrides, "planner=megatron"), run_dir=tmp_path / "a")
@@ -370,7 +361,7 @@ def test_wandb_online_without_a_network_waits_once_and_keeps_results(
 def test_reproduce_lists_an_unreadable_cell_and_recomputes_it_without_stopping_the_others(tmp_path) -> None:
     from experiments.grid.runner import run_grid
 
-    overrides = [*TINY, "planner=megatron", "trace.preset=reasoning,coding,mixed"]
+    overrides = [*TINY_CELL, "planner=megatron", "trace.preset=reasoning,coding,mixed"]
     first = run_grid("quick_overhead", tmp_path, overrides)
     assert (first.ran, first.failed) == (3, [])
     store = ResultsStore(tmp_path / "quick_overhead")
@@ -425,7 +416,7 @@ def test_reproduce_refuses_an_unwritable_results_root_before_any_cell(tmp_path, 
 
 def test_a_cell_with_an_unreadable_per_layer_table_is_recomputed_restoring_it(tmp_path) -> None:
     """The cell file records its per-layer table (issue 54): a truncated one unfinishes the cell."""
-    c = cfg(*TINY, "planner=megatron", f"+results_dir={tmp_path / 'store'}")
+    c = cfg(*TINY_CELL, "planner=megatron", f"+results_dir={tmp_path / 'store'}")
     run(c, run_dir=tmp_path / "a")
     store = ResultsStore(tmp_path / "store")
     with open(store.per_layer_path(cell_key(c)), "r+b") as fh:
@@ -455,7 +446,7 @@ def test_a_cell_with_an_unreadable_per_layer_table_is_recomputed_restoring_it(tm
     ],
 )
 def test_cli_refuses_what_hydra_would_refuse_in_one_line_exit_2(override, names, tmp_path) -> None:
-    proc = _cli(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    proc = _cli(*TINY_CELL, override, f"hydra.run.dir={tmp_path / 'run'}")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert all(name in lines[0] for name in names), lines[0]
@@ -464,7 +455,7 @@ def test_cli_refuses_what_hydra_would_refuse_in_one_line_exit_2(override, names,
 
 def test_cli_refuses_an_unwritable_run_dir(tmp_path) -> None:
     (tmp_path / "file").write_text("not a folder")
-    proc = _cli(*TINY, f"hydra.run.dir={tmp_path / 'file' / 'run'}")
+    proc = _cli(*TINY_CELL, f"hydra.run.dir={tmp_path / 'file' / 'run'}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"hydra.run.dir={tmp_path / 'file' / 'run'}" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -474,7 +465,7 @@ def test_cli_refuses_slurm_without_a_controller(tmp_path) -> None:
 
     if _slurm_problem("slurm") is None:
         pytest.skip("a Slurm controller answers here")
-    proc = _cli("--multirun", *TINY, "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    proc = _cli("--multirun", *TINY_CELL, "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert "hydra/launcher=slurm" in lines[0] and "slurm/start.sh" in lines[0]
@@ -489,7 +480,7 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 
 def test_a_run_that_fails_while_writing_leaves_the_earlier_run_whole(tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
-    run(cfg(*TINY, "planner=eplb", "dump_plans=true"), run_dir=out)
+    run(cfg(*TINY_CELL, "planner=eplb", "dump_plans=true"), run_dir=out)
     before = _snapshot(out)
     real = run_module.compute
 
@@ -500,18 +491,18 @@ def test_a_run_that_fails_while_writing_leaves_the_earlier_run_whole(tmp_path, m
 
     monkeypatch.setattr(run_module, "compute", overflowing)
     with pytest.raises(Exception, match="int"):
-        run(cfg(*TINY, "planner=megatron"), run_dir=out)
+        run(cfg(*TINY_CELL, "planner=megatron"), run_dir=out)
     assert _snapshot(out) == before  # not one file of the new run, not one file of the old one lost
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_a_swapped_cell_is_recomputed_not_returned_as_the_other_planners(tmp_path) -> None:
     store = tmp_path / "store"
-    megatron = cfg(*TINY, "planner=megatron", f"+results_dir={store}")
+    megatron = cfg(*TINY_CELL, "planner=megatron", f"+results_dir={store}")
     first = run(megatron, run_dir=tmp_path / "a")
-    run(cfg(*TINY, "planner=balanced", f"+results_dir={store}"), run_dir=tmp_path / "b")
+    run(cfg(*TINY_CELL, "planner=balanced", f"+results_dir={store}"), run_dir=tmp_path / "b")
     cells = ResultsStore(store)
-    balanced_key = cell_key(cfg(*TINY, "planner=balanced", f"+results_dir={store}"))
+    balanced_key = cell_key(cfg(*TINY_CELL, "planner=balanced", f"+results_dir={store}"))
     cells.cell_path(cell_key(megatron)).write_bytes(cells.cell_path(balanced_key).read_bytes())
     again = run(megatron, run_dir=tmp_path / "c")
     assert again["planner"].tolist() == ["megatron"]
@@ -524,7 +515,7 @@ def test_a_directory_at_a_cell_path_is_recomputed_and_left_out_of_the_analysis(t
     from analysis.__main__ import main as analysis
 
     store = tmp_path / "results" / "quick_overhead"
-    c = cfg(*TINY, "planner=megatron", f"+results_dir={store}")
+    c = cfg(*TINY_CELL, "planner=megatron", f"+results_dir={store}")
     ResultsStore(store).cell_path(cell_key(c)).mkdir(parents=True)
     fake = ResultsStore(store).cell_path("0" * 16)
     fake.mkdir()
@@ -546,7 +537,7 @@ def test_sweep_ends_with_every_failed_cell_and_the_path_it_could_not_write(tmp_p
     sweep = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "--multirun", *TINY, "planner=megatron,eplb,balanced",
+        [sys.executable, "-m", "experiments.run", "--multirun", *TINY_CELL, "planner=megatron,eplb,balanced",
          f"hydra.sweep.dir={sweep}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=small_files,
     )  # fmt: skip
@@ -644,7 +635,7 @@ def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blac
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     before = _wandb_cores()
-    c = cfg(*TINY, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
+    c = cfg(*TINY_CELL, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
     results, per_layer, _ = run_module.compute(check_config(c))
     from experiments.tracking.wandb_logger import log_run
 
@@ -698,7 +689,7 @@ def test_reproduce_refuses_a_bad_override_once_before_the_grid(tmp_path, capsys)
     from experiments.grid.cli import main as reproduce
 
     code = reproduce(["--results", str(tmp_path / "r"), "--presets", "quick_overhead", "--no-analysis",
-                      *TINY[:-2], "cluster.nodes=-1"])  # fmt: skip
+                      *TINY_CELL[:-2], "cluster.nodes=-1"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and err.count("cluster.nodes=-1: must be >= 1") == 1, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r" / "quick_overhead" / "cells").exists()
@@ -723,9 +714,11 @@ def test_torch_executor_time_limit_null_disables_the_guard(monkeypatch) -> None:
     monkeypatch.setattr(budget, "matmul_rate", lambda *a: 1.0)
     load = np.full((1, 16, 4, 64), 8, dtype=np.int64)  # 64 experts, top_k 8: 64 tokens per rank
     assert (
-        executor_time_problem(build_spec(cfg(*TINY, "executor=torch", "executor.max_time_s=null")), load, 4)
+        executor_time_problem(
+            build_spec(cfg(*TINY_CELL, "executor=torch", "executor.max_time_s=null")), load, 4
+        )
         is None
     )
     assert "executor.max_time_s=600" in str(
-        executor_time_problem(build_spec(cfg(*TINY, "executor=torch")), load, 4)
+        executor_time_problem(build_spec(cfg(*TINY_CELL, "executor=torch")), load, 4)
     )

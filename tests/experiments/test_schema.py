@@ -12,16 +12,7 @@ from omegaconf import OmegaConf
 from experiments.config.checks import check_config
 from experiments.config.errors import ConfigError
 from experiments.config.schema import _leaves, config_schema, override_problems
-from tests.builders import cfg
-
-TINY = [
-    "model=olmoe-1b-7b",
-    "trace.num_batches=1",
-    "trace.samples_per_batch=8",
-    "trace.max_tokens=64",
-    "cluster.nodes=1",
-    "cluster.gpus_per_node=4",
-]
+from tests.builders import TINY_CELL, cfg
 
 
 @pytest.mark.parametrize("group", ["planner", "model", "cluster", "executor", "logger", "trace", "workload"])
@@ -75,7 +66,7 @@ _HOSTILE = st.one_of(
 @given(key=st.sampled_from(_KEYS), value=_HOSTILE, planner=st.sampled_from(["megatron", "relibra", "eplb"]))
 @example(key="cluster.hardware.hbm_efficiency", value="false", planner="megatron")  # crashed float()
 def test_a_hostile_value_of_any_key_is_refused_by_name_or_accepted_typed(key, value, planner) -> None:
-    c = cfg(*TINY, f"planner={planner}")
+    c = cfg(*TINY_CELL, f"planner={planner}")
     if OmegaConf.select(c, key, default="<absent>") == "<absent>":
         return  # the key belongs to another option of its group
     OmegaConf.update(c, key, value, force_add=True)

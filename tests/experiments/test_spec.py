@@ -20,16 +20,7 @@ from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.step import TrainingSpec
 from relibra.parallel import ParallelDims
 from relibra.simulator import SimOptions
-from tests.builders import cfg
-
-TINY = [
-    "model=olmoe-1b-7b",
-    "trace.num_batches=1",
-    "trace.samples_per_batch=8",
-    "trace.max_tokens=64",
-    "cluster.nodes=1",
-    "cluster.gpus_per_node=4",
-]
+from tests.builders import TINY_CELL, cfg
 
 
 @pytest.mark.parametrize("group", ["planner", "model", "cluster", "executor", "logger", "trace", "workload"])
@@ -64,7 +55,7 @@ def test_a_key_the_composition_leaves_out_takes_its_one_default() -> None:
 
 
 def test_the_composed_config_is_kept_as_plain_data_for_the_store() -> None:
-    composed = cfg(*TINY, "results_dir=/nonexistent/store")
+    composed = cfg(*TINY_CELL, "results_dir=/nonexistent/store")
     spec = build_spec(composed)
     assert spec.composed == OmegaConf.to_container(composed, resolve=True)
     assert cell_key(spec.composed) == cell_key(composed)
@@ -92,7 +83,7 @@ def test_the_composed_config_is_kept_as_plain_data_for_the_store() -> None:
 )
 def test_a_bad_key_or_value_is_one_line_naming_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        build_spec(cfg(*TINY, *overrides))
+        build_spec(cfg(*TINY_CELL, *overrides))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
