@@ -83,6 +83,22 @@ no host link (``host_to_device_bytes_per_s`` 0; ``replace`` it where a test need
 ROUND_NVL = 100e9
 ROUND_NIC = 10e9
 
+ROUND_MODEL = ModelSpec(
+    name="hand",
+    num_layers=1,
+    num_moe_layers=1,
+    hidden=4,
+    moe_ffn=2,
+    num_experts=4,
+    top_k=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+    dense_ffn=8,
+)
+"""One MoE layer of 4 experts, top-1, hidden 4, expert FFN 2: weights small enough to price by hand
+(an expert's three bf16 matrices are 48 bytes)."""
+
 TINY_CELL = [
     "model=olmoe-1b-7b",
     "trace.num_batches=1",

@@ -11,27 +11,15 @@ import json
 import numpy as np
 import pytest
 
-from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
+from relibra.cluster import ClusterSpec, HardwareSpec
 from relibra.cost.calibration import load_calibration
 from relibra.cost.model import CostModel
-from tests.builders import ROUND_NIC, ROUND_NVL, ROUND_RATES_HW
+from tests.builders import ROUND_MODEL, ROUND_NIC, ROUND_NVL, ROUND_RATES_HW
 
 HW = ROUND_RATES_HW
 NVL = ROUND_NVL
 NIC = ROUND_NIC
-MODEL = ModelSpec(
-    name="hand",
-    num_layers=1,
-    num_moe_layers=1,
-    hidden=4,
-    moe_ffn=2,
-    num_experts=4,
-    top_k=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=2,
-    dense_ffn=8,
-)
+MODEL = ROUND_MODEL
 
 
 def cost(nodes: int = 2, gpn: int = 2, hw: HardwareSpec = HW, **kw) -> CostModel:

@@ -16,30 +16,18 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from relibra.cluster import ClusterSpec, ModelSpec
+from relibra.cluster import ClusterSpec
 from relibra.cost.migration import MigrationPayload, migration_cost
 from relibra.cost.model import CostModel
 from relibra.cost.pricing import redundant_sync_time
 from relibra.cost.transfers import TRANSFER_KINDS, Transfer, plan_transfers, price_transfers, refill_exposed
 from relibra.types import BatchPlan, OnlineCopies
-from tests.builders import ROUND_RATES_HW
+from tests.builders import ROUND_MODEL, ROUND_NIC, ROUND_NVL, ROUND_RATES_HW
 
 HW = replace(ROUND_RATES_HW, host_to_device_bytes_per_s=64e9)
-MODEL = ModelSpec(
-    name="hand",
-    num_layers=1,
-    num_moe_layers=1,
-    hidden=4,
-    moe_ffn=2,
-    num_experts=4,
-    top_k=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=2,
-    dense_ffn=8,
-)
+MODEL = ROUND_MODEL
 W = 48.0
-NVL, NIC, HOST = 100e9, 10e9, 64e9
+NVL, NIC, HOST = ROUND_NVL, ROUND_NIC, 64e9
 A = np.array([[7.2e-10]])
 """float64 [Mb=1, 1]: one layer's attention seconds (fwd + bwd)."""
 HOME = np.array([[0, 1, 2, 3]], dtype=np.int32)
