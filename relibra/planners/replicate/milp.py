@@ -143,12 +143,17 @@ class ReplicationSolution:
 
 
 def _full(p: _Problem, raw: _Raw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(assign float64 [E, G], copies bool [E, G], compute token equivalents float64 [G]) of a run."""
+    """(assign float64 [E, G], copies bool [E, G], compute token equivalents float64 [G]) of a run.
+
+    A copy is a home or a GPU given tokens: a held copy the run gives none (a solver tie, or a start plan's)
+    is dropped, as the plan drops it (:class:`MilpReplicator` keeps replicas with tokens) and as
+    :func:`~relibra.planners.replicate.greedy.linear_objective` prices it, so it pays no fixed cost here.
+    """
     g_n = p.x.shape[0]
     assign = np.zeros((p.x.shape[1], g_n))
     copies = np.zeros((p.x.shape[1], g_n), dtype=bool)
     np.put_along_axis(assign, p.gpu_of, raw.a, axis=1)
-    np.put_along_axis(copies, p.gpu_of, raw.held, axis=1)
+    np.put_along_axis(copies, p.gpu_of, raw.held & ((raw.a > 0) | p.is_home), axis=1)
     return assign, copies, assign.sum(axis=0) + p.coef.fixed_tokens * copies.sum(axis=0)
 
 
