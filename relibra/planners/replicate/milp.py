@@ -143,17 +143,12 @@ class ReplicationSolution:
 
 
 def _full(p: _Problem, raw: _Raw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(assign float64 [E, G], copies bool [E, G], compute token equivalents float64 [G]) of a run.
-
-    A copy is a home or a GPU given tokens: a held copy the run gives none (a solver tie, or a start plan's)
-    is dropped, as the plan drops it (:class:`MilpReplicator` keeps replicas with tokens) and as
-    :func:`~relibra.planners.replicate.greedy.linear_objective` prices it, so it pays no fixed cost here.
-    """
+    """(assign float64 [E, G], copies bool [E, G], compute token equivalents float64 [G]) of a run."""
     g_n = p.x.shape[0]
     assign = np.zeros((p.x.shape[1], g_n))
     copies = np.zeros((p.x.shape[1], g_n), dtype=bool)
     np.put_along_axis(assign, p.gpu_of, raw.a, axis=1)
-    np.put_along_axis(copies, p.gpu_of, raw.held & ((raw.a > 0) | p.is_home), axis=1)
+    np.put_along_axis(copies, p.gpu_of, raw.held, axis=1)
     return assign, copies, assign.sum(axis=0) + p.coef.fixed_tokens * copies.sum(axis=0)
 
 
@@ -166,9 +161,13 @@ def _true_s(p: _Problem, cost: CostModel, raw: _Raw) -> float:
 
 
 def _start(p: _Problem, start: ReplicationSolution, replica_slots: int) -> _Raw:
-    """A given solution as the loop's first incumbent (positions outside the home node dropped)."""
+    """A given solution as the loop's first incumbent (positions outside the home node dropped). A copy of
+    the start that it gives no tokens is dropped too, as its plan drops it (:class:`MilpReplicator` keeps
+    the replicas with tokens) and as :func:`~relibra.planners.replicate.greedy.linear_objective` prices it:
+    the first iterate is the start plan's price, with no fixed cost for an empty copy."""
     a = np.take_along_axis(np.asarray(start.assign, dtype=np.float64), p.gpu_of, axis=1)
-    held = (np.take_along_axis(np.asarray(start.copies, dtype=bool), p.gpu_of, axis=1) & p.active) | p.is_home
+    given = np.take_along_axis(np.asarray(start.copies, dtype=bool), p.gpu_of, axis=1) & p.active & (a > 0)
+    held = given | p.is_home
     a = np.where(held, np.maximum(a, 0.0), 0.0)
     if not np.allclose(a.sum(axis=1), p.tot, rtol=1e-9, atol=1e-6):
         raise ValueError(
