@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.config.build import (
     build_cluster,
@@ -16,22 +15,24 @@ from experiments.config.build import (
     load_counts,
     sim_options,
 )
+from experiments.config.defaults import CONF_DIR, load_option
 from experiments.config.spec import build_spec
 from relibra.cluster import HardwareSpec, ModelSpec
 from relibra.simulator import SimResult, simulate
 from relibra.types import SampleCounts
 
-CONF = Path(__file__).resolve().parents[1] / "experiments" / "conf"
+CONF = CONF_DIR
+"""The Hydra config groups the benchmarks compose from."""
 
 
 def hardware() -> HardwareSpec:
     """The Hopper GPU of ``conf/cluster/hopper.yaml``."""
-    return HardwareSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / "hopper.yaml").hardware))  # type: ignore[arg-type]
+    return HardwareSpec(**load_option("cluster", "hopper")["hardware"])
 
 
 def model(name: str) -> ModelSpec:
     """The model of ``conf/model/<name>.yaml``."""
-    return ModelSpec(**OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))  # type: ignore[arg-type]
+    return ModelSpec(**load_option("model", name))
 
 
 def timed_simulation(cfg: DictConfig, counts: SampleCounts | None = None) -> tuple[SimResult, float]:

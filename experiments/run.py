@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -370,7 +369,7 @@ def run(
     if spec.logger.name == "wandb" and not reused:  # a reused cell was logged when it ran
         from experiments.tracking.wandb_logger import log_run
 
-        log_run(asdict(spec.logger), dict(spec.composed), results, per_layer, str(out))
+        log_run(spec.logger, dict(spec.composed), results, per_layer, str(out))
     return results
 
 

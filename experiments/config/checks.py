@@ -84,14 +84,12 @@ def _run_problems(spec: RunSpec) -> list[str]:
             "training step re-draws (0: exact routing replay)"
         )
     if spec.logger.name == "wandb":
-        if spec.logger.init_timeout_s is None:
-            problems.append("logger.init_timeout_s=null: give the seconds W&B may wait for its server")
         _at_least("logger.init_timeout_s", spec.logger.init_timeout_s, 0, problems, strict=True)
         from experiments.tracking.wandb_logger import (
             logger_problems,
         )  # NOTE: imports wandb, so only when it logs
 
-        problems += logger_problems(asdict(spec.logger))
+        problems += logger_problems(spec.logger)
     name = spec.experiment_name
     if name is not None and not EXPERIMENT_NAME.fullmatch(name):
         problems.append(

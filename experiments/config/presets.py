@@ -13,7 +13,6 @@ import copy
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
@@ -23,9 +22,10 @@ from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.config.defaults import CONF_DIR
+
 __all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "expand", "presets"]
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 Cell = list[str]
 """One grid cell: the overrides (``key=value``) that pick it out of the preset."""

@@ -24,6 +24,7 @@ places a file at the root.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -37,6 +38,8 @@ from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
+
+from experiments.config.defaults import RESOLVER, default_of
 
 __all__ = [
     "GRAMMAR_DOC",
@@ -96,7 +99,15 @@ class ConfigSchema:
         return f"; the closest known key is {near}" if near else ""
 
 
+DEFAULT_REF = re.compile(r"\$\{" + RESOLVER + r":([A-Za-z0-9_.]+)\}")
+"""A yaml value that names the code's default of a key (``${default:simulator.history_window}``)."""
+
+
 def _kind(value: Any) -> str:
+    """The kind of one yaml default (module docstring); ``${default:KEY}`` takes the kind of the code's
+    default it names (:mod:`experiments.config.defaults`)."""
+    if isinstance(value, str) and (ref := DEFAULT_REF.fullmatch(value)):
+        return _kind(default_of(ref.group(1)))
     if isinstance(value, Mapping):
         return "map"
     if isinstance(value, list | tuple):

@@ -31,9 +31,9 @@ run afterwards, once, on the spec (:func:`experiments.config.checks.check_config
 every stage then reads).
 
 A default lives in one place: a field default below (or the library dataclass a node is), used where the
-composition does not hold the key. A key that every composition holds (``config.yaml``'s run-wide nodes, a
-group option's keys) is a required field: its value is the yaml's, and the yaml stays the place it is set,
-as the results store hashes the composed config (docs/experiments.md, "The run spec").
+composition does not hold the key, and named by the yaml where it does (``${default:KEY}``,
+:mod:`experiments.config.defaults`). A key without a default (a model's ``hidden``, the hardware's rates) is
+a required field: its value is the yaml's (docs/experiments.md, "The run spec").
 """
 
 from __future__ import annotations
@@ -175,15 +175,19 @@ class ReplayNode:
 
 @dataclass(frozen=True)
 class LoggerNode:
-    """``logger.*``: ``none``, or W&B's settings (``conf/logger/wandb.yaml`` holds their values)."""
+    """``logger.*``: ``none``, or W&B's settings (:mod:`experiments.tracking.wandb_logger`; the defaults are
+    these, which ``conf/logger/wandb.yaml`` names)."""
 
     name: str
-    project: str | None = None
+    project: str = "relibra"
     entity: str | None = None
+    """None: W&B's default entity of the API key."""
     group: str | None = None
     tags: tuple[str, ...] = ()
-    mode: str | None = None
-    init_timeout_s: float | None = None
+    mode: str = "offline"
+    """``WANDB_MODE`` where the environment does not set it (``online``, ``offline``, ``disabled``)."""
+    init_timeout_s: float = 15.0
+    """Seconds ``wandb.init`` waits for the server when online (W&B's own default is 90)."""
 
 
 @dataclass(frozen=True)

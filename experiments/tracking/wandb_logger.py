@@ -16,12 +16,15 @@ import multiprocessing
 import os
 import signal
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:
+    from experiments.config.spec import LoggerNode
 
 __all__ = ["SETTINGS_KEYS", "STEP_ALLOWANCE_S", "log_run", "logger_problems"]
 
@@ -39,14 +42,15 @@ SETTINGS_KEYS = {"project": "project", "entity": "entity", "group": "run_group",
 name of at most 128 characters without ``/\\#?%:``, tags of 1 to 64 characters)."""
 
 
-def logger_problems(logger_cfg: Mapping[str, Any]) -> list[str]:
+def logger_problems(logger: LoggerNode) -> list[str]:
     """What W&B would refuse in ``logger.*`` (one problem per key, naming it), checked before any cell is
     computed by W&B's own validation (``wandb.Settings``), so a bad name is not found after the grid."""
     import wandb
 
     problems: list[str] = []
+    values = {"project": logger.project, "entity": logger.entity, "group": logger.group, "tags": logger.tags}
     for key, field in SETTINGS_KEYS.items():
-        value = given = logger_cfg.get(key)
+        value = given = values[key]
         if value is None:
             continue
         if key == "tags":
@@ -64,13 +68,13 @@ def logger_problems(logger_cfg: Mapping[str, Any]) -> list[str]:
             errors = getattr(exc, "errors", None)  # NOTE: pydantic's list of errors, else W&B's message
             reason = str(errors()[0]["msg"]) if callable(errors) else " ".join(str(exc).split())
             problems.append(f"logger.{key}={given!r}: W&B refuses it ({reason})")
-    if logger_cfg.get("project") == "":
-        problems.append("logger.project='': give a project name (or null for relibra)")
+    if logger.project == "":
+        problems.append("logger.project='': give a project name (the default is relibra)")
     return problems
 
 
 def log_run(
-    logger_cfg: dict[str, Any],
+    logger: LoggerNode,
     config: dict[str, Any],
     results: pd.DataFrame,
     per_layer: pd.DataFrame | None,
@@ -79,12 +83,12 @@ def log_run(
     """Log one run; returns True when W&B accepted it, False (with one warning per process) on failure."""
     if _FAILED:
         return False
-    os.environ.setdefault("WANDB_MODE", str(logger_cfg.get("mode") or "offline"))
+    os.environ.setdefault("WANDB_MODE", logger.mode)
     os.environ.setdefault("WANDB_SILENT", "true")
-    timeout = float(logger_cfg["init_timeout_s"])
+    timeout = float(logger.init_timeout_s)
     if timeout <= 0:  # NOTE: validate() refuses it first; a caller that skipped it must not hang
         raise ValueError(f"logger.init_timeout_s={timeout}: must be > 0")
-    args = (logger_cfg, config, results, per_layer, run_dir)
+    args = (logger, config, results, per_layer, run_dir)
     if os.environ["WANDB_MODE"] in ("offline", "disabled", "dryrun"):
         error = _log(*args)  # NOTE: no server to wait for: in this process, no start-up cost per cell
     else:
@@ -102,7 +106,7 @@ def log_run(
 
 
 def _log(
-    logger_cfg: dict[str, Any],
+    logger: LoggerNode,
     config: dict[str, Any],
     results: pd.DataFrame,
     per_layer: pd.DataFrame | None,
@@ -115,15 +119,15 @@ def _log(
         row = results.iloc[0].to_dict() if len(results) else {}
         name = "-".join(str(row.get(k, "")) for k in ("planner", "model", "dataset"))
         run = wandb.init(
-            project=logger_cfg.get("project") or "relibra",
-            entity=logger_cfg.get("entity"),
-            group=logger_cfg.get("group"),
-            tags=list(logger_cfg.get("tags") or []),
+            project=logger.project,
+            entity=logger.entity,
+            group=logger.group,
+            tags=list(logger.tags),
             name=name or None,
             config=config,
             dir=run_dir,
             reinit=True,
-            settings=wandb.Settings(init_timeout=float(logger_cfg["init_timeout_s"])),
+            settings=wandb.Settings(init_timeout=float(logger.init_timeout_s)),
         )
         try:
             for record in results.to_dict(orient="records"):

@@ -148,7 +148,7 @@ def _end_to_end(data: Path | None, fit: bool, write_tables: str | None) -> int:
     except ValueError as exc:  # ConfigError and the roles check: the file or a row named
         print(f"validate: {exc}", file=sys.stderr)
         return 2
-    cols = ["id", "role", "layout", "published", "model", "ratio", "model_unfitted", "ratio_unfitted",
+    cols = ["id", "role", "parallelism", "published", "model", "ratio", "model_unfitted", "ratio_unfitted",
             "step_time_s", "t_compute_s", "t_comm_s", "t_attention_s", "t_other_s", "t_bubble_s",
             "t_launch_s", "needs"]  # fmt: skip
     with pd.option_context("display.width", 250, "display.max_colwidth", 60):

@@ -217,9 +217,9 @@ def end_to_end_table(path: str | Path = DATA_FILE) -> pd.DataFrame:
     rows = []
     for row in doc["rows"]:
         conf = row["config"]
-        layout = "pp/tp" if any(int(conf.get(k) or 1) > 1 for k in ("pp", "tp", "cp")) else "ep"
-        base = {"id": row["id"], "role": row["role"], "layout": layout, "published": float(row["value"]),
-                "unit": row["unit"]}  # fmt: skip
+        parallelism = "pp/tp" if any(int(conf.get(k) or 1) > 1 for k in ("pp", "tp", "cp")) else "ep"
+        base = {"id": row["id"], "role": row["role"], "parallelism": parallelism,
+                "published": float(row["value"]), "unit": row["unit"]}  # fmt: skip
         if row.get("needs"):
             rows.append({**base, "model": float("nan"), "ratio": float("nan"), "needs": row["needs"]})
             continue
@@ -244,13 +244,14 @@ def _simulated(row: dict[str, Any], path: str | Path, constants: Sequence[str]) 
         raise ConfigError(f"end-to-end data {path}: row {row.get('id')!r}: {why}") from exc
 
 
-def errors(table: pd.DataFrame, layout: str | None = None, column: str = "ratio") -> dict[str, float]:
+def errors(table: pd.DataFrame, parallelism: str | None = None, column: str = "ratio") -> dict[str, float]:
     """Median and worst absolute relative error ``|model / published - 1|`` of the simulated check rows
-    (``layout``: only the ``ep`` or the ``pp/tp`` rows; None: all; ``column``: ``ratio``, or
-    ``ratio_unfitted`` for the model with the fitted constants at 0)."""
+    (``parallelism``: only the ``ep`` rows (EP alone) or the ``pp/tp`` rows (pipeline, tensor or context
+    parallel besides); None: all; ``column``: ``ratio``, or ``ratio_unfitted`` for the model with the
+    fitted constants at 0)."""
     check = table[(table.role == "check") & (table.needs == "")]
-    if layout is not None:
-        check = check[check.layout == layout]
+    if parallelism is not None:
+        check = check[check.parallelism == parallelism]
     err = (check[column] - 1.0).abs().tolist()
     if not err:
         return {"rows": 0, "median": float("nan"), "worst": float("nan")}

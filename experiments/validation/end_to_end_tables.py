@@ -70,8 +70,8 @@ def end_to_end_tables(e2e: pd.DataFrame, command: str, fitted: dict[str, Any] | 
     if "ratio_unfitted" in e2e:
         columns.append(("before the fit", "ratio_unfitted"))
     for constants, column in columns:
-        for name, layout in _SETS:
-            err = errors(e2e, layout, column)
+        for name, parallelism in _SETS:
+            err = errors(e2e, parallelism, column)
             errs.append(
                 {
                     "constants": constants,

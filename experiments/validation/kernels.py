@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from omegaconf import OmegaConf
 
-from experiments.config.presets import CONF_DIR
+from experiments.config.defaults import load_option
 from experiments.validation.data_files import DATA_DIR
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.fabric import deepep_link_tokens
@@ -46,7 +45,6 @@ __all__ = ["DATA", "estimate_error_table", "extract_profile", "validation_table"
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = DATA_DIR
-CONF = CONF_DIR
 FP8_VALUE_BYTES = FP8_DISPATCH_VALUE_BYTES
 """DeepEP's FP8 dispatch: one byte per value plus one fp32 scale per 128 values."""
 PROFILE_TOKENS = 4096
@@ -54,13 +52,11 @@ PROFILE_TOKENS = 4096
 
 
 def _hardware(name: str) -> HardwareSpec:
-    conf: Any = OmegaConf.to_container(OmegaConf.load(CONF / "cluster" / f"{name}.yaml"), resolve=True)
-    return HardwareSpec(**conf["hardware"])
+    return HardwareSpec(**load_option("cluster", name)["hardware"])
 
 
 def _model(name: str) -> ModelSpec:
-    conf: Any = OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml"), resolve=True)
-    return ModelSpec(**conf)
+    return ModelSpec(**load_option("model", name))
 
 
 def _row(quantity: str, published: float, model: float, unit: str, role: str, source: str) -> dict[str, Any]:

@@ -53,13 +53,18 @@ __all__ = [
 
 
 def load_hardware(path: str | PathLike[str]) -> HardwareSpec:
-    """The ``hardware`` block of a cluster config (``experiments/conf/cluster/*.yaml``)."""
+    """The ``hardware`` block of a cluster config (``experiments/conf/cluster/*.yaml``). A value that names
+    the code's default (``${default:cluster.hardware.KEY}``, the suite's config) is left to
+    :class:`HardwareSpec`'s own default, which is the one it names."""
     from omegaconf import OmegaConf
 
     conf: Any = OmegaConf.to_container(OmegaConf.load(Path(path)))
     if not isinstance(conf, dict) or "hardware" not in conf:
         raise ValueError(f"{path}: expected a cluster config with a 'hardware' block")
-    return HardwareSpec(**conf["hardware"])
+    given = {
+        k: v for k, v in conf["hardware"].items() if not (isinstance(v, str) and v.startswith("${default:"))
+    }
+    return HardwareSpec(**given)
 
 
 def planning_specs(

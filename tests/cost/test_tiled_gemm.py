@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
+from experiments.config.defaults import load_option
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, grouped_gemm_problems
 from relibra.cost.grouped_gemm import TiledGemm
 from relibra.cost.model import CostModel
@@ -161,8 +160,7 @@ def test_tiled_with_a_calibration_table_refused():
 @pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "experiments/conf/cluster").glob("*.yaml")))
 def test_every_cluster_yaml_can_tile(name):
     # Every cluster yaml holds the settings, off by default, with tiles and an SM count a tiled run needs.
-    conf: Any = OmegaConf.to_container(OmegaConf.load(REPO / f"experiments/conf/cluster/{name}.yaml"))
-    hw = HardwareSpec(**conf["hardware"])
+    hw = HardwareSpec(**load_option("cluster", name)["hardware"])
     assert hw.gemm_model == "smooth" and hw.per_expert_costs is False
     tiled = replace(hw, gemm_model="tiled")
     assert tiled.gemm_tile_m >= 1 and tiled.gemm_tile_n >= 1 and tiled.sms >= 1

@@ -134,7 +134,7 @@ def test_generated_tables_hold_every_row_and_the_errors(tmp_path: Path) -> None:
         {
             "id": ["a/1", "b/2", "c/3"],
             "role": ["check", "check", "calibration"],
-            "layout": ["ep", "pp/tp", "ep"],
+            "parallelism": ["ep", "pp/tp", "ep"],
             "published": [100.0, 200.0, 300.0],
             "model": [150.0, 180.0, 600.0],
             "ratio": [1.5, 0.9, 2.0],

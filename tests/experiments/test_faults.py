@@ -636,12 +636,13 @@ def test_wandb_wait_is_bounded_and_leaves_no_process(tmp_path, monkeypatch, blac
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     before = _wandb_cores()
     c = cfg(*TINY_CELL, "planner=megatron", "logger=wandb", "logger.init_timeout_s=1")
-    results, per_layer, _ = run_module.compute(check_config(c))
+    spec = check_config(c)
+    results, per_layer, _ = run_module.compute(spec)
     from experiments.tracking.wandb_logger import log_run
 
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="W&B logging failed"):
-        assert not log_run(dict(c.logger), {}, results, per_layer, str(tmp_path))
+        assert not log_run(spec.logger, {}, results, per_layer, str(tmp_path))
     took = time.monotonic() - start
     assert took <= 1 + STEP_ALLOWANCE_S + 2, f"the W&B step took {took:.1f} s"
     deadline = time.monotonic() + 10
