@@ -36,6 +36,10 @@ SHOWN = 5
 """Differing cells printed per preset."""
 NOT_COMPARED = frozenset({"code_version", "trace"})
 """Result columns that say where or by what a cell was computed, not what it computed."""
+RENAMED_PER_LAYER = {"t_attention_s": "t_layer_attention_s"}
+"""Per-layer columns the suite renamed (old name -> new): an old store's column is compared under its new
+name, the values as exactly as any other column's (``t_layer_attention_s``: one layer's attention, named
+apart from the step's ``t_attention_s`` result column, commit 563ecf6)."""
 
 
 @dataclass
@@ -48,6 +52,8 @@ class PresetComparison:
     """(cell key, planner, differing columns) of each cell whose rows differ."""
     versions: tuple[set[str], set[str]] = field(default_factory=lambda: (set(), set()))
     """Code versions of the compared cells: (old store's, new store's)."""
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Per-layer columns compared under their new name (:data:`RENAMED_PER_LAYER`)."""
 
 
 def differing_columns(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
@@ -93,6 +99,10 @@ def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetCompari
         if (old_layers is None) != (new_layers is None):
             columns.append("<per-layer table>")
         elif old_layers is not None and new_layers is not None:
+            renamed = {o: n for o, n in RENAMED_PER_LAYER.items() if o in old_layers and n not in old_layers}
+            if renamed and all(n in new_layers and o not in new_layers for o, n in renamed.items()):
+                result.renamed.update(renamed)
+                old_layers = old_layers.rename(columns=renamed)
             columns += [f"per_layer.{c}" for c in differing_columns(old_layers, new_layers)]
         if columns:
             result.differing.append((key, str(new["planner"].iloc[0]), columns))
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         versions[0].update(result.versions[0])
         versions[1].update(result.versions[1])
         print(f"{preset}: {result.compared} cells compared, {len(result.differing)} differ")
+        for old, new in sorted(result.renamed.items()):
+            print(f"  per_layer.{old} of the old store compared as per_layer.{new} (renamed)")
         for key, planner, columns in result.differing[:SHOWN]:
             print(f"  {key} ({planner}): {', '.join(columns[:8])}")
     print(f"code versions: old {sorted(versions[0])}, new {sorted(versions[1])}")

@@ -21,7 +21,15 @@ sys.modules["identical_stores"] = identical_stores  # NOTE: its dataclasses look
 _spec.loader.exec_module(identical_stores)
 
 
-def _cell(root: Path, planner: str, step: float, version: str, plan_s: float, layer_t: float = 0.5) -> str:
+def _cell(
+    root: Path,
+    planner: str,
+    step: float,
+    version: str,
+    plan_s: float,
+    layer_t: float = 0.5,
+    attention: tuple[str, float] | None = None,
+) -> str:
     config = {"planner": {"name": planner}, "seed": 0}
     key = cell_key(config)
     rows = pd.DataFrame(
@@ -37,6 +45,8 @@ def _cell(root: Path, planner: str, step: float, version: str, plan_s: float, la
         }
     )
     per_layer = pd.DataFrame({"layer": [0, 1], "t_moe_s": [layer_t, 0.25], "plan_time_s": [plan_s, plan_s]})
+    if attention is not None:
+        per_layer[attention[0]] = [attention[1], 0.125]
     ResultsStore(root / "overall").write(key, rows, config, per_layer)
     return key
 
@@ -102,3 +112,15 @@ def test_the_trace_path_is_not_compared_and_an_unreadable_cell_differs_named(
     ResultsStore(tmp_path / "new" / "overall").per_layer_path(key).unlink()
     assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == 1
     assert f"{key} (?): <unreadable:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("new_value", "rc"), [(0.75, 0), (0.75 + 2.0**-40, 1)])
+def test_a_renamed_per_layer_column_is_compared_under_its_new_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], new_value: float, rc: int
+) -> None:
+    _cell(tmp_path / "old", "a", 1.25, "v", plan_s=1.0, attention=("t_attention_s", 0.75))
+    _cell(tmp_path / "new", "a", 1.25, "v", plan_s=1.0, attention=("t_layer_attention_s", new_value))
+    assert identical_stores.main([str(tmp_path / "old"), str(tmp_path / "new")]) == rc
+    out = capsys.readouterr().out
+    assert "per_layer.t_attention_s of the old store compared as per_layer.t_layer_attention_s" in out
+    assert ("per_layer.t_layer_attention_s" in out.split("(renamed)")[1]) == bool(rc), out
