@@ -15,7 +15,7 @@ from experiments.config.build import (
     load_counts,
     sim_options,
 )
-from experiments.config.defaults import CONF_DIR, load_option
+from experiments.config.resolvers import CONF_DIR, load_option
 from experiments.config.spec import build_spec
 from relibra.cluster import HardwareSpec, ModelSpec
 from relibra.simulator import SimResult, simulate

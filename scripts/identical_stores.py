@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.store.cell_files import CorruptCellError  # noqa: E402
-from experiments.store.keys import wall_clock_column  # noqa: E402
+from experiments.store.keys import cell_key, path_keyed, wall_clock_column  # noqa: E402
 from experiments.store.pair import parse_store_pair  # noqa: E402
 from experiments.store.results_store import ResultsStore  # noqa: E402
 
@@ -80,16 +80,34 @@ def differing_columns(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
     return out
 
 
+def current_keys(store: ResultsStore) -> dict[str, str]:
+    """Current key -> stored key of every finished cell of ``store``. A cell stored under an earlier rule of
+    the suite (:func:`experiments.store.keys.keyed_earlier`: its peer trace's folder in the key) is listed
+    under the key its config has now, so two stores written under different rules compare cell for cell; a
+    cell keyed by its trace's path, or one whose config cannot be read, keeps its own key."""
+    out: dict[str, str] = {}
+    for key in store.keys():
+        try:
+            config = store.config(key)
+        except (CorruptCellError, FileNotFoundError):
+            out[key] = key
+            continue
+        out[key if path_keyed(config) else cell_key(config)] = key
+    return out
+
+
 def compare_preset(old_root: Path, new_root: Path, preset: str) -> PresetComparison:
     """Every cell key that both stores of ``preset`` finished, its rows and its per-layer table compared by
     :func:`differing_columns` (per-layer columns named ``per_layer.<column>``)."""
     old_store, new_store = ResultsStore(old_root / preset), ResultsStore(new_root / preset)
     result = PresetComparison(preset)
-    for key in sorted(set(old_store.keys()) & set(new_store.keys())):
+    old_keys, new_keys = current_keys(old_store), current_keys(new_store)
+    for current in sorted(set(old_keys) & set(new_keys)):
+        key, old_key, new_key = current, old_keys[current], new_keys[current]
         result.compared += 1
         try:
-            old, new = old_store.read(key), new_store.read(key)
-            old_layers, new_layers = old_store.read_per_layer(key), new_store.read_per_layer(key)
+            old, new = old_store.read(old_key), new_store.read(new_key)
+            old_layers, new_layers = old_store.read_per_layer(old_key), new_store.read_per_layer(new_key)
         except CorruptCellError as err:
             result.differing.append((key, "?", [f"<unreadable: {err}>"]))
             continue

@@ -4,6 +4,6 @@ a preset's grid of cells), checking every key before any work, and building the 
 The package's place among the others: docs/architecture.md, "Where the code lives".
 """
 
-from experiments.config.defaults import register
+from experiments.config.resolvers import register
 
 register()  # NOTE: ${default:KEY} in the yaml resolves wherever a run config is composed

@@ -22,7 +22,7 @@ from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config.defaults import CONF_DIR
+from experiments.config.resolvers import CONF_DIR
 
 __all__ = ["CONF_DIR", "Cell", "cells", "compose_cell", "compose_cells", "expand", "presets"]
 

@@ -39,7 +39,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from experiments.config.defaults import RESOLVER, default_of
+from experiments.config.resolvers import RESOLVER, default_of
 
 __all__ = [
     "GRAMMAR_DOC",
@@ -105,7 +105,7 @@ DEFAULT_REF = re.compile(r"\$\{" + RESOLVER + r":([A-Za-z0-9_.]+)\}")
 
 def _kind(value: Any) -> str:
     """The kind of one yaml default (module docstring); ``${default:KEY}`` takes the kind of the code's
-    default it names (:mod:`experiments.config.defaults`)."""
+    default it names (:mod:`experiments.config.resolvers`)."""
     if isinstance(value, str) and (ref := DEFAULT_REF.fullmatch(value)):
         return _kind(default_of(ref.group(1)))
     if isinstance(value, Mapping):

@@ -32,7 +32,7 @@ every stage then reads).
 
 A default lives in one place: a field default below (or the library dataclass a node is), used where the
 composition does not hold the key, and named by the yaml where it does (``${default:KEY}``,
-:mod:`experiments.config.defaults`). A key without a default (a model's ``hidden``, the hardware's rates) is
+:mod:`experiments.config.resolvers`). A key without a default (a model's ``hidden``, the hardware's rates) is
 a required field: its value is the yaml's (docs/experiments.md, "The run spec").
 """
 

@@ -34,9 +34,10 @@ class GridReport:
     """Why the ``grid.json`` found was unreadable (empty: it was fine or absent); this run's grid replaced
     it, so cells it left out cannot be counted in ``left_out``."""
     rekeyed: int = 0
-    """Finished cells of the grid recorded before that were keyed by their trace file's path (the store's
-    format before cells that read a trace were keyed by its content): the grid wants them under their
-    content keys, so they are computed once more; the old files stay on disk."""
+    """Finished cells of the grid recorded before that were keyed by an earlier rule (their trace file's
+    path, before cells that read a trace were keyed by its content; a peer trace's folder, before it left
+    the key): the grid wants them under their current keys, so they are computed once more; the old files
+    stay on disk."""
 
 
 @dataclass(frozen=True)

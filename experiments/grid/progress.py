@@ -166,9 +166,9 @@ def summarise(console: Console, reports: list[GridReport], recompute_stale: bool
             )
         if rep.rekeyed:
             console.print(
-                f"  [yellow]{rep.rekeyed} finished cells were keyed by their trace file's path[/yellow] (the "
-                "store's format before cells were keyed by the trace's content): they are computed again "
-                "under content keys, once; the old files stay on disk and the analysis leaves them out",
+                f"  [yellow]{rep.rekeyed} finished cells were keyed by an earlier rule[/yellow] (their trace "
+                "file's path, or a peer trace's folder): they are computed again under the current keys, "
+                "once; the old files stay on disk and the analysis leaves them out",
                 soft_wrap=True,
             )
         for unreadable in rep.corrupt:

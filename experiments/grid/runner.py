@@ -32,7 +32,7 @@ from experiments.grid.jobs import CellJob, CellOutcome, GridReport
 from experiments.grid.progress import Bars, Lines, Tracker
 from experiments.store.access import stored_code_version
 from experiments.store.cell_files import CorruptCellError, GridFileError
-from experiments.store.keys import cell_key, path_keyed
+from experiments.store.keys import cell_key, keyed_earlier
 from experiments.store.results_store import ResultsStore
 from relibra.provenance import code_version, identifies_code
 
@@ -158,7 +158,7 @@ def plan_grid(
     before = store.write_grid(keys, extend=extend_grid)
     if not extend_grid:
         gone = sorted((before - keys) & set(store.keys()))
-        report.rekeyed = sum(_path_keyed(store, key) for key in gone)
+        report.rekeyed = sum(_keyed_earlier(store, key) for key in gone)
         report.left_out = len(gone) - report.rekeyed
     report.total = len(grid)
     jobs: list[CellJob] = []
@@ -251,11 +251,11 @@ def _check_grid(preset: str, configs: list[DictConfig]) -> list[RunSpec | str]:
     return checked
 
 
-def _path_keyed(store: ResultsStore, key: str) -> bool:
-    """Whether finished cell ``key`` was keyed by its trace file's path (by the suite before content
-    keys, :func:`experiments.store.keys.path_keyed`); False when its file cannot be read."""
+def _keyed_earlier(store: ResultsStore, key: str) -> bool:
+    """Whether finished cell ``key`` was keyed by an earlier rule of the suite (its trace file's path, its
+    peer trace folder: :func:`experiments.store.keys.keyed_earlier`); False when its file cannot be read."""
     try:
-        return path_keyed(store.config(key))
+        return keyed_earlier(store.config(key), key)
     except (FileNotFoundError, CorruptCellError):
         return False
 

@@ -5,8 +5,9 @@ keys that do not change the numbers (run directory, logger, results directory: :
 that reads a trace file is keyed by the file's content, not its path: its config holds the digest of the
 trace's arrays (``trace.content_sha256``, :mod:`experiments.store.trace_digest`) and the key leaves the path
 out, so a trace replaced at its path gets new cells and a store moved with its trace keeps its cells. Cells
-stored before content keys (their config holds the path, no digest: :func:`path_keyed`) still read as their
-own key. The store's layout and its guarantees: :mod:`experiments.store.results_store`.
+stored before content keys (their config holds the path, no digest: :func:`path_keyed`) or before the peer
+trace folder left the key still read as their own key (:func:`stored_keys`). The store's layout and its
+guarantees: :mod:`experiments.store.results_store`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,32 @@ __all__ = [
     "canonical_config",
     "cell_key",
     "keyed_config",
+    "keyed_earlier",
     "path_keyed",
+    "stored_keys",
     "wall_clock_column",
 ]
 
 IGNORED_KEYS: frozenset[str] = frozenset(
-    {"hydra", "logger", "results_dir", "run_dir", "output_dir", "experiment_name", "simulator.memory_check"}
+    {
+        "hydra",
+        "logger",
+        "results_dir",
+        "run_dir",
+        "output_dir",
+        "experiment_name",
+        "simulator.memory_check",
+        "peer.dir",
+    }
 )
-"""Dotted config paths left out of the cell key: they choose where and how results are written, or whether
-a run that does not fit in memory stops or warns (``simulator.memory_check``), not what they are."""
+"""Dotted config paths left out of the cell key: they choose where and how results are written (``peer.dir``:
+the folder a peer cell's trace file is written to, under the results root; the trace's content digest keys
+the cell), or whether a run that does not fit in memory stops or warns (``simulator.memory_check``), not
+what they are."""
+_BEFORE_PEER_DIR: frozenset[str] = IGNORED_KEYS - {"peer.dir"}
+"""The ignored paths before ``peer.dir`` joined them: a peer cell written then was keyed by its trace
+folder too, so a store moved with its traces lost its peer cells. Such a cell still reads as its own key
+(:func:`stored_keys`) and is computed again under the current key (:func:`keyed_earlier`)."""
 
 
 def wall_clock_column(column: str) -> bool:
@@ -129,9 +147,16 @@ def cell_key(config: Any, ignored: Iterable[str] = IGNORED_KEYS) -> str:
     return _hash(canonical_config(config, ignored))
 
 
-def _stored_key(config: Mapping[str, Any]) -> str:
-    """The key a cell's stored config was written under: :func:`cell_key`, or for a :func:`path_keyed`
-    config the key of the suite before content keys (its path in the hash), without reading the file."""
+def stored_keys(config: Mapping[str, Any]) -> frozenset[str]:
+    """The keys a cell's stored config may have been written under: :func:`cell_key`, and the keys of the
+    suite's earlier rules: the trace folder in the key (``peer.dir``, :data:`_BEFORE_PEER_DIR`) and, for a
+    :func:`path_keyed` config, the trace path in the key (before content keys; without reading the file)."""
     if path_keyed(config):
-        return _hash(_drop(config, IGNORED_KEYS))
-    return cell_key(config)
+        return frozenset(_hash(_drop(config, ignored)) for ignored in (IGNORED_KEYS, _BEFORE_PEER_DIR))
+    return frozenset({cell_key(config), cell_key(config, _BEFORE_PEER_DIR)})
+
+
+def keyed_earlier(config: Mapping[str, Any], key: str) -> bool:
+    """Whether a finished cell stored under ``key`` with ``config`` was keyed by an earlier rule of the
+    suite (:func:`stored_keys`), so that a grid computes it again under its current key."""
+    return path_keyed(config) or key != cell_key(config)

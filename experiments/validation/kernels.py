@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from experiments.config.defaults import load_option
+from experiments.config.resolvers import load_option
 from experiments.validation.data_files import DATA_DIR
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec
 from relibra.cost.fabric import deepep_link_tokens

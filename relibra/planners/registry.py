@@ -3,7 +3,8 @@ and the information it plans from are declared.
 
 Everything that lists planners reads :data:`CARDS`: the generated config nodes (``experiments/
 planner_nodes.py``), the analysis' labels, colours and figure order (``analysis/paper.py``,
-``analysis/figures.py``), the planner table of the README (``python -m analysis --write-docs``), and the
+``analysis/figures.py``), the planner table of the README (``python -m analysis --write-docs``), the presets'
+planner sweeps (``${planners:GRID}``: the cards whose ``grids`` name the preset, :func:`in_grid`), and the
 tests that hold the planner yamls and the presets' sweeps to it (``tests/planners/test_registry.py``,
 ``tests/experiments/test_registry_configs.py``). Adding a planner is its module, one card here, its yaml and
 its tests: docs/adding-a-planner.md.
@@ -28,6 +29,7 @@ __all__ = [
     "card",
     "colours",
     "figure_order",
+    "in_grid",
     "label",
     "labels",
     "names",
@@ -79,6 +81,9 @@ class PlannerCard:
     baseline's dataclass: its yaml is ``defaults: [base/<name>@_here_, _self_]``)."""
     variant_of: str | None = None
     """The card whose yaml this one's extends with the keys that differ (``defaults: [<base>, _self_]``)."""
+    grids: tuple[str, ...] = ()
+    """The preset grids that compare this planner (``experiments/conf/experiment/<grid>.yaml``, whose
+    planner sweep is ``${planners:<grid>}``: :func:`in_grid`); a preset's quick version sweeps its own."""
 
     def __post_init__(self) -> None:
         if self.family not in get_args(Family):
@@ -90,6 +95,10 @@ class PlannerCard:
             raise ValueError(
                 f"planner card {self.name}: information={self.information!r}; expected one or more of "
                 f"{sorted(INFORMATION)}"
+            )
+        if any(not isinstance(g, str) or not g for g in self.grids) or len(set(self.grids)) < len(self.grids):
+            raise ValueError(
+                f"planner card {self.name}: grids={self.grids!r}; expected distinct preset names"
             )
         if self.node and self.variant_of is not None:
             raise ValueError(
@@ -116,6 +125,19 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings=_MEGATRON,
         information=("none",),
+        grids=(
+            "ablation",
+            "comm_sensitivity",
+            "comm_sensitivity_overall",
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+            "quick_peer",
+            "real_trace",
+            "whole_step_shift",
+        ),
         colour=("colorblind", 7),
         node=True,
     ),
@@ -134,6 +156,12 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings="baselines.popfetcher.PopFetcherPlanner",
         information=("history", "routed_microbatch"),
+        grids=(
+            "comm_sensitivity_overall",
+            "overall",
+            "peer",
+            "real_trace",
+        ),
         colour=("colorblind", 5),
         node=True,
     ),
@@ -143,6 +171,14 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings=_EPLB,
         information=("oracle_batch",),
+        grids=(
+            "comm_sensitivity_overall",
+            "overall",
+            "peer",
+            "quick_peer",
+            "real_trace",
+            "whole_step_shift",
+        ),
         colour=("colorblind", 8),
         node=True,
     ),
@@ -152,6 +188,12 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings="baselines.lplb.LplbPlanner",
         information=("oracle_batch", "oracle_microbatch"),
+        grids=(
+            "comm_sensitivity_overall",
+            "overall",
+            "peer",
+            "real_trace",
+        ),
         colour=("dark", 8),
         node=True,
     ),
@@ -161,6 +203,14 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="online",
         settings="baselines.llep.LlepPlanner",
         information=("routed_microbatch",),
+        grids=(
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+            "whole_step_shift",
+        ),
         colour=("colorblind", 2),
         node=True,
     ),
@@ -170,6 +220,14 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="online",
         settings=_ULTRAEP,
         information=("routed_microbatch",),
+        grids=(
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+            "whole_step_shift",
+        ),
         colour=("colorblind", 9),
         node=True,
     ),
@@ -179,6 +237,13 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="online",
         settings="baselines.moonep.MoonEPPlanner",
         information=("routed_microbatch",),
+        grids=(
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+        ),
         colour=("dark", 2),
         node=True,
     ),
@@ -188,6 +253,11 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="online",
         settings="baselines.echo.EchoPlanner",
         information=("routed_microbatch",),
+        grids=(
+            "nvl72",
+            "overall",
+            "peer",
+        ),
         colour=("pastel", 2),
         node=True,
     ),
@@ -197,6 +267,7 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings=_REORDER_ONLY,
         information=("oracle_batch",),
+        grids=("ablation",),
         colour=("pastel", 4),
         variant_of="relibra_reorder_only",
     ),
@@ -206,6 +277,7 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings=_REORDER_ONLY,
         information=("oracle_batch",),
+        grids=("ablation",),
         colour=("colorblind", 4),
     ),
     PlannerCard(
@@ -214,6 +286,16 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings=_REPLICATE_ONLY,
         information=("oracle_microbatch",),
+        grids=(
+            "comm_sensitivity",
+            "comm_sensitivity_overall",
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+            "real_trace",
+        ),
         colour=("pastel", 0),
     ),
     PlannerCard(
@@ -222,6 +304,19 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings=_RELIBRA,
         information=("oracle_batch", "oracle_microbatch"),
+        grids=(
+            "ablation",
+            "comm_sensitivity",
+            "comm_sensitivity_overall",
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "overhead",
+            "peer",
+            "real_trace",
+            "whole_step_shift",
+        ),
         colour=("colorblind", 0),
     ),
     PlannerCard(
@@ -230,6 +325,10 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings=_RELIBRA,
         information=("oracle_batch", "oracle_microbatch"),
+        grids=(
+            "datasets",
+            "ep_scaling",
+        ),
         colour=("colorblind", 6),
         variant_of="relibra",
     ),
@@ -239,6 +338,18 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings="relibra.planners.portfolio.portfolio",
         information=("oracle_batch", "oracle_microbatch", "history", "previous"),
+        grids=(
+            "ablation",
+            "comm_sensitivity",
+            "comm_sensitivity_overall",
+            "datasets",
+            "ep_scaling",
+            "overall",
+            "overhead",
+            "peer",
+            "quick_peer",
+            "real_trace",
+        ),
         colour=("dark", 0),
     ),
     PlannerCard(
@@ -247,6 +358,13 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="replay",
         settings="baselines.foremoe.ForeMoEPlanner",
         information=("oracle_microbatch",),
+        grids=(
+            "datasets",
+            "ep_scaling",
+            "nvl72",
+            "overall",
+            "peer",
+        ),
         colour=("colorblind", 3),
         node=True,
     ),
@@ -265,6 +383,14 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="bound",
         settings="baselines.force_balanced.force_balanced",
         information=("none",),
+        grids=(
+            "nvl72",
+            "overall",
+            "peer",
+            "quick_peer",
+            "real_trace",
+            "whole_step_shift",
+        ),
         colour=("dark", 7),
     ),
     PlannerCard(
@@ -273,6 +399,14 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="bound",
         settings="baselines.balanced.BalancedBound",
         information=("oracle_microbatch",),
+        grids=(
+            "comm_sensitivity",
+            "comm_sensitivity_overall",
+            "nvl72",
+            "overall",
+            "peer",
+            "real_trace",
+        ),
         colour=("colorblind", 1),
         node=True,
     ),
@@ -290,6 +424,7 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings=_EPLB,
         information=("history",),
+        grids=("peer",),
         variant_of="eplb",
     ),
     PlannerCard(
@@ -298,6 +433,7 @@ CARDS: Final[tuple[PlannerCard, ...]] = (
         family="static",
         settings="baselines.eplb_periodic.EplbPeriodicPlanner",
         information=("history", "previous"),
+        grids=("peer",),
         node=True,
     ),
     PlannerCard(
@@ -372,3 +508,13 @@ def colours() -> dict[str, tuple[str, int]]:
 def figure_order() -> list[str]:
     """The order planners are drawn in: the coloured cards in registry order."""
     return [c.name for c in CARDS if c.colour is not None]
+
+
+def in_grid(grid: str) -> tuple[str, ...]:
+    """The planners preset ``grid`` compares (the cards whose ``grids`` name it), in registry order; a grid
+    no card names is refused."""
+    found = tuple(c.name for c in CARDS if grid in c.grids)
+    if not found:
+        known = sorted({g for c in CARDS for g in c.grids})
+        raise KeyError(f"no planner card names the grid {grid!r}; grids the cards name: {', '.join(known)}")
+    return found

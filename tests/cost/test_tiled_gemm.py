@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from experiments.config.defaults import load_option
+from experiments.config.resolvers import load_option
 from relibra.cluster import ClusterSpec, HardwareSpec, ModelSpec, grouped_gemm_problems
 from relibra.cost.grouped_gemm import TiledGemm
 from relibra.cost.model import CostModel

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config.defaults import CONF_DIR, default_of, load_option
+from experiments.config.resolvers import CONF_DIR, default_of, load_option
 from relibra.cluster import ClusterSpec, HardwareSpec
 from relibra.cost.step import TrainingSpec
 from relibra.parallel import ParallelDims

@@ -12,8 +12,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from experiments.config.planner_nodes import NODES
+from experiments.config.resolvers import planners_of
 from relibra.planners.protocols import history_need
-from relibra.planners.registry import CARDS, PlannerCard, card
+from relibra.planners.registry import CARDS, PlannerCard, card, in_grid
 
 CONF = Path(__file__).resolve().parents[2] / "experiments" / "conf"
 
@@ -42,18 +43,35 @@ def test_each_yaml_extends_what_its_card_says(planner: PlannerCard) -> None:
         assert defaults == [planner.variant_of, "_self_"]
 
 
-def test_every_preset_sweeps_registered_planners_only() -> None:
-    named = []
+def test_every_preset_sweeps_the_planners_its_cards_name() -> None:
+    """A preset's planner sweep is ``${planners:<preset>}``, read from the cards (registry order); every grid
+    a card names is such a preset; a planner a preset's defaults choose has a card."""
+    swept, chosen = {}, []
     for path in sorted((CONF / "experiment").glob("*.yaml")):
         doc = _yaml(path)
         sweep = (((doc.get("hydra") or {}).get("sweeper") or {}).get("params") or {}).get("planner")
-        named += [(path.stem, p.strip()) for p in str(sweep).split(",")] if sweep else []
-        named += [
-            (path.stem, d["override /planner"]) for d in doc.get("defaults", []) if "override /planner" in d
-        ]
-    assert len({preset for preset, _ in named}) >= 10
-    registered = {c.name for c in CARDS}
-    assert [(preset, p) for preset, p in named if p not in registered] == []
+        if sweep is not None:
+            swept[path.stem] = sweep
+        chosen += [d["override /planner"] for d in doc.get("defaults", []) if "override /planner" in d]
+    assert len(swept) >= 10
+    assert {stem: sweep for stem, sweep in swept.items() if sweep != f"${{planners:{stem}}}"} == {}
+    assert sorted({g for c in CARDS for g in c.grids}) == sorted(swept)
+    for grid in swept:
+        assert planners_of(grid).split(",") == [c.name for c in CARDS if grid in c.grids], grid
+    assert [p for p in chosen if p not in {c.name for c in CARDS}] == []
+
+
+def test_a_grid_no_card_names_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"\$\{planners:nope\}: no planner card names the grid 'nope'"):
+        planners_of("nope")
+    with pytest.raises(ValueError, match="expected distinct preset names"):
+        PlannerCard("x", "x", "static", "a.B", ("none",), grids=("overall", "overall"))
+
+
+def test_the_overall_sweep_resolves_in_a_composed_preset() -> None:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        conf = compose("config", overrides=["+experiment=quick_overall"], return_hydra_config=True)
+    assert conf.hydra.sweeper.params.planner == ",".join(in_grid("overall"))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,15 @@ import experiments.store.cell_files as store_module
 from experiments.config.spec import RunSpec
 from experiments.grid.runner import plan_grid
 from experiments.run import run
-from experiments.store.keys import IGNORED_KEYS, TRACE_DIGEST, _drop, cell_key, path_keyed
+from experiments.store.keys import (
+    IGNORED_KEYS,
+    TRACE_DIGEST,
+    _drop,
+    cell_key,
+    keyed_earlier,
+    path_keyed,
+    stored_keys,
+)
 from experiments.store.results_store import ResultsStore
 from experiments.store.trace_digest import TraceDigestError, trace_digest
 from relibra.trace.format import RoutingTrace, save_trace
@@ -170,3 +178,46 @@ def test_a_trace_path_that_is_no_regular_file_is_refused_not_read(tmp_path: Path
     for path in (fifo, Path("/dev/zero")):
         with pytest.raises(TraceDigestError, match="not a regular file"):
             trace_digest(path)
+
+
+def _peer_config(trace: Path, folder: str) -> dict:
+    return {**CONFIG, "trace": {"path": str(trace)}, "peer": {"workload": "W0_balanced", "dir": folder}}
+
+
+def test_a_peer_cell_keeps_its_key_when_its_trace_folder_moves(tmp_path: Path) -> None:
+    """``peer.dir`` says where the peer trace is written (under the results root), not what the cell is:
+    a store moved with its traces keeps its peer cells."""
+    trace = _trace(tmp_path / "t.npz", hot=False)
+    moved = tmp_path / "moved.npz"
+    shutil.copy(trace, moved)
+    assert cell_key(_peer_config(trace, str(tmp_path / "a"))) == cell_key(_peer_config(moved, "/elsewhere/b"))
+    other = {**_peer_config(trace, "x"), "peer": {"workload": "W1_skewed", "dir": "x"}}
+    assert cell_key(other) != cell_key(_peer_config(trace, "x"))
+
+
+def test_a_peer_cell_keyed_with_its_folder_by_older_code_reads_as_its_own_and_is_redone(
+    tmp_path: Path,
+) -> None:
+    """A peer cell written when ``peer.dir`` was in the key verifies under that key (not corrupt) and is
+    known as keyed by an earlier rule; a cell written now is not."""
+    trace = _trace(tmp_path / "t.npz", hot=False)
+    config = _peer_config(trace, str(tmp_path / "traces"))
+    store = ResultsStore(tmp_path / "s")
+    new_key = cell_key(config)
+    store.write(new_key, ROWS, config)
+    stored = store.config(new_key)
+    old_key = next(iter(stored_keys(stored) - {new_key}))
+    meta = {
+        store_module._KEY_META: old_key.encode(),
+        store_module._CONFIG_META: json.dumps(stored, sort_keys=True, default=str).encode(),
+        store_module._CHECKSUM_META: store_module.content_checksum(ROWS).encode(),
+    }
+    store_module.atomic_write_parquet(ROWS, store.cell_path(old_key), meta)
+    pd.testing.assert_frame_equal(store.read(old_key), ROWS)
+    assert keyed_earlier(store.config(old_key), old_key)
+    assert not keyed_earlier(stored, new_key)
+    with pytest.raises(store_module.CorruptCellError, match="does not hash to its key"):
+        store_module.atomic_write_parquet(
+            ROWS, store.cell_path("0" * 16), {**meta, store_module._KEY_META: b"0" * 16}
+        )
+        store.read("0" * 16)
