@@ -25,6 +25,12 @@ cells each computed, and the ratios. Each tree's numba cache is warmed first (no
 one, many, many, one; prints wall seconds per run, the mean and the ratio, and checks that every run plans
 the same jobs (cells and keys). Nothing is computed.
 
+``--compose --against REF``: only composing, checking and keying every cell of the comma-separated
+presets (``compose_cells``, ``build_spec``, ``cell_key``: what each cell pays before any work), in a
+process of its own for ``REF``'s tree and for the working tree, order old, new, new, old; prints CPU
+seconds per run, ms per cell and the ratio, and checks both trees key the same cells alike. Nothing is
+computed.
+
 Every run must store the same rows, cell for cell (checked on the deterministic result columns).
 Extra arguments are Hydra overrides for every cell (e.g. ``model=qwen3-30b-a3b trace.preset=mixed``).
 """
@@ -32,6 +38,7 @@ Extra arguments are Hydra overrides for every cell (e.g. ``model=qwen3-30b-a3b t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -210,6 +217,52 @@ def _against(args: argparse.Namespace) -> None:
         )
 
 
+_COMPOSE = """
+import json, sys, time
+from experiments.config.presets import cells, compose_cells
+from experiments.config.spec import build_spec
+from experiments.store.keys import cell_key
+keys, start = [], time.process_time()
+for preset in sys.argv[1].split(","):
+    grid = [[*c, f"results_dir=/nonexistent/{preset}"] for c in cells(preset)]
+    keys += [cell_key(build_spec(composed).composed) for composed in compose_cells(preset, grid)]
+print(json.dumps({"cpu_s": time.process_time() - start, "keys": keys}))
+"""
+"""Composes, checks and keys every cell of the presets given in argv[1] (CPU seconds after the imports)."""
+
+
+def _compose(args: argparse.Namespace) -> None:
+    if args.against is None:
+        raise SystemExit("--compose compares two trees: give --against REF")
+    presets = ",".join(p for p in args.preset.split(",") if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"old": _export(args.against, Path(tmp) / "old"), "new": REPO}
+        runs: dict[str, list[dict]] = {"old": [], "new": []}
+        for name in ("old", "new", "new", "old"):
+            env = {**os.environ, "PYTHONPATH": str(trees[name])}
+            done = subprocess.run(
+                [sys.executable, "-c", _COMPOSE, presets], cwd=trees[name], env=env, check=True,
+                capture_output=True, text=True,
+            )  # fmt: skip
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if sorted(runs["old"][0]["keys"]) != sorted(runs["new"][0]["keys"]):  # NOTE: the sweep order may differ
+        raise SystemExit("the two trees key the cells differently")
+    cells_n = len(runs["new"][0]["keys"])
+    title = f"composing, checking and keying {presets}: {cells_n} cells, {args.against} against the working "
+    table = Table(title=title + "tree (CPU s of one process, imports excluded); both key the cells alike")
+    for column in ("code", "CPU s (each run)", "ms per cell", "CPU ratio"):
+        table.add_column(column, justify="right")
+    mean = {n: sum(r["cpu_s"] for r in runs[n]) / len(runs[n]) for n in runs}
+    for name in ("old", "new"):
+        table.add_row(
+            f"{args.against} (old)" if name == "old" else "working tree (new)",
+            ", ".join(f"{r['cpu_s']:.1f}" for r in runs[name]),
+            f"{1000 * mean[name] / cells_n:.1f}",
+            f"{mean[name] / mean['old']:.2f}",
+        )
+    Console(width=160).print(table)
+
+
 def _in_order(
     runs: dict[str, list[tuple[float, float, str]]], order: list[str]
 ) -> list[tuple[float, float, str]]:
@@ -235,8 +288,14 @@ def main() -> None:
         "--log", type=Path, default=None, help="with --against: write every run's output here"
     )
     parser.add_argument("--planning", action="store_true", help="time only the grid planning (plan_grids)")
+    parser.add_argument(
+        "--compose", action="store_true", help="with --against: time composing, checking and keying cells"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.compose:
+        _compose(args)
+        return
     if args.planning:
         _planning(args)
     elif args.against is None:
