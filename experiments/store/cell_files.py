@@ -31,7 +31,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from experiments.store.keys import stored_keys
+from experiments.store.keys import stored_under
 from relibra.atomic import atomic_write
 
 __all__ = ["CorruptCellError", "GridFileError", "atomic_write_parquet", "content_checksum"]
@@ -142,7 +142,7 @@ def _verified_with_config(
             config = json.loads(meta[_CONFIG_META])
         except (KeyError, ValueError) as err:
             raise CorruptCellError(path, f"its stored config is missing or not JSON ({err})") from err
-        if not isinstance(config, dict) or key not in stored_keys(config):
+        if not isinstance(config, dict) or not stored_under(config, key):
             raise CorruptCellError(path, f"its stored config does not hash to its key {key}")
         return frame, config
     return frame, {}

@@ -26,6 +26,7 @@ __all__ = [
     "keyed_earlier",
     "path_keyed",
     "stored_keys",
+    "stored_under",
     "wall_clock_column",
 ]
 
@@ -154,6 +155,14 @@ def stored_keys(config: Mapping[str, Any]) -> frozenset[str]:
     if path_keyed(config):
         return frozenset(_hash(_drop(config, ignored)) for ignored in (IGNORED_KEYS, _BEFORE_PEER_DIR))
     return frozenset({cell_key(config), cell_key(config, _BEFORE_PEER_DIR)})
+
+
+def stored_under(config: Mapping[str, Any], key: str) -> bool:
+    """Whether ``key`` is one of :func:`stored_keys` of ``config``, the current key tried first (one hash
+    for a cell written now: every verified read calls this)."""
+    if not path_keyed(config) and key == cell_key(config):
+        return True
+    return key in stored_keys(config)
 
 
 def keyed_earlier(config: Mapping[str, Any], key: str) -> bool:
